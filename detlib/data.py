@@ -1,0 +1,261 @@
+"""COCO-format detection data set and the batch collate function.
+
+Annotations are read with pycocotools. On load, each annotation's COCO xywh box becomes xyxy pixels
+(the one conversion on the way in), is clipped to the image, and is dropped with a logged count and the
+annotation ids when it is degenerate: width or height <= `min_box_size` px after clipping, which also
+covers boxes entirely outside the image and negative sizes (case B02, B03). Category ids become
+contiguous labels through `CategoryMap` (case B07).
+
+Crowd annotations (`iscrowd=1`) are excluded from the training targets by default and returned as
+`crowd_boxes` instead: the loss ignores anchors inside them (`detlib.matching`). With
+`include_crowd=True` they are ordinary targets.
+
+Images without annotations are kept: they are valid all-background samples (case B01). An image file
+that is missing or empty is found when the data set is built and left out with a logged count; one that
+fails to decode later is, in training, replaced by the next image (logged), and in evaluation returned
+with `valid=False` so the evaluator leaves it out of AP and says so (never a silent wrong AP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import os
+from typing import Callable
+
+import numpy as np
+import torch
+from torchvision.transforms.v2 import functional as F
+
+from .anchors import INPUT_DIVISIBILITY
+from .images import IMAGE_ERRORS, load_rgb
+from .labels import PAD_LABEL, CategoryMap
+from .transforms import make_sample
+
+logger = logging.getLogger(__name__)
+
+# Padding colour of the batch: the ImageNet mean, so padded pixels are ~0 after normalisation.
+PAD_VALUE = (124, 116, 104)
+# Inputs are padded to a multiple of the backbone's output stride (see detlib.anchors).
+SIZE_DIVISIBILITY = INPUT_DIVISIBILITY
+
+
+def load_coco_api(annotation_file: str):
+    """pycocotools COCO for a json file, quietly, with a clear error for a missing or broken file.
+
+    Raises:
+        FileNotFoundError: naming the path.
+        ValueError: if the file is not COCO-format json.
+    """
+    from pycocotools.coco import COCO
+
+    if not os.path.isfile(annotation_file):
+        raise FileNotFoundError(f"annotation file not found: {annotation_file}")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            coco = COCO(annotation_file)
+    except Exception as e:
+        raise ValueError(f"cannot read COCO annotations from {annotation_file}: {type(e).__name__}: {e}") from e
+    for key in ("images", "annotations", "categories"):
+        if key not in coco.dataset:
+            raise ValueError(f"{annotation_file} is not COCO-format: it has no '{key}' list")
+    # pycocotools >= 2.0.9 copies these in loadRes(); json files made by hand often lack them (case B11).
+    coco.dataset.setdefault("info", {})
+    coco.dataset.setdefault("licenses", [])
+    return coco
+
+
+class CocoDetection(torch.utils.data.Dataset):
+    """A COCO-format detection data set.
+
+    Args:
+        image_dir: folder holding the images named by each image's `file_name`.
+        annotation_file: COCO instances json.
+        transform: a callable on a sample dict (see `detlib.transforms`), e.g. `build_transform(...)`.
+        include_crowd: use crowd annotations as ordinary targets instead of ignore regions.
+        min_box_size: boxes with width or height <= this many pixels (after clipping) are dropped.
+        train: on a decode failure, substitute the next image (training) instead of returning an invalid
+            sample (evaluation).
+        category_map: use this mapping instead of building one from the file (val must share train's).
+    Item: dict with
+        image: [3, h, w] uint8 RGB, after the transform
+        boxes: [N, 4] float32 xyxy pixels of the transformed image;  labels: [N] int64 in 0..K-1
+        crowd_boxes: [C, 4] float32 xyxy pixels (empty when `include_crowd`)
+        image_id: int, the json's image id;  orig_size: (H, W) of the file;  scale: (sy, sx) resized / original
+        valid: bool, False when the image could not be decoded (evaluation only)
+    Raises:
+        FileNotFoundError: the annotation file or the image folder does not exist (names the path).
+        ValueError: the json is not COCO-format, or has no categories.
+    """
+
+    def __init__(
+        self,
+        image_dir: str,
+        annotation_file: str,
+        transform: Callable | None = None,
+        include_crowd: bool = False,
+        min_box_size: float = 1.0,
+        train: bool = True,
+        category_map: CategoryMap | None = None,
+    ):
+        if not os.path.isdir(image_dir):
+            raise FileNotFoundError(f"image folder not found: {image_dir}")
+        self.coco = load_coco_api(annotation_file)
+        self.image_dir = image_dir
+        self.transform = transform
+        self.train = train
+        cats = self.coco.dataset["categories"]
+        if not cats:
+            raise ValueError(f"{annotation_file} has no categories")
+        self.category_map = category_map or CategoryMap([c["id"] for c in cats], [c.get("name", c["id"]) for c in cats])
+
+        self.records: list[dict] = []
+        dropped: list[int] = []
+        unknown_category: list[int] = []
+        missing: list[str] = []
+        for img in sorted(self.coco.dataset["images"], key=lambda im: im["id"]):
+            path = os.path.join(image_dir, img["file_name"])
+            try:
+                if os.path.getsize(path) == 0:
+                    missing.append(f"{path} (empty file)")
+                    continue
+            except OSError:
+                missing.append(f"{path} (missing)")
+                continue
+            H, W = int(img["height"]), int(img["width"])
+            boxes, labels, crowd = [], [], []
+            for ann in self.coco.imgToAnns.get(img["id"], []):
+                x, y, w, h = (float(v) for v in ann["bbox"])
+                # COCO xywh -> xyxy, clipped to the image.
+                x1, y1 = min(max(x, 0.0), W), min(max(y, 0.0), H)
+                x2, y2 = min(max(x + w, 0.0), W), min(max(y + h, 0.0), H)
+                if not all(map(math.isfinite, (x, y, w, h))) or x2 - x1 <= min_box_size or y2 - y1 <= min_box_size:
+                    dropped.append(ann.get("id", -1))
+                    continue
+                try:
+                    label = self.category_map.to_label(ann["category_id"])
+                except KeyError:
+                    unknown_category.append(ann.get("id", -1))
+                    continue
+                boxes.append((x1, y1, x2, y2))
+                labels.append(label)
+                crowd.append(bool(ann.get("iscrowd", 0)) and not include_crowd)
+            self.records.append({
+                "id": int(img["id"]), "path": path, "size": (H, W),
+                "boxes": np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
+                "labels": np.asarray(labels, dtype=np.int64),
+                "iscrowd": np.asarray(crowd, dtype=bool),
+            })
+        if dropped:
+            logger.warning("%s: dropped %d degenerate boxes (w or h <= %g px after clipping to the image, "
+                           "or outside it); annotation ids %s%s", annotation_file, len(dropped), min_box_size,
+                           dropped[:10], " ..." if len(dropped) > 10 else "")
+        if unknown_category:
+            logger.warning("%s: dropped %d annotations whose category_id is not in 'categories'; ids %s",
+                           annotation_file, len(unknown_category), unknown_category[:10])
+        if missing:
+            logger.warning("%s: left out %d images whose file is missing or empty, e.g. %s",
+                           annotation_file, len(missing), missing[:5])
+        self.num_dropped_boxes = len(dropped)
+        self.missing_images = missing
+        if not self.records:
+            raise ValueError(f"no usable image in {annotation_file} (image folder {image_dir})")
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.category_map)
+
+    def num_target_boxes(self) -> int:
+        """Number of non-crowd boxes over the whole data set (0 means nothing to learn from)."""
+        return int(sum((~r["iscrowd"]).sum() for r in self.records))
+
+    def _load(self, index: int) -> dict:
+        rec = self.records[index]
+        pil, truncated = load_rgb(rec["path"])
+        if truncated:
+            logger.warning("image %s is truncated; its missing part is decoded as grey", rec["path"])
+        image = F.pil_to_tensor(pil)
+        if tuple(image.shape[-2:]) != rec["size"]:
+            # The json's size is what boxes refer to; a file of another size is resized to it.
+            logger.warning("image %s is %dx%d but the json says %dx%d; resized to the json's size",
+                           rec["path"], image.shape[-1], image.shape[-2], rec["size"][1], rec["size"][0])
+            image = F.resize(image, list(rec["size"]), antialias=True)
+        sample = make_sample(image, torch.from_numpy(rec["boxes"]), torch.from_numpy(rec["labels"]),
+                             torch.from_numpy(rec["iscrowd"]))
+        if self.transform is not None:
+            sample = self.transform(sample)
+        crowd = sample["iscrowd"]
+        boxes = sample["boxes"].as_subclass(torch.Tensor)
+        return {
+            "image": sample["image"].as_subclass(torch.Tensor),
+            "boxes": boxes[~crowd].reshape(-1, 4).float(),
+            "labels": sample["labels"][~crowd].reshape(-1),
+            "crowd_boxes": boxes[crowd].reshape(-1, 4).float(),
+            "image_id": rec["id"],
+            "orig_size": rec["size"],
+            "scale": sample.get("scale", (1.0, 1.0)),
+            "valid": True,
+        }
+
+    def __getitem__(self, index: int) -> dict:
+        for attempt in range(min(10, len(self))):
+            i = (index + attempt) % len(self)
+            try:
+                return self._load(i)
+            except IMAGE_ERRORS as e:
+                logger.warning("skipping unreadable image: %s", e)
+                if not self.train:
+                    rec = self.records[i]
+                    return {"image": torch.zeros((3, 8, 8), dtype=torch.uint8), "boxes": torch.zeros((0, 4)),
+                            "labels": torch.zeros((0,), dtype=torch.int64), "crowd_boxes": torch.zeros((0, 4)),
+                            "image_id": rec["id"], "orig_size": rec["size"], "scale": (1.0, 1.0), "valid": False}
+        raise RuntimeError(f"10 images in a row starting at index {index} could not be read; see the warnings above")
+
+
+def _pad_boxes(items: list[torch.Tensor], fill: float) -> torch.Tensor:
+    n = max(1, max(t.shape[0] for t in items))  # at least one slot so gather() works on an empty batch
+    out = torch.full((len(items), n) + tuple(items[0].shape[1:]), fill, dtype=items[0].dtype)
+    for i, t in enumerate(items):
+        out[i, : t.shape[0]] = t
+    return out
+
+
+def collate_detection(samples: list[dict], size_divisibility: int = SIZE_DIVISIBILITY) -> dict[str, torch.Tensor]:
+    """Stack samples into a padded batch of tensors (all on the same device after `accelerator.prepare`).
+
+    Returns a dict of
+        images: [B, 3, Hp, Wp] uint8, padded at bottom/right with `PAD_VALUE` to a multiple of `size_divisibility`
+        boxes: [B, M, 4] float32 xyxy (zeros in padding slots);  labels: [B, M] int64 (`PAD_LABEL` in padding)
+        crowd_boxes: [B, C, 4] float32 xyxy, zero boxes as padding (C may be 0)
+        image_ids: [B] int64;  image_sizes: [B, 2] (h, w) before padding;  orig_sizes: [B, 2] (H, W) of the files
+        scales: [B, 2] float32 (sy, sx);  valid: [B] bool
+    """
+    B = len(samples)
+    hs = [s["image"].shape[1] for s in samples]
+    ws = [s["image"].shape[2] for s in samples]
+    Hp = int(math.ceil(max(hs) / size_divisibility) * size_divisibility)
+    Wp = int(math.ceil(max(ws) / size_divisibility) * size_divisibility)
+    images = torch.tensor(PAD_VALUE, dtype=torch.uint8).view(1, 3, 1, 1).repeat(B, 1, Hp, Wp)
+    for i, s in enumerate(samples):
+        images[i, :, : hs[i], : ws[i]] = s["image"]
+    crowd = [s["crowd_boxes"] for s in samples]
+    C = max(t.shape[0] for t in crowd)
+    crowd_boxes = torch.zeros((B, C, 4), dtype=torch.float32)
+    for i, t in enumerate(crowd):
+        crowd_boxes[i, : t.shape[0]] = t
+    return {
+        "images": images,
+        "boxes": _pad_boxes([s["boxes"].float() for s in samples], 0.0),
+        "labels": _pad_boxes([s["labels"].long() for s in samples], PAD_LABEL),
+        "crowd_boxes": crowd_boxes,
+        "image_ids": torch.tensor([s["image_id"] for s in samples], dtype=torch.int64),
+        "image_sizes": torch.tensor([[h, w] for h, w in zip(hs, ws)], dtype=torch.int64),
+        "orig_sizes": torch.tensor([list(s["orig_size"]) for s in samples], dtype=torch.int64),
+        "scales": torch.tensor([list(s["scale"]) for s in samples], dtype=torch.float32),
+        "valid": torch.tensor([bool(s["valid"]) for s in samples]),
+    }

@@ -1,0 +1,103 @@
+"""RetinaNet training loss: sigmoid focal loss plus a box regression loss, over a padded batch.
+
+Focal loss: Lin et al., "Focal Loss for Dense Object Detection", eq. 5,
+    FL(p_t) = -alpha_t (1 - p_t)^gamma log(p_t),  alpha = 0.25, gamma = 2,
+summed over all non-ignored anchors and all K classes, divided by the number of positive anchors
+(section 3.3: "normalized by the number of anchors assigned to a ground-truth box"), at least 1 so an
+image without objects gives a finite loss. Computed by `torchvision.ops.sigmoid_focal_loss` from logits
+(the BCE-with-logits form, stable where sigmoid saturates) in float32, also under fp16/bf16 autocast.
+
+Box loss on positive anchors only, on the encoded deltas of `detlib.box_coder` (L1 as torchvision,
+smooth L1 as Detectron) or GIoU on decoded boxes; same normaliser. With no positive anchor it is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torchvision.ops import generalized_box_iou_loss, sigmoid_focal_loss
+
+from . import box_coder
+from .labels import IGNORE
+from .matching import DEFAULT_MAX_ELEMENTS, match_anchors
+
+BOX_LOSSES = ("l1", "smooth_l1", "giou")
+
+
+def retinanet_loss(
+    cls_logits: torch.Tensor,
+    box_deltas: torch.Tensor,
+    anchors: torch.Tensor,
+    gt_boxes: torch.Tensor,
+    gt_labels: torch.Tensor,
+    crowd_boxes: torch.Tensor | None = None,
+    *,
+    alpha: float = 0.25,
+    gamma: float = 2.0,
+    box_loss: str = "l1",
+    smooth_l1_beta: float = 0.1,
+    box_loss_weight: float = 1.0,
+    fg_iou: float = 0.5,
+    bg_iou: float = 0.4,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+) -> dict[str, torch.Tensor]:
+    """Focal + box loss of a batch.
+
+    Args:
+        cls_logits: [B, A, K] logits, any float dtype.
+        box_deltas: [B, A, 4] predicted deltas, any float dtype.
+        anchors: [A, 4] float32 xyxy pixels.
+        gt_boxes: [B, M, 4] float32 xyxy pixels, padded.
+        gt_labels: [B, M] int64 labels 0..K-1, -1 for padding.
+        crowd_boxes: optional [B, C, 4] xyxy crowd regions (zero boxes as padding): anchors inside them
+            are ignored instead of background.
+        alpha, gamma: focal loss parameters (paper eq. 5).
+        box_loss: "l1", "smooth_l1" (with `smooth_l1_beta`) or "giou".
+        box_loss_weight: multiplier of the box loss in the total.
+        fg_iou, bg_iou: matching thresholds (see `match_anchors`).
+        max_elements: chunk budget of the IoU matrix.
+    Returns:
+        dict of float32 scalars: `loss` (= cls_loss + box_loss_weight * box_loss), `cls_loss`, `box_loss`,
+        and `num_pos` (positive anchors in the batch, before the clamp to 1). No host sync happens here.
+    Raises:
+        ValueError: for an unknown `box_loss`.
+    """
+    if box_loss not in BOX_LOSSES:
+        raise ValueError(f"box_loss must be one of {BOX_LOSSES}, got {box_loss!r}")
+    B, A, K = cls_logits.shape
+    if anchors.shape[0] != A or box_deltas.shape[:2] != (B, A):
+        raise ValueError(f"{A} anchors predicted per image but {anchors.shape[0]} anchors given "
+                         f"(box_deltas {tuple(box_deltas.shape)}): anchors made for another input size?")
+    if gt_boxes.shape[1] == 0:  # no box in the whole batch: one padding slot keeps gather() well-defined
+        gt_boxes = gt_boxes.new_zeros((B, 1, 4))
+        gt_labels = gt_labels.new_full((B, 1), -1)
+
+    matched = match_anchors(anchors, gt_boxes, gt_labels, crowd_boxes, fg_iou=fg_iou, bg_iou=bg_iou,
+                            max_elements=max_elements)
+    pos = matched >= 0  # [B, A]
+    valid = matched != IGNORE
+    idx = matched.clamp(min=0)
+    num_pos = pos.sum().float()
+    normaliser = num_pos.clamp(min=1.0)
+
+    labels = gt_labels.gather(1, idx).clamp(min=0)  # [B, A]
+    target = torch.zeros((B, A, K), dtype=torch.float32, device=cls_logits.device)
+    target.scatter_(2, labels.unsqueeze(-1), pos.unsqueeze(-1).float())
+    focal = sigmoid_focal_loss(cls_logits.float(), target, alpha=alpha, gamma=gamma, reduction="none")
+    cls_loss = torch.where(valid.unsqueeze(-1), focal, torch.zeros_like(focal)).sum() / normaliser
+
+    matched_gt = gt_boxes.gather(1, idx.unsqueeze(-1).expand(B, A, 4)).float()  # [B, A, 4]
+    deltas = box_deltas.float()
+    if box_loss == "giou":
+        pred = box_coder.decode(deltas, anchors[None])
+        per_anchor = generalized_box_iou_loss(pred.reshape(-1, 4), matched_gt.reshape(-1, 4), reduction="none").view(B, A)
+    else:
+        target_deltas = box_coder.encode(matched_gt, anchors[None])
+        if box_loss == "l1":
+            per_anchor = F.l1_loss(deltas, target_deltas, reduction="none").sum(-1)
+        else:
+            per_anchor = F.smooth_l1_loss(deltas, target_deltas, beta=smooth_l1_beta, reduction="none").sum(-1)
+    # where(), not a product: a non-positive anchor's target may be a padding box whose GIoU is NaN.
+    box = torch.where(pos, per_anchor, torch.zeros_like(per_anchor)).sum() / normaliser
+
+    return {"loss": cls_loss + box_loss_weight * box, "cls_loss": cls_loss, "box_loss": box, "num_pos": num_pos}

@@ -1,0 +1,112 @@
+"""Assignment of anchors to ground-truth boxes by IoU, for a whole batch at once.
+
+RetinaNet paper, section 4 ("Inference and Training"): an anchor is positive when its IoU with a
+ground-truth box is >= 0.5, negative (background) when its best IoU is < 0.4, and ignored in between.
+As in Detectron and torchvision ("allow_low_quality_matches"), every ground-truth box also keeps the
+anchor(s) with its highest IoU, so a tiny or oddly shaped object always has a positive.
+
+Crowd regions (COCO `iscrowd=1`) are not targets: an anchor that would be background but lies mostly
+inside a crowd box (intersection over the anchor's area >= `crowd_ioa`) is ignored instead, so the model
+is not taught that a crowd of people is "no person".
+
+The IoU matrix [B, M, A] can be large (3,000 boxes x 120,000 anchors = 1.4 GB in float32), so it is
+computed over chunks of anchors holding at most `max_elements` entries each; the result is the same
+for every chunk size (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .box_ops import box_ioa, box_iou
+from .labels import BACKGROUND, IGNORE
+
+# Default chunk budget: 2^25 IoU entries (128 MiB of float32, about 0.6 GiB with box_iou's temporaries).
+DEFAULT_MAX_ELEMENTS = 1 << 25
+
+
+@torch.no_grad()
+def match_anchors(
+    anchors: torch.Tensor,
+    gt_boxes: torch.Tensor,
+    gt_labels: torch.Tensor,
+    crowd_boxes: torch.Tensor | None = None,
+    fg_iou: float = 0.5,
+    bg_iou: float = 0.4,
+    allow_low_quality: bool = True,
+    crowd_ioa: float = 0.5,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+) -> torch.Tensor:
+    """Assign each anchor of each image to a ground-truth box, to background, or to ignore.
+
+    Args:
+        anchors: [A, 4] float32 xyxy pixels (shared by the batch).
+        gt_boxes: [B, M, 4] float32 xyxy pixels, padded per image.
+        gt_labels: [B, M] int64, class labels >= 0, `PAD_LABEL` (-1) for padding slots.
+        crowd_boxes: optional [B, C, 4] xyxy pixels of crowd regions, padded with all-zero boxes
+            (a zero box has no intersection with any anchor, so padding needs no mask).
+        fg_iou: IoU at or above which an anchor is positive.
+        bg_iou: IoU below which an anchor is background; in [bg_iou, fg_iou) it is ignored.
+        allow_low_quality: give every ground-truth box its best-IoU anchor(s) as positives.
+        crowd_ioa: fraction of an anchor's area inside a crowd box above which a background anchor is ignored.
+        max_elements: largest number of IoU entries computed at once (B * M * chunk of anchors).
+    Returns:
+        [B, A] int64: index into M of the matched box (>= 0), `BACKGROUND` (-1) or `IGNORE` (-2).
+    Raises:
+        ValueError: if fg_iou < bg_iou or the shapes disagree.
+    """
+    if fg_iou < bg_iou:
+        raise ValueError(f"fg_iou ({fg_iou}) must be >= bg_iou ({bg_iou})")
+    if gt_boxes.dim() != 3 or gt_labels.shape != gt_boxes.shape[:2]:
+        raise ValueError(f"gt_boxes [B, M, 4] and gt_labels [B, M] expected, got {tuple(gt_boxes.shape)} "
+                         f"and {tuple(gt_labels.shape)}")
+    B, M = gt_labels.shape
+    A = anchors.shape[0]
+    device = anchors.device
+    matched = torch.full((B, A), BACKGROUND, dtype=torch.int64, device=device)
+
+    if M > 0:
+        valid = gt_labels >= 0  # [B, M]
+        flat_gt = gt_boxes.reshape(-1, 4).float()
+        chunk = max(1, max_elements // max(1, B * M))
+        anchor_best = torch.empty((B, A), dtype=torch.float32, device=device)
+        anchor_arg = torch.empty((B, A), dtype=torch.int64, device=device)
+        gt_best = torch.full((B, M), -1.0, dtype=torch.float32, device=device)
+        kept_iou = None
+
+        def iou_chunk(start: int, end: int) -> torch.Tensor:
+            iou = box_iou(flat_gt, anchors[start:end]).view(B, M, end - start)
+            return iou.masked_fill(~valid[:, :, None], -1.0)  # padding never wins a max
+
+        for start in range(0, A, chunk):
+            end = min(A, start + chunk)
+            iou = iou_chunk(start, end)
+            anchor_best[:, start:end], anchor_arg[:, start:end] = iou.max(dim=1)
+            gt_best = torch.maximum(gt_best, iou.max(dim=2).values)
+            if end - start == A:
+                kept_iou = iou  # one chunk: keep it for the low-quality pass instead of recomputing
+
+        matched = torch.where(anchor_best >= fg_iou, anchor_arg, matched)
+        matched = torch.where((anchor_best >= bg_iou) & (anchor_best < fg_iou), torch.full_like(matched, IGNORE), matched)
+
+        if allow_low_quality:
+            # Ties count: every anchor that reaches a box's best IoU becomes positive. A box with no
+            # overlap at all (best IoU 0) gets no forced match.
+            target = torch.where(valid & (gt_best > 0), gt_best, torch.full_like(gt_best, 2.0))[:, :, None]
+            for start in range(0, A, chunk):
+                end = min(A, start + chunk)
+                iou = kept_iou if kept_iou is not None else iou_chunk(start, end)
+                is_best = (iou == target).any(dim=1)  # [B, chunk]
+                matched[:, start:end] = torch.where(is_best, anchor_arg[:, start:end], matched[:, start:end])
+
+    if crowd_boxes is not None and crowd_boxes.numel() > 0:
+        C = crowd_boxes.shape[1]
+        flat_crowd = crowd_boxes.reshape(-1, 4).float()
+        chunk = max(1, max_elements // max(1, B * C))
+        for start in range(0, A, chunk):
+            end = min(A, start + chunk)
+            ioa = box_ioa(anchors[start:end], flat_crowd).view(end - start, B, C)
+            in_crowd = (ioa.max(dim=2).values >= crowd_ioa).T  # [B, chunk]
+            rows = matched[:, start:end]
+            matched[:, start:end] = torch.where(in_crowd & (rows == BACKGROUND), torch.full_like(rows, IGNORE), rows)
+    return matched

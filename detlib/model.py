@@ -1,0 +1,206 @@
+"""RetinaNet: a timm backbone, an FPN with P6/P7, and the classification and box heads.
+
+Lin et al., "Focal Loss for Dense Object Detection", ICCV 2017 (arXiv:1708.02002), section 4 and
+figure 3. The model returns raw head outputs only; matching, losses and decoding live in
+`detlib.matching`, `detlib.loss` and `detlib.decode` and take plain tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+
+import timm
+import torch
+import torch.nn as nn
+from torchvision.ops import FeaturePyramidNetwork
+from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+from .anchors import AnchorGenerator
+
+# ImageNet statistics of the RGB channels in [0, 255], for backbones pretrained on ImageNet.
+IMAGENET_MEAN = (123.675, 116.28, 103.53)
+IMAGENET_STD = (58.395, 57.12, 57.375)
+
+# The strides the FPN takes from the backbone: C3, C4, C5.
+BACKBONE_REDUCTIONS = (8, 16, 32)
+
+
+class RetinaNetHead(nn.Module):
+    """One of RetinaNet's two subnets: 4 x (3x3 conv + ReLU), then a 3x3 conv to `num_anchors * out_per_anchor`.
+
+    Shared across pyramid levels (paper, section 4, "Classification Subnet" / "Box Regression Subnet").
+
+    Args:
+        channels: input and hidden width (the FPN width; 256 in the paper).
+        num_anchors: anchors per location A.
+        out_per_anchor: K class logits, or 4 box deltas.
+        bias_prior: if given, the output bias is set to -log((1 - p) / p) so every anchor starts with
+            foreground probability p (paper, section 4.1 "Initialization", pi = 0.01).
+        num_convs: hidden conv layers.
+    """
+
+    def __init__(self, channels: int, num_anchors: int, out_per_anchor: int, bias_prior: float | None = None,
+                 num_convs: int = 4):
+        super().__init__()
+        layers = []
+        for _ in range(num_convs):
+            layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(inplace=True)]
+        self.tower = nn.Sequential(*layers)
+        self.out = nn.Conv2d(channels, num_anchors * out_per_anchor, 3, padding=1)
+        self.out_per_anchor = out_per_anchor
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.normal_(m.weight, std=0.01)
+                nn.init.zeros_(m.bias)
+        if bias_prior is not None:
+            nn.init.constant_(self.out.bias, -math.log((1 - bias_prior) / bias_prior))
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """features: list of [B, C, H_l, W_l]. Returns [B, sum_l H_l * W_l * A, out_per_anchor]."""
+        outs = []
+        for f in features:
+            o = self.out(self.tower(f))  # [B, A * k, H, W]
+            b, _, h, w = o.shape
+            # -> [B, H, W, A, k] -> [B, H*W*A, k]: the level -> y -> x -> anchor order of the anchors.
+            outs.append(o.view(b, -1, self.out_per_anchor, h, w).permute(0, 3, 4, 1, 2).reshape(b, -1, self.out_per_anchor))
+        return torch.cat(outs, dim=1)
+
+
+def _strip_prefixes(state_dict: dict) -> dict:
+    """Remove wrapper prefixes that DDP (`module.`) and torch.compile (`_orig_mod.`) add to keys."""
+    out = OrderedDict()
+    for k, v in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for p in ("module.", "_orig_mod."):
+                if k.startswith(p):
+                    k, changed = k[len(p):], True
+        out[k] = v
+    return out
+
+
+def load_state_dict_file(path: str | os.PathLike) -> dict:
+    """Read a state dict from `.safetensors` or a torch file (loaded with `weights_only=True`).
+
+    Wrapper prefixes (`module.`, `_orig_mod.`) are stripped; a `{"state_dict": ...}` or `{"model": ...}`
+    container is unwrapped.
+
+    Raises:
+        FileNotFoundError: naming the path, if it does not exist.
+        ValueError: if the file holds no tensors.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights file not found: {path}")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        sd = load_file(path, device="cpu")
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        for key in ("state_dict", "model"):
+            if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
+                sd = sd[key]
+    if not isinstance(sd, dict) or not any(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"{path} does not hold a state dict of tensors")
+    return _strip_prefixes(sd)
+
+
+def build_backbone(name: str, pretrained: bool = False, weights_path: str | None = None) -> nn.Module:
+    """A timm model with `features_only=True`.
+
+    Args:
+        name: any timm model name (`resnet50`, `resnet18`, `convnext_tiny`, ...).
+        pretrained: use timm's own download of pretrained weights (needs the internet or a filled cache).
+        weights_path: local weights of the same timm model (classifier keys are ignored).
+    Raises:
+        RuntimeError: if pretrained weights cannot be fetched (with what to do instead).
+        ValueError: if the model lacks stride 8/16/32 features, or the weights file misses backbone keys.
+    """
+    try:
+        backbone = timm.create_model(name, pretrained=pretrained, features_only=True)
+    except Exception as e:  # timm raises a variety of hub / network errors
+        if pretrained:
+            raise RuntimeError(
+                f"could not fetch pretrained weights for timm model '{name}' ({type(e).__name__}: {e}). "
+                "Offline? Download the weights elsewhere and pass them with --backbone_weights PATH "
+                "(a .safetensors or .pth state dict of the same timm model)."
+            ) from e
+        raise
+    reductions = backbone.feature_info.reduction()
+    missing = [r for r in BACKBONE_REDUCTIONS if r not in reductions]
+    if missing:
+        raise ValueError(f"timm model '{name}' has feature reductions {reductions}; RetinaNet needs 8, 16 and 32")
+    if weights_path:
+        sd = load_state_dict_file(weights_path)
+        result = backbone.load_state_dict(sd, strict=False)
+        if result.missing_keys:
+            raise ValueError(
+                f"{weights_path} does not fit timm '{name}': {len(result.missing_keys)} backbone keys missing, "
+                f"e.g. {result.missing_keys[:5]}"
+            )
+    return backbone
+
+
+class RetinaNet(nn.Module):
+    """RetinaNet with a timm backbone.
+
+    Args:
+        num_classes: K, the number of foreground classes (no background class: the classifier is K sigmoids).
+        backbone: timm model name.
+        fpn_channels: FPN and head width (256 in the paper; narrower heads are for CPUs and tests).
+        pretrained_backbone: load timm's pretrained weights (online).
+        backbone_weights: path of local backbone weights (safetensors or torch state dict).
+        freeze_backbone_bn: replace the backbone's BatchNorm by FrozenBatchNorm2d (the standard setting
+            when fine-tuning from pretrained weights with small per-device batches).
+        prior_prob: initial foreground probability of the classifier (pi).
+        num_anchors: anchors per location (must match the AnchorGenerator; 9 by default).
+
+    Input: images [B, 3, H, W], uint8 or float in [0, 255], RGB, H and W multiples of 32 (see anchors).
+    Output: dict with
+        cls_logits: [B, A_total, K] logits (dtype of the autocast context),
+        box_deltas: [B, A_total, 4] deltas for `detlib.box_coder.decode`,
+    with A_total = sum over P3..P7 of H_l * W_l * num_anchors, ordered level -> y -> x -> anchor.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        backbone: str = "resnet50",
+        fpn_channels: int = 256,
+        pretrained_backbone: bool = False,
+        backbone_weights: str | None = None,
+        freeze_backbone_bn: bool = True,
+        prior_prob: float = 0.01,
+        num_anchors: int = 9,
+    ):
+        super().__init__()
+        self.num_classes = num_classes
+        self.backbone = build_backbone(backbone, pretrained_backbone, backbone_weights)
+        if freeze_backbone_bn:
+            self.backbone = timm.layers.freeze_batch_norm_2d(self.backbone)
+        reductions = self.backbone.feature_info.reduction()
+        channels = self.backbone.feature_info.channels()
+        self.feature_indices = [reductions.index(r) for r in BACKBONE_REDUCTIONS]
+        in_channels = [channels[i] for i in self.feature_indices]
+        # P6 is computed from C5 as in the paper (section 4, footnote 2), P7 from ReLU(P6).
+        self.fpn = FeaturePyramidNetwork(in_channels, fpn_channels, extra_blocks=LastLevelP6P7(in_channels[-1], fpn_channels))
+        self.cls_head = RetinaNetHead(fpn_channels, num_anchors, num_classes, bias_prior=prior_prob)
+        self.box_head = RetinaNetHead(fpn_channels, num_anchors, 4)
+        self.register_buffer("pixel_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = (images.float() - self.pixel_mean) / self.pixel_std
+        feats = self.backbone(x)
+        c = OrderedDict((f"c{i + 3}", feats[j]) for i, j in enumerate(self.feature_indices))
+        p = list(self.fpn(c).values())
+        return {"cls_logits": self.cls_head(p), "box_deltas": self.box_head(p)}
+
+
+def default_anchor_generator() -> AnchorGenerator:
+    """The anchors RetinaNet's heads are built for: P3-P7, sizes 32-512, 3 scales x 3 ratios."""
+    return AnchorGenerator()

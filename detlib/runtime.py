@@ -1,0 +1,183 @@
+"""What both training scripts need around the model: the Accelerator, logs, metrics, trackers, shm.
+
+Logging happens on the main process only: it writes `output_dir/train.log` and the console; the other
+processes print warnings and errors only. `MetricsLogger` writes `output_dir/metrics.jsonl` (one JSON
+object per line) and forwards the same values to the trackers (wandb, tensorboard) through accelerate,
+which creates one tracker run on the main process only (case B21).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import netrc
+import os
+import shutil
+import sys
+import time
+import uuid
+
+import torch
+import yaml
+
+logger = logging.getLogger("detlib")
+
+REPORT_TO = ("wandb", "tensorboard", "all", "none")
+
+
+def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: int, report_to: str,
+                     output_dir: str, cpu: bool = False, seed: int = 0):
+    """An `Accelerator` with the settings both scripts share.
+
+    * On a machine without CUDA it runs on the CPU; launched with 2+ processes (e.g.
+      `accelerate_configs/cpu_2proc.yaml`) that is real DDP over gloo.
+    * Samplers are seedable: the shuffle order of epoch e is a function of (seed, e) on every rank, so
+      epochs differ, shards stay disjoint (case B31) and a resumed run sees the same order.
+    * `mixed_precision=None` takes the value of the accelerate config / `accelerate launch` flags.
+    """
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+
+    log_with = resolve_trackers(report_to)
+    accelerator = Accelerator(
+        cpu=cpu or not torch.cuda.is_available(),
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        log_with=log_with or None,
+        project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
+        step_scheduler_with_optimizer=False,
+    )
+    set_seed(seed, device_specific=False)
+    return accelerator
+
+
+def resolve_trackers(report_to: str) -> list[str]:
+    """Tracker names for `--report_to`; a tracker whose package is missing is dropped with a warning.
+
+    wandb runs offline (WANDB_MODE=offline) when no credentials are set, so a run never stalls at a login
+    prompt; `wandb sync output_dir/wandb/offline-run-*` uploads it later.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    if report_to not in REPORT_TO:
+        raise ValueError(f"--report_to must be one of {REPORT_TO}, got {report_to!r}")
+    names = {"wandb": ["wandb"], "tensorboard": ["tensorboard"], "all": ["wandb", "tensorboard"], "none": []}[report_to]
+    out = []
+    for name in names:
+        module = "wandb" if name == "wandb" else "tensorboard"
+        try:
+            __import__(module)
+        except ImportError:
+            logger.warning("--report_to %s: the %s package is not installed (pip install %s); not logging to it",
+                           report_to, module, module)
+            continue
+        if name == "wandb" and "WANDB_MODE" not in os.environ and not wandb_has_credentials():
+            os.environ["WANDB_MODE"] = "offline"
+        out.append(name)
+    return out
+
+
+def wandb_has_credentials() -> bool:
+    """True when WANDB_API_KEY is set or ~/.netrc holds a key for the wandb host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def init_trackers(accelerator, project: str, config: dict, output_dir: str, run_id: str | None, run_name: str | None = None) -> str:
+    """Start the tracker runs (main process only, done by accelerate) and return the wandb run id.
+
+    The run id is kept in the checkpoints, so a resumed training continues the same wandb run.
+    """
+    run_id = run_id or uuid.uuid4().hex[:12]
+    name = run_name or os.path.basename(os.path.abspath(output_dir))
+    init_kwargs = {"wandb": {"id": run_id, "resume": "allow", "dir": output_dir, "name": name}}
+    accelerator.init_trackers(project, config=flat_config(config), init_kwargs=init_kwargs)
+    if accelerator.is_main_process and os.environ.get("WANDB_MODE") == "offline" and any(
+            getattr(t, "name", "") == "wandb" for t in accelerator.trackers):
+        logger.info("wandb: no credentials found, logging offline under %s/wandb (upload later with `wandb sync`)", output_dir)
+    return run_id
+
+
+def flat_config(config: dict) -> dict:
+    """Tracker-friendly config: values as int / float / str / bool."""
+    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in config.items()}
+
+
+def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log") -> None:
+    """Log INFO to the console and `output_dir/train.log` on the main process, WARNING elsewhere."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    console = logging.StreamHandler(sys.stdout if is_main else sys.stderr)
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    if is_main:
+        os.makedirs(output_dir, exist_ok=True)
+        fh = logging.FileHandler(os.path.join(output_dir, filename))
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+    root.setLevel(logging.INFO if is_main else logging.WARNING)
+    for noisy in ("PIL", "urllib3", "matplotlib", "git", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def save_config(config: dict, output_dir: str) -> None:
+    """Write the resolved config as `output_dir/config.yaml` (call on the main process)."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+
+
+class MetricsLogger:
+    """Appends metric dicts to `metrics.jsonl` and sends them to the trackers (main process only).
+
+    Non-finite floats are written as the strings "nan" / "inf" so every line stays valid JSON.
+    """
+
+    def __init__(self, accelerator, output_dir: str):
+        self.accelerator = accelerator
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+
+    def log(self, values: dict, step: int) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        line = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in values.items()}
+        line["time"] = round(time.time(), 3)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.accelerator.trackers:
+            self.accelerator.log(numeric, step=step)
+
+
+def check_shared_memory(num_workers: int, bytes_per_batch: int, prefetch_factor: int = 2,
+                        shm_path: str = "/dev/shm") -> tuple[int, str | None]:
+    """Check that /dev/shm can hold the batches the DataLoader workers keep in flight (case B23).
+
+    Docker's default /dev/shm is 64 MB; workers pass batches through it and die with "Bus error" when it
+    fills. Returns (num_workers to use, a one-line message or None). When it is too small, the workers fall
+    back to 0 (batches built in the main process, no shared memory).
+    """
+    if num_workers <= 0:
+        return num_workers, None
+    try:
+        free = shutil.disk_usage(shm_path).free
+    except OSError:
+        return num_workers, None
+    needed = num_workers * prefetch_factor * bytes_per_batch * 2  # x2: the batch and its pinned / collated copy
+    if free >= needed:
+        return num_workers, None
+    msg = (f"{shm_path} has {free / 2**20:.0f} MiB free but {num_workers} DataLoader workers need about "
+           f"{needed / 2**20:.0f} MiB: using num_workers=0. In Docker, start the container with "
+           f"--shm-size=8g (or --ipc=host) to use workers.")
+    return 0, msg

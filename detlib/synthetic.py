@@ -1,0 +1,121 @@
+"""A built-in detection data set, generated deterministically, so the main job runs with no download.
+
+Images show 1-4 filled shapes (circle, square, triangle: 3 classes) in random colours on textured
+backgrounds (smooth colour gradient + noise + random lines as distractors). Written as JPEG files plus
+COCO-format json, the same path a real data set takes through the code:
+
+    root/images/{train,val}_000000.jpg
+    root/annotations/instances_{train,val}.json
+
+Generation is seeded, so the same arguments give the same files on every machine; a folder that already
+holds a matching `generator.json` is reused (the cache).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+logger = logging.getLogger(__name__)
+
+CATEGORIES = [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}, {"id": 3, "name": "triangle"}]
+VERSION = 1
+
+
+def default_root() -> str:
+    base = os.environ.get("DETLIB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "detlib"))
+    return os.path.join(base, f"synthetic_shapes_v{VERSION}")
+
+
+def _background(rng: np.random.RandomState, size: int) -> np.ndarray:
+    c0, c1 = rng.randint(0, 256, 3), rng.randint(0, 256, 3)
+    t = np.linspace(0, 1, size)[None, :, None] if rng.rand() < 0.5 else np.linspace(0, 1, size)[:, None, None]
+    img = c0 * (1 - t) + c1 * t + rng.normal(0, 18, (size, size, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def _draw_image(rng: np.random.RandomState, size: int, min_obj: int, max_obj: int):
+    img = Image.fromarray(_background(rng, size))
+    draw = ImageDraw.Draw(img)
+    for _ in range(rng.randint(0, 4)):  # distractor lines: not objects
+        pts = [tuple(int(v) for v in rng.randint(0, size, 2)) for _ in range(2)]
+        draw.line(pts, fill=tuple(int(v) for v in rng.randint(0, 256, 3)), width=int(rng.randint(1, 4)))
+    anns, placed = [], []
+    for _ in range(rng.randint(1, 5)):
+        for _attempt in range(20):
+            s = int(rng.randint(min_obj, max_obj + 1))
+            x, y = int(rng.randint(0, size - s)), int(rng.randint(0, size - s))
+            # keep objects apart enough that each stays visible (IoU with others < 0.3)
+            if all(_iou((x, y, x + s, y + s), p) < 0.3 for p in placed):
+                break
+        else:
+            continue
+        placed.append((x, y, x + s, y + s))
+        cls = int(rng.randint(0, 3))
+        colour = tuple(int(v) for v in rng.randint(0, 256, 3))
+        if cls == 0:
+            draw.ellipse([x, y, x + s - 1, y + s - 1], fill=colour)
+        elif cls == 1:
+            draw.rectangle([x, y, x + s - 1, y + s - 1], fill=colour)
+        else:
+            draw.polygon([(x + s / 2, y), (x, y + s - 1), (x + s - 1, y + s - 1)], fill=colour)
+        anns.append((cls, [float(x), float(y), float(s), float(s)]))
+    return img, anns
+
+
+def _iou(a, b) -> float:
+    ix = max(0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: int = 100, image_size: int = 160,
+                        min_object: int = 20, max_object: int = 64, seed: int = 0) -> dict[str, str]:
+    """Generate (or reuse) the synthetic data set.
+
+    Returns:
+        {"train_images", "train_annotations", "val_images", "val_annotations"}: paths in the COCO layout.
+    """
+    root = root or default_root()
+    params = {"version": VERSION, "num_train": num_train, "num_val": num_val, "image_size": image_size,
+              "min_object": min_object, "max_object": max_object, "seed": seed}
+    paths = {"train_images": os.path.join(root, "images"), "val_images": os.path.join(root, "images"),
+             "train_annotations": os.path.join(root, "annotations", "instances_train.json"),
+             "val_annotations": os.path.join(root, "annotations", "instances_val.json")}
+    marker = os.path.join(root, "generator.json")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            if json.load(f) == params and all(os.path.exists(p) for p in paths.values()):
+                return paths
+    logger.info("generating the built-in synthetic shapes data set in %s", root)
+    os.makedirs(paths["train_images"], exist_ok=True)
+    os.makedirs(os.path.dirname(paths["train_annotations"]), exist_ok=True)
+    ann_id = 1
+    for split, count, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
+        rng = np.random.RandomState(split_seed)
+        images, annotations = [], []
+        for i in range(count):
+            img, anns = _draw_image(rng, image_size, min_object, max_object)
+            name = f"{split}_{i:06d}.jpg"
+            img.save(os.path.join(paths[f"{split}_images"], name), quality=90)
+            image_id = i + 1 + (0 if split == "train" else 1_000_000)
+            images.append({"id": image_id, "file_name": name, "width": image_size, "height": image_size})
+            for cls, bbox in anns:
+                annotations.append({"id": ann_id, "image_id": image_id, "category_id": CATEGORIES[cls]["id"],
+                                    "bbox": bbox, "area": bbox[2] * bbox[3], "iscrowd": 0})
+                ann_id += 1
+        data = {"info": {"description": "detlib synthetic shapes", "version": VERSION}, "licenses": [],
+                "images": images, "annotations": annotations, "categories": CATEGORIES}
+        tmp = paths[f"{split}_annotations"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, paths[f"{split}_annotations"])
+    with open(marker, "w") as f:
+        json.dump(params, f)
+    return paths

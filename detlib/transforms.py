@@ -1,0 +1,108 @@
+"""Box-aware augmentation and resizing on `torchvision.transforms.v2` with `tv_tensors`.
+
+A sample is a dict {"image": tv_tensors.Image uint8 [3, H, W], "boxes": tv_tensors.BoundingBoxes
+[N, 4] XYXY pixels, "labels": int64 [N], "iscrowd": bool [N]}: crowd regions travel in the same
+BoundingBoxes so they are flipped, cropped and moved exactly like the targets. After the geometric
+transforms, `SanitizeBoundingBoxes` drops boxes that became smaller than 1 px (an object cropped away),
+together with their labels and crowd flags, so an image can end with no box at all (case B30): that is a
+valid all-background sample.
+
+Augmentation levels (`--augmentation`):
+  none                 resize only
+  flip                 horizontal flip (p = 0.5)
+  flip_crop_translate  flip, a random crop keeping 60-100 % of each side (p = 0.5), and a random
+                       translation of up to 10 % of each side (p = 0.5): the seed recipe's "-aug".
+Every level ends with a resize of the longer side to `image_size` (aspect ratio kept).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+AUGMENTATIONS = ("none", "flip", "flip_crop_translate")
+
+
+def _box_fields(sample):
+    # SanitizeBoundingBoxes filters these along with the boxes.
+    return sample["labels"], sample["iscrowd"]
+
+
+class RandomCropFraction:
+    """Crop a random window whose sides are `min_fraction`..1 of the image's, with probability `p`.
+
+    Boxes are clipped to the window (their parts outside it are cut off); boxes left empty are removed
+    later by `SanitizeBoundingBoxes`.
+    """
+
+    def __init__(self, min_fraction: float = 0.6, p: float = 0.5):
+        self.min_fraction = min_fraction
+        self.p = p
+
+    def __call__(self, sample: dict) -> dict:
+        if random.random() >= self.p:
+            return sample
+        h, w = sample["image"].shape[-2:]
+        ch = max(1, int(round(h * random.uniform(self.min_fraction, 1.0))))
+        cw = max(1, int(round(w * random.uniform(self.min_fraction, 1.0))))
+        top = random.randint(0, h - ch)
+        left = random.randint(0, w - cw)
+        out = dict(sample)
+        out["image"] = F.crop(sample["image"], top, left, ch, cw)
+        out["boxes"] = F.clamp_bounding_boxes(F.crop(sample["boxes"], top, left, ch, cw))
+        return out
+
+
+class ResizeLongestSide:
+    """Resize so the longer side is `size` pixels, keeping the aspect ratio (boxes follow).
+
+    Records `scale` = (new_h / old_h, new_w / old_w) in the sample, which decoding divides out to give
+    boxes in the original image's pixels.
+    """
+
+    def __init__(self, size: int):
+        self.size = int(size)
+
+    def __call__(self, sample: dict) -> dict:
+        h, w = sample["image"].shape[-2:]
+        ratio = self.size / max(h, w)
+        nh, nw = max(1, int(round(h * ratio))), max(1, int(round(w * ratio)))
+        out = dict(sample)
+        out["image"] = F.resize(sample["image"], [nh, nw], antialias=True)
+        out["boxes"] = F.resize(sample["boxes"], [nh, nw])
+        out["scale"] = (nh / h, nw / w)
+        return out
+
+
+def build_transform(image_size: int, augmentation: str = "none") -> v2.Compose:
+    """The sample transform for training (`augmentation` as above) or evaluation (`"none"`).
+
+    Raises:
+        ValueError: for an unknown augmentation name.
+    """
+    if augmentation not in AUGMENTATIONS:
+        raise ValueError(f"augmentation must be one of {AUGMENTATIONS}, got {augmentation!r}")
+    steps = []
+    if augmentation in ("flip", "flip_crop_translate"):
+        steps.append(v2.RandomHorizontalFlip(p=0.5))
+    if augmentation == "flip_crop_translate":
+        steps.append(RandomCropFraction(min_fraction=0.6, p=0.5))
+        steps.append(v2.RandomApply([v2.RandomAffine(degrees=0.0, translate=(0.1, 0.1))], p=0.5))
+    steps.append(ResizeLongestSide(image_size))
+    steps.append(v2.SanitizeBoundingBoxes(min_size=1.0, labels_getter=_box_fields))
+    return v2.Compose(steps)
+
+
+def make_sample(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, iscrowd: torch.Tensor) -> dict:
+    """Wrap plain tensors as a transform sample. image: [3, H, W] uint8; boxes: [N, 4] xyxy pixels."""
+    h, w = image.shape[-2:]
+    return {
+        "image": tv_tensors.Image(image),
+        "boxes": tv_tensors.BoundingBoxes(boxes.reshape(-1, 4).float(), format="XYXY", canvas_size=(h, w)),
+        "labels": labels.reshape(-1).long(),
+        "iscrowd": iscrowd.reshape(-1).bool(),
+    }

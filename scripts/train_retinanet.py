@@ -1,0 +1,419 @@
+"""Train and evaluate RetinaNet (ResNet-50 + FPN by default, any timm backbone) with HuggingFace Accelerate.
+
+Built-in synthetic data, CPU (no download; the defaults switch to a small model and image size):
+    accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_retinanet.py
+
+COCO 2017 on 2 GPUs (fp16), the seed recipe (AdamW 1e-4, plateau, 600 px, 12 epochs):
+    accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/train_retinanet.py \
+        --data_dir /data/coco --backbone_weights resnet50_a1_in1k.safetensors --output_dir outputs/r50_600
+
+The standard SGD 1x recipe at 800 px (8 GPUs x 2 images):
+    accelerate launch --config_file accelerate_configs/8gpu.yaml scripts/train_retinanet.py --data_dir /data/coco \
+        --image_size 800 --per_device_batch_size 2 --optimizer sgd --lr 0.01 --lr_scheduler multistep --max_grad_norm 0
+
+Any COCO-format data set:
+    ... scripts/train_retinanet.py --train_images DIR --train_annotations train.json --val_images DIR --val_annotations val.json
+
+2 CPU processes (gloo DDP), resume, evaluation only:
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_retinanet.py ...
+    ... scripts/train_retinanet.py --output_dir outputs/r50_600 --resume_from_checkpoint latest
+    ... scripts/train_retinanet.py --data_dir /data/coco --evaluate_only outputs/r50_600/best
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from detlib import checkpoint as ckpt
+from detlib.anchors import AnchorGenerator
+from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
+from detlib.data import CocoDetection, collate_detection
+from detlib.decode import decode_detections
+from detlib.loss import BOX_LOSSES, retinanet_loss
+from detlib.model import RetinaNet
+from detlib.runtime import (REPORT_TO, MetricsLogger, check_shared_memory, init_trackers, make_accelerator,
+                            save_config, setup_logging)
+from detlib.synthetic import make_synthetic_coco
+from detlib.transforms import AUGMENTATIONS, build_transform
+
+logger = logging.getLogger("train_retinanet")
+
+# Defaults that depend on the data: the full recipe for real data, a CPU-sized one for the built-in set.
+REAL_DEFAULTS = {"backbone": "resnet50", "image_size": 600, "fpn_channels": 256, "epochs": 12, "per_device_batch_size": 15}
+SYNTHETIC_DEFAULTS = {"backbone": "resnet18", "image_size": 160, "fpn_channels": 64, "epochs": 12, "per_device_batch_size": 16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--data_dir", help="COCO root: DIR/annotations/instances_{set}.json, images in DIR/{set} or DIR/images/{set}")
+    g.add_argument("--train_set", default="train2017")
+    g.add_argument("--val_set", default="val2017")
+    g.add_argument("--train_images", help="image folder of any COCO-format training set")
+    g.add_argument("--train_annotations", help="COCO json of the training set")
+    g.add_argument("--val_images")
+    g.add_argument("--val_annotations")
+    g.add_argument("--image_size", type=int, help="longer image side in pixels (600; 160 on the built-in data)")
+    g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
+    g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
+    g.add_argument("--num_workers", type=int, default=4)
+
+    g = p.add_argument_group("model")
+    g.add_argument("--backbone", help="timm model name (resnet50; resnet18 on the built-in data)")
+    g.add_argument("--backbone_weights", help="local backbone weights: .safetensors or torch state dict")
+    g.add_argument("--pretrained_backbone", action="store_true", help="timm's own pretrained download (online)")
+    g.add_argument("--backbone_bn", default="auto", choices=["auto", "frozen", "train"],
+                   help="backbone BatchNorm: frozen (the standard setting with pretrained weights), train, or "
+                        "auto = frozen when pretrained weights are loaded, trained when training from scratch")
+    g.add_argument("--fpn_channels", type=int, help="FPN and head width (256; 64 on the built-in data)")
+    g.add_argument("--sync_bn", action="store_true", help="SyncBatchNorm for trainable BN layers (multi-GPU)")
+    g.add_argument("--channels_last", action="store_true", help="channels_last memory format for the model")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--epochs", type=int, help="12")
+    g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
+    g.add_argument("--per_device_batch_size", type=int, help="images per device and step (15; 16 on the built-in data)")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    g.add_argument("--lr", type=float, default=1e-4)
+    g.add_argument("--weight_decay", type=float, help="0.01 for AdamW (torch's default), 1e-4 for SGD")
+    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--lr_scheduler", default="plateau", choices=["plateau", "multistep", "cosine", "constant"])
+    g.add_argument("--plateau_patience", type=int, default=3)
+    g.add_argument("--lr_steps", type=int, nargs="+", default=[8, 11], help="multistep: epochs where the LR drops 10x")
+    g.add_argument("--warmup_steps", type=int, default=500, help="linear warmup (multistep and cosine)")
+    g.add_argument("--max_grad_norm", type=float, default=0.1, help="gradient clipping norm (0: off)")
+    g.add_argument("--box_loss", default="l1", choices=BOX_LOSSES)
+    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval_interval", type=int, default=5, help="evaluate every N epochs (and after the last)")
+    g.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    g.add_argument("--score_thresh", type=float, default=0.05)
+    g.add_argument("--nms_thresh", type=float, default=0.5)
+    g.add_argument("--detections_per_image", type=int, default=100)
+    g.add_argument("--coco_eval_backend", default="auto", choices=["auto", "pycocotools", "faster"])
+    g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a checkpoint folder or model.safetensors and exit")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--output_dir", default="outputs/retinanet")
+    g.add_argument("--checkpoint_total_limit", type=int, default=2, help="keep the last N checkpoints")
+    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--report_to", default="wandb", choices=REPORT_TO)
+    g.add_argument("--project", default="detlib-retinanet", help="tracker project name")
+    g.add_argument("--run_name")
+    g.add_argument("--log_interval", type=int, default=20, help="optimizer steps between train log lines")
+    return p.parse_args(argv)
+
+
+def resolve_data(args) -> dict[str, str]:
+    """The four data paths, from --data_dir, the explicit flags, or the built-in synthetic set."""
+    explicit = [args.train_images, args.train_annotations, args.val_images, args.val_annotations]
+    if args.data_dir:
+        def images(split):
+            for cand in (os.path.join(args.data_dir, split), os.path.join(args.data_dir, "images", split)):
+                if os.path.isdir(cand):
+                    return cand
+            return os.path.join(args.data_dir, split)  # does not exist: the data set reports it by name
+        return {"train_images": images(args.train_set), "val_images": images(args.val_set),
+                "train_annotations": os.path.join(args.data_dir, "annotations", f"instances_{args.train_set}.json"),
+                "val_annotations": os.path.join(args.data_dir, "annotations", f"instances_{args.val_set}.json")}
+    if any(explicit):
+        if args.evaluate_only and args.val_images and args.val_annotations:
+            return {"train_images": None, "train_annotations": None, "val_images": args.val_images, "val_annotations": args.val_annotations}
+        if not all(explicit):
+            sys.exit("give all four of --train_images --train_annotations --val_images --val_annotations (or --data_dir)")
+        return dict(zip(["train_images", "train_annotations", "val_images", "val_annotations"], explicit))
+    return make_synthetic_coco()
+
+
+def build_dataloaders(args, paths: dict[str, str]):
+    """The training and validation data sets and loaders (unprepared)."""
+    val_ds = CocoDetection(paths["val_images"], paths["val_annotations"], build_transform(args.image_size, "none"),
+                           include_crowd=args.include_crowd, train=False)
+    train_ds = None
+    if paths.get("train_annotations"):
+        train_ds = CocoDetection(paths["train_images"], paths["train_annotations"],
+                                 build_transform(args.image_size, args.augmentation), include_crowd=args.include_crowd)
+        if train_ds.category_map.category_ids != val_ds.category_map.category_ids:
+            raise ValueError("training and validation json have different categories: "
+                             f"{train_ds.category_map.category_ids} vs {val_ds.category_map.category_ids}")
+        if train_ds.num_target_boxes() == 0:
+            raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
+                             "training set; nothing to learn from (use --include_crowd to train on crowd boxes)")
+    bytes_per_batch = 3 * args.image_size ** 2 * args.per_device_batch_size
+    workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
+    if msg:
+        logger.warning(msg)
+    common = dict(num_workers=workers, collate_fn=collate_detection, pin_memory=torch.cuda.is_available(),
+                  persistent_workers=workers > 0)
+    train_loader = None
+    if train_ds is not None:
+        train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size, shuffle=True,
+                                                   drop_last=len(train_ds) >= args.per_device_batch_size, **common)
+    val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.per_device_eval_batch_size, shuffle=False, **common)
+    return train_ds, val_ds, train_loader, val_loader
+
+
+def build_scheduler(args, optimizer, steps_per_epoch: int):
+    """LR schedule stepped once per optimizer step (not prepared by accelerate, which would step it once
+    per process), except "plateau", which is stepped once per epoch with the epoch's mean loss."""
+    if args.lr_scheduler == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1, patience=args.plateau_patience)
+    total = args.max_steps or args.epochs * steps_per_epoch
+    milestones = [e * steps_per_epoch for e in args.lr_steps]
+
+    def factor(step: int) -> float:
+        warm = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps > 0 else 1.0
+        warm = 0.001 + (1 - 0.001) * warm  # Detectron's linear warmup from lr * 0.001
+        if args.lr_scheduler == "multistep":
+            return warm * 0.1 ** sum(step >= m for m in milestones)
+        if args.lr_scheduler == "cosine":
+            return warm * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total))))
+        return warm
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@torch.no_grad()
+def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args) -> dict | None:
+    """Decode the validation shard of every process, gather, and (main process) run COCOeval.
+
+    Every process runs the whole loop and the gather (case B15); returns the stats on every process.
+    """
+    model.eval()
+    evaluator.per_image.clear()
+    evaluator.failed.clear()
+    for batch in tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False):
+        out = model(batch["images"])
+        anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
+        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
+                                 batch["scales"], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
+                                 max_detections=args.detections_per_image)
+        for i, d in enumerate(dets.per_image(len(batch["image_ids"]))):
+            image_id = int(batch["image_ids"][i])
+            if not bool(batch["valid"][i]):
+                evaluator.add_failed(image_id)
+                continue
+            evaluator.add(image_id, detections_to_coco(d["boxes"], d["scores"], category_map.to_category_ids(d["labels"]), image_id))
+    evaluator.gather(accelerator)
+    result = [None]
+    if accelerator.is_main_process:
+        stats, summary = evaluator.evaluate()
+        logger.info("COCO evaluation on %d images:\n%s", evaluator.num_images, summary)
+        result = [stats]
+    from accelerate.utils import broadcast_object_list
+
+    broadcast_object_list(result)
+    model.train()
+    return result[0]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    synthetic = not (args.data_dir or args.train_images or args.val_images)
+    for k, v in (SYNTHETIC_DEFAULTS if synthetic else REAL_DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.weight_decay is None:
+        args.weight_decay = 0.01 if args.optimizer == "adamw" else 1e-4
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
+                                   args.output_dir, seed=args.seed)
+    setup_logging(args.output_dir, accelerator.is_main_process)
+    if synthetic:
+        logger.info("no data given: training on the built-in synthetic shapes data set (%s, %d px, "
+                    "fpn_channels %d); pass --data_dir for COCO", args.backbone, args.image_size, args.fpn_channels)
+    logger.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
+                accelerator.mixed_precision)
+
+    # ---- data
+    with accelerator.main_process_first():  # the synthetic set is generated once, by the main process
+        paths = resolve_data(args)
+        if args.evaluate_only:
+            paths = {**paths, "train_images": None, "train_annotations": None}
+        train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
+    category_map = val_ds.category_map
+
+    # ---- model
+    model_config = {"num_classes": len(category_map), "backbone": args.backbone, "fpn_channels": args.fpn_channels,
+                    "category_ids": category_map.category_ids}
+    if args.evaluate_only:
+        saved = ckpt.read_model_config(args.evaluate_only)
+        if saved:
+            args.backbone, args.fpn_channels = saved["backbone"], saved["fpn_channels"]
+            model_config.update(backbone=args.backbone, fpn_channels=args.fpn_channels)
+    pretrained = bool(args.backbone_weights or args.pretrained_backbone)
+    freeze_bn = args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained)
+    if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
+        logger.info("backbone from scratch (no --backbone_weights): its BatchNorm is trained, not frozen")
+    model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
+                      pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
+                      backbone_weights=None if args.evaluate_only else args.backbone_weights,
+                      freeze_backbone_bn=freeze_bn)
+    if args.evaluate_only:
+        ckpt.load_model_weights(model, args.evaluate_only)
+        logger.info("loaded weights from %s", ckpt.weights_path(args.evaluate_only))
+    if args.sync_bn and accelerator.num_processes > 1:
+        if accelerator.device.type == "cuda":
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:
+            logger.warning("--sync_bn needs CUDA devices; ignored on %s", accelerator.device.type)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("RetinaNet %s: %.2fM parameters (%.2fM trainable)", args.backbone, n_params / 1e6, n_train / 1e6)
+    if accelerator.is_main_process:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        s = int(math.ceil(args.image_size / 32) * 32)
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            model.eval()(torch.zeros(1, 3, s, s))
+        model.train()
+        logger.info("forward cost at %dx%d: %.1f GFLOPs per image", s, s, fc.get_total_flops() / 1e9)
+    anchor_gen = AnchorGenerator()
+
+    config = {k: v for k, v in vars(args).items()}
+    config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
+                  synthetic_data=synthetic, num_classes=len(category_map), **{f"data_{k}": v for k, v in paths.items()})
+    if accelerator.is_main_process:
+        save_config(config, args.output_dir)
+        logger.info("config: %s", json.dumps(config, default=str))
+    metrics = MetricsLogger(accelerator, args.output_dir)
+    evaluator = CocoEvaluator(val_ds.coco.dataset, backend=args.coco_eval_backend)
+
+    if args.evaluate_only:
+        model, val_loader = accelerator.prepare(model, val_loader)
+        init_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name)
+        stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, accelerator, args)
+        metrics.log({"epoch": None, "step": 0, **stats}, step=0)
+        if accelerator.is_main_process:
+            with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
+                json.dump(evaluator.results, f)
+            logger.info("evaluation of %s: %s", args.evaluate_only, " ".join(f"{k}={v:.4f}" for k, v in stats.items()))
+        accelerator.end_training()
+        return stats
+
+    # ---- optimizer and schedule
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    else:
+        optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+    steps_per_epoch = max(1, len(train_loader) // args.gradient_accumulation_steps)
+    scheduler = build_scheduler(args, optimizer, steps_per_epoch)
+    accelerator.register_for_checkpointing(scheduler)
+    state = ckpt.TrainState()
+    accelerator.register_for_checkpointing(state)
+
+    resume = ckpt.resolve_resume(args.output_dir, args.resume_from_checkpoint)
+    if resume:
+        accelerator.load_state(resume)
+        state.load_state_dict(ckpt.read_train_state(resume).state_dict())
+        logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", resume, state.epoch,
+                    state.step_in_epoch, state.global_step, optimizer.param_groups[0]["lr"])
+    state.run_id = init_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name)
+
+    # ---- train
+    total_steps = args.max_steps or args.epochs * steps_per_epoch
+    progress = tqdm(total=total_steps, initial=state.global_step, desc="train", disable=not accelerator.is_local_main_process)
+    last_stats = None
+    done = state.global_step >= total_steps
+    while state.epoch < args.epochs and not done:
+        epoch = state.epoch
+        model.train()
+        train_loader.set_epoch(epoch)
+        loader = train_loader
+        if state.step_in_epoch:  # resuming mid-epoch: the seeded order of this epoch, minus what was done
+            loader = accelerator.skip_first_batches(train_loader, state.step_in_epoch * args.gradient_accumulation_steps)
+        sums = torch.zeros(4, device=accelerator.device)  # loss, cls, box, steps: summed on device, read at log time
+        epoch_sums = torch.zeros(2, device=accelerator.device)
+        t0 = time.time()
+        for batch in loader:
+            with accelerator.accumulate(model):
+                images = batch["images"]
+                if args.channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                out = model(images)
+                anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
+                losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
+                                        batch["crowd_boxes"], box_loss=args.box_loss)
+                accelerator.backward(losses["loss"])
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            sums += torch.stack([losses["loss"].detach(), losses["cls_loss"].detach(), losses["box_loss"].detach(),
+                                 torch.ones((), device=sums.device)])
+            if not accelerator.sync_gradients:
+                continue
+            state.global_step += 1
+            state.step_in_epoch += 1
+            progress.update(1)
+            if args.lr_scheduler != "plateau":
+                scheduler.step()
+            if state.global_step % args.log_interval == 0 or state.global_step == total_steps:
+                s = accelerator.reduce(sums, reduction="mean")
+                loss, cls_l, box_l = (s[:3] / s[3].clamp(min=1)).tolist()
+                epoch_sums += torch.stack([sums[0], sums[3]])
+                sums.zero_()
+                lr = optimizer.param_groups[0]["lr"]
+                if not math.isfinite(loss):
+                    logger.error("non-finite loss %.4g at step %d", loss, state.global_step)
+                progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                metrics.log({"epoch": epoch, "step": state.global_step, "loss": loss, "cls_loss": cls_l,
+                             "box_loss": box_l, "lr": lr, "images_per_s": len(batch["image_ids"]) * accelerator.num_processes
+                             * args.log_interval / max(1e-9, time.time() - t0)}, step=state.global_step)
+                t0 = time.time()
+            if state.global_step >= total_steps:
+                done = True
+                break
+        epoch_sums += torch.stack([sums[0], sums[3]])
+        finished_epoch = not done or state.step_in_epoch >= steps_per_epoch
+        if finished_epoch:
+            state.epoch, state.step_in_epoch = epoch + 1, 0
+        mean_loss = accelerator.reduce(epoch_sums, reduction="mean")
+        mean_loss = float(mean_loss[0] / mean_loss[1].clamp(min=1))
+        if args.lr_scheduler == "plateau" and finished_epoch:
+            scheduler.step(mean_loss)  # the same value on every rank, so every rank's LR stays in step
+        logger.info("epoch %d: mean loss %.4f, lr %.3g", epoch, mean_loss, optimizer.param_groups[0]["lr"])
+
+        last = done or state.epoch >= args.epochs
+        if (epoch + 1) % args.eval_interval == 0 or last:
+            stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, accelerator, args)
+            last_stats = stats
+            metrics.log({"epoch": epoch, "step": state.global_step, **stats}, step=state.global_step)
+            logger.info("epoch %d eval: %s", epoch, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
+            if stats["AP"] > state.best_metric:
+                state.best_metric = stats["AP"]
+                ckpt.save_model_weights(accelerator, model, os.path.join(args.output_dir, "best"), model_config)
+                logger.info("new best AP %.4f, saved %s/best/model.safetensors", stats["AP"], args.output_dir)
+            if accelerator.is_main_process:
+                with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
+                    json.dump(evaluator.results, f)
+        path = ckpt.save_checkpoint(accelerator, args.output_dir, state, args.checkpoint_total_limit)
+        logger.info("saved checkpoint %s", path)
+    progress.close()
+    ckpt.save_model_weights(accelerator, model, os.path.join(args.output_dir, "last"), model_config)
+    accelerator.end_training()
+    return last_stats
+
+
+if __name__ == "__main__":
+    main()
