@@ -29,6 +29,23 @@ logger = logging.getLogger(__name__)
 # The order of COCOeval.stats (pycocotools cocoeval.py, COCOeval.summarize / _summarizeDets).
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 BACKENDS = ("auto", "pycocotools", "faster")
+_STAT_TITLES = (
+    ("Average Precision", "0.50:0.95", "all", 100), ("Average Precision", "0.50", "all", 100),
+    ("Average Precision", "0.75", "all", 100), ("Average Precision", "0.50:0.95", "small", 100),
+    ("Average Precision", "0.50:0.95", "medium", 100), ("Average Precision", "0.50:0.95", "large", 100),
+    ("Average Recall", "0.50:0.95", "all", 1), ("Average Recall", "0.50:0.95", "all", 10),
+    ("Average Recall", "0.50:0.95", "all", 100), ("Average Recall", "0.50:0.95", "small", 100),
+    ("Average Recall", "0.50:0.95", "medium", 100), ("Average Recall", "0.50:0.95", "large", 100),
+)
+
+
+def format_stats(stats: dict[str, float]) -> str:
+    """The 12 stats in the layout of pycocotools' summarize(), whatever backend computed them."""
+    lines = []
+    for name, (title, iou, area, dets) in zip(STAT_NAMES, _STAT_TITLES):
+        kind = "(AP)" if title.startswith("Average Precision") else "(AR)"
+        lines.append(f" {title:<18} {kind} @[ IoU={iou:<9} | area={area:>6s} | maxDets={dets:>3d} ] = {stats[name]:0.3f}  {name}")
+    return "\n".join(lines)
 
 
 def to_builtin(obj):
@@ -98,7 +115,7 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
         backend: "pycocotools", "faster" or "auto".
     Returns:
         (stats, summary): the 12 stats by `STAT_NAMES` (-1 where COCO has nothing to measure, e.g. no
-        small objects), and COCOeval's printed summary. With no result at all the stats are all 0.0 and a
+        small objects), and their printout (`format_stats`). With no result at all the stats are all 0.0 and a
         warning is logged (pycocotools' loadRes cannot take an empty list, case B06).
     Raises:
         ValueError: if a result names an image id that is not in the ground truth (the message lists them),
@@ -120,8 +137,7 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
     # pycocotools >= 2.0.9 copies these in loadRes(); hand-made json often lacks them (case B11).
     gt.setdefault("info", {})
     gt.setdefault("licenses", [])
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(io.StringIO()):
         coco_gt = COCO()
         coco_gt.dataset = copy.deepcopy(gt)
         coco_gt.createIndex()
@@ -133,7 +149,7 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
         ev.accumulate()
         ev.summarize()
     stats = {k: float(v) for k, v in zip(STAT_NAMES, ev.stats)}
-    return stats, out.getvalue()
+    return stats, format_stats(stats)
 
 
 class CocoEvaluator:

@@ -23,6 +23,7 @@ import io
 import logging
 import math
 import os
+import random
 from typing import Callable
 
 import numpy as np
@@ -79,6 +80,9 @@ class CocoDetection(torch.utils.data.Dataset):
         train: on a decode failure, substitute the next image (training) instead of returning an invalid
             sample (evaluation).
         category_map: use this mapping instead of building one from the file (val must share train's).
+        seed: when given, the random augmentation of a sample is a function of (seed, epoch, index) alone
+            (see `set_epoch`), so it does not depend on the number of workers or processes, and a run
+            resumed mid-epoch sees exactly the augmentations the uninterrupted run saw.
     Item: dict with
         image: [3, h, w] uint8 RGB, after the transform
         boxes: [N, 4] float32 xyxy pixels of the transformed image;  labels: [N] int64 in 0..K-1
@@ -99,7 +103,10 @@ class CocoDetection(torch.utils.data.Dataset):
         min_box_size: float = 1.0,
         train: bool = True,
         category_map: CategoryMap | None = None,
+        seed: int | None = None,
     ):
+        self.seed = seed
+        self.epoch = 0
         if not os.path.isdir(image_dir):
             raise FileNotFoundError(f"image folder not found: {image_dir}")
         self.coco = load_coco_api(annotation_file)
@@ -166,6 +173,11 @@ class CocoDetection(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.records)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's augmentation stream (with `seed`). DataLoader workers must be re-created
+        each epoch to see it (`persistent_workers=False`)."""
+        self.epoch = int(epoch)
+
     @property
     def num_classes(self) -> int:
         return len(self.category_map)
@@ -188,7 +200,8 @@ class CocoDetection(torch.utils.data.Dataset):
         sample = make_sample(image, torch.from_numpy(rec["boxes"]), torch.from_numpy(rec["labels"]),
                              torch.from_numpy(rec["iscrowd"]))
         if self.transform is not None:
-            sample = self.transform(sample)
+            with _sample_rng(self.seed, self.epoch, index):
+                sample = self.transform(sample)
         crowd = sample["iscrowd"]
         boxes = sample["boxes"].as_subclass(torch.Tensor)
         return {
@@ -215,6 +228,23 @@ class CocoDetection(torch.utils.data.Dataset):
                             "labels": torch.zeros((0,), dtype=torch.int64), "crowd_boxes": torch.zeros((0, 4)),
                             "image_id": rec["id"], "orig_size": rec["size"], "scale": (1.0, 1.0), "valid": False}
         raise RuntimeError(f"10 images in a row starting at index {index} could not be read; see the warnings above")
+
+
+@contextlib.contextmanager
+def _sample_rng(seed: int | None, epoch: int, index: int):
+    """Seed torch's and Python's RNG for one sample's transform, restoring the outer state afterwards."""
+    if seed is None:
+        yield
+        return
+    state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        s = (seed * 1_000_003 + epoch) * 1_000_000_007 + index
+        torch.manual_seed(s % (2**63))
+        random.seed(s)
+        try:
+            yield
+        finally:
+            random.setstate(state)
 
 
 def _pad_boxes(items: list[torch.Tensor], fill: float) -> torch.Tensor:

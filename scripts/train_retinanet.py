@@ -147,7 +147,8 @@ def build_dataloaders(args, paths: dict[str, str]):
     train_ds = None
     if paths.get("train_annotations"):
         train_ds = CocoDetection(paths["train_images"], paths["train_annotations"],
-                                 build_transform(args.image_size, args.augmentation), include_crowd=args.include_crowd)
+                                 build_transform(args.image_size, args.augmentation), include_crowd=args.include_crowd,
+                                 seed=args.seed)
         if train_ds.category_map.category_ids != val_ds.category_map.category_ids:
             raise ValueError("training and validation json have different categories: "
                              f"{train_ds.category_map.category_ids} vs {val_ds.category_map.category_ids}")
@@ -158,8 +159,9 @@ def build_dataloaders(args, paths: dict[str, str]):
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
         logger.warning(msg)
-    common = dict(num_workers=workers, collate_fn=collate_detection, pin_memory=torch.cuda.is_available(),
-                  persistent_workers=workers > 0)
+    # Workers are not persistent: each epoch's workers get a fresh copy of the data set with its epoch set
+    # (the augmentation stream, see CocoDetection.set_epoch).
+    common = dict(num_workers=workers, collate_fn=collate_detection, pin_memory=torch.cuda.is_available())
     train_loader = None
     if train_ds is not None:
         train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size, shuffle=True,
@@ -246,7 +248,11 @@ def main(argv=None):
         paths = resolve_data(args)
         if args.evaluate_only:
             paths = {**paths, "train_images": None, "train_annotations": None}
-        train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
+        try:
+            train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
+        except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
+            logger.error("%s", e)
+            raise SystemExit(f"error: {e}") from None
     category_map = val_ds.category_map
 
     # ---- model
@@ -339,6 +345,7 @@ def main(argv=None):
         epoch = state.epoch
         model.train()
         train_loader.set_epoch(epoch)
+        train_ds.set_epoch(epoch)
         loader = train_loader
         if state.step_in_epoch:  # resuming mid-epoch: the seeded order of this epoch, minus what was done
             loader = accelerator.skip_first_batches(train_loader, state.step_in_epoch * args.gradient_accumulation_steps)

@@ -1,0 +1,62 @@
+"""Shared test helpers: where the real data lies, tiny COCO files, and launching the scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+COCO_SUBSET = SHARED_DATA / "coco_subset"
+
+needs_coco_subset = pytest.mark.skipif(not (COCO_SUBSET / "annotations" / "instances_train.json").is_file(),
+                                       reason="../shared/data/coco_subset is not present")
+
+
+def write_coco(path: Path, images: list[dict], annotations: list[dict], categories: list[dict] | None = None,
+               info: bool = True) -> Path:
+    """Write a COCO json; ids of annotations are filled in when missing."""
+    for i, a in enumerate(annotations):
+        a.setdefault("id", i + 1)
+        a.setdefault("iscrowd", 0)
+        a.setdefault("area", float(a["bbox"][2] * a["bbox"][3]))
+    data = {"images": images, "annotations": annotations, "categories": categories or [{"id": 1, "name": "thing"}]}
+    if info:
+        data["info"] = {}
+        data["licenses"] = []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def write_image(path: Path, width: int, height: int, seed: int = 0, mode: str = "RGB", fmt: str | None = None) -> Path:
+    """A random-noise image file (so a JPEG has real content)."""
+    rng = np.random.RandomState(seed)
+    arr = rng.randint(0, 256, (height, width, 3), dtype=np.uint8)
+    img = Image.fromarray(arr).convert(mode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path, format=fmt)
+    return path
+
+
+def run_script(script: str, args: list[str], config: str = "cpu.yaml", timeout: int = 600, env: dict | None = None,
+               check: bool = True) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/<config> scripts/<script> <args>` from the repo root."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
+           str(REPO / "scripts" / script), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]

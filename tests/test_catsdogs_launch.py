@@ -1,0 +1,210 @@
+"""End-to-end runs of scripts/train_catsdogs.py through `accelerate launch`, on tiny folders, asserting on
+what the runs leave behind (metrics.jsonl, predictions, checkpoints, weights, the wandb folder).
+
+Cases of ../shared/cases/README.md: B13, B16, B19, B21, B24-B27 (a whole run), B31.
+Every run uses the tiny timm model `test_resnet` at 32 px, so a launch takes seconds on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_catsdogs import make_bad_folder, make_tiny_folder
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "train_catsdogs.py"
+FAST = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "0", "--per_device_batch_size", "4",
+        "--log_interval", "1"]
+
+
+def launch(config: str, args: list[str], script: Path = SCRIPT, timeout: int = 300, env: dict | None = None):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
+           str(script), *map(str, args)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "WANDB_SILENT": "true", **(env or {})})
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if "loss" in m], [m for m in lines if "val_accuracy" in m]
+
+
+def read_predictions(out: Path) -> dict[str, tuple[str, float]]:
+    with open(out / "predictions_val.csv") as f:
+        return {row["path"]: (row["pred"], float(row["confidence"])) for row in csv.DictReader(f)}
+
+
+def assert_processes(out: Path, n: int) -> None:
+    # `accelerate launch --cpu --num_processes 2` silently starts one process: check the count really used
+    assert f" {n} process(es)" in (out / "train.log").read_text()
+
+
+def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path):
+    train = make_tiny_folder(tmp_path / "train", [8, 8])
+    val = make_tiny_folder(tmp_path / "val", [3, 2], seed=1)  # 5 images: 2 processes x batch 2 pad to 6 / 8
+    out = tmp_path / "run"
+    launch("cpu_2proc.yaml", [*FAST, "--train_dir", train, "--val_dir", val, "--epochs", "2",
+                              "--per_device_eval_batch_size", "2", "--output_dir", out, "--report_to", "wandb"],
+           env={"WANDB_MODE": "offline"})
+    assert_processes(out, 2)
+    train_lines, evals = read_metrics(out)
+    assert [m["epoch"] for m in evals] == [0, 1] and [m["num_val_samples"] for m in evals] == [5, 5]
+    assert train_lines[-1]["step"] == evals[-1]["step"] == 4  # 16 images / (2 x 4) per step, 2 epochs
+    trained = read_predictions(out)
+    assert len(trained) == 5
+
+    # B21: one wandb run (the main process), holding the confusion matrix and the misclassified table
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    tables = runs[0] / "files" / "media" / "table"
+    assert len(list(tables.glob("val_confusion_matrix*.table.json"))) == 2  # one per evaluation
+    wrong = sum(pred != Path(path).parent.name for path, (pred, _) in trained.items())
+    last_table = sorted(tables.glob("val_misclassified*.table.json"), key=lambda p: p.stat().st_mtime)[-1]
+    table = json.loads(last_table.read_text())
+    assert table["columns"][:4] == ["image", "path", "label", "predicted"] and len(table["data"]) == wrong
+
+    # B13: the last weights evaluated by 1 process, and by 2 with another padding (batch 3 -> 6)
+    for config, batch, n in (("cpu.yaml", 2, 1), ("cpu_2proc.yaml", 3, 2)):
+        ev = tmp_path / f"eval_{n}"
+        launch(config, ["--val_dir", val, "--evaluate_only", out / "last", "--per_device_eval_batch_size", batch,
+                        "--output_dir", ev, "--report_to", "none", "--num_workers", "0"])
+        assert_processes(ev, n)
+        (line,) = read_metrics(ev)[1]
+        assert line["num_val_samples"] == 5
+        assert line["val_accuracy"] == evals[-1]["val_accuracy"]
+        assert line["val_confusion_matrix"] == evals[-1]["val_confusion_matrix"]
+        assert line["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-5)
+        preds = read_predictions(ev)
+        assert {p: v[0] for p, v in preds.items()} == {p: v[0] for p, v in trained.items()}
+        for p in preds:
+            assert preds[p][1] == pytest.approx(trained[p][1], abs=1e-5)
+
+
+def test_case_b24_b25_b26_b27_bad_folder_trains_and_reports_skips(tmp_path):
+    bad = make_bad_folder(tmp_path / "train", good_per_class=6)
+    val = make_bad_folder(tmp_path / "val", good_per_class=2)  # the val set has the same faults
+    out = tmp_path / "run"
+    # also the other optimizer, label smoothing and gradient accumulation (4 batches -> 2 optimizer steps)
+    launch("cpu.yaml", [*FAST, "--train_dir", bad.root, "--val_dir", val.root, "--epochs", "1", "--output_dir", out,
+                        "--optimizer", "sgd", "--lr", "0.01", "--label_smoothing", "0.1", "--gradient_accumulation_steps", "2"])
+    log = (out / "train.log").read_text()
+    assert "train: 16 images in 2 classes (cats 8, dogs 8)" in log
+    assert "val: 8 images in 2 classes (cats 4, dogs 4)" in log
+    assert "train: skipped 3 unreadable image files (1 empty file, 1 not an image, 1 truncated)" in log
+    for name in bad.skipped:
+        assert str(bad.root / "cats" / name) in log
+    assert "hidden entries are not classes: ['.ipynb_checkpoints']" in log
+    train_lines, evals = read_metrics(out)
+    assert [m["step"] for m in train_lines] == [1, 2]  # 16 images / 4 / 2 accumulated: the whole epoch ran
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in train_lines)
+    assert evals[-1]["num_val_samples"] == 8 and len(evals[-1]["val_confusion_matrix"]) == 2
+    from safetensors.torch import load_file
+
+    assert load_file(str(out / "best" / "model.safetensors"))["fc.weight"].shape == (2, 96)
+    config = (out / "config.yaml").read_text()
+    assert "classes:\n- cats\n- dogs\n" in config and "num_train_images: 16" in config
+
+
+def test_case_b19_resume_continues_the_same_run(tmp_path):
+    train = make_tiny_folder(tmp_path / "train", [8, 8])
+    val = make_tiny_folder(tmp_path / "val", [2, 2], seed=1)
+    common = [*FAST, "--train_dir", train, "--val_dir", val, "--epochs", "3", "--checkpoint_total_limit", "0"]
+    full = tmp_path / "full"
+    launch("cpu.yaml", [*common, "--output_dir", full])
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["epoch_0001", "epoch_0002", "epoch_0003"]
+    # a run that stopped after its first epoch: its output folder holds that checkpoint only
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints" / "epoch_0001", resumed / "checkpoints" / "epoch_0001")
+    launch("cpu.yaml", [*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"])
+    assert "resumed from" in (resumed / "train.log").read_text()
+    full_train, full_evals = read_metrics(full)
+    res_train, res_evals = read_metrics(resumed)
+    assert [m["step"] for m in res_train] == [5, 6, 7, 8, 9, 10, 11, 12]
+    by_step = {m["step"]: m for m in full_train}
+    for m in res_train:
+        ref = by_step[m["step"]]
+        assert m["epoch"] == ref["epoch"] and m["lr"] == ref["lr"]
+        assert m["loss"] == pytest.approx(ref["loss"], rel=1e-4)  # same data order, augmentation and weights
+    assert [m["epoch"] for m in res_evals] == [1, 2]
+    assert res_evals[-1]["val_loss"] == pytest.approx(full_evals[-1]["val_loss"], rel=1e-4)
+    state = json.loads((resumed / "checkpoints" / "epoch_0003" / "trainer_state.json").read_text())
+    assert state["epoch"] == 3 and state["global_step"] == 12 and state["step_in_epoch"] == 0
+
+
+def test_case_b16_mixed_precision_clips_the_fp32_gradient(tmp_path):
+    # On the CPU accelerate autocasts bf16 only (fp16 runs in fp32, without a GradScaler); the fp16 + GradScaler
+    # path is checked where a GPU is present.
+    config, mixed = ("1gpu.yaml", ("bf16", "fp16")) if torch.cuda.is_available() else ("cpu.yaml", ("bf16",))
+    train = make_tiny_folder(tmp_path / "train", [4, 4])
+    val = make_tiny_folder(tmp_path / "val", [1, 1], seed=1)
+    norms = {}
+    for precision in ("no", *mixed):
+        out = tmp_path / precision
+        launch(config, [*FAST, "--train_dir", train, "--val_dir", val, "--max_steps", "1", "--epochs", "1",
+                            "--max_grad_norm", "1.0", "--mixed_precision", precision, "--output_dir", out])
+        assert f"mixed precision {precision}" in (out / "train.log").read_text()
+        (line,) = read_metrics(out)[0]
+        norms[precision] = line["grad_norm"]
+        from safetensors.torch import load_file
+
+        weights = load_file(str(out / "last" / "model.safetensors"))
+        assert {v.dtype for k, v in weights.items() if v.is_floating_point()} == {torch.float32}  # master weights
+    assert norms["no"] > 1.0  # clipping is active in this test
+    for precision in mixed:
+        # a norm taken on loss-scaled fp16 gradients would be off by the scale (2**16 at the start)
+        assert norms[precision] != norms["no"]  # the low-precision forward really ran
+        assert norms[precision] == pytest.approx(norms["no"], rel=0.05), norms
+
+
+B31_HELPER = textwrap.dedent('''
+    import importlib.util, json, os, sys
+    spec = importlib.util.spec_from_file_location("train_catsdogs", sys.argv[1])
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from detlib.runtime import make_accelerator
+    out = sys.argv[3]
+    args = script.parse_args(["--train_dir", sys.argv[2], "--val_dir", sys.argv[2], "--image_size", "16",
+                              "--per_device_batch_size", "2", "--num_workers", "0", "--output_dir", out])
+    accelerator = make_accelerator(None, 1, "none", out, seed=args.seed)
+    _, _, train_loader, _ = script.build_dataloaders(args, {"train_dir": args.train_dir, "val_dir": args.val_dir})
+    train_loader = accelerator.prepare(train_loader)
+    seen = [[b["index"].tolist() for b in script.epoch_loader(accelerator, train_loader, e)] for e in range(3)]
+    resumed = [b["index"].tolist() for b in script.epoch_loader(accelerator, train_loader, 2, batches_done=1)]
+    with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump({"epochs": seen, "resumed": resumed, "processes": accelerator.num_processes}, f)
+''')
+
+
+def test_case_b31_each_epoch_a_new_order_and_disjoint_shards(tmp_path):
+    data = make_tiny_folder(tmp_path / "data", [4, 4])  # 8 items
+    helper = tmp_path / "b31_helper.py"
+    helper.write_text(B31_HELPER)
+    out = tmp_path / "out"
+    out.mkdir()
+    launch("cpu_2proc.yaml", [SCRIPT, data, out], script=helper)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["processes"] for r in ranks] == [2, 2]
+    orders = []
+    for e in range(3):
+        shards = [sum(r["epochs"][e], []) for r in ranks]
+        assert len(shards[0]) == len(shards[1]) == 4
+        assert not set(shards[0]) & set(shards[1])  # disjoint within the epoch
+        assert sorted(shards[0] + shards[1]) == list(range(8))  # together: the whole data set
+        orders.append(shards)
+    assert orders[0] != orders[1] != orders[2] and orders[0] != orders[2]
+    for r in ranks:  # resuming after 1 batch of epoch 2 gives that epoch's remaining batches
+        assert r["resumed"] == r["epochs"][2][1:]
