@@ -136,7 +136,10 @@ def build_backbone(name: str, pretrained: bool = False, weights_path: str | None
         raise ValueError(f"timm model '{name}' has feature reductions {reductions}; RetinaNet needs 8, 16 and 32")
     if weights_path:
         sd = load_state_dict_file(weights_path)
-        result = backbone.load_state_dict(sd, strict=False)
+        try:
+            result = backbone.load_state_dict(sd, strict=False)
+        except RuntimeError as e:  # shape mismatches
+            raise ValueError(f"{weights_path} does not fit timm '{name}': {e}") from e
         if result.missing_keys:
             raise ValueError(
                 f"{weights_path} does not fit timm '{name}': {len(result.missing_keys)} backbone keys missing, "

@@ -12,7 +12,7 @@ Augmentation levels (`--augmentation`):
   flip                 horizontal flip (p = 0.5)
   flip_crop_translate  flip, a random crop keeping 60-100 % of each side (p = 0.5), and a random
                        translation of up to 10 % of each side (p = 0.5): the seed recipe's "-aug".
-Every level ends with a resize of the longer side to `image_size` (aspect ratio kept).
+Every level ends with a resize to `image_size` (aspect ratio kept; see `ResizeLongestSide`).
 """
 
 from __future__ import annotations
@@ -58,18 +58,26 @@ class RandomCropFraction:
 
 
 class ResizeLongestSide:
-    """Resize so the longer side is `size` pixels, keeping the aspect ratio (boxes follow).
+    """Resize keeping the aspect ratio (boxes follow).
+
+    With `max_size=None` the longer side becomes `size` (the seed recipe's "600 px"). With `max_size` the
+    shorter side becomes `size` unless that makes the longer side exceed `max_size` (Detectron's
+    "800 / 1333" convention of the standard COCO recipes).
 
     Records `scale` = (new_h / old_h, new_w / old_w) in the sample, which decoding divides out to give
     boxes in the original image's pixels.
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, max_size: int | None = None):
         self.size = int(size)
+        self.max_size = max_size
 
     def __call__(self, sample: dict) -> dict:
         h, w = sample["image"].shape[-2:]
-        ratio = self.size / max(h, w)
+        if self.max_size is None:
+            ratio = self.size / max(h, w)
+        else:
+            ratio = min(self.size / min(h, w), self.max_size / max(h, w))
         nh, nw = max(1, int(round(h * ratio))), max(1, int(round(w * ratio)))
         out = dict(sample)
         out["image"] = F.resize(sample["image"], [nh, nw], antialias=True)
@@ -78,8 +86,10 @@ class ResizeLongestSide:
         return out
 
 
-def build_transform(image_size: int, augmentation: str = "none") -> v2.Compose:
+def build_transform(image_size: int, augmentation: str = "none", max_size: int | None = None) -> v2.Compose:
     """The sample transform for training (`augmentation` as above) or evaluation (`"none"`).
+
+    `image_size` is the longer side, or with `max_size` the shorter side (see `ResizeLongestSide`).
 
     Raises:
         ValueError: for an unknown augmentation name.
@@ -92,7 +102,7 @@ def build_transform(image_size: int, augmentation: str = "none") -> v2.Compose:
     if augmentation == "flip_crop_translate":
         steps.append(RandomCropFraction(min_fraction=0.6, p=0.5))
         steps.append(v2.RandomApply([v2.RandomAffine(degrees=0.0, translate=(0.1, 0.1))], p=0.5))
-    steps.append(ResizeLongestSide(image_size))
+    steps.append(ResizeLongestSide(image_size, max_size))
     steps.append(v2.SanitizeBoundingBoxes(min_size=1.0, labels_getter=_box_fields))
     return v2.Compose(steps)
 

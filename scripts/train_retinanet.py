@@ -9,7 +9,7 @@ COCO 2017 on 2 GPUs (fp16), the seed recipe (AdamW 1e-4, plateau, 600 px, 12 epo
 
 The standard SGD 1x recipe at 800 px (8 GPUs x 2 images):
     accelerate launch --config_file accelerate_configs/8gpu.yaml scripts/train_retinanet.py --data_dir /data/coco \
-        --image_size 800 --per_device_batch_size 2 --optimizer sgd --lr 0.01 --lr_scheduler multistep --max_grad_norm 0
+        --image_size 800 --max_size 1333 --per_device_batch_size 2 --optimizer sgd --lr 0.01 --lr_scheduler multistep --max_grad_norm 0
 
 Any COCO-format data set:
     ... scripts/train_retinanet.py --train_images DIR --train_annotations train.json --val_images DIR --val_annotations val.json
@@ -62,7 +62,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--train_annotations", help="COCO json of the training set")
     g.add_argument("--val_images")
     g.add_argument("--val_annotations")
-    g.add_argument("--image_size", type=int, help="longer image side in pixels (600; 160 on the built-in data)")
+    g.add_argument("--image_size", type=int, help="longer image side in pixels (600; 160 on the built-in data); "
+                   "with --max_size, the shorter side")
+    g.add_argument("--max_size", type=int, help="resize the shorter side to --image_size, the longer to at most this "
+                   "(800 / 1333 is the standard COCO setting)")
     g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--num_workers", type=int, default=4)
@@ -109,6 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--output_dir", default="outputs/retinanet")
     g.add_argument("--checkpoint_total_limit", type=int, default=2, help="keep the last N checkpoints")
+    g.add_argument("--checkpoint_interval", type=int, default=1, help="save a checkpoint every N epochs (and at the end)")
     g.add_argument("--resume_from_checkpoint", metavar="latest|PATH")
 
     g = p.add_argument_group("logging")
@@ -142,12 +146,12 @@ def resolve_data(args) -> dict[str, str]:
 
 def build_dataloaders(args, paths: dict[str, str]):
     """The training and validation data sets and loaders (unprepared)."""
-    val_ds = CocoDetection(paths["val_images"], paths["val_annotations"], build_transform(args.image_size, "none"),
+    val_ds = CocoDetection(paths["val_images"], paths["val_annotations"], build_transform(args.image_size, "none", args.max_size),
                            include_crowd=args.include_crowd, train=False)
     train_ds = None
     if paths.get("train_annotations"):
         train_ds = CocoDetection(paths["train_images"], paths["train_annotations"],
-                                 build_transform(args.image_size, args.augmentation), include_crowd=args.include_crowd,
+                                 build_transform(args.image_size, args.augmentation, args.max_size), include_crowd=args.include_crowd,
                                  seed=args.seed)
         if train_ds.category_map.category_ids != val_ds.category_map.category_ids:
             raise ValueError("training and validation json have different categories: "
@@ -155,7 +159,7 @@ def build_dataloaders(args, paths: dict[str, str]):
         if train_ds.num_target_boxes() == 0:
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
                              "training set; nothing to learn from (use --include_crowd to train on crowd boxes)")
-    bytes_per_batch = 3 * args.image_size ** 2 * args.per_device_batch_size
+    bytes_per_batch = 3 * args.image_size * (args.max_size or args.image_size) * args.per_device_batch_size
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
         logger.warning(msg)
@@ -287,7 +291,7 @@ def main(argv=None):
     if accelerator.is_main_process:
         from torch.utils.flop_counter import FlopCounterMode
 
-        s = int(math.ceil(args.image_size / 32) * 32)
+        s = int(math.ceil((args.max_size or args.image_size) / 32) * 32)
         with torch.no_grad(), FlopCounterMode(display=False) as fc:
             model.eval()(torch.zeros(1, 3, s, s))
         model.train()
@@ -414,8 +418,9 @@ def main(argv=None):
             if accelerator.is_main_process:
                 with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
                     json.dump(evaluator.results, f)
-        path = ckpt.save_checkpoint(accelerator, args.output_dir, state, args.checkpoint_total_limit)
-        logger.info("saved checkpoint %s", path)
+        if last or (epoch + 1) % args.checkpoint_interval == 0:
+            path = ckpt.save_checkpoint(accelerator, args.output_dir, state, args.checkpoint_total_limit)
+            logger.info("saved checkpoint %s", path)
     progress.close()
     ckpt.save_model_weights(accelerator, model, os.path.join(args.output_dir, "last"), model_config)
     accelerator.end_training()
