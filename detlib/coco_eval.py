@@ -171,6 +171,11 @@ class CocoEvaluator:
         self.per_image: dict[int, list[dict]] = {}
         self.failed: set[int] = set()
 
+    def reset(self) -> None:
+        """Forget everything recorded (call before each evaluation pass)."""
+        self.per_image.clear()
+        self.failed.clear()
+
     def add(self, image_id: int, results: list[dict]) -> None:
         """Record one image's COCO result dicts. A repeated image id keeps its first results."""
         self.per_image.setdefault(int(image_id), results)

@@ -31,6 +31,7 @@ import sys
 import time
 
 import torch
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
@@ -201,8 +202,7 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
     Every process runs the whole loop and the gather (case B15); returns the stats on every process.
     """
     model.eval()
-    evaluator.per_image.clear()
-    evaluator.failed.clear()
+    evaluator.reset()
     for batch in tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False):
         out = model(batch["images"])
         anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
@@ -221,8 +221,6 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
         stats, summary = evaluator.evaluate()
         logger.info("COCO evaluation on %d images:\n%s", evaluator.num_images, summary)
         result = [stats]
-    from accelerate.utils import broadcast_object_list
-
     broadcast_object_list(result)
     model.train()
     return result[0]
@@ -390,7 +388,7 @@ def main(argv=None):
                 progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
                 metrics.log({"epoch": epoch, "step": state.global_step, "loss": loss, "cls_loss": cls_l,
                              "box_loss": box_l, "lr": lr, "images_per_s": len(batch["image_ids"]) * accelerator.num_processes
-                             * args.log_interval / max(1e-9, time.time() - t0)}, step=state.global_step)
+                             * args.gradient_accumulation_steps * args.log_interval / max(1e-9, time.time() - t0)}, step=state.global_step)
                 t0 = time.time()
             if state.global_step >= total_steps:
                 done = True
