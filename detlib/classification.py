@@ -390,8 +390,8 @@ def classification_metrics(preds: torch.Tensor, labels: torch.Tensor, num_classe
 
 # ---- the built-in data set
 
-SYNTHETIC_CLASSES = ("circle", "square")
-SYNTHETIC_VERSION = 1
+SYNTHETIC_CLASSES = ("horizontal", "vertical")
+SYNTHETIC_VERSION = 2
 
 
 def default_synthetic_root() -> str:
@@ -399,28 +399,26 @@ def default_synthetic_root() -> str:
     return os.path.join(base, f"synthetic_imagefolder_v{SYNTHETIC_VERSION}")
 
 
-def _draw_shape_image(rng: np.random.RandomState, size: int, cls: int) -> Image.Image:
+def _draw_stripes_image(rng: np.random.RandomState, size: int, cls: int) -> Image.Image:
+    """Stripes of random period, phase, contrast and colours, horizontal (class 0) or vertical (class 1), under
+    pixel noise and a random filled shape that both classes share (so no single colour or blob tells them apart)."""
+    period = rng.uniform(size / 10, size / 3)
+    wave = 0.5 + 0.5 * np.sin(2 * np.pi * np.arange(size) / period + rng.uniform(0, 2 * np.pi))
+    wave = wave[:, None] if cls == 0 else wave[None, :]  # rows (horizontal stripes) or columns
     c0, c1 = rng.randint(0, 256, 3), rng.randint(0, 256, 3)
-    t = np.linspace(0, 1, size)[None, :, None] if rng.rand() < 0.5 else np.linspace(0, 1, size)[:, None, None]
-    background = np.clip(c0 * (1 - t) + c1 * t + rng.normal(0, 18, (size, size, 3)), 0, 255).astype(np.uint8)
-    img = Image.fromarray(background)
+    img = c0 * (1 - wave[..., None]) + c1 * wave[..., None] + rng.normal(0, 20, (size, size, 3))
+    img = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
     draw = ImageDraw.Draw(img)
-    for _ in range(rng.randint(0, 4)):  # distractor lines, in both classes
-        pts = [tuple(int(v) for v in rng.randint(0, size, 2)) for _ in range(2)]
-        draw.line(pts, fill=tuple(int(v) for v in rng.randint(0, 256, 3)), width=int(rng.randint(1, 4)))
-    s = int(rng.randint(size * 3 // 10, size * 7 // 10 + 1))
-    x, y = int(rng.randint(0, size - s + 1)), int(rng.randint(0, size - s + 1))
+    s = int(rng.randint(size // 5, size // 2))
+    x, y = int(rng.randint(0, size - s)), int(rng.randint(0, size - s))
     colour = tuple(int(v) for v in rng.randint(0, 256, 3))
-    if cls == 0:
-        draw.ellipse([x, y, x + s - 1, y + s - 1], fill=colour)
-    else:
-        draw.rectangle([x, y, x + s - 1, y + s - 1], fill=colour)
+    (draw.ellipse if rng.rand() < 0.5 else draw.rectangle)([x, y, x + s - 1, y + s - 1], fill=colour)
     return img
 
 
 def make_synthetic_image_folder(root: str | None = None, num_train: int = 200, num_val: int = 50,
                                 image_size: int = 64, seed: int = 0) -> dict[str, str]:
-    """Generate (or reuse) a 2-class ImageFolder: one filled circle or square on a textured background.
+    """Generate (or reuse) a 2-class ImageFolder: horizontal vs vertical stripes (see `_draw_stripes_image`).
 
     `num_train` / `num_val` images per class, JPEG, seeded (the same files on every machine); a folder whose
     `generator.json` matches the arguments is reused.
@@ -436,14 +434,14 @@ def make_synthetic_image_folder(root: str | None = None, num_train: int = 200, n
         with open(marker) as f:
             if json.load(f) == params:
                 return dirs
-    logger.info("generating the built-in circle-vs-square image folder in %s", root)
+    logger.info("generating the built-in stripes image folder (horizontal vs vertical) in %s", root)
     for split, count, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
         rng = np.random.RandomState(split_seed)
         for cls, name in enumerate(SYNTHETIC_CLASSES):
             folder = os.path.join(root, split, name)
             os.makedirs(folder, exist_ok=True)
             for i in range(count):
-                _draw_shape_image(rng, image_size, cls).save(os.path.join(folder, f"{name}_{i:05d}.jpg"), quality=90)
+                _draw_stripes_image(rng, image_size, cls).save(os.path.join(folder, f"{name}_{i:05d}.jpg"), quality=90)
     with open(marker, "w") as f:
         json.dump(params, f)
     return dirs

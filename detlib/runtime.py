@@ -54,6 +54,16 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
     return accelerator
 
 
+def log_run_setup(accelerator) -> None:
+    """One line with the process count, device and precision (tests and users read the count from it),
+    and a warning when the requested mixed precision is not applied (accelerate runs "fp16" on a CPU in fp32)."""
+    logger.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
+                accelerator.mixed_precision)
+    if accelerator.mixed_precision != "no" and not accelerator.native_amp:
+        logger.warning("mixed precision %s is not applied on %s by accelerate: the run computes in fp32 "
+                       "(bf16 autocasts on CPUs)", accelerator.mixed_precision, accelerator.device.type)
+
+
 def resolve_trackers(report_to: str) -> list[str]:
     """Tracker names for `--report_to`; a tracker whose package is missing is dropped with a warning.
 

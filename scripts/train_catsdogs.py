@@ -1,6 +1,6 @@
 """Train and evaluate an image classifier (ResNet-18 by default, any timm model) on an ImageFolder with Accelerate.
 
-Built-in circle-vs-square data set, CPU (generated on first use, no download):
+Built-in data set (horizontal vs vertical stripes), CPU (generated on first use, no download):
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_catsdogs.py
 
 Kaggle "Dogs vs. Cats" (or any folder of class sub-folders) on 2 GPUs (fp16 from the config):
@@ -36,8 +36,9 @@ from detlib import checkpoint as ckpt
 from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, check_same_classes,
                                    classification_metrics, classification_transform, make_synthetic_image_folder,
                                    scan_image_folder)
-from detlib.runtime import (REPORT_TO, MetricsLogger, check_shared_memory, init_trackers, make_accelerator,
-                            save_config, setup_logging)
+from detlib.runtime import (REPORT_TO, MetricsLogger, check_shared_memory, init_trackers, log_run_setup,
+                            make_accelerator, save_config, setup_logging)
+from detlib.schedules import build_lr_scheduler
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -140,17 +141,9 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
 
 
 def build_scheduler(args, optimizer, total_steps: int):
-    """Linear warmup then cosine decay to 0, stepped once per optimizer step (not prepared by accelerate,
-    which would step it once per process)."""
+    """Linear warmup from 0 then cosine decay to 0, per optimizer step (see detlib.schedules)."""
     warmup = args.warmup_steps if args.warmup_steps is not None else int(round(0.05 * total_steps))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return build_lr_scheduler(optimizer, "cosine", total_steps, warmup_steps=warmup, warmup_start=0.0)
 
 
 def epoch_loader(accelerator, train_loader, epoch: int, batches_done: int = 0):
@@ -264,17 +257,13 @@ def main(argv=None):
     accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
                                    args.output_dir, seed=args.seed)
     setup_logging(args.output_dir, accelerator.is_main_process)
-    logger.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
-                accelerator.mixed_precision)
-    if accelerator.mixed_precision != "no" and not accelerator.native_amp:
-        logger.warning("mixed precision %s is not applied on %s by accelerate: the run computes in fp32 "
-                       "(bf16 autocasts on CPUs)", accelerator.mixed_precision, accelerator.device.type)
+    log_run_setup(accelerator)
 
     # ---- data
     with accelerator.main_process_first():  # the main process generates / checks the files, the others reuse it
         if synthetic:
             dirs = make_synthetic_image_folder()
-            logger.info("no --train_dir / --val_dir given: using the built-in circle-vs-square data set in %s "
+            logger.info("no --train_dir / --val_dir given: using the built-in stripes data set (horizontal vs vertical) in %s "
                         "(%s, %d px); pass --train_dir and --val_dir for real data", os.path.dirname(dirs["train_dir"]),
                         args.model, args.image_size)
         else:
@@ -331,8 +320,7 @@ def main(argv=None):
     total_steps = args.max_steps or args.epochs * steps_per_epoch
     scheduler = build_scheduler(args, optimizer, total_steps)
     accelerator.register_for_checkpointing(scheduler)
-    state = ckpt.TrainState()
-    accelerator.register_for_checkpointing(state)
+    state = ckpt.TrainState()  # saved as trainer_state.json with every checkpoint
 
     resume = ckpt.resolve_resume(args.output_dir, args.resume_from_checkpoint)
     if resume:

@@ -41,8 +41,9 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
 from detlib.loss import BOX_LOSSES, retinanet_loss
 from detlib.model import RetinaNet
-from detlib.runtime import (REPORT_TO, MetricsLogger, check_shared_memory, init_trackers, make_accelerator,
-                            save_config, setup_logging)
+from detlib.runtime import (REPORT_TO, MetricsLogger, check_shared_memory, init_trackers, log_run_setup,
+                            make_accelerator, save_config, setup_logging)
+from detlib.schedules import build_lr_scheduler
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, build_transform
 
@@ -176,23 +177,12 @@ def build_dataloaders(args, paths: dict[str, str]):
 
 
 def build_scheduler(args, optimizer, steps_per_epoch: int):
-    """LR schedule stepped once per optimizer step (not prepared by accelerate, which would step it once
-    per process), except "plateau", which is stepped once per epoch with the epoch's mean loss."""
+    """"plateau": ReduceLROnPlateau, stepped once per epoch with the epoch's mean loss. The others: a
+    per-optimizer-step schedule with linear warmup (see detlib.schedules)."""
     if args.lr_scheduler == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1, patience=args.plateau_patience)
-    total = args.max_steps or args.epochs * steps_per_epoch
-    milestones = [e * steps_per_epoch for e in args.lr_steps]
-
-    def factor(step: int) -> float:
-        warm = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps > 0 else 1.0
-        warm = 0.001 + (1 - 0.001) * warm  # Detectron's linear warmup from lr * 0.001
-        if args.lr_scheduler == "multistep":
-            return warm * 0.1 ** sum(step >= m for m in milestones)
-        if args.lr_scheduler == "cosine":
-            return warm * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, total))))
-        return warm
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return build_lr_scheduler(optimizer, args.lr_scheduler, total_steps=args.max_steps or args.epochs * steps_per_epoch,
+                              warmup_steps=args.warmup_steps, milestones=[e * steps_per_epoch for e in args.lr_steps])
 
 
 @torch.no_grad()
@@ -242,8 +232,7 @@ def main(argv=None):
     if synthetic:
         logger.info("no data given: training on the built-in synthetic shapes data set (%s, %d px, "
                     "fpn_channels %d); pass --data_dir for COCO", args.backbone, args.image_size, args.fpn_channels)
-    logger.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
-                accelerator.mixed_precision)
+    log_run_setup(accelerator)
 
     # ---- data
     with accelerator.main_process_first():  # the synthetic set is generated once, by the main process
@@ -324,11 +313,11 @@ def main(argv=None):
     else:
         optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    steps_per_epoch = max(1, len(train_loader) // args.gradient_accumulation_steps)
+    # accumulate() also steps at the end of the loader, so a partial last group is one more step.
+    steps_per_epoch = max(1, math.ceil(len(train_loader) / args.gradient_accumulation_steps))
     scheduler = build_scheduler(args, optimizer, steps_per_epoch)
     accelerator.register_for_checkpointing(scheduler)
-    state = ckpt.TrainState()
-    accelerator.register_for_checkpointing(state)
+    state = ckpt.TrainState()  # saved as trainer_state.json with every checkpoint
 
     resume = ckpt.resolve_resume(args.output_dir, args.resume_from_checkpoint)
     if resume:

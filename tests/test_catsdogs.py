@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from detlib import checkpoint as ckpt
-from detlib.classification import (ImageFolderDataset, build_classifier, classification_metrics,
+from detlib.classification import (SYNTHETIC_CLASSES, ImageFolderDataset, build_classifier, classification_metrics,
                                    classification_transform, find_classes, load_pretrained_weights,
                                    make_synthetic_image_folder, scan_image_folder)
 
@@ -93,9 +93,9 @@ def make_bad_folder(root: Path, good_per_class: int = 6, size: int = 40) -> BadF
 
 
 def make_tiny_folder(root: Path, per_class: list[int], size: int = 32, seed: int = 0) -> Path:
-    """Classes `circle`, `square` (the built-in generator's images) with the given counts."""
+    """The built-in generator's two classes (`horizontal`, `vertical` stripes) with the given counts."""
     dirs = make_synthetic_image_folder(str(root / "gen"), num_train=max(per_class), num_val=1, image_size=size, seed=seed)
-    for cls, n in zip(("circle", "square"), per_class):
+    for cls, n in zip(SYNTHETIC_CLASSES, per_class):
         (root / "set" / cls).mkdir(parents=True, exist_ok=True)
         for p in sorted(Path(dirs["train_dir"], cls).iterdir())[:n]:
             os.link(p, root / "set" / cls / p.name)
@@ -236,6 +236,22 @@ def test_shared_odd_files_load(tmp_path):
     ds = ImageFolderDataset(scan, classification_transform(32, train=False), train=False)
     shapes = {tuple(ds[i]["image"].shape) for i in range(len(ds))}
     assert shapes == {(3, 32, 32)}
+
+
+def test_built_in_data_set_is_seeded_and_cached(tmp_path):
+    a = make_synthetic_image_folder(str(tmp_path / "a"), num_train=3, num_val=2, image_size=24)
+    b = make_synthetic_image_folder(str(tmp_path / "b"), num_train=3, num_val=2, image_size=24)
+    scan = scan_image_folder(a["train_dir"])
+    assert scan.classes == list(SYNTHETIC_CLASSES) and scan.class_counts() == [3, 3] and not scan.skipped
+    assert scan_image_folder(a["val_dir"]).class_counts() == [2, 2]
+    files = sorted(Path(a["train_dir"]).rglob("*.jpg"))
+    assert [f.read_bytes() for f in files] == [f.read_bytes() for f in sorted(Path(b["train_dir"]).rglob("*.jpg"))]
+    mtimes = [f.stat().st_mtime_ns for f in files]
+    make_synthetic_image_folder(str(tmp_path / "a"), num_train=3, num_val=2, image_size=24)  # reused, not rewritten
+    assert [f.stat().st_mtime_ns for f in files] == mtimes
+    horizontal = np.asarray(Image.open(files[0]).convert("L"), dtype=np.float32)
+    # stripes along rows: the rows vary far less along themselves than the columns do
+    assert horizontal.std(axis=1).mean() < horizontal.std(axis=0).mean()
 
 
 # ---- the model and its weights (B18)

@@ -1,0 +1,48 @@
+"""Learning-rate schedules stepped once per optimizer step, shared by the training scripts.
+
+They are plain `LambdaLR`s and are NOT passed to `accelerator.prepare`: a prepared scheduler steps once per
+process on every call (so N times per step with N processes unless the batches are split), which would
+run the schedule N times too fast. The scripts step them after each optimizer step instead and register
+them for checkpointing, so a resumed run continues at the same LR.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+SCHEDULES = ("multistep", "cosine", "constant")
+
+
+def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, warmup_start: float = 0.001,
+              milestones: Sequence[int] = (), gamma: float = 0.1) -> float:
+    """Multiplier of the base LR at optimizer step `step` (0-based).
+
+    Linear warmup from `warmup_start` to 1 over `warmup_steps` (Goyal et al., "Accurate, Large Minibatch
+    SGD", section 2.2; Detectron starts at 0.001), then:
+      multistep  x gamma at each of `milestones` (optimizer steps)
+      cosine     half-cosine from 1 to 0 over the steps after the warmup
+      constant   1
+    Raises ValueError for an unknown kind.
+    """
+    if kind not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {kind!r}")
+    warm = 1.0
+    if warmup_steps > 0 and step < warmup_steps:
+        warm = warmup_start + (1.0 - warmup_start) * (step + 1) / warmup_steps
+    if kind == "multistep":
+        return warm * gamma ** sum(step >= m for m in milestones)
+    if kind == "cosine":
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return warm * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+    return warm
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, kind: str, total_steps: int, warmup_steps: int = 0,
+                       warmup_start: float = 0.001, milestones: Sequence[int] = (), gamma: float = 0.1):
+    """A `LambdaLR` following `lr_factor` (see there for the arguments)."""
+    ms = tuple(int(m) for m in milestones)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, kind, total_steps, warmup_steps, warmup_start, ms, gamma))
