@@ -18,11 +18,38 @@ from __future__ import annotations
 
 import torch
 
-from .box_ops import box_ioa, box_iou
+from .box_ops import box_area, box_ioa
 from .labels import BACKGROUND, IGNORE
 
-# Default chunk budget: 2^25 IoU entries (128 MiB of float32, about 0.6 GiB with box_iou's temporaries).
+# Default chunk budget: 2^25 IoU entries (128 MiB of float32, about 0.6 GiB with the temporaries).
 DEFAULT_MAX_ELEMENTS = 1 << 25
+# The CPU's low-quality pass from the ties kept per chunk (see `match_anchors`); False recomputes the IoU
+# as on an accelerator (the tests compare both).
+_KEEP_TIES_ON_CPU = True
+
+
+def pairwise_iou(boxes: torch.Tensor, anchor_columns: torch.Tensor, boxes_area: torch.Tensor,
+                 anchor_area: torch.Tensor) -> torch.Tensor:
+    """IoU of every box with every anchor, bit for bit the value of `torchvision.ops.box_iou` (tested).
+
+    `box_iou` broadcasts [N, 1, 2] against [A, 2], so its innermost loop runs over 2 coordinates and
+    does not vectorise on a CPU; here each coordinate is a contiguous row of `anchor_columns`, every op
+    runs over contiguous anchors, and the temporaries are reused in place. The arithmetic is the same
+    sequence of float32 operations, so the values are identical.
+
+    Args:
+        boxes: [N, 4] float32 xyxy pixels.
+        anchor_columns: [4, C] float32, the anchors' x1, y1, x2, y2 as rows (`anchors.T.contiguous()`).
+        boxes_area: [N, 1] `box_area(boxes)`;  anchor_area: [C] `box_area(anchors)`.
+    Returns:
+        [N, C] float32.
+    """
+    inter = torch.minimum(boxes[:, 2:3], anchor_columns[2]).sub_(torch.maximum(boxes[:, 0:1], anchor_columns[0]))
+    inter.clamp_(min=0)
+    ih = torch.minimum(boxes[:, 3:4], anchor_columns[3]).sub_(torch.maximum(boxes[:, 1:2], anchor_columns[1]))
+    inter.mul_(ih.clamp_(min=0))
+    union = torch.add(boxes_area, anchor_area, out=ih).sub_(inter)  # (area1 + area2) - inter, as box_iou
+    return inter.div_(union)
 
 
 @torch.no_grad()
@@ -68,21 +95,37 @@ def match_anchors(
     if M > 0:
         valid = gt_labels >= 0  # [B, M]
         flat_gt = gt_boxes.reshape(-1, 4).float()
+        gt_area = box_area(flat_gt)[:, None]
+        anchor_columns = anchors.float().T.contiguous()  # [4, A]
+        anchor_area = box_area(anchors.float())
         chunk = max(1, max_elements // max(1, B * M))
         anchor_best = torch.empty((B, A), dtype=torch.float32, device=device)
         anchor_arg = torch.empty((B, A), dtype=torch.int64, device=device)
         gt_best = torch.full((B, M), -1.0, dtype=torch.float32, device=device)
         kept_iou = None
+        # With several chunks the low-quality pass needs each box's best IoU over ALL anchors, known only
+        # after the last chunk. On a CPU each chunk keeps the (box, anchor) pairs that reach the box's best
+        # within the chunk (a few per box, found with nonzero()); the global best can only be among them,
+        # so the IoU is never computed twice. On an accelerator nonzero() would wait for the device, so
+        # there the second pass recomputes the IoU instead. Both give the same assignment (tested).
+        keep_ties = allow_low_quality and chunk < A and device.type == "cpu" and _KEEP_TIES_ON_CPU
+        ties = []
 
         def iou_chunk(start: int, end: int) -> torch.Tensor:
-            iou = box_iou(flat_gt, anchors[start:end]).view(B, M, end - start)
-            return iou.masked_fill(~valid[:, :, None], -1.0)  # padding never wins a max
+            iou = pairwise_iou(flat_gt, anchor_columns[:, start:end], gt_area, anchor_area[start:end])
+            return iou.view(B, M, end - start).masked_fill_(~valid[:, :, None], -1.0)  # padding never wins a max
 
         for start in range(0, A, chunk):
             end = min(A, start + chunk)
             iou = iou_chunk(start, end)
             anchor_best[:, start:end], anchor_arg[:, start:end] = iou.max(dim=1)
-            gt_best = torch.maximum(gt_best, iou.max(dim=2).values)
+            chunk_best = iou.max(dim=2).values  # [B, M]
+            gt_best = torch.maximum(gt_best, chunk_best)
+            if keep_ties:
+                # A box with no overlap in this chunk (best <= 0) can force no match here.
+                target = torch.where(chunk_best > 0, chunk_best, torch.full_like(chunk_best, 2.0)).view(B * M, 1)
+                box, anchor = (iou.view(B * M, -1) == target).nonzero(as_tuple=True)
+                ties.append((box, anchor + start, target[box, 0]))
             if end - start == A:
                 kept_iou = iou  # one chunk: keep it for the low-quality pass instead of recomputing
 
@@ -93,11 +136,18 @@ def match_anchors(
             # Ties count: every anchor that reaches a box's best IoU becomes positive. A box with no
             # overlap at all (best IoU 0) gets no forced match.
             target = torch.where(valid & (gt_best > 0), gt_best, torch.full_like(gt_best, 2.0))[:, :, None]
-            for start in range(0, A, chunk):
-                end = min(A, start + chunk)
-                iou = kept_iou if kept_iou is not None else iou_chunk(start, end)
-                is_best = (iou == target).any(dim=1)  # [B, chunk]
-                matched[:, start:end] = torch.where(is_best, anchor_arg[:, start:end], matched[:, start:end])
+            if keep_ties:
+                box, anchor, value = (torch.cat(t) for t in zip(*ties))
+                hit = value == target.view(-1)[box]
+                is_best = torch.zeros((B, A), dtype=torch.bool, device=device)
+                is_best[box[hit] // M, anchor[hit]] = True
+                matched = torch.where(is_best, anchor_arg, matched)
+            else:
+                for start in range(0, A, chunk):
+                    end = min(A, start + chunk)
+                    iou = kept_iou if kept_iou is not None else iou_chunk(start, end)
+                    is_best = (iou == target).any(dim=1)  # [B, chunk]
+                    matched[:, start:end] = torch.where(is_best, anchor_arg[:, start:end], matched[:, start:end])
 
     if crowd_boxes is not None and crowd_boxes.numel() > 0:
         C = crowd_boxes.shape[1]

@@ -1,0 +1,265 @@
+"""Training and inference throughput on one GPU: detlib's R50-FPN RetinaNet vs torchvision's, same weights.
+
+Run by `benchmarks/gpu_check.sh` (which also runs `train_retinanet.py` for 200 steps); alone:
+
+    python benchmarks/gpu_throughput.py                 # one CUDA GPU, about 5 minutes on an H200
+    python benchmarks/gpu_throughput.py --quick         # CPU smoke test: 64 px, batch <= 2, 2 steps
+
+For each kit: the largest per-device batch that fits at 800 x 800 (doubling until out of memory; the
+search runs in bf16, and fp16 needs the same memory), then train images/s in bf16 and in fp16 (autocast;
+fp16 with a GradScaler), peak memory, eval images/s (bf16, decoding included), and how many host-device
+syncs one bf16 training step makes (`torch.cuda.set_sync_debug_mode("warn")`). detlib runs
+channels_last with its frozen BatchNorm folded; torchvision as it comes. If time is left before
+`--deadline_s`, detlib is also timed under `torch.compile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers import real_batch, spread_class_scores, torchvision_retinanet  # noqa: E402
+
+from detlib.anchors import AnchorGenerator  # noqa: E402
+from detlib.decode import decode_detections  # noqa: E402
+from detlib.loss import retinanet_loss  # noqa: E402
+from detlib.model import RetinaNet  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny CPU-sized run that checks the script works")
+    p.add_argument("--image_size", type=int, help="square input side (800; 64 with --quick)")
+    p.add_argument("--batch_sizes", type=int, nargs="+", help="candidates, tried in order until one does not fit")
+    p.add_argument("--steps", type=int, help="timed steps per measurement (10; 2 with --quick)")
+    p.add_argument("--deadline_s", type=float, default=330.0, help="skip the optional torch.compile stage after this")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", os.path.dirname(os.path.abspath(__file__))),
+                                                 "gpu_results.json"))
+    args = p.parse_args(argv)
+    args.image_size = args.image_size or (64 if args.quick else 800)
+    args.batch_sizes = args.batch_sizes or ([1, 2] if args.quick else [8, 16, 32, 64, 128, 256])
+    args.steps = args.steps or (2 if args.quick else 10)
+    return args
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Kit:
+    """One model (ours or torchvision's) with its train step and inference call on a batch of size B."""
+
+    def __init__(self, name, model, device, image_size, base):
+        self.name, self.device, self.S = name, device, image_size
+        self.model = model.to(device)
+        if name == "detlib":
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.base = base
+        self.anchor_gen = AnchorGenerator()
+        self.optimizer = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=1e-4, momentum=0.9)
+
+    def batch(self, B: int) -> dict:
+        reps = -(-B // self.base["images"].shape[0])
+        out = {"images": self.base["images"].repeat(reps, 1, 1, 1)[:B].to(self.device),
+               "boxes": self.base["boxes"].repeat(reps, 1, 1)[:B].to(self.device),
+               "labels": self.base["labels"].repeat(reps, 1)[:B].to(self.device),
+               "image_sizes": self.base["image_sizes"].repeat(reps, 1)[:B].to(self.device),
+               "scales": self.base["scales"].repeat(reps, 1)[:B].to(self.device)}
+        if self.name == "detlib":
+            out["images"] = out["images"].contiguous(memory_format=torch.channels_last)
+        else:
+            out["tv_images"] = [(self.base["tv_images"][i % len(self.base["tv_images"])]).to(self.device) for i in range(B)]
+            out["tv_targets"] = [{k: v.to(self.device) for k, v in self.base["tv_targets"][i % len(self.base["tv_targets"])].items()}
+                                 for i in range(B)]
+        return out
+
+    def train_step(self, batch, dtype, scaler, model=None):
+        model = self.model if model is None else model
+        with torch.autocast(self.device.type, dtype=dtype):
+            if self.name == "detlib":
+                out = model(batch["images"])
+                anchors, _ = self.anchor_gen(self.S, self.S, device=self.device)
+                loss = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"])["loss"]
+            else:
+                loss = sum(model(batch["tv_images"], batch["tv_targets"]).values())
+        scaler.scale(loss).backward()
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.inference_mode()
+    def infer(self, batch, dtype):
+        with torch.autocast(self.device.type, dtype=dtype):
+            if self.name == "detlib":
+                out = self.model(batch["images"])
+                anchors, per_level = self.anchor_gen(self.S, self.S, device=self.device)
+                dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, per_level,
+                                         batch["image_sizes"], batch["scales"])
+                return dets.scores.shape[0]
+            return sum(len(d["boxes"]) for d in self.model(batch["tv_images"]))
+
+
+def fits(kit: Kit, B: int, dtype) -> bool:
+    """Two training steps at batch B; False on out-of-memory (and the memory is given back)."""
+    scaler = torch.amp.GradScaler(kit.device.type, enabled=dtype == torch.float16)
+    try:
+        batch = kit.batch(B)
+        for _ in range(2):
+            kit.train_step(batch, dtype, scaler)
+        sync(kit.device)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        kit.optimizer.zero_grad(set_to_none=True)
+        batch = None
+        if kit.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def train_throughput(kit: Kit, B: int, dtype, steps: int, model=None) -> dict:
+    scaler = torch.amp.GradScaler(kit.device.type, enabled=dtype == torch.float16)
+    batch = kit.batch(B)
+    for _ in range(2):
+        kit.train_step(batch, dtype, scaler, model)
+    sync(kit.device)
+    if kit.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        kit.train_step(batch, dtype, scaler, model)
+    sync(kit.device)
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2 ** 30 if kit.device.type == "cuda" else None
+    return {"batch": B, "images_per_s": B * steps / dt, "step_s": dt / steps, "peak_memory_gib": peak}
+
+
+def infer_throughput(kit: Kit, B: int, dtype, steps: int) -> dict:
+    kit.model.eval()
+    batch = kit.batch(B)
+    kit.infer(batch, dtype)
+    sync(kit.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        n = kit.infer(batch, dtype)
+    sync(kit.device)
+    dt = time.perf_counter() - t0
+    kit.model.train()
+    return {"batch": B, "images_per_s": B * steps / dt, "detections_per_image": n / B}
+
+
+def count_syncs(kit: Kit, B: int) -> int | None:
+    """Host-device synchronisations in one bf16 training step (CUDA only)."""
+    if kit.device.type != "cuda":
+        return None
+    batch = kit.batch(B)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    kit.train_step(batch, torch.bfloat16, scaler)
+    sync(kit.device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            kit.train_step(batch, torch.bfloat16, scaler)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(kit.device)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    elif not args.quick:
+        sys.exit("no CUDA device: run with --quick to test the script on the CPU")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device: {name}, torch {torch.__version__}, {args.image_size} px", flush=True)
+
+    torch.manual_seed(0)
+    ours = RetinaNet(80, "resnet50", fpn_channels=256)
+    base = real_batch(args.image_size, 2)
+    spread_class_scores(ours, base["images"])  # realistic candidate counts for decoding (see peers.py)
+    peer = torchvision_retinanet(ours, args.image_size)
+    peer.detections_per_img = 100
+    kits = [Kit("detlib", ours, device, args.image_size, base), Kit("torchvision", peer, device, args.image_size, base)]
+    results = {"device": name, "image_size": args.image_size, "torch": torch.__version__, "kits": {}}
+
+    def save():  # after every stage, so a run stopped by its time limit keeps what it measured
+        results["total_s"] = time.perf_counter() - t_start
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    for kit in kits:
+        best = None
+        torch.backends.cudnn.benchmark = False  # no autotuning for every batch size the search tries
+        for B in args.batch_sizes:
+            if not fits(kit, B, torch.bfloat16):
+                break
+            best = B
+        torch.backends.cudnn.benchmark = True  # the timed batch size is autotuned in its warm-up steps
+        if best is None:
+            print(f"{kit.name}: batch {args.batch_sizes[0]} does not fit", flush=True)
+            continue
+        r = {"max_batch": best}
+        for dname, dtype in DTYPES.items():
+            r[f"train_{dname}"] = train_throughput(kit, best, dtype, args.steps)
+            print(f"{kit.name} train {dname}: batch {best}, {r[f'train_{dname}']['images_per_s']:.1f} images/s, "
+                  f"peak {r[f'train_{dname}']['peak_memory_gib'] or 0:.1f} GiB  ({time.perf_counter() - t_start:.0f} s)",
+                  flush=True)
+        r["infer_bf16"] = infer_throughput(kit, best, torch.bfloat16, args.steps)
+        r["syncs_per_train_step_bf16"] = count_syncs(kit, min(best, 8))
+        print(f"{kit.name} inference bf16: {r['infer_bf16']['images_per_s']:.1f} images/s; host-device syncs per "
+              f"train step: {r['syncs_per_train_step_bf16']}  ({time.perf_counter() - t_start:.0f} s)", flush=True)
+        results["kits"][kit.name] = r
+        save()
+
+    ours_kit = kits[0]
+    if "detlib" in results["kits"] and time.perf_counter() - t_start < args.deadline_s:
+        B = results["kits"]["detlib"]["max_batch"]
+        t0 = time.perf_counter()
+        compiled = torch.compile(ours_kit.model)
+        try:
+            r = train_throughput(ours_kit, B, torch.bfloat16, args.steps, model=compiled)
+            r["compile_and_warmup_s"] = time.perf_counter() - t0 - r["step_s"] * args.steps
+            results["kits"]["detlib"]["train_bf16_compiled"] = r
+            print(f"detlib train bf16 torch.compile: {r['images_per_s']:.1f} images/s "
+                  f"(compile + warm-up {r['compile_and_warmup_s']:.0f} s)", flush=True)
+        except Exception as e:  # a compile failure is a finding, not a reason to lose the other numbers
+            results["kits"]["detlib"]["train_bf16_compiled"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"torch.compile failed: {type(e).__name__}: {e}", flush=True)
+        save()
+    else:
+        print("torch.compile stage skipped (past --deadline_s)", flush=True)
+
+    print("\n| kit | batch | train bf16 img/s | train fp16 img/s | peak GiB | eval bf16 img/s | syncs/step |")
+    print("|---|---|---|---|---|---|---|")
+    for kit_name, r in results["kits"].items():
+        peak = r["train_bf16"]["peak_memory_gib"]
+        print(f"| {kit_name} | {r['max_batch']} | {r['train_bf16']['images_per_s']:.1f} | "
+              f"{r['train_fp16']['images_per_s']:.1f} | {peak if peak is None else f'{peak:.1f}'} | "
+              f"{r['infer_bf16']['images_per_s']:.1f} | {r['syncs_per_train_step_bf16']} |")
+    if {"detlib", "torchvision"} <= set(results["kits"]):
+        a, b = results["kits"]["detlib"], results["kits"]["torchvision"]
+        for key in ("train_bf16", "train_fp16", "infer_bf16"):
+            print(f"{key}: detlib / torchvision throughput = {a[key]['images_per_s'] / b[key]['images_per_s']:.2f}x")
+    save()
+    print(f"written {args.out} ({results['total_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,405 @@
+"""detlib against the kits a user would otherwise pick: torchvision's RetinaNet and pycocotools' COCOeval.
+
+Every comparison runs in this one process on this machine: warm-up calls first, then repeats that
+alternate ours and the peer (the order flips each round, so a slow spell of a shared machine hits both),
+and the table reports medians and ratios ours / peer (lower is better).
+
+    python benchmarks/run.py --quick                # <= 10 min on 2 CPU cores (fewer repeats)
+    python benchmarks/run.py                        # the full set (more repeats)
+    python benchmarks/run.py --only assign_3000 coco_eval
+    python benchmarks/run.py --threads 0            # torch's default threads (one per core) instead of 1
+
+Writes `benchmarks/results.json` (`--out`): one object per benchmark (`train_step`, `inference`,
+`assign_3000`, `coco_eval` with `ours_s`, `peer_s`, `ratio`; `data_pipeline` with
+`images_per_s_per_worker`), plus the machine and the settings. `docs/benchmarks.md` explains each row.
+The GPU figures come from `benchmarks/gpu_check.sh`, not from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers import (COCO_IMAGES, COCO_TRAIN_JSON, coco_eval_inputs, head_output_gap, real_batch,  # noqa: E402
+                   spread_class_scores, torchvision_retinanet)
+
+from detlib.anchors import AnchorGenerator  # noqa: E402
+from detlib.coco_eval import STAT_NAMES, evaluate_coco  # noqa: E402
+from detlib.decode import decode_detections  # noqa: E402
+from detlib.loss import retinanet_loss  # noqa: E402
+from detlib.matching import match_anchors  # noqa: E402
+from detlib.model import RetinaNet  # noqa: E402
+
+BENCHMARKS = ("train_step", "inference", "assign_3000", "coco_eval", "data_pipeline")
+GOALS = {"train_step": 0.8, "inference": 0.7, "assign_3000": 1.0, "coco_eval": 0.33}
+# The throughput the data loader must feed: the issue's aim for one H200 (images/s).
+GPU_IMAGES_PER_S = 100.0
+NUM_CLASSES = 80
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer repeats (the <= 10 minute run)")
+    p.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads for both sides (0: torch's default, one per core). 1 by default: "
+                        "on a machine shared with other jobs, OpenMP barriers make multi-thread timings swing 3-10x")
+    p.add_argument("--image_size", type=int, default=512, help="train / inference input side in pixels")
+    p.add_argument("--batch_size", type=int, default=2)
+    p.add_argument("--coco_images", type=int, default=5000, help="images in the COCO evaluation benchmark")
+    p.add_argument("--gpu_images_per_s", type=float, default=GPU_IMAGES_PER_S,
+                   help="training throughput the data pipeline has to keep up with")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json"))
+    return p.parse_args(argv)
+
+
+def alternate(fns: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Call every function `warmup` times, then `repeats` timed rounds, flipping the order each round.
+
+    Returns:
+        {name: [seconds of each timed call]}.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for r in range(repeats):
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def summarise(times: dict[str, list[float]], ours: str, peer: str, goal: float | None) -> dict:
+    med = {name: statistics.median(t) for name, t in times.items()}
+    out = {"ours_s": med[ours], "peer_s": med[peer], "ratio": med[ours] / med[peer]}
+    if goal is not None:
+        out.update(goal=goal, met=out["ratio"] <= goal)
+    out["variants_median_s"] = med
+    out["all_s"] = times
+    return out
+
+
+def peak_rss_gib(fn) -> tuple[object, float | None]:
+    """Run fn(); return its result and the growth of the process's peak RSS during the call, in GiB.
+
+    Resets the kernel's high-water mark first (`/proc/self/clear_refs`, Linux); None where unsupported.
+    """
+    def read(field):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        return None
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = read("VmRSS:")
+    except OSError:
+        return fn(), None
+    result = fn()
+    peak = read("VmHWM:")
+    return result, (peak - base) / 2 ** 30 if peak and base else None
+
+
+# ---------------------------------------------------------------- 1 + 2: train step and inference
+
+def build_models(image_size: int, batch_size: int):
+    """Our R50-FPN RetinaNet and torchvision's with the same weights, plus the shared real batch."""
+    torch.manual_seed(0)
+    ours = RetinaNet(NUM_CLASSES, "resnet50", fpn_channels=256)
+    batch = real_batch(image_size, batch_size)
+    spread_class_scores(ours, batch["images"])  # realistic candidate counts for decoding (see peers.py)
+    peer = torchvision_retinanet(ours, image_size)
+    peer.detections_per_img = 100  # the paper's cap, which our decoder uses (torchvision's default is 300)
+    gap = head_output_gap(ours, peer, batch["images"])
+    return ours, peer, batch, gap
+
+
+def _sgd(model):
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4, momentum=0.9)
+
+
+def bench_train_step(args, models) -> dict:
+    """Forward + loss + backward + SGD step on the same batch, ours (channels_last) vs torchvision."""
+    import copy
+
+    ours, peer, batch, gap = models
+    S = args.image_size
+    anchor_gen = AnchorGenerator()
+    variants = {}
+
+    def ours_step(model, channels_last: bool):
+        model = copy.deepcopy(model).train()
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        images = batch["images"].contiguous(memory_format=torch.channels_last) if channels_last else batch["images"]
+        opt = _sgd(model)
+
+        def step():
+            out = model(images)
+            anchors, _ = anchor_gen(S, S)
+            losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
+                                    batch["crowd_boxes"], box_loss="l1")
+            losses["loss"].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    def peer_step(model, channels_last: bool):
+        model = copy.deepcopy(model).train()
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        opt = _sgd(model)
+
+        def step():
+            losses = model(batch["tv_images"], batch["tv_targets"])
+            sum(losses.values()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    variants["ours"] = ours_step(ours, True)
+    variants["peer"] = peer_step(peer, False)
+    if not args.quick:
+        variants["ours_contiguous"] = ours_step(ours, False)
+        variants["peer_channels_last"] = peer_step(peer, True)
+    times = alternate(variants, warmup=1, repeats=3 if args.quick else 7)
+    out = summarise(times, "ours", "peer", GOALS["train_step"])
+    out.update(setting=f"R50-FPN, {S}x{S} real COCO images, batch {args.batch_size}, fp32, SGD; ours with "
+                       "channels_last and folded frozen BN; torchvision default (NCHW)",
+               head_logit_max_abs_diff=gap)
+    return out
+
+
+def bench_inference(args, models) -> dict:
+    """Eval-mode forward + decoding to at most 100 detections per image, ours vs torchvision."""
+    import copy
+
+    ours, peer, batch, _ = models
+    S = args.image_size
+    anchor_gen = AnchorGenerator()
+    counts = {}
+
+    def ours_infer(model, channels_last: bool, name: str):
+        model = copy.deepcopy(model).eval()
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        images = batch["images"].contiguous(memory_format=torch.channels_last) if channels_last else batch["images"]
+
+        def run():
+            with torch.inference_mode():
+                out = model(images)
+                anchors, per_level = anchor_gen(S, S)
+                dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, per_level,
+                                         batch["image_sizes"], batch["scales"], score_thresh=0.05,
+                                         topk_per_level=1000, nms_thresh=0.5, max_detections=100)
+            counts[name] = torch.bincount(dets.batch_idx, minlength=len(images)).tolist()
+        return run
+
+    def peer_infer(model, channels_last: bool, name: str):
+        model = copy.deepcopy(model).eval()
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+
+        def run():
+            with torch.inference_mode():
+                dets = model(batch["tv_images"])
+            counts[name] = [len(d["boxes"]) for d in dets]
+        return run
+
+    variants = {"ours": ours_infer(ours, True, "ours"), "peer": peer_infer(peer, False, "peer")}
+    if not args.quick:
+        variants["ours_contiguous"] = ours_infer(ours, False, "ours_contiguous")
+        variants["peer_channels_last"] = peer_infer(peer, True, "peer_channels_last")
+    times = alternate(variants, warmup=1, repeats=3 if args.quick else 7)
+    out = summarise(times, "ours", "peer", GOALS["inference"])
+    out.update(setting=f"R50-FPN, {S}x{S}, batch {args.batch_size}, eval, score > 0.05, top-1000 per level, "
+                       "NMS 0.5, 100 per image; ours channels_last", detections_per_image=counts)
+    return out
+
+
+# ---------------------------------------------------------------- 3: assignment with 3,000 boxes
+
+def bench_assign(args) -> dict:
+    """One 800 x 800 image with 3,000 boxes of 8 px (case B29): ours (chunked) vs box_iou + Matcher."""
+    from torchvision.models.detection._utils import Matcher
+    from torchvision.ops import box_iou
+
+    gen = torch.Generator().manual_seed(0)
+    anchors, _ = AnchorGenerator()(800, 800)
+    corner = torch.rand(3000, 2, generator=gen) * (800 - 8)
+    gt = torch.cat([corner, corner + 8], dim=1)
+    labels = torch.randint(0, NUM_CLASSES, (3000,), generator=gen)
+    matcher = Matcher(0.5, 0.4, allow_low_quality_matches=True)
+
+    def ours():
+        return match_anchors(anchors, gt[None], labels[None])[0]
+
+    def peer():
+        return matcher(box_iou(gt, anchors))
+
+    chunked, ours_mem = peak_rss_gib(ours)
+    reference, peer_mem = peak_rss_gib(peer)
+    unchunked, unchunked_mem = peak_rss_gib(lambda: match_anchors(anchors, gt[None], labels[None], max_elements=1 << 40)[0])
+    times = alternate({"ours": ours, "peer": peer}, warmup=0, repeats=3 if args.quick else 5)
+    out = summarise(times, "ours", "peer", GOALS["assign_3000"])
+    out.update(setting=f"{anchors.shape[0]} anchors x 3000 gt boxes of 8 px, fg 0.5 / bg 0.4, low-quality matches",
+               same_as_unchunked=bool(torch.equal(chunked, unchunked)),
+               same_as_torchvision=bool(torch.equal(chunked, reference)),
+               peak_rss_growth_gib={"ours_chunked": ours_mem, "ours_unchunked": unchunked_mem, "peer": peer_mem},
+               positives=int((chunked >= 0).sum()))
+    return out
+
+
+# ---------------------------------------------------------------- 4: COCO evaluation
+
+def pycocotools_stats(gt: dict, results: list[dict]) -> list[float]:
+    """Plain pycocotools, as a user would call it."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_gt = COCO()
+        coco_gt.dataset = gt
+        coco_gt.createIndex()
+        coco_dt = coco_gt.loadRes([dict(r) for r in results])  # loadRes writes into the dicts
+        ev = COCOeval(coco_gt, coco_dt, "bbox")
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return [float(s) for s in ev.stats]
+
+
+def bench_coco_eval(args) -> dict:
+    """`evaluate_coco(backend="faster")` vs pycocotools' COCOeval on N images x 100 detections."""
+    n = args.coco_images
+    gt, results = coco_eval_inputs(n, 100)
+    warm_gt, warm_results = coco_eval_inputs(20, 100, seed=1)
+    stats = {}
+
+    def ours():
+        by_name, _ = evaluate_coco(gt, results, backend="faster")
+        stats["ours"] = [by_name[k] for k in STAT_NAMES]
+
+    def peer():
+        stats["peer"] = pycocotools_stats(gt, results)
+
+    evaluate_coco(warm_gt, warm_results, backend="faster")  # warm-up: imports, first allocations
+    pycocotools_stats(warm_gt, warm_results)
+    times = alternate({"ours": ours, "peer": peer}, warmup=0, repeats=2 if args.quick else 3)
+    out = summarise(times, "ours", "peer", GOALS["coco_eval"])
+    diff = max(abs(a - b) for a, b in zip(stats["ours"], stats["peer"]))
+    out.update(setting=f"{n} images (copies of the subset's 130), {len(results)} detections, bbox",
+               max_abs_stat_diff=diff, stats_identical=diff <= 1e-6, stats=dict(zip(STAT_NAMES, stats["peer"])))
+    return out
+
+
+# ---------------------------------------------------------------- 5: data pipeline
+
+def bench_data_pipeline(args) -> dict:
+    """Images per second of one loader worker: decode + COCO training transform at 600 px + collate."""
+    from detlib.data import CocoDetection, collate_detection
+    from detlib.transforms import build_transform
+
+    ds = CocoDetection(COCO_IMAGES, COCO_TRAIN_JSON, build_transform(600, "flip_crop_translate"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a DataLoader worker runs with one thread
+    try:
+        for i in range(4):  # warm-up
+            ds[i]
+        rates = []
+        for _ in range(1 if args.quick else 3):
+            t0 = time.perf_counter()
+            for start in range(0, len(ds), args.batch_size):
+                collate_detection([ds[i] for i in range(start, min(len(ds), start + args.batch_size))])
+            rates.append(len(ds) / (time.perf_counter() - t0))
+    finally:
+        torch.set_num_threads(threads)
+    rate = statistics.median(rates)
+    return {"images_per_s_per_worker": rate, "all_images_per_s": rates, "images": len(ds),
+            "gpu_images_per_s": args.gpu_images_per_s,
+            "workers_to_keep_up": math.ceil(args.gpu_images_per_s / rate),
+            "setting": "CocoDetection(instances_train.json) + build_transform(600, 'flip_crop_translate') + "
+                       f"collate_detection, batch {args.batch_size}, 1 thread, real JPEGs"}
+
+
+# ---------------------------------------------------------------- report
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "load_average_at_start": list(os.getloadavg()), "cuda": torch.cuda.is_available()}
+
+
+def table(results: dict) -> str:
+    rows = ["| benchmark | ours | peer | ratio ours/peer | goal | met |", "|---|---|---|---|---|---|"]
+    for name in BENCHMARKS:
+        r = results.get(name)
+        if r is None:
+            continue
+        if name == "data_pipeline":
+            rows.append(f"| data_pipeline | {r['images_per_s_per_worker']:.1f} images/s per worker | - | - | "
+                        f"{r['workers_to_keep_up']} worker(s) feed {r['gpu_images_per_s']:.0f} images/s | - |")
+            continue
+        rows.append(f"| {name} | {r['ours_s']:.3f} s | {r['peer_s']:.3f} s | {r['ratio']:.3f} | "
+                    f"<= {r['goal']} | {'yes' if r['met'] else 'NO'} |")
+    return "\n".join(rows)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    selected = args.only or BENCHMARKS
+    results = {"machine": machine_info(), "mode": "quick" if args.quick else "full",
+               "args": {k: v for k, v in vars(args).items() if k != "out"}}
+    print(f"machine: {results['machine']}", flush=True)
+    t_start = time.perf_counter()
+    models = None
+    for name in BENCHMARKS:
+        if name not in selected:
+            continue
+        t0 = time.perf_counter()
+        if name in ("train_step", "inference"):
+            models = models or build_models(args.image_size, args.batch_size)
+            results[name] = (bench_train_step if name == "train_step" else bench_inference)(args, models)
+        elif name == "assign_3000":
+            results[name] = bench_assign(args)
+        elif name == "coco_eval":
+            results[name] = bench_coco_eval(args)
+        else:
+            results[name] = bench_data_pipeline(args)
+        r = results[name]
+        summary = (f"{r['images_per_s_per_worker']:.1f} images/s per worker" if name == "data_pipeline"
+                   else f"ours {r['ours_s']:.3f} s, peer {r['peer_s']:.3f} s, ratio {r['ratio']:.3f}")
+        print(f"{name}: {summary} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    results["machine"]["load_average_at_end"] = list(os.getloadavg())
+    results["total_s"] = time.perf_counter() - t_start
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print()
+    print(table(results))
+    print(f"\n{results['total_s']:.0f} s in all; results written to {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
