@@ -4,7 +4,7 @@ Trains and evaluates on the same 8 images of ../shared/data/coco_subset (instanc
 no augmentation, one batch of 8 per step, through scripts/train_retinanet.py itself. A model, loss,
 matcher, decoder or evaluator bug shows up here as an AP50 that never rises.
 
-    python benchmarks/overfit_coco8.py                 # 400 steps, prints the AP50 curve
+    python benchmarks/overfit_coco8.py                 # 200 steps, prints the AP50 curve
     python benchmarks/overfit_coco8.py --steps 200 --fpn_channels 64
 """
 
@@ -24,7 +24,7 @@ COCO = REPO.parent / "shared" / "data" / "coco_subset"
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--eval_every", type=int, default=100)
     p.add_argument("--fpn_channels", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)

@@ -152,16 +152,22 @@ def weights_path(path: str) -> str:
     """
     if os.path.isfile(path):
         return path
-    for name in ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth"):
-        f = os.path.join(path, name)
-        if os.path.isfile(f):
-            return f
-    raise FileNotFoundError(f"no model weights at {path} (expected a file or a folder with model.safetensors)")
+    # a run's output folder: its best, else its last weights
+    for folder in (path, os.path.join(path, "best"), os.path.join(path, "last")):
+        for name in ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth"):
+            f = os.path.join(folder, name)
+            if os.path.isfile(f):
+                return f
+    raise FileNotFoundError(f"no model weights at {path} (expected a file, a folder with model.safetensors, "
+                            "or a run folder with best/ or last/)")
 
 
 def read_model_config(path: str) -> dict | None:
-    """model_config.json next to a weights file or in a folder (or its parent run folder), if any."""
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    """model_config.json next to the weights `weights_path(path)` finds (or in their parent folder), if any."""
+    try:
+        folder = os.path.dirname(weights_path(path))
+    except FileNotFoundError:
+        return None
     for f in (os.path.join(folder, "model_config.json"), os.path.join(os.path.dirname(folder.rstrip("/")), "model_config.json")):
         if os.path.isfile(f):
             with open(f) as fh:

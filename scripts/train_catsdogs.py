@@ -270,7 +270,11 @@ def main(argv=None):
             dirs = {"train_dir": args.train_dir, "val_dir": args.val_dir}
         if args.evaluate_only:
             dirs["train_dir"] = None
-        train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, dirs)
+        try:
+            train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, dirs)
+        except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
+            logger.error("%s", e)
+            raise SystemExit(f"error: {e}") from None
     classes = val_ds.classes
 
     # ---- model

@@ -1,4 +1,4 @@
-"""Train and evaluate RetinaNet (ResNet-50 + FPN by default, any timm backbone) with HuggingFace Accelerate.
+r"""Train and evaluate RetinaNet (ResNet-50 + FPN by default, any timm backbone) with HuggingFace Accelerate.
 
 Built-in synthetic data, CPU (no download; the defaults switch to a small model and image size):
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_retinanet.py
@@ -85,7 +85,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--fpn_channels", type=int, help="FPN and head width (256; 64 on the built-in data)")
     g.add_argument("--sync_bn", action="store_true", help="SyncBatchNorm for trainable BN layers (multi-GPU)")
     g.add_argument("--channels_last", action="store_true", help="channels_last memory format for the model")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--epochs", type=int, help="12 (30 on the built-in data)")
@@ -133,10 +132,11 @@ def resolve_data(args) -> dict[str, str]:
     explicit = [args.train_images, args.train_annotations, args.val_images, args.val_annotations]
     if args.data_dir:
         def images(split):
-            for cand in (os.path.join(args.data_dir, split), os.path.join(args.data_dir, "images", split)):
+            cands = (os.path.join(args.data_dir, split), os.path.join(args.data_dir, "images", split))
+            for cand in cands:
                 if os.path.isdir(cand):
                     return cand
-            return os.path.join(args.data_dir, split)  # does not exist: the data set reports it by name
+            raise FileNotFoundError(f"image folder not found: {cands[0]} (nor {cands[1]})")
         return {"train_images": images(args.train_set), "val_images": images(args.val_set),
                 "train_annotations": os.path.join(args.data_dir, "annotations", f"instances_{args.train_set}.json"),
                 "val_annotations": os.path.join(args.data_dir, "annotations", f"instances_{args.val_set}.json")}
@@ -222,11 +222,19 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
 def main(argv=None):
     args = parse_args(argv)
     synthetic = not (args.data_dir or args.train_images or args.val_images)
+    given = {k for k in vars(args) if getattr(args, k) is not None}  # what the user passed
     for k, v in (SYNTHETIC_DEFAULTS if synthetic else REAL_DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    saved = ckpt.read_model_config(args.evaluate_only) if args.evaluate_only else None
+    if saved:  # rebuild the evaluated model as it was trained, and evaluate at its size unless told otherwise
+        args.backbone, args.fpn_channels = saved["backbone"], saved["fpn_channels"]
+        if "image_size" not in given and saved.get("image_size"):
+            args.image_size, args.max_size = saved["image_size"], saved.get("max_size")
     if args.weight_decay is None:
         args.weight_decay = 0.01 if args.optimizer == "adamw" else 1e-4
+    if args.evaluate_only:  # never overwrite a training run's config.yaml / metrics.jsonl
+        args.output_dir = os.path.join(args.output_dir, "evaluate_only")
     os.makedirs(args.output_dir, exist_ok=True)
 
     accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
@@ -240,10 +248,10 @@ def main(argv=None):
 
     # ---- data
     with accelerator.main_process_first():  # the synthetic set is generated once, by the main process
-        paths = resolve_data(args)
-        if args.evaluate_only:
-            paths = {**paths, "train_images": None, "train_annotations": None}
         try:
+            paths = resolve_data(args)
+            if args.evaluate_only:
+                paths = {**paths, "train_images": None, "train_annotations": None}
             train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
         except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
             logger.error("%s", e)
@@ -252,12 +260,7 @@ def main(argv=None):
 
     # ---- model
     model_config = {"num_classes": len(category_map), "backbone": args.backbone, "fpn_channels": args.fpn_channels,
-                    "category_ids": category_map.category_ids}
-    if args.evaluate_only:
-        saved = ckpt.read_model_config(args.evaluate_only)
-        if saved:
-            args.backbone, args.fpn_channels = saved["backbone"], saved["fpn_channels"]
-            model_config.update(backbone=args.backbone, fpn_channels=args.fpn_channels)
+                    "image_size": args.image_size, "max_size": args.max_size, "category_ids": category_map.category_ids}
     pretrained = bool(args.backbone_weights or args.pretrained_backbone)
     freeze_bn = args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained)
     if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
@@ -267,7 +270,11 @@ def main(argv=None):
                       backbone_weights=None if args.evaluate_only else args.backbone_weights,
                       freeze_backbone_bn=freeze_bn)
     if args.evaluate_only:
-        ckpt.load_model_weights(model, args.evaluate_only)
+        try:
+            ckpt.load_model_weights(model, args.evaluate_only)
+        except (FileNotFoundError, RuntimeError) as e:
+            logger.error("%s", e)
+            raise SystemExit(f"error: {e}") from None
         logger.info("loaded weights from %s", ckpt.weights_path(args.evaluate_only))
     if args.sync_bn and accelerator.num_processes > 1:
         if accelerator.device.type == "cuda":
@@ -336,6 +343,8 @@ def main(argv=None):
     progress = tqdm(total=total_steps, initial=state.global_step, desc="train", disable=not accelerator.is_local_main_process)
     last_stats = None
     done = state.global_step >= total_steps
+    if done or state.epoch >= args.epochs:
+        logger.info("nothing left to train: the run is at epoch %d, step %d of %d", state.epoch, state.global_step, total_steps)
     while state.epoch < args.epochs and not done:
         epoch = state.epoch
         model.train()
@@ -411,6 +420,9 @@ def main(argv=None):
                     json.dump(evaluator.results, f)
         if last or (epoch + 1) % args.checkpoint_interval == 0:
             path = ckpt.save_checkpoint(accelerator, args.output_dir, state, args.checkpoint_total_limit)
+            if accelerator.is_main_process:  # so --evaluate_only on a checkpoint folder rebuilds the same model
+                with open(os.path.join(path, "model_config.json"), "w") as f:
+                    json.dump(model_config, f, indent=1)
             logger.info("saved checkpoint %s", path)
     progress.close()
     ckpt.save_model_weights(accelerator, model, os.path.join(args.output_dir, "last"), model_config)

@@ -120,11 +120,12 @@ def test_two_processes_two_jobs_wandb_and_exact_evaluation(coco_tiny, tmp_path):
     for n, cfg in ((1, "cpu.yaml"), (2, "cpu_2proc.yaml")):
         out = tmp_path / f"eval{n}"
         proc = run_script("train_retinanet.py", [f"--val_images={coco_tiny['val_images']}", f"--val_annotations={coco_tiny['val_annotations']}",
-                                                 "--evaluate_only", str(a / "last"), "--per_device_eval_batch_size", "2",
-                                                 "--image_size", "128", "--num_workers", "0", "--output_dir", str(out),
+                                                 "--evaluate_only", str(a if n == 1 else next((a / "checkpoints").iterdir())),
+                                                 "--per_device_eval_batch_size", "2", "--num_workers", "0", "--output_dir", str(out),
                                                  "--report_to", "none"], config=cfg)
         assert f"{n} process(es)" in proc.stdout
         assert "COCO evaluation on 5 images" in proc.stdout  # never 6: the padding repeat is not counted
+        out = out / "evaluate_only"  # evaluation never writes over a training run's files
         stats[n] = evals(read_metrics(out))[-1]
         preds = json.loads((out / "predictions_val.json").read_text())
         stats[n]["preds"] = sorted((p["image_id"], p["category_id"], round(p["score"], 5)) for p in preds)
