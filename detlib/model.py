@@ -19,7 +19,6 @@ from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from .anchors import AnchorGenerator
 
 # ImageNet statistics of the RGB channels in [0, 255], for backbones pretrained on ImageNet.
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
@@ -279,8 +278,3 @@ class RetinaNet(nn.Module):
         c = OrderedDict((f"c{i + 3}", feats[j]) for i, j in enumerate(self.feature_indices))
         p = list(self.fpn(c).values())
         return {"cls_logits": self.cls_head(p), "box_deltas": self.box_head(p)}
-
-
-def default_anchor_generator() -> AnchorGenerator:
-    """The anchors RetinaNet's heads are built for: P3-P7, sizes 32-512, 3 scales x 3 ratios."""
-    return AnchorGenerator()
