@@ -1,24 +1,30 @@
-"""Checkpoints that survive a killed run, and weights files that load into the bare model.
+"""Checkpoints that survive a killed run, a full disk and a damaged file; weights files that load into the bare model.
 
 Layout under `output_dir`:
-  checkpoints/epoch_0003/   `accelerator.save_state` (model, optimizer, scheduler, GradScaler, RNG states)
-                            plus `trainer_state.json` (epoch, global step, best metric, wandb run id)
-  last/model.safetensors    final weights of the unwrapped model (+ model_config.json)
-  best/model.safetensors    weights with the best validation metric
+  checkpoints/epoch_0003/       `accelerator.save_state` (model, optimizer, scheduler, GradScaler, RNG states)
+  checkpoints/step_00001200/    plus `trainer_state.json` (TrainState) and `model_config.json`
+  last/model.safetensors        final weights of the unwrapped model (+ model_config.json)
+  best/model.safetensors        weights with the best validation metric (+ model_config.json, best.json)
 
-A checkpoint is written into `<name>.tmp` and renamed when complete, so a run killed while saving
-never leaves a half-written checkpoint that `--resume_from_checkpoint latest` would pick; the oldest
-complete checkpoints beyond `total_limit` are removed only after the new one is in place.
+A checkpoint is written into `<name>.tmp` and renamed when complete, so a run killed while saving never
+leaves a half-written checkpoint that `--resume_from_checkpoint latest` would pick. A save that fails (disk
+full) removes its `.tmp` folder and raises `CheckpointSaveError`; the older checkpoints stay. The oldest
+complete checkpoints beyond `total_limit` are removed only after the new one is in place, so the newest
+complete one is never removed. `latest` verifies each candidate (`verify_checkpoint`), newest first, and
+skips a damaged one with a warning that says what is wrong.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+import struct
+import zipfile
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -27,17 +33,26 @@ from .model import load_state_dict_file
 logger = logging.getLogger(__name__)
 
 _CKPT_RE = re.compile(r"^(epoch|step)_(\d+)$")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 
 
 @dataclass
 class TrainState:
-    """The script's own counters, saved with every checkpoint.
+    """The run's own counters, saved with every checkpoint as `trainer_state.json`.
 
     epoch: the epoch to run next (or the one in progress when `step_in_epoch` > 0).
     step_in_epoch: optimizer steps already done in `epoch` (0 at an epoch boundary).
-    global_step: optimizer steps done since the start of training.
+    global_step: optimizer steps done since the start of training (skipped non-finite steps included).
     best_metric: best validation metric so far (AP or accuracy), -1 before the first evaluation.
     run_id: the tracker run id, so a resumed run logs into the same wandb run.
+    num_processes, steps_per_epoch, samples_per_step: the geometry the counters were counted in, so a
+        resume on another process count or batch size can convert them (`detlib.engine`).
+    schedule: the per-step LR schedule's resolved settings (kind, total_steps, warmup_steps, anchor).
+    epoch_loss_sum, epoch_images: the epoch's loss summed over its images and the image count, over all
+        processes, so the epoch mean that drives ReduceLROnPlateau covers the whole epoch after a resume.
+    skipped_steps: optimizer steps skipped as non-finite (or by the fp16 GradScaler) since the start.
+    eval_pending: the epoch ended but its evaluation was interrupted (preemption): run it first on resume.
+    tracker_offset: added to `global_step` for tracker steps after a resume from an older checkpoint.
     """
 
     epoch: int = 0
@@ -45,89 +60,253 @@ class TrainState:
     global_step: int = 0
     best_metric: float = -1.0
     run_id: str | None = None
+    num_processes: int | None = None
+    steps_per_epoch: int | None = None
+    samples_per_step: int | None = None
+    schedule: dict = field(default_factory=dict)
+    epoch_loss_sum: float = 0.0
+    epoch_images: float = 0.0
+    skipped_steps: int = 0
+    eval_pending: bool = False
+    tracker_offset: int = 0
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """Set the fields found in `state`; keys of other versions are ignored, missing ones keep defaults."""
+        names = {f.name for f in fields(self)}
         for k, v in state.items():
-            setattr(self, k, v)
+            if k in names:
+                setattr(self, k, v)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (damaged, incomplete) or written (disk full); the message is one line."""
 
 
 def checkpoint_dir(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
-def list_checkpoints(output_dir: str) -> list[str]:
-    """Complete checkpoints, oldest first (by global step)."""
+def _candidates(output_dir: str) -> list[str]:
     root = checkpoint_dir(output_dir)
     if not os.path.isdir(root):
         return []
-    found = []
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if _CKPT_RE.match(name) and os.path.isfile(os.path.join(path, "trainer_state.json")):
-            found.append((read_train_state(path).global_step, name, path))
-    return [p for _, _, p in sorted(found)]
+    return [os.path.join(root, n) for n in os.listdir(root) if _CKPT_RE.match(n) and os.path.isdir(os.path.join(root, n))]
+
+
+def _order_key(path: str) -> tuple:
+    """Newest written last: the folder's time (set when its last file was written, kept by the rename), then
+    the global step. Time, not step alone: after a resume from an older checkpoint the new checkpoints have
+    lower steps than the abandoned ones, and a damaged trainer_state.json has no step at all."""
+    try:
+        step = read_train_state(path).global_step
+    except CheckpointError:
+        step = -1
+    return (os.path.getmtime(path), step)
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """Checkpoint folders whose trainer_state.json reads, oldest first (see `_order_key`). Never raises for a
+    damaged folder: it is left out (see `verify_checkpoint` for the full check)."""
+    readable = []
+    for path in _candidates(output_dir):
+        try:
+            read_train_state(path)
+        except CheckpointError:
+            continue
+        readable.append(path)
+    return sorted(readable, key=_order_key)
 
 
 def read_train_state(path: str) -> TrainState:
-    """TrainState of a checkpoint folder. Raises FileNotFoundError naming the path."""
+    """TrainState of a checkpoint folder.
+
+    Raises:
+        CheckpointError: (a FileNotFoundError too when the file is absent) naming the path and the fault.
+    """
     f = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(f):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no trainer_state.json)")
-    with open(f) as fh:
-        return TrainState(**json.load(fh))
+        raise _NotACheckpoint(f"{path} is not a complete checkpoint (no trainer_state.json)")
+    try:
+        with open(f) as fh:
+            raw = json.load(fh)
+        if not isinstance(raw, dict) or not isinstance(raw.get("global_step"), int):
+            raise ValueError("no integer global_step")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f} is damaged ({type(e).__name__}: {e})") from None
+    state = TrainState()
+    state.load_state_dict(raw)
+    return state
+
+
+class _NotACheckpoint(CheckpointError, FileNotFoundError):
+    pass
+
+
+def verify_safetensors(path: str) -> None:
+    """Check that a .safetensors file is whole: its header parses and the tensors it lists end exactly at
+    the end of the file (a truncated copy fails). Reads the header only. Raises CheckpointError."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"header of {n} bytes in a {size}-byte file")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is not a whole safetensors file ({e})") from None
+    if 8 + n + end != size:
+        raise CheckpointError(f"{path} is truncated or padded: {size} bytes, its header says {8 + n + end}")
+
+
+def _verify_torch_file(path: str) -> None:
+    """torch.save files are zip archives: check every member's CRC; other pickles must load."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+            if bad is not None:
+                raise ValueError(f"member {bad} fails its CRC")
+        else:
+            torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # any failure to read means the file cannot be resumed from
+        raise CheckpointError(f"{path} does not load ({type(e).__name__}: {e})") from None
+
+
+def verify_checkpoint(path: str) -> None:
+    """Check that a checkpoint folder can be resumed from, without loading it into a model.
+
+    Checks: trainer_state.json parses; a model weights file is there; every .safetensors file is whole;
+    every other state file (optimizer, scheduler, GradScaler, sampler, RNG) reads back.
+    Raises:
+        CheckpointError: one line naming the file and what is wrong with it.
+    """
+    read_train_state(path)
+    names = os.listdir(path)
+    if not any(n in names for n in WEIGHT_FILES):
+        raise CheckpointError(f"{path} holds no model weights ({' / '.join(WEIGHT_FILES)})")
+    for name in sorted(names):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f) or name.endswith(".json"):
+            continue
+        if os.path.getsize(f) == 0:
+            raise CheckpointError(f"{f} is empty")
+        if name.endswith(".safetensors"):
+            verify_safetensors(f)
+        elif name.endswith((".bin", ".pt", ".pth", ".pkl")):
+            _verify_torch_file(f)
 
 
 def resolve_resume(output_dir: str, resume: str | None) -> str | None:
     """`--resume_from_checkpoint` value -> checkpoint folder, or None to start fresh.
 
-    "latest" picks the newest complete checkpoint of `output_dir` (None, with a log line, if there is none).
-    Raises FileNotFoundError for an explicit path that is not a complete checkpoint.
+    "latest": the newest checkpoint of `output_dir` that passes `verify_checkpoint`; damaged newer ones are
+    skipped with a warning naming what is wrong. None, with a warning naming the folder, when there is none.
+    An explicit PATH must pass `verify_checkpoint`.
+    Raises:
+        CheckpointError: for an explicit path that is damaged or not a checkpoint (a FileNotFoundError too
+        when it holds no trainer_state.json).
     """
     if not resume:
         return None
-    if resume == "latest":
-        ckpts = list_checkpoints(output_dir)
-        if not ckpts:
-            logger.info("--resume_from_checkpoint latest: no checkpoint in %s yet, starting from scratch", checkpoint_dir(output_dir))
-            return None
-        return ckpts[-1]
-    read_train_state(resume)
-    return resume
+    if resume != "latest":
+        verify_checkpoint(resume)
+        return resume
+    candidates = sorted(_candidates(output_dir), key=_order_key)
+    for path in reversed(candidates):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as e:
+            logger.warning("skipping damaged checkpoint %s: %s", os.path.basename(path), e)
+    logger.warning("--resume_from_checkpoint latest: no usable checkpoint in %s; starting from scratch",
+                   checkpoint_dir(output_dir))
+    return None
 
 
-def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit: int | None = None) -> str:
+def folder_size(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    text = str(e).lower()
+    return getattr(e, "errno", None) == errno.ENOSPC or "no space left" in text or "file write failed" in text
+
+
+def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit: int | None = None,
+                    model_config: dict | None = None) -> str:
     """Save the full training state atomically. Collective: call on every process.
 
-    Returns the checkpoint folder (named after the epoch, or the step for a mid-epoch save).
+    Writes `<name>.tmp`, then renames it; then removes the oldest checkpoints beyond `total_limit` (0 or
+    None: keep all). Returns the checkpoint folder, named after the epoch at an epoch boundary, else after
+    the global step.
+    Raises:
+        CheckpointError: on every process when any process failed to write (disk full: says so, with the
+        free space and the size of the previous checkpoint); the partial folder is removed, older
+        checkpoints are kept.
     """
     name = f"epoch_{state.epoch:04d}" if state.step_in_epoch == 0 else f"step_{state.global_step:08d}"
     final = os.path.join(checkpoint_dir(output_dir), name)
     tmp = final + ".tmp"
+    error = None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)  # every rank writes its RNG state; the main rank the rest
+    try:
+        accelerator.save_state(tmp)  # every rank writes its RNG state; the main rank the rest
+        if accelerator.is_main_process:
+            for fname, obj in (("trainer_state.json", state.state_dict()), ("model_config.json", model_config)):
+                if obj is not None:
+                    with open(os.path.join(tmp, fname), "w") as f:
+                        json.dump(obj, f, indent=1)
+    except (OSError, RuntimeError) as e:
+        error = e
+    failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")
+    if float(failed) > 0:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(_save_failure_message(output_dir, tmp, error))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state.state_dict(), f, indent=1)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if total_limit and total_limit > 0:
             for old in list_checkpoints(output_dir)[:-total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
-def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None) -> str:
+def _save_failure_message(output_dir: str, tmp: str, error: BaseException | None) -> str:
+    previous = list_checkpoints(output_dir)
+    kept = f"the previous checkpoint {previous[-1]} is kept" if previous else "no earlier checkpoint exists"
+    if error is None:
+        return f"another process failed to write checkpoint {tmp}; {kept}"
+    free = shutil.disk_usage(output_dir).free / 2**20
+    prev_size = f", the previous checkpoint takes {folder_size(previous[-1]) / 2**20:.0f} MiB" if previous else ""
+    if _is_disk_full(error):
+        return f"no space left on device while writing {tmp} ({free:.0f} MiB free{prev_size}); removed the partial folder, {kept}"
+    return f"could not write checkpoint {tmp} ({type(error).__name__}: {error}); removed the partial folder, {kept}"
+
+
+def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:
     """Write the unwrapped model's weights as `folder/model.safetensors` (main process; others return).
 
-    Keys carry no `module.` / `_orig_mod.` prefix because the model is unwrapped first (case B18).
+    Keys carry no `module.` / `_orig_mod.` prefix because the model is unwrapped first (case B18). The file is
+    written beside and renamed over the old one, with `model_config.json` and, when given, `extra` as
+    `best.json` (which metric, epoch, step these weights scored).
     """
     path = os.path.join(folder, "model.safetensors")
     if accelerator.is_main_process:
@@ -138,9 +317,10 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
         sd = {k: v.detach().contiguous().cpu() for k, v in bare.state_dict().items()}
         save_file(sd, path + ".tmp")
         os.replace(path + ".tmp", path)
-        if model_config is not None:
-            with open(os.path.join(folder, "model_config.json"), "w") as f:
-                json.dump(model_config, f, indent=1)
+        for fname, obj in (("model_config.json", model_config), ("best.json", extra)):
+            if obj is not None:
+                with open(os.path.join(folder, fname), "w") as f:
+                    json.dump(obj, f, indent=1)
     return path
 
 
@@ -154,7 +334,7 @@ def weights_path(path: str) -> str:
         return path
     # a run's output folder: its best, else its last weights
     for folder in (path, os.path.join(path, "best"), os.path.join(path, "last")):
-        for name in ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth"):
+        for name in WEIGHT_FILES:
             f = os.path.join(folder, name)
             if os.path.isfile(f):
                 return f
@@ -163,29 +343,54 @@ def weights_path(path: str) -> str:
 
 
 def read_model_config(path: str) -> dict | None:
-    """model_config.json next to the weights `weights_path(path)` finds (or in their parent folder), if any."""
+    """model_config.json next to the weights `weights_path(path)` finds (or in their parent folder), if any.
+
+    Raises:
+        CheckpointError: when the file is there but does not parse.
+    """
     try:
         folder = os.path.dirname(weights_path(path))
     except FileNotFoundError:
         return None
     for f in (os.path.join(folder, "model_config.json"), os.path.join(os.path.dirname(folder.rstrip("/")), "model_config.json")):
         if os.path.isfile(f):
-            with open(f) as fh:
-                return json.load(fh)
+            try:
+                with open(f) as fh:
+                    return json.load(fh)
+            except ValueError as e:
+                raise CheckpointError(f"{f} is damaged ({e})") from None
     return None
 
 
-def load_model_weights(model: torch.nn.Module, path: str) -> None:
+def load_model_weights(model: torch.nn.Module, path: str) -> str:
     """Strictly load weights into the bare model, whatever wrapper prefixes the file's keys carry.
 
+    Returns the weights file read.
     Raises:
         FileNotFoundError: no weights at `path`.
+        CheckpointError: the file is truncated, damaged or not a weights file.
         RuntimeError: missing or unexpected keys, or shape mismatches (the model built with other settings).
     """
     f = weights_path(path)
-    sd = load_state_dict_file(f)
+    if f.endswith(".safetensors"):
+        verify_safetensors(f)
+    try:
+        sd = load_state_dict_file(f)
+    except (FileNotFoundError, CheckpointError):
+        raise
+    except Exception as e:  # safetensors / pickle / zip errors of a damaged or foreign file
+        raise CheckpointError(f"{f} is not a readable weights file ({type(e).__name__}: {e})") from None
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as e:
-        raise RuntimeError(f"weights in {f} do not fit this model (built with other --backbone / "
-                           f"--fpn_channels / classes?): {e}") from e
+        details = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+        short = "; ".join(d[:160] for d in details[:2]) + (" ..." if len(details) > 2 else "")
+        raise RuntimeError(f"weights in {f} do not fit this model (trained with another model, width or class "
+                           f"list? its model_config.json says how it was built): {short}") from None
+    return f
+
+
+def all_finite(model: torch.nn.Module) -> bool:
+    """True when every parameter and buffer of `model` is finite (one device sync)."""
+    flags = [torch.isfinite(t).all() for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True

@@ -137,7 +137,7 @@ def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log") -
         fh.setFormatter(fmt)
         root.addHandler(fh)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
-    for noisy in ("PIL", "urllib3", "matplotlib", "git", "filelock"):
+    for noisy in ("PIL", "urllib3", "matplotlib", "git", "filelock", "accelerate.checkpointing", "accelerate.accelerator"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -157,17 +157,20 @@ class MetricsLogger:
     def __init__(self, accelerator, output_dir: str):
         self.accelerator = accelerator
         self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.step_offset = 0  # tracker step = step + offset (see detlib.engine, resume from an older checkpoint)
 
     def log(self, values: dict, step: int) -> None:
         if not self.accelerator.is_main_process:
             return
         line = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in values.items()}
+        if self.step_offset:
+            line["tracker_step"] = step + self.step_offset
         line["time"] = round(time.time(), 3)
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.accelerator.trackers:
-            self.accelerator.log(numeric, step=step)
+            self.accelerator.log(numeric, step=step + self.step_offset)
 
 
 def check_shared_memory(num_workers: int, bytes_per_batch: int, prefetch_factor: int = 2,

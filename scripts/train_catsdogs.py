@@ -1,4 +1,4 @@
-"""Train and evaluate an image classifier (ResNet-18 by default, any timm model) on an ImageFolder with Accelerate.
+r"""Train and evaluate an image classifier (ResNet-18 by default, any timm model) on an ImageFolder with Accelerate.
 
 Built-in data set (horizontal vs vertical stripes), CPU (generated on first use, no download):
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_catsdogs.py
@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import logging
-import math
 import os
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +34,8 @@ from detlib import checkpoint as ckpt
 from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, check_same_classes,
                                    classification_metrics, classification_transform, make_synthetic_image_folder,
                                    scan_image_folder)
-from detlib.runtime import (REPORT_TO, MetricsLogger, check_shared_memory, init_trackers, log_run_setup,
-                            make_accelerator, save_config, setup_logging)
-from detlib.schedules import build_lr_scheduler
+from detlib.engine import Run, add_run_arguments, float_range, int_at_least, worker_init_fn
+from detlib.runtime import check_shared_memory
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -49,50 +46,31 @@ SYNTHETIC_DEFAULTS = {"image_size": 64, "epochs": 5, "per_device_batch_size": 32
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("data")
+    groups = add_run_arguments(p)  # the run machinery's flags: epochs, batch, checkpoints, logging, ...
+    p.set_defaults(output_dir="outputs/catsdogs", project="detlib-catsdogs", max_grad_norm=1.0, eval_interval=1,
+                   per_device_eval_batch_size=64, log_interval=10)
+    g = groups["data"]
     g.add_argument("--train_dir", help="ImageFolder root: DIR/<class>/<image> (none: the built-in data set)")
     g.add_argument("--val_dir", help="ImageFolder root with the same class folders")
-    g.add_argument("--image_size", type=int, help="square input side in pixels (224; 64 on the built-in data)")
+    g.add_argument("--image_size", type=int_at_least(16), help="square input side in pixels (224; 64 on the built-in data)")
     g.add_argument("--verify_images", default="full", choices=VERIFY_MODES,
                    help="check at start: full decode (finds truncated files), header only, or none")
-    g.add_argument("--num_workers", type=int, default=4)
 
-    g = p.add_argument_group("model")
+    g = groups["model"]
     g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
     g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is reset)")
     g.add_argument("--pretrained", action="store_true", help="ImageNet weights from torchvision / timm (online)")
 
-    g = p.add_argument_group("optimization")
-    g.add_argument("--epochs", type=int, help="10 (5 on the built-in data)")
-    g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
-    g.add_argument("--per_device_batch_size", type=int, help="images per device and step (64; 32 on the built-in data)")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g = groups["optimization"]
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
-    g.add_argument("--lr", type=float, help="peak learning rate: 1e-3 for AdamW, 0.05 for SGD")
-    g.add_argument("--weight_decay", type=float, help="0.05 for AdamW, 5e-5 for SGD")
-    g.add_argument("--momentum", type=float, default=0.9)
-    g.add_argument("--warmup_steps", type=int, help="linear warmup before the cosine decay (default: 5%% of the steps)")
-    g.add_argument("--label_smoothing", type=float, default=0.0)
-    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping norm (0: off)")
-    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--lr", type=float_range(0), help="peak learning rate: 1e-3 for AdamW, 0.05 for SGD")
+    g.add_argument("--weight_decay", type=float_range(0), help="0.05 for AdamW, 5e-5 for SGD")
+    g.add_argument("--momentum", type=float_range(0, 1), default=0.9)
+    g.add_argument("--warmup_steps", type=int_at_least(0), help="linear warmup before the cosine decay (default: 5%% of the steps)")
+    g.add_argument("--label_smoothing", type=float_range(0, 1), default=0.0)
 
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval_interval", type=int, default=1, help="evaluate every N epochs (and after the last)")
-    g.add_argument("--per_device_eval_batch_size", type=int, default=64)
-    g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a checkpoint folder or model.safetensors and exit")
-    g.add_argument("--num_misclassified", type=int, default=16, help="misclassified val images in the wandb table")
-
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--output_dir", default="outputs/catsdogs")
-    g.add_argument("--checkpoint_total_limit", type=int, default=2, help="keep the last N checkpoints (0: all)")
-    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH")
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--report_to", default="wandb", choices=REPORT_TO)
-    g.add_argument("--project", default="detlib-catsdogs", help="tracker project name")
-    g.add_argument("--run_name")
-    g.add_argument("--log_interval", type=int, default=10, help="optimizer steps between train log lines")
+    g = groups["evaluation"]
+    g.add_argument("--num_misclassified", type=int_at_least(0), default=16, help="misclassified val images in the wandb table")
     return p.parse_args(argv)
 
 
@@ -129,7 +107,8 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
         logger.warning(msg)
-    common = dict(num_workers=workers, pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0)
+    common = dict(num_workers=workers, pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
+                  worker_init_fn=worker_init_fn)
     val_ds = ImageFolderDataset(scans["val"], classification_transform(args.image_size, train=False), train=False)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.per_device_eval_batch_size, shuffle=False, **common)
     train_ds = train_loader = None
@@ -140,23 +119,12 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     return train_ds, val_ds, train_loader, val_loader
 
 
-def build_scheduler(args, optimizer, total_steps: int):
-    """Linear warmup from 0 then cosine decay to 0, per optimizer step (see detlib.schedules)."""
-    warmup = args.warmup_steps if args.warmup_steps is not None else int(round(0.05 * total_steps))
-    return build_lr_scheduler(optimizer, "cosine", total_steps, warmup_steps=warmup, warmup_start=0.0)
-
-
-def epoch_loader(accelerator, train_loader, epoch: int, batches_done: int = 0):
-    """The training batches of `epoch`: that epoch's seeded shuffle on every rank (set_epoch: a new order
-    each epoch, disjoint shards, case B31), minus the first `batches_done` when resuming mid-epoch."""
-    train_loader.set_epoch(epoch)
-    if batches_done:
-        return accelerator.skip_first_batches(train_loader, batches_done)
-    return train_loader
+# Linear warmup from 0 (5% of the run unless --warmup_steps), then cosine decay to 0, per optimizer step.
+SCHEDULE = {"kind": "cosine", "warmup_fraction": 0.05, "warmup_start": 0.0}
 
 
 @torch.no_grad()
-def evaluate(model, loader, accelerator, classes: list[str]) -> tuple[dict, dict]:
+def evaluate(model, loader, run: Run, classes: list[str], train_model=None) -> tuple[dict, dict]:
     """Evaluate the val shard of every process and gather the per-image results (collective: every process
     runs it, case B15).
 
@@ -165,9 +133,11 @@ def evaluate(model, loader, accelerator, classes: list[str]) -> tuple[dict, dict
     count (case B13). Returns (metrics, per-image {"index", "label", "pred", "confidence"}: [N] tensors sorted
     by index), the same on every process.
     """
+    accelerator = run.accelerator
     model.eval()
     parts = []
-    for batch in tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False):
+    for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
+        run.poll_preemption(train_model, batch_index=i)
         logits = model(batch["image"]).float()
         loss = F.cross_entropy(logits, batch["label"], reduction="none")
         prob = logits.softmax(-1)
@@ -225,8 +195,13 @@ def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int)
              "val_misclassified": table}, step=step)
 
 
-def report_evaluation(accelerator, metrics, val_ds, stats: dict, preds: dict, epoch, step: int, args) -> None:
-    metrics.log({"epoch": epoch, "step": step, **stats}, step=step)
+def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, weights: str | None = None) -> None:
+    """Log the evaluation (metrics.jsonl, trackers, best/), write predictions_val.csv and the wandb extras."""
+    accelerator, epoch, step = run.accelerator, run.epoch if not weights else None, run.state.global_step
+    if weights:  # evaluation only: record which weights were scored
+        run.metrics.log({"epoch": None, "step": 0, **stats, "weights": os.path.abspath(weights)}, step=0)
+    else:
+        run.report_evaluation(stats, model)
     if accelerator.is_main_process:
         write_predictions(os.path.join(args.output_dir, "predictions_val.csv"), val_ds, preds)
         log_wandb_extras(accelerator, val_ds, preds, step, args.num_misclassified)
@@ -238,9 +213,15 @@ def report_evaluation(accelerator, metrics, val_ds, stats: dict, preds: dict, ep
 def main(argv=None):
     args = parse_args(argv)
     synthetic = not (args.train_dir or args.val_dir)
-    if args.evaluate_only and args.image_size is None:
-        saved = ckpt.read_model_config(args.evaluate_only) or {}
-        args.image_size = saved.get("image_size")
+    saved = None
+    if args.evaluate_only:
+        try:
+            saved = ckpt.read_model_config(args.evaluate_only) or {}
+        except ckpt.CheckpointError as e:
+            sys.exit(f"error: --evaluate_only: {e}")
+        if args.image_size is None:
+            args.image_size = saved.get("image_size")
+        args.model = saved.get("model", args.model)  # rebuild the evaluated model as it was trained
     for k, v in (SYNTHETIC_DEFAULTS if synthetic else REAL_DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -249,15 +230,12 @@ def main(argv=None):
     if args.weight_decay is None:
         args.weight_decay = 0.05 if args.optimizer == "adamw" else 5e-5
     if not synthetic and not args.val_dir:
-        raise SystemExit("--val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
+        sys.exit("error: --val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
     if not synthetic and not args.train_dir and not args.evaluate_only:
-        raise SystemExit("--train_dir is required for training (or pass --evaluate_only PATH)")
-    os.makedirs(args.output_dir, exist_ok=True)
+        sys.exit("error: --train_dir is required for training (or pass --evaluate_only PATH)")
 
-    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
-                                   args.output_dir, seed=args.seed)
-    setup_logging(args.output_dir, accelerator.is_main_process)
-    log_run_setup(accelerator)
+    run = Run(args, metric="val_accuracy")  # output folder checks and lock, accelerator, logging, signals
+    accelerator = run.accelerator
 
     # ---- data
     with accelerator.main_process_first():  # the main process generates / checks the files, the others reuse it
@@ -273,25 +251,17 @@ def main(argv=None):
         try:
             train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, dirs)
         except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
-            logger.error("%s", e)
-            raise SystemExit(f"error: {e}") from None
+            run.fail(str(e))
     classes = val_ds.classes
 
     # ---- model
     model_config = {"model": args.model, "num_classes": len(classes), "classes": classes, "image_size": args.image_size}
-    if args.evaluate_only:
-        saved = ckpt.read_model_config(args.evaluate_only)
-        if saved:
-            if saved["classes"] != classes:
-                raise ValueError(f"{args.evaluate_only} was trained on classes {saved['classes']}, "
-                                 f"but {dirs['val_dir']} has {classes}")
-            args.model = saved["model"]
-            model_config["model"] = args.model
+    if saved and saved.get("classes") not in (None, classes):
+        run.fail(f"{args.evaluate_only} was trained on classes {saved['classes']}, but {dirs['val_dir']} has {classes}")
     model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
                              weights=None if args.evaluate_only else args.weights)
     if args.evaluate_only:
-        ckpt.load_model_weights(model, args.evaluate_only)
-        logger.info("loaded weights from %s", ckpt.weights_path(args.evaluate_only))
+        weights = run.load_weights(model, args.evaluate_only)
     logger.info("%s: %.2fM parameters, %d classes %s", args.model, sum(p.numel() for p in model.parameters()) / 1e6,
                 len(classes), classes)
 
@@ -299,17 +269,14 @@ def main(argv=None):
     config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
                   synthetic_data=synthetic, classes=classes, num_val_images=len(val_ds),
                   num_train_images=len(train_ds) if train_ds else 0, **{f"data_{k}": v for k, v in dirs.items()})
-    if accelerator.is_main_process:
-        save_config(config, args.output_dir)
-        logger.info("config: %s", json.dumps(config, default=str))
-    metrics = MetricsLogger(accelerator, args.output_dir)
+    run.save_config(config, model_config)
 
     if args.evaluate_only:
         model, val_loader = accelerator.prepare(model, val_loader)
-        init_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name)
-        stats, preds = evaluate(model, val_loader, accelerator, classes)
-        report_evaluation(accelerator, metrics, val_ds, stats, preds, None, 0, args)
-        accelerator.end_training()
+        run.init_trackers()
+        stats, preds = evaluate(model, val_loader, run, classes)
+        report_evaluation(run, model, val_ds, stats, preds, args, weights=weights)
+        run.finish()
         return stats
 
     # ---- optimizer and schedule
@@ -319,92 +286,28 @@ def main(argv=None):
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                     weight_decay=args.weight_decay, nesterov=True)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    # accumulate() also steps at the end of the loader, so a partial last group is one more step.
-    steps_per_epoch = max(1, math.ceil(len(train_loader) / args.gradient_accumulation_steps))
-    total_steps = args.max_steps or args.epochs * steps_per_epoch
-    scheduler = build_scheduler(args, optimizer, total_steps)
-    accelerator.register_for_checkpointing(scheduler)
-    state = ckpt.TrainState()  # saved as trainer_state.json with every checkpoint
-
-    resume = ckpt.resolve_resume(args.output_dir, args.resume_from_checkpoint)
-    if resume:
-        accelerator.load_state(resume)
-        state.load_state_dict(ckpt.read_train_state(resume).state_dict())
-        logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", resume, state.epoch,
-                    state.step_in_epoch, state.global_step, optimizer.param_groups[0]["lr"])
-    state.run_id = init_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name)
+    # tiny-data check, resume (any process count), LR schedule, trackers, disk space
+    scheduler = run.start_training(model, optimizer, train_loader, {**SCHEDULE, "warmup_steps": args.warmup_steps})
 
     # ---- train
-    progress = tqdm(total=total_steps, initial=state.global_step, desc="train", disable=not accelerator.is_local_main_process)
-    last_stats = None
-    done = state.global_step >= total_steps
-    while state.epoch < args.epochs and not done:
-        epoch = state.epoch
+    while run.next_epoch():
         model.train()
-        loader = epoch_loader(accelerator, train_loader, epoch, state.step_in_epoch * args.gradient_accumulation_steps)
-        sums = torch.zeros(3, device=accelerator.device)  # loss sum, correct, images: summed on device, read at log time
-        epoch_sums = torch.zeros(3, device=accelerator.device)
-        grad_norm = None
-        t0 = time.time()
-        for batch in loader:
+        for batch in run.batches(train_loader):
             with accelerator.accumulate(model):
                 logits = model(batch["image"])
                 loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    # after the GradScaler unscale (inside clip_grad_norm_), so the norm is the fp32 one (case B16)
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            n = batch["label"].numel()
-            sums += torch.stack([loss.detach() * n, (logits.detach().argmax(-1) == batch["label"]).sum().float(),
-                                 torch.tensor(float(n), device=sums.device)])
-            if not accelerator.sync_gradients:
-                continue
-            state.global_step += 1
-            state.step_in_epoch += 1
-            progress.update(1)
-            lr = optimizer.param_groups[0]["lr"]  # the rate this step used
-            scheduler.step()
-            if state.global_step % args.log_interval == 0 or state.global_step == total_steps:
-                s = accelerator.reduce(sums, reduction="sum")
-                epoch_sums += s
-                sums.zero_()
-                loss_v, acc = (s[:2] / s[2].clamp(min=1)).tolist()
-                if not math.isfinite(loss_v):
-                    logger.error("non-finite loss %.4g at step %d", loss_v, state.global_step)
-                progress.set_postfix(loss=f"{loss_v:.4f}", lr=f"{lr:.2e}")
-                line = {"epoch": epoch, "step": state.global_step, "loss": loss_v, "lr": lr, "train_accuracy": acc,
-                        "images_per_s": float(s[2]) / max(1e-9, time.time() - t0)}
-                if grad_norm is not None:
-                    line["grad_norm"] = float(grad_norm)
-                metrics.log(line, step=state.global_step)
-                t0 = time.time()
-            if state.global_step >= total_steps:
-                done = True
-                break
-        epoch_sums += accelerator.reduce(sums, reduction="sum")
-        if not done or state.step_in_epoch >= steps_per_epoch:
-            state.epoch, state.step_in_epoch = epoch + 1, 0
-        loss_v, acc = (epoch_sums[:2] / epoch_sums[2].clamp(min=1)).tolist()
-        logger.info("epoch %d: train loss %.4f, train accuracy %.4f, lr %.3g", epoch, loss_v, acc,
-                    optimizer.param_groups[0]["lr"])
+                accelerator.backward(loss * run.loss_weight)  # weight: a partial accumulation window
+                accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
+                run.optimizer_step(model, optimizer, scheduler, {"loss": loss, "train_accuracy": accuracy},
+                                   batch["label"].numel())
+        run.end_epoch(scheduler)
 
-        last = done or state.epoch >= args.epochs
-        if (epoch + 1) % args.eval_interval == 0 or last:
-            stats, preds = evaluate(model, val_loader, accelerator, classes)
-            last_stats = stats
-            report_evaluation(accelerator, metrics, val_ds, stats, preds, epoch, state.global_step, args)
-            if stats["val_accuracy"] > state.best_metric:
-                state.best_metric = stats["val_accuracy"]
-                ckpt.save_model_weights(accelerator, model, os.path.join(args.output_dir, "best"), model_config)
-                logger.info("new best accuracy %.4f, saved %s/best/model.safetensors", stats["val_accuracy"], args.output_dir)
-        path = ckpt.save_checkpoint(accelerator, args.output_dir, state, args.checkpoint_total_limit)
-        logger.info("saved checkpoint %s", path)
-    progress.close()
-    ckpt.save_model_weights(accelerator, model, os.path.join(args.output_dir, "last"), model_config)
-    accelerator.end_training()
-    return last_stats
+        if run.evaluation_due():
+            stats, preds = evaluate(model, val_loader, run, classes, train_model=model)
+            report_evaluation(run, model, val_ds, stats, preds, args)
+        run.checkpoint_if_due(model)
+    run.finish(model)
+    return getattr(run, "last_stats", None)
 
 
 if __name__ == "__main__":

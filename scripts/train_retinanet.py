@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import sys
-import time
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -41,9 +40,8 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
 from detlib.loss import BOX_LOSSES, retinanet_loss
 from detlib.model import RetinaNet
-from detlib.runtime import (REPORT_TO, MetricsLogger, check_shared_memory, init_trackers, log_run_setup,
-                            make_accelerator, save_config, setup_logging)
-from detlib.schedules import build_lr_scheduler
+from detlib.engine import Run, add_run_arguments, float_range, int_at_least, worker_init_fn
+from detlib.runtime import check_shared_memory
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, build_transform
 
@@ -59,7 +57,10 @@ SYNTHETIC_DEFAULTS = {"backbone": "resnet18", "image_size": 160, "fpn_channels":
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("data")
+    groups = add_run_arguments(p)  # the run machinery's flags: epochs, batch, checkpoints, logging, ...
+    p.set_defaults(output_dir="outputs/retinanet", project="detlib-retinanet", max_grad_norm=0.1, eval_interval=5,
+                   per_device_eval_batch_size=8, log_interval=20)
+    g = groups["data"]
     g.add_argument("--data_dir", help="COCO root: DIR/annotations/instances_{set}.json, images in DIR/{set} or DIR/images/{set}")
     g.add_argument("--train_set", default="train2017")
     g.add_argument("--val_set", default="val2017")
@@ -67,64 +68,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--train_annotations", help="COCO json of the training set")
     g.add_argument("--val_images")
     g.add_argument("--val_annotations")
-    g.add_argument("--image_size", type=int, help="longer image side in pixels (600; 160 on the built-in data); "
-                   "with --max_size, the shorter side")
-    g.add_argument("--max_size", type=int, help="resize the shorter side to --image_size, the longer to at most this "
-                   "(800 / 1333 is the standard COCO setting)")
+    g.add_argument("--image_size", type=int_at_least(32), help="longer image side in pixels (600; 160 on the built-in "
+                   "data); with --max_size, the shorter side")
+    g.add_argument("--max_size", type=int_at_least(32), help="resize the shorter side to --image_size, the longer to at "
+                   "most this (800 / 1333 is the standard COCO setting)")
     g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
-    g.add_argument("--num_workers", type=int, default=4)
 
-    g = p.add_argument_group("model")
+    g = groups["model"]
     g.add_argument("--backbone", help="timm model name (resnet50; resnet18 on the built-in data)")
     g.add_argument("--backbone_weights", help="local backbone weights: .safetensors or torch state dict")
     g.add_argument("--pretrained_backbone", action="store_true", help="timm's own pretrained download (online)")
     g.add_argument("--backbone_bn", default="auto", choices=["auto", "frozen", "train"],
                    help="backbone BatchNorm: frozen (the standard setting with pretrained weights), train, or "
                         "auto = frozen when pretrained weights are loaded, trained when training from scratch")
-    g.add_argument("--fpn_channels", type=int, help="FPN and head width (256; 64 on the built-in data)")
+    g.add_argument("--fpn_channels", type=int_at_least(1), help="FPN and head width (256; 64 on the built-in data)")
     g.add_argument("--sync_bn", action="store_true", help="SyncBatchNorm for trainable BN layers (multi-GPU)")
     g.add_argument("--channels_last", action="store_true", help="channels_last memory format for the model")
 
-    g = p.add_argument_group("optimization")
-    g.add_argument("--epochs", type=int, help="12 (30 on the built-in data)")
-    g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
-    g.add_argument("--per_device_batch_size", type=int, help="images per device and step (15; 16 on the built-in data)")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g = groups["optimization"]
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
-    g.add_argument("--lr", type=float, help="1e-4 (1e-3 on the built-in data)")
-    g.add_argument("--weight_decay", type=float, help="0.01 for AdamW (torch's default), 1e-4 for SGD")
-    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--lr", type=float_range(0), help="1e-4 (1e-3 on the built-in data)")
+    g.add_argument("--weight_decay", type=float_range(0), help="0.01 for AdamW (torch's default), 1e-4 for SGD")
+    g.add_argument("--momentum", type=float_range(0, 1), default=0.9)
     g.add_argument("--lr_scheduler", default="plateau", choices=["plateau", "multistep", "cosine", "constant"])
-    g.add_argument("--plateau_patience", type=int, default=3)
-    g.add_argument("--lr_steps", type=int, nargs="+", default=[8, 11], help="multistep: epochs where the LR drops 10x")
-    g.add_argument("--warmup_steps", type=int, default=500, help="linear warmup (multistep and cosine)")
-    g.add_argument("--max_grad_norm", type=float, default=0.1, help="gradient clipping norm (0: off)")
+    g.add_argument("--plateau_patience", type=int_at_least(0), default=3)
+    g.add_argument("--lr_steps", type=int_at_least(1), nargs="+", default=[8, 11], help="multistep: epochs where the LR drops 10x")
+    g.add_argument("--warmup_steps", type=int_at_least(0), default=500, help="linear warmup of the per-step schedules")
     g.add_argument("--box_loss", default="l1", choices=BOX_LOSSES)
-    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
-    g.add_argument("--seed", type=int, default=0)
 
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval_interval", type=int, default=5, help="evaluate every N epochs (and after the last)")
-    g.add_argument("--per_device_eval_batch_size", type=int, default=8)
-    g.add_argument("--score_thresh", type=float, default=0.05)
-    g.add_argument("--nms_thresh", type=float, default=0.5)
-    g.add_argument("--detections_per_image", type=int, default=100)
+    g = groups["evaluation"]
+    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05)
+    g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5)
+    g.add_argument("--detections_per_image", type=int_at_least(1), default=100)
     g.add_argument("--coco_eval_backend", default="auto", choices=["auto", "pycocotools", "faster"])
-    g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a checkpoint folder or model.safetensors and exit")
-
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--output_dir", default="outputs/retinanet")
-    g.add_argument("--checkpoint_total_limit", type=int, default=2, help="keep the last N checkpoints")
-    g.add_argument("--checkpoint_interval", type=int, default=1, help="save a checkpoint every N epochs (and at the end)")
-    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH")
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--report_to", default="wandb", choices=REPORT_TO)
-    g.add_argument("--project", default="detlib-retinanet", help="tracker project name")
-    g.add_argument("--run_name")
-    g.add_argument("--log_interval", type=int, default=20, help="optimizer steps between train log lines")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_size is not None and args.image_size is not None and args.max_size < args.image_size:
+        p.error(f"--max_size {args.max_size} is smaller than --image_size {args.image_size} (the shorter side)")
+    return args
 
 
 def resolve_data(args) -> dict[str, str]:
@@ -170,7 +151,8 @@ def build_dataloaders(args, paths: dict[str, str]):
         logger.warning(msg)
     # Workers are not persistent: each epoch's workers get a fresh copy of the data set with its epoch set
     # (the augmentation stream, see CocoDetection.set_epoch).
-    common = dict(num_workers=workers, collate_fn=collate_detection, pin_memory=torch.cuda.is_available())
+    common = dict(num_workers=workers, collate_fn=collate_detection, pin_memory=torch.cuda.is_available(),
+                  worker_init_fn=worker_init_fn)
     train_loader = None
     if train_ds is not None:
         train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size, shuffle=True,
@@ -179,24 +161,25 @@ def build_dataloaders(args, paths: dict[str, str]):
     return train_ds, val_ds, train_loader, val_loader
 
 
-def build_scheduler(args, optimizer, steps_per_epoch: int):
+def schedule_spec(args) -> dict:
     """"plateau": ReduceLROnPlateau, stepped once per epoch with the epoch's mean loss. The others: a
-    per-optimizer-step schedule with linear warmup (see detlib.schedules)."""
-    if args.lr_scheduler == "plateau":
-        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1, patience=args.plateau_patience)
-    return build_lr_scheduler(optimizer, args.lr_scheduler, total_steps=args.max_steps or args.epochs * steps_per_epoch,
-                              warmup_steps=args.warmup_steps, milestones=[e * steps_per_epoch for e in args.lr_steps])
+    per-optimizer-step schedule with linear warmup (detlib.schedules), built by the run (detlib.engine)."""
+    return {"kind": args.lr_scheduler, "warmup_steps": args.warmup_steps, "milestones_epochs": args.lr_steps,
+            "plateau_patience": args.plateau_patience}
 
 
 @torch.no_grad()
-def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args) -> dict | None:
+def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, run: Run, args, train_model=None) -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval.
 
     Every process runs the whole loop and the gather (case B15); returns the stats on every process.
+    `train_model` (the model being trained) lets a preemption during the evaluation write a checkpoint.
     """
+    accelerator = run.accelerator
     model.eval()
     evaluator.reset()
-    for batch in tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False):
+    for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
+        run.poll_preemption(train_model, batch_index=i)
         out = model(batch["images"])
         anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
         dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
@@ -226,25 +209,23 @@ def main(argv=None):
     for k, v in (SYNTHETIC_DEFAULTS if synthetic else REAL_DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    saved = ckpt.read_model_config(args.evaluate_only) if args.evaluate_only else None
+    try:
+        saved = ckpt.read_model_config(args.evaluate_only) if args.evaluate_only else None
+    except ckpt.CheckpointError as e:
+        sys.exit(f"error: --evaluate_only: {e}")
     if saved:  # rebuild the evaluated model as it was trained, and evaluate at its size unless told otherwise
         args.backbone, args.fpn_channels = saved["backbone"], saved["fpn_channels"]
         if "image_size" not in given and saved.get("image_size"):
             args.image_size, args.max_size = saved["image_size"], saved.get("max_size")
     if args.weight_decay is None:
         args.weight_decay = 0.01 if args.optimizer == "adamw" else 1e-4
-    if args.evaluate_only:  # never overwrite a training run's config.yaml / metrics.jsonl
-        args.output_dir = os.path.join(args.output_dir, "evaluate_only")
-    os.makedirs(args.output_dir, exist_ok=True)
 
-    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
-                                   args.output_dir, seed=args.seed)
-    setup_logging(args.output_dir, accelerator.is_main_process)
-    if synthetic:
+    run = Run(args, metric="AP")  # output folder checks and lock, accelerator, logging, preemption signals
+    accelerator = run.accelerator
+    if synthetic and not args.evaluate_only:
         logger.info("no data given: training on the built-in synthetic shapes data set (%s, %d px, fpn_channels %d, "
                     "lr %g, %d epochs); pass --data_dir for COCO", args.backbone, args.image_size, args.fpn_channels,
                     args.lr, args.epochs)
-    log_run_setup(accelerator)
 
     # ---- data
     with accelerator.main_process_first():  # the synthetic set is generated once, by the main process
@@ -254,13 +235,13 @@ def main(argv=None):
                 paths = {**paths, "train_images": None, "train_annotations": None}
             train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
         except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
-            logger.error("%s", e)
-            raise SystemExit(f"error: {e}") from None
+            run.fail(str(e))
     category_map = val_ds.category_map
 
     # ---- model
     model_config = {"num_classes": len(category_map), "backbone": args.backbone, "fpn_channels": args.fpn_channels,
-                    "image_size": args.image_size, "max_size": args.max_size, "category_ids": category_map.category_ids}
+                    "image_size": args.image_size, "max_size": args.max_size, "category_ids": category_map.category_ids,
+                    "category_names": [val_ds.coco.cats[c]["name"] for c in category_map.category_ids]}
     pretrained = bool(args.backbone_weights or args.pretrained_backbone)
     freeze_bn = args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained)
     if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
@@ -270,12 +251,7 @@ def main(argv=None):
                       backbone_weights=None if args.evaluate_only else args.backbone_weights,
                       freeze_backbone_bn=freeze_bn)
     if args.evaluate_only:
-        try:
-            ckpt.load_model_weights(model, args.evaluate_only)
-        except (FileNotFoundError, RuntimeError) as e:
-            logger.error("%s", e)
-            raise SystemExit(f"error: {e}") from None
-        logger.info("loaded weights from %s", ckpt.weights_path(args.evaluate_only))
+        weights = run.load_weights(model, args.evaluate_only)
     if args.sync_bn and accelerator.num_processes > 1:
         if accelerator.device.type == "cuda":
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -299,22 +275,22 @@ def main(argv=None):
     config = {k: v for k, v in vars(args).items()}
     config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
                   synthetic_data=synthetic, num_classes=len(category_map), **{f"data_{k}": v for k, v in paths.items()})
-    if accelerator.is_main_process:
-        save_config(config, args.output_dir)
-        logger.info("config: %s", json.dumps(config, default=str))
-    metrics = MetricsLogger(accelerator, args.output_dir)
+    run.save_config(config, model_config)
     evaluator = CocoEvaluator(val_ds.coco.dataset, backend=args.coco_eval_backend)
 
-    if args.evaluate_only:
-        model, val_loader = accelerator.prepare(model, val_loader)
-        init_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name)
-        stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, accelerator, args)
-        metrics.log({"epoch": None, "step": 0, **stats}, step=0)
+    def write_predictions():
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
                 json.dump(evaluator.results, f)
-            logger.info("evaluation of %s: %s", args.evaluate_only, " ".join(f"{k}={v:.4f}" for k, v in stats.items()))
-        accelerator.end_training()
+
+    if args.evaluate_only:
+        model, val_loader = accelerator.prepare(model, val_loader)
+        run.init_trackers()
+        stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, run, args)
+        run.metrics.log({"epoch": None, "step": 0, **stats, "weights": os.path.abspath(weights)}, step=0)
+        write_predictions()
+        logger.info("evaluation of %s: %s", weights, " ".join(f"{k}={v:.4f}" for k, v in stats.items()))
+        run.finish()
         return stats
 
     # ---- optimizer and schedule
@@ -324,39 +300,14 @@ def main(argv=None):
     else:
         optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    # accumulate() also steps at the end of the loader, so a partial last group is one more step.
-    steps_per_epoch = max(1, math.ceil(len(train_loader) / args.gradient_accumulation_steps))
-    scheduler = build_scheduler(args, optimizer, steps_per_epoch)
-    accelerator.register_for_checkpointing(scheduler)
-    state = ckpt.TrainState()  # saved as trainer_state.json with every checkpoint
-
-    resume = ckpt.resolve_resume(args.output_dir, args.resume_from_checkpoint)
-    if resume:
-        accelerator.load_state(resume)
-        state.load_state_dict(ckpt.read_train_state(resume).state_dict())
-        logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", resume, state.epoch,
-                    state.step_in_epoch, state.global_step, optimizer.param_groups[0]["lr"])
-    state.run_id = init_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name)
+    # tiny-data check, resume (any process count), LR schedule, trackers, disk space
+    scheduler = run.start_training(model, optimizer, train_loader, schedule_spec(args))
 
     # ---- train
-    total_steps = args.max_steps or args.epochs * steps_per_epoch
-    progress = tqdm(total=total_steps, initial=state.global_step, desc="train", disable=not accelerator.is_local_main_process)
-    last_stats = None
-    done = state.global_step >= total_steps
-    if done or state.epoch >= args.epochs:
-        logger.info("nothing left to train: the run is at epoch %d, step %d of %d", state.epoch, state.global_step, total_steps)
-    while state.epoch < args.epochs and not done:
-        epoch = state.epoch
+    while run.next_epoch():
         model.train()
-        train_loader.set_epoch(epoch)
-        train_ds.set_epoch(epoch)
-        loader = train_loader
-        if state.step_in_epoch:  # resuming mid-epoch: the seeded order of this epoch, minus what was done
-            loader = accelerator.skip_first_batches(train_loader, state.step_in_epoch * args.gradient_accumulation_steps)
-        sums = torch.zeros(4, device=accelerator.device)  # loss, cls, box, steps: summed on device, read at log time
-        epoch_sums = torch.zeros(2, device=accelerator.device)
-        t0 = time.time()
-        for batch in loader:
+        train_ds.set_epoch(run.epoch)
+        for batch in run.batches(train_loader):
             with accelerator.accumulate(model):
                 images = batch["images"]
                 if args.channels_last:
@@ -365,69 +316,20 @@ def main(argv=None):
                 anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
                 losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
                                         batch["crowd_boxes"], box_loss=args.box_loss)
-                accelerator.backward(losses["loss"])
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            sums += torch.stack([losses["loss"].detach(), losses["cls_loss"].detach(), losses["box_loss"].detach(),
-                                 torch.ones((), device=sums.device)])
-            if not accelerator.sync_gradients:
-                continue
-            state.global_step += 1
-            state.step_in_epoch += 1
-            progress.update(1)
-            if args.lr_scheduler != "plateau":
-                scheduler.step()
-            if state.global_step % args.log_interval == 0 or state.global_step == total_steps:
-                s = accelerator.reduce(sums, reduction="mean")
-                loss, cls_l, box_l = (s[:3] / s[3].clamp(min=1)).tolist()
-                epoch_sums += torch.stack([sums[0], sums[3]])
-                sums.zero_()
-                lr = optimizer.param_groups[0]["lr"]
-                if not math.isfinite(loss):
-                    logger.error("non-finite loss %.4g at step %d", loss, state.global_step)
-                progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
-                metrics.log({"epoch": epoch, "step": state.global_step, "loss": loss, "cls_loss": cls_l,
-                             "box_loss": box_l, "lr": lr, "images_per_s": len(batch["image_ids"]) * accelerator.num_processes
-                             * args.gradient_accumulation_steps * args.log_interval / max(1e-9, time.time() - t0)}, step=state.global_step)
-                t0 = time.time()
-            if state.global_step >= total_steps:
-                done = True
-                break
-        epoch_sums += torch.stack([sums[0], sums[3]])
-        finished_epoch = not done or state.step_in_epoch >= steps_per_epoch
-        if finished_epoch:
-            state.epoch, state.step_in_epoch = epoch + 1, 0
-        mean_loss = accelerator.reduce(epoch_sums, reduction="mean")
-        mean_loss = float(mean_loss[0] / mean_loss[1].clamp(min=1))
-        if args.lr_scheduler == "plateau" and finished_epoch:
-            scheduler.step(mean_loss)  # the same value on every rank, so every rank's LR stays in step
-        logger.info("epoch %d: mean loss %.4f, lr %.3g", epoch, mean_loss, optimizer.param_groups[0]["lr"])
+                accelerator.backward(losses["loss"] * run.loss_weight)  # weight: a partial accumulation window
+                n = len(batch["image_ids"])
+                run.optimizer_step(model, optimizer, scheduler, {"loss": losses["loss"], "cls_loss": losses["cls_loss"],
+                                   "box_loss": losses["box_loss"], "pos_anchors_per_image": losses["num_pos"] / n}, n)
+        run.end_epoch(scheduler)
 
-        last = done or state.epoch >= args.epochs
-        if (epoch + 1) % args.eval_interval == 0 or last:
-            stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, accelerator, args)
-            last_stats = stats
-            metrics.log({"epoch": epoch, "step": state.global_step, **stats}, step=state.global_step)
-            logger.info("epoch %d eval: %s", epoch, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
-            if stats["AP"] > state.best_metric:
-                state.best_metric = stats["AP"]
-                ckpt.save_model_weights(accelerator, model, os.path.join(args.output_dir, "best"), model_config)
-                logger.info("new best AP %.4f, saved %s/best/model.safetensors", stats["AP"], args.output_dir)
-            if accelerator.is_main_process:
-                with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
-                    json.dump(evaluator.results, f)
-        if last or (epoch + 1) % args.checkpoint_interval == 0:
-            path = ckpt.save_checkpoint(accelerator, args.output_dir, state, args.checkpoint_total_limit)
-            if accelerator.is_main_process:  # so --evaluate_only on a checkpoint folder rebuilds the same model
-                with open(os.path.join(path, "model_config.json"), "w") as f:
-                    json.dump(model_config, f, indent=1)
-            logger.info("saved checkpoint %s", path)
-    progress.close()
-    ckpt.save_model_weights(accelerator, model, os.path.join(args.output_dir, "last"), model_config)
-    accelerator.end_training()
-    return last_stats
+        if run.evaluation_due():
+            stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, run, args, train_model=model)
+            logger.info("epoch %d eval: %s", run.epoch, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
+            run.report_evaluation(stats, model)
+            write_predictions()
+        run.checkpoint_if_due(model)
+    run.finish(model)
+    return getattr(run, "last_stats", None)
 
 
 if __name__ == "__main__":

@@ -182,8 +182,12 @@ B31_HELPER = textwrap.dedent('''
     accelerator = make_accelerator(None, 1, "none", out, seed=args.seed)
     _, _, train_loader, _ = script.build_dataloaders(args, {"train_dir": args.train_dir, "val_dir": args.val_dir})
     train_loader = accelerator.prepare(train_loader)
-    seen = [[b["index"].tolist() for b in script.epoch_loader(accelerator, train_loader, e)] for e in range(3)]
-    resumed = [b["index"].tolist() for b in script.epoch_loader(accelerator, train_loader, 2, batches_done=1)]
+    seen = []
+    for e in range(3):  # what detlib.engine.Run.batches does: the epoch's seeded order, minus a resume's done batches
+        train_loader.set_epoch(e)
+        seen.append([b["index"].tolist() for b in train_loader])
+    train_loader.set_epoch(2)
+    resumed = [b["index"].tolist() for b in accelerator.skip_first_batches(train_loader, 1)]
     with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
         json.dump({"epochs": seen, "resumed": resumed, "processes": accelerator.num_processes}, f)
 ''')

@@ -36,7 +36,7 @@ def test_prefixed_state_dicts_load_strictly_case_b18(tmp_path, tiny_model, prefi
 def test_weights_of_another_model_fail_clearly(tmp_path, tiny_model):
     save_file({k: v.contiguous() for k, v in tiny_model.state_dict().items()}, str(tmp_path / "model.safetensors"))
     other = RetinaNet(2, "resnet18", fpn_channels=32, freeze_backbone_bn=False)
-    with pytest.raises(RuntimeError, match="fpn_channels"):
+    with pytest.raises(RuntimeError, match="do not fit this model .*size mismatch"):
         ckpt.load_model_weights(other, str(tmp_path))
     with pytest.raises(FileNotFoundError, match="nowhere"):
         ckpt.load_model_weights(other, str(tmp_path / "nowhere"))
@@ -63,11 +63,19 @@ def test_pretrained_download_offline_fails_with_advice(monkeypatch):
         RetinaNet(2, "resnet18", fpn_channels=16, pretrained_backbone=True)
 
 
+def fake_checkpoint(folder, step: int):
+    """A checkpoint folder with the files accelerate's save_state writes (tiny tensors)."""
+    folder.mkdir(parents=True)
+    save_file({"w": torch.arange(6.0)}, str(folder / "model.safetensors"))
+    torch.save({"state": {}, "param_groups": [{"lr": 0.1}]}, folder / "optimizer.bin")
+    (folder / "trainer_state.json").write_text(json.dumps({"epoch": 2, "global_step": step}))
+    return folder
+
+
 def test_resolve_resume_picks_newest_complete_checkpoint(tmp_path):
     root = tmp_path / "checkpoints"
     for name, step in (("epoch_0001", 10), ("epoch_0002", 20), ("step_00000025", 25)):
-        (root / name).mkdir(parents=True)
-        (root / name / "trainer_state.json").write_text(json.dumps({"epoch": 2, "global_step": step}))
+        fake_checkpoint(root / name, step)
     (root / "epoch_0003.tmp").mkdir()  # a save that was killed half-way is never picked
     (root / "epoch_0004").mkdir()  # nor a folder without trainer_state.json
     assert ckpt.resolve_resume(str(tmp_path), "latest") == str(root / "step_00000025")
