@@ -153,7 +153,8 @@ def verify_safetensors(path: str) -> None:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n > size - 8:
-                raise ValueError(f"header of {n} bytes in a {size}-byte file")
+                raise CheckpointError(f"{path} is truncated or not a safetensors file (its header says {n} bytes, "
+                                      f"the file has {size})")
             header = json.loads(f.read(n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (struct.error, ValueError, KeyError, TypeError) as e:

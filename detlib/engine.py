@@ -36,9 +36,11 @@ What a `Run` guarantees:
 * Start-up checks: folder writable, disk space, one live run per folder (lock), never mixing into a
   finished run, flag values (argparse types below).
 
-Exit codes: 0 done; 1 error (bad data, damaged checkpoint, disk full); 2 bad flag values (argparse);
-EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75, "temporary failure: retry") preempted,
-checkpoint written, resume with `--resume_from_checkpoint latest`.
+Exit codes of the training process: 0 done; 1 error (bad data, damaged checkpoint, disk full); 2 bad flag
+values (argparse); EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary
+failure, retry") preempted, checkpoint written, resume with `--resume_from_checkpoint latest`. The launcher
+reports them in its own way (accelerate's 1-process launcher: "returned non-zero exit status 75"; torchrun:
+exit 1 with the worker's code in its summary), so `output_dir/run_status.json` also records how the run ended.
 """
 
 from __future__ import annotations
@@ -336,10 +338,23 @@ class Run:
             self._signal = signum
 
     def fail(self, message: str, code: int = 1):
-        """Log one error line on the main process (all ranks call it together) and exit with `code`."""
+        """One error line on the main process (all ranks call it together): printed to stderr and written to
+        train.log; then exit with `code`."""
         if self.accelerator.is_main_process:
-            logger.error("%s", message)
+            logger.error("%s", message, extra={"console": False})
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            self._write_status(code, message)
         raise SystemExit(code)
+
+    def _write_status(self, code: int, message: str = "") -> None:
+        """`output_dir/run_status.json`: how the run ended, for schedulers and scripts (slurm/ reads it to requeue)."""
+        status = {0: "finished", EXIT_DIVERGED: "diverged", EXIT_PREEMPTED: "preempted"}.get(code, "failed")
+        try:
+            with open(os.path.join(self.output_dir, "run_status.json"), "w") as f:
+                json.dump({"status": status, "exit_code": code, "message": message,
+                           "global_step": self.state.global_step, "epoch": self.state.epoch}, f, indent=1)
+        except OSError:
+            pass
 
     def save_config(self, config: dict, model_config: dict) -> None:
         """Keep the resolved config (written to config.yaml, passed to the trackers) and the model's
@@ -385,7 +400,7 @@ class Run:
         self.steps_per_epoch = math.ceil(self.batches_per_epoch / G)
         self.samples_per_step = acc.num_processes * args.per_device_batch_size * G
         self.total_steps = args.max_steps or args.epochs * self.steps_per_epoch
-        self.optimizer = optimizer
+        self.optimizer, self.model = optimizer, model
 
         resume = None
         if args.resume_from_checkpoint:
@@ -518,8 +533,8 @@ class Run:
         except OSError:
             pass
         st = self.state
-        if st.global_step + st.tracker_offset <= last and self.args.resume_from_checkpoint:
-            st.tracker_offset = last + 1 - st.global_step
+        if st.global_step + 1 + st.tracker_offset <= last and self.args.resume_from_checkpoint:
+            st.tracker_offset = last - st.global_step  # the next step, global_step + 1, is logged at last + 1
             logger.warning("resumed at step %d but the trackers already hold steps up to %d: tracker steps go on at %d "
                            "(step + %d); metrics.jsonl keeps the true step, and its lines after step %d are from the "
                            "abandoned part of the run", st.global_step, last, last + 1, st.tracker_offset, st.global_step)
@@ -578,10 +593,22 @@ class Run:
             self._data_time += time.time() - t
             window_start = (i // G) * G
             self.loss_weight = G / min(G, self.batches_per_epoch - window_start)
+            if i == window_start:
+                self._snapshot_buffers()
             i += 1
             yield batch
 
     loss_weight = 1.0
+
+    def _snapshot_buffers(self) -> None:
+        # BatchNorm running statistics change in the forward pass itself: a non-finite forward would poison
+        # them even though its optimizer step is skipped, so they are kept from before each window.
+        self._buffers = [(b, b.detach().clone()) for b in self.model.buffers() if b.is_floating_point()]
+
+    def _restore_buffers(self) -> None:
+        with torch.no_grad():
+            for b, saved in getattr(self, "_buffers", []):
+                b.copy_(saved)
 
     def optimizer_step(self, model, optimizer, scheduler, values: dict[str, torch.Tensor], num_images: int) -> None:
         """Bookkeeping of one micro-batch, and on the last micro-batch of a window the optimizer step.
@@ -619,6 +646,8 @@ class Run:
             skipped = bool(bad_loss or bad_grad)
             if not skipped:
                 optimizer.step()
+        if bad_loss or bad_grad:
+            self._restore_buffers()
         optimizer.zero_grad(set_to_none=True)
         st.global_step += 1
         st.step_in_epoch += 1
@@ -629,22 +658,23 @@ class Run:
             self._window_skipped += 1
         self._streak = self._streak + 1 if nonfinite else 0
         self.last_grad_norm = norm_sum / acc.num_processes if not bad_grad else math.nan
+        if not bad_loss:
+            self._watch_explosion(loss_sum / acc.num_processes, lr)
         if nonfinite:
             logger.warning("step %d: non-finite %s (lr %.3g); the step is skipped on every process (%d in a row)",
                            st.global_step, "loss" if bad_loss else "gradient norm", lr, self._streak)
-            if self._streak >= args.max_nonfinite_steps:
-                last = ckpt.list_checkpoints(self.output_dir)
-                self.fail(f"training diverged: {self._streak} non-finite steps in a row up to step {st.global_step} "
-                          f"(epoch {self.epoch}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
-                          f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --lr "
-                          "or --max_grad_norm", EXIT_DIVERGED)
-        else:
-            self._watch_explosion(loss_sum / acc.num_processes, lr)
         if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             scheduler.step()
         self._window_steps += 1
-        if st.global_step % args.log_interval == 0 or st.global_step == self.total_steps:
+        diverged = self._streak >= args.max_nonfinite_steps
+        if st.global_step % args.log_interval == 0 or st.global_step == self.total_steps or diverged:
             self._log_window(lr)
+        if diverged:
+            last = ckpt.list_checkpoints(self.output_dir) if acc.is_main_process else []
+            self.fail(f"training diverged: {self._streak} non-finite steps in a row up to step {st.global_step} "
+                      f"(epoch {self.epoch}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
+                      f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --lr "
+                      "or --max_grad_norm", EXIT_DIVERGED)
         if args.checkpoint_steps and st.global_step % args.checkpoint_steps == 0:
             if st.step_in_epoch < self.steps_per_epoch and st.global_step < self.total_steps:
                 self.save_checkpoint(model)
@@ -815,6 +845,8 @@ class Run:
             if self.images_seen:
                 summary.append(f"mean throughput {self.images_seen / elapsed:.1f} images/s (all processes)")
             logger.info("summary:\n  %s", "\n  ".join(summary))
+        if self.accelerator.is_main_process and not self.evaluate_only:
+            self._write_status(0)
         self._close()
 
     def _close(self) -> None:

@@ -130,6 +130,8 @@ def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log") -
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
     console = logging.StreamHandler(sys.stdout if is_main else sys.stderr)
     console.setFormatter(fmt)
+    # a record logged with extra={"console": False} goes to train.log only (its text is printed elsewhere)
+    console.addFilter(lambda record: getattr(record, "console", True))
     root.addHandler(console)
     if is_main:
         os.makedirs(output_dir, exist_ok=True)

@@ -16,6 +16,9 @@ Fine-tuning from local ImageNet weights (the 1000-class fc is replaced), or timm
         --train_dir ../shared/data/catsdogs/train --val_dir ../shared/data/catsdogs/val --image_size 128 --report_to none
     ... scripts/train_catsdogs.py --train_dir data/train --val_dir data/validation --output_dir outputs/catsdogs --resume_from_checkpoint latest
     ... scripts/train_catsdogs.py --val_dir data/validation --evaluate_only outputs/catsdogs/best
+
+Long runs (a checkpoint every 200 steps; SIGTERM / SIGUSR1 / Ctrl-C write one and exit 75):
+    ... scripts/train_catsdogs.py --train_dir data/train --val_dir data/validation --checkpoint_steps 200
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ Any COCO-format data set:
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_retinanet.py ...
     ... scripts/train_retinanet.py --output_dir outputs/r50_600 --resume_from_checkpoint latest
     ... scripts/train_retinanet.py --data_dir /data/coco --evaluate_only outputs/r50_600/best
+
+Long runs (a checkpoint every 500 steps; SIGTERM / SIGUSR1 / Ctrl-C write one and exit 75; SLURM: slurm/):
+    ... scripts/train_retinanet.py --data_dir /data/coco --checkpoint_steps 500 --resume_from_checkpoint latest
 """
 
 from __future__ import annotations

@@ -1,0 +1,394 @@
+"""End-to-end runs of the run machinery (detlib.engine) through `accelerate launch`: divergence (C11), kill -9
+and SIGTERM mid-epoch with exact resume, launcher death, damaged checkpoints (C07), another process count
+(C08), the partial accumulation window (C09), a training set too small for the processes (C10), the
+output-folder guards, and two "machines" on loopback.
+
+Tiny on purpose: noise images of 64 px with a box or two, resnet18 with a 16-channel head (RetinaNet) or timm's
+`test_resnet` at 32 px (cats/dogs), so each launch takes seconds on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, read_metrics, run_script, write_coco, write_image
+from test_catsdogs import make_tiny_folder
+
+pytestmark = pytest.mark.slow
+
+TINY = ["--backbone", "resnet18", "--image_size", "64", "--fpn_channels", "16", "--per_device_batch_size", "2",
+        "--per_device_eval_batch_size", "4", "--num_workers", "0", "--log_interval", "1", "--report_to", "none",
+        "--eval_interval", "100"]
+CATS = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "0", "--log_interval", "1", "--report_to", "none"]
+
+
+def make_detection_set(root: Path, n_train: int, n_val: int = 2) -> list[str]:
+    """Noise images of 64x64 px with one or two boxes of 2 categories; returns the four data flags."""
+    images, anns = [], []
+    for i in range(n_train + n_val):
+        write_image(root / "img" / f"{i}.png", 64, 64, seed=i)
+        images.append({"id": i + 1, "file_name": f"{i}.png", "width": 64, "height": 64})
+        anns.append({"image_id": i + 1, "category_id": 1 + i % 2, "bbox": [4 + i, 6, 30, 24 + i % 5]})
+        if i % 3 == 0:
+            anns.append({"image_id": i + 1, "category_id": 2, "bbox": [30, 30, 20, 20]})
+    cats = [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}]
+    train_ids = {im["id"] for im in images[:n_train]}
+    write_coco(root / "train.json", images[:n_train], [a for a in anns if a["image_id"] in train_ids], cats)
+    write_coco(root / "val.json", images[n_train:], [dict(a) for a in anns if a["image_id"] not in train_ids], cats)
+    return ["--train_images", str(root / "img"), "--train_annotations", str(root / "train.json"),
+            "--val_images", str(root / "img"), "--val_annotations", str(root / "val.json")]
+
+
+def popen(script: str, args: list[str], config: str = "cpu.yaml", launcher_args: tuple = ()) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
+           *launcher_args, str(REPO / "scripts" / script), *args]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before step {step}:\n{proc.stdout.read()[-4000:]}")
+        try:
+            if any(m.get("step", 0) >= step and "loss" in m for m in read_metrics(out)):
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def children(pid: int) -> list[int]:
+    """All descendants of `pid`, from /proc."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def saved_tensors(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {str(f.relative_to(out)): load_file(str(f)) for f in out.rglob("*.safetensors")}
+
+
+def assert_same_weights(a: Path, b: Path, atol: float = 1e-6) -> float:
+    wa, wb = load_file(str(a / "last" / "model.safetensors")), load_file(str(b / "last" / "model.safetensors"))
+    worst = max(float((wa[k].double() - wb[k].double()).abs().max()) for k in wa if wa[k].is_floating_point())
+    assert worst <= atol, worst
+    return worst
+
+
+def trains(out: Path) -> list[dict]:
+    return [m for m in read_metrics(out) if "loss" in m]
+
+
+# ---- divergence (C11)
+
+def test_case_c11_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
+    data = make_detection_set(tmp_path / "d", 4)
+    out = tmp_path / "run"
+    proc = run_script("train_retinanet.py", data + TINY + [
+        "--optimizer", "sgd", "--lr", "100", "--max_grad_norm", "0", "--epochs", "3", "--checkpoint_total_limit", "1",
+        "--per_device_batch_size", "1", "--output_dir", str(out)], check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exit status 3" in text, text[-3000:]
+    assert "training diverged: 5 non-finite steps in a row up to step" in text and "lr 100" in text
+    m = trains(out)
+    assert m[-1]["skipped_steps"] >= 5
+    skipped = [t for t in m if not math.isfinite(float(t["loss"]))]
+    assert len(skipped) >= 5
+    for name, tensors in saved_tensors(out).items():  # nothing non-finite was ever written
+        assert all(torch.isfinite(v).all() for v in tensors.values() if v.is_floating_point()), name
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(ckpts) == 1 and ckpts[0] in text  # the last finite checkpoint is kept and named
+
+
+def test_exploding_finite_loss_is_reported(tmp_path):
+    data = make_detection_set(tmp_path / "d", 4)
+    out = tmp_path / "run"
+    proc = run_script("train_retinanet.py", data + TINY + [
+        "--optimizer", "adamw", "--lr", "10", "--max_steps", "12", "--epochs", "6", "--per_device_batch_size", "1",
+        "--max_grad_norm", "0", "--output_dir", str(out)], check=False)
+    text = proc.stdout + proc.stderr
+    assert "its lowest running level" in text and "lr 10" in text, text[-3000:]
+
+
+# ---- kill -9 and SIGTERM mid-epoch, exact resume
+
+def test_kill9_mid_epoch_resume_redoes_at_most_checkpoint_steps(tmp_path):
+    data = make_detection_set(tmp_path / "d", 8)
+    common = data + TINY + ["--epochs", "2", "--per_device_batch_size", "1", "--optimizer", "sgd", "--lr", "0.01",
+                            "--lr_scheduler", "cosine", "--warmup_steps", "2", "--checkpoint_steps", "5"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_script("train_retinanet.py", common + ["--output_dir", str(full)])
+    proc = popen("train_retinanet.py", common + ["--output_dir", str(part)])
+    wait_for_step(part, proc, 13)
+    os.killpg(proc.pid, signal.SIGKILL)  # launcher and trainer at once: nothing can save
+    proc.wait()
+    logged = max(m["step"] for m in trains(part))
+    resumed = run_script("train_retinanet.py", common + ["--output_dir", str(part), "--resume_from_checkpoint", "latest"])
+    assert "global step 10" in resumed.stdout and "stale lock" in resumed.stdout  # step_00000010, the killed run's lock
+    assert logged - 10 <= 5
+    worst = assert_same_weights(full, part, atol=1e-6)
+    print(f"kill -9 at step {logged}: resumed from step 10, {logged - 10} steps redone; max weight difference {worst:.2e}")
+    f, p = trains(full), trains(part)
+    by_step = {m["step"]: m for m in p}  # the resumed run's values (later lines win)
+    for x in f:
+        assert by_step[x["step"]]["lr"] == pytest.approx(x["lr"], rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def two_process_reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ref2")
+    data = make_detection_set(root / "d", 12)
+    common = data + TINY + ["--epochs", "2", "--optimizer", "sgd", "--lr", "0.01", "--lr_scheduler", "plateau",
+                            "--checkpoint_steps", "100", "--eval_interval", "2"]
+    run_script("train_retinanet.py", common + ["--output_dir", str(root / "ref")], config="cpu_2proc.yaml")
+    return common, root / "ref"
+
+
+def test_sigterm_two_processes_stop_together_and_resume_exactly(two_process_reference, tmp_path):
+    common, ref = two_process_reference
+    out = tmp_path / "run"
+    proc = popen("train_retinanet.py", common + ["--output_dir", str(out)], config="cpu_2proc.yaml")
+    wait_for_step(out, proc, 4)
+    os.kill(proc.pid, signal.SIGTERM)  # to the launcher (torchrun), which forwards it to both workers
+    text = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0
+    assert text.count("preempted by SIGTERM at step") == 1, text[-3000:]  # one message, from the main process
+    # exactly one preemption checkpoint, written by both ranks together
+    (ckpt_dir,) = [p for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")]
+    state = json.loads((ckpt_dir / "trainer_state.json").read_text())
+    assert ckpt_dir.name == f"step_{state['global_step']:08d}" and {f.name for f in ckpt_dir.iterdir()} >= {
+        "random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "optimizer.bin"}
+    assert max(m["step"] for m in trains(out)) == state["global_step"]  # no rank went on after the decision
+    run_script("train_retinanet.py", common + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"],
+               config="cpu_2proc.yaml")
+    assert_same_weights(ref, out, atol=1e-6)
+    # the plateau scheduler's epoch mean covers the whole interrupted epoch after the resume
+    mean = lambda o: [ln for ln in (o / "train.log").read_text().splitlines() if "epoch 0: mean loss" in ln][-1].split("mean loss ")[1][:6]  # noqa: E731
+    assert mean(out) == mean(ref)
+
+
+def test_killed_launcher_leaves_no_training_process(tmp_path):
+    data = make_detection_set(tmp_path / "d", 12)
+    out = tmp_path / "run"
+    proc = popen("train_retinanet.py", data + TINY + ["--epochs", "50", "--output_dir", str(out)], config="cpu_2proc.yaml")
+    wait_for_step(out, proc, 2)
+    workers = children(proc.pid)
+    assert len([w for w in workers if alive(w)]) >= 2
+    proc.kill()  # kill -9 of the launcher alone: the workers get SIGTERM from the kernel (parent-death signal)
+    proc.wait()
+    t0 = time.time()
+    while any(alive(w) for w in workers) and time.time() - t0 < 90:
+        time.sleep(0.5)
+    assert not any(alive(w) for w in workers), "training processes outlived their launcher"
+    assert "preempted by SIGTERM" in (out / "train.log").read_text()
+
+
+# ---- damaged checkpoints (C07), trackers after a resume from an older checkpoint
+
+@pytest.mark.parametrize("damage", ["truncate_weights", "empty_state"])
+def test_case_c07_resume_skips_a_damaged_newest_checkpoint(tmp_path, damage):
+    data = make_detection_set(tmp_path / "d", 4)
+    out = tmp_path / "run"
+    common = data + TINY + ["--output_dir", str(out)]
+    run_script("train_retinanet.py", common + ["--epochs", "2"])
+    newest = out / "checkpoints" / "epoch_0002"
+    if damage == "truncate_weights":
+        f = newest / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    else:
+        (newest / "trainer_state.json").write_text("")
+    proc = run_script("train_retinanet.py", common + ["--epochs", "3", "--resume_from_checkpoint", "latest"])
+    assert "skipping damaged checkpoint epoch_0002" in proc.stdout
+    assert ("model.safetensors is truncated" in proc.stdout) if damage == "truncate_weights" else ("trainer_state.json is damaged" in proc.stdout)
+    assert "resumed from" in proc.stdout and "epoch_0001" in proc.stdout
+    assert "tracker steps go on at 5" in proc.stdout  # steps 3-4 were logged by the abandoned epoch
+    m = trains(out)
+    assert [t["step"] for t in m] == [1, 2, 3, 4, 3, 4, 5, 6]
+    assert [t.get("tracker_step") for t in m[4:]] == [5, 6, 7, 8]
+    # named explicitly, a damaged checkpoint is a one-line error
+    f = out / "checkpoints" / "epoch_0003" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    proc = run_script("train_retinanet.py", common + ["--epochs", "4", "--resume_from_checkpoint", str(f.parent)], check=False)
+    assert proc.returncode != 0
+    assert f"error: --resume_from_checkpoint: {f} is truncated" in proc.stderr
+
+
+def test_evaluate_only_on_truncated_or_foreign_weights_is_one_line(tmp_path):
+    data = make_detection_set(tmp_path / "d", 2)
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    for weights in (bad, REPO / "README.md"):
+        proc = run_script("train_retinanet.py", data[4:] + ["--evaluate_only", str(weights), "--output_dir",
+                                                           str(tmp_path / "e"), "--report_to", "none"] + TINY, check=False)
+        text = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and 'train_retinanet.py", line' not in text  # no traceback of ours
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert str(weights) in line
+
+
+# ---- another process count (C08)
+
+def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path):
+    data = make_detection_set(tmp_path / "d", 8)
+    out = tmp_path / "run"
+    common = data + TINY + ["--lr_scheduler", "cosine", "--warmup_steps", "0", "--lr", "1e-3", "--output_dir", str(out)]
+    run_script("train_retinanet.py", common + ["--epochs", "2"], config="cpu_2proc.yaml")
+    two = trains(out)
+    assert [t["step"] for t in two] == [1, 2, 3, 4]  # 8 images / (2 processes x 2) = 2 steps per epoch
+    (out / "checkpoints" / "epoch_0002").rename(tmp_path / "later")  # resume from the end of epoch 0
+    proc = run_script("train_retinanet.py", common + ["--epochs", "2", "--resume_from_checkpoint", "latest"])
+    assert "written by 2 process(es)" in proc.stdout and "global step 2 -> 4" in proc.stdout
+    one = trains(out)[4:]
+    assert [t["step"] for t in one] == [5, 6, 7, 8]  # 4 steps per epoch on 1 process
+    assert one[0]["lr"] == pytest.approx(two[2]["lr"], rel=1e-9)  # the same position in samples seen
+    assert [t["lr"] for t in one] == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * s / 8)) for s in (4, 5, 6, 7)])
+    # and back on 2 processes with one more epoch: the new epoch is trained, the cosine goes on down
+    proc = run_script("train_retinanet.py", common + ["--epochs", "3", "--resume_from_checkpoint", "latest"],
+                      config="cpu_2proc.yaml")
+    assert "nothing left to train" not in proc.stdout
+    assert "goes on from 0 x the base LR at step 4 down to 0 at step 6" in proc.stdout  # the cosine had ended
+    assert "already reached 0, so the added epochs train at LR 0" in proc.stdout
+    last = trains(out)[8:]
+    assert [t["step"] for t in last] == [5, 6] and all(t["epoch"] == 2 for t in last)
+    assert [t["lr"] for t in last] == [0.0, 0.0]  # no jump back up (the anchor's decay is tested in test_engine)
+
+
+# ---- the partial accumulation window (C09)
+
+def test_case_c09_last_partial_window_gets_its_full_gradient_catsdogs(tmp_path):
+    data = make_tiny_folder(tmp_path / "data", [20, 20])
+    norms = {}
+    for accum in (1, 2):
+        out = tmp_path / f"acc{accum}"
+        run_script("train_catsdogs.py", CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "8",
+                                                 "--gradient_accumulation_steps", str(accum), "--lr", "0", "--epochs", "1",
+                                                 "--output_dir", str(out)])
+        norms[accum] = [t["grad_norm"] for t in trains(out)]
+    assert len(norms[1]) == 5 and len(norms[2]) == 3  # 5 batches: windows of 2, 2 and 1
+    # the last window holds batch 5 alone: its gradient is batch 5's, not half of it
+    assert norms[2][-1] == pytest.approx(norms[1][-1], rel=1e-5)
+    assert norms[2][0] != pytest.approx(norms[1][0], rel=1e-3)  # (a full window is a real mean of two batches)
+
+
+def test_case_c09_last_partial_window_gets_its_full_gradient_retinanet(tmp_path):
+    data = make_detection_set(tmp_path / "d", 10)
+    norms = {}
+    for accum in (1, 2):
+        out = tmp_path / f"acc{accum}"
+        run_script("train_retinanet.py", data + TINY + ["--gradient_accumulation_steps", str(accum), "--lr", "0",
+                                                        "--epochs", "1", "--output_dir", str(out)])
+        norms[accum] = [t["grad_norm"] for t in trains(out)]
+    assert len(norms[1]) == 5 and len(norms[2]) == 3
+    assert norms[2][-1] == pytest.approx(norms[1][-1], rel=1e-5)
+
+
+# ---- tiny data (C10) and the output-folder guards
+
+def test_case_c10_no_batch_per_process_stops_at_start(tmp_path):
+    data = make_detection_set(tmp_path / "d", 3)
+    proc = run_script("train_retinanet.py", data + TINY + ["--epochs", "3", "--output_dir", str(tmp_path / "o")],
+                      config="cpu_2proc.yaml", check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "3 training images on 2 process(es) with --per_device_batch_size 2" in text
+    assert not (tmp_path / "o" / "last").exists()
+
+
+def test_output_folder_guards(tmp_path):
+    data = make_detection_set(tmp_path / "d", 4)
+    out = tmp_path / "run"
+    common = data + TINY + ["--output_dir", str(out), "--epochs", "1"]
+    run_script("train_retinanet.py", common + ["--eval_interval", "1"])
+    best = (out / "best" / "model.safetensors").read_bytes()
+    lines = len(read_metrics(out))
+    # a finished run is never mixed into nor overwritten without being asked
+    proc = run_script("train_retinanet.py", common, check=False)
+    assert proc.returncode != 0 and "holds another run" in proc.stderr and "--overwrite_output_dir" in proc.stderr
+    assert (out / "best" / "model.safetensors").read_bytes() == best and len(read_metrics(out)) == lines
+    # a live run holding the folder (this test's own process stands in for it)
+    (out / "run.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}))
+    proc = run_script("train_retinanet.py", common + ["--resume_from_checkpoint", "latest"], check=False)
+    assert proc.returncode != 0 and f"another run (pid {os.getpid()}" in proc.stderr
+    (out / "run.lock").unlink()
+    # --overwrite_output_dir replaces it, saying so
+    proc = run_script("train_retinanet.py", common + ["--overwrite_output_dir"])
+    assert "--overwrite_output_dir: removed the previous run's" in proc.stdout
+    # latest in a folder without a checkpoint: a warning naming the folder, then a fresh start
+    proc = run_script("train_retinanet.py", data + TINY + ["--output_dir", str(tmp_path / "typo"), "--max_steps", "1",
+                                                          "--resume_from_checkpoint", "latest"])
+    assert f"WARNING detlib.checkpoint: --resume_from_checkpoint latest: no usable checkpoint in {tmp_path / 'typo'}" in proc.stdout
+
+
+def test_catsdogs_evaluate_only_keeps_the_run_and_reads_a_checkpoint_of_another_model(tmp_path):
+    data = make_tiny_folder(tmp_path / "data", [4, 4])
+    out = tmp_path / "run"
+    run_script("train_catsdogs.py", CATS + ["--model", "resnet10t", "--train_dir", str(data), "--val_dir", str(data),
+                                             "--per_device_batch_size", "4", "--epochs", "1", "--output_dir", str(out)])
+    config, metrics = (out / "config.yaml").read_text(), (out / "metrics.jsonl").read_text()
+    (ckpt_dir,) = list((out / "checkpoints").iterdir())
+    proc = run_script("train_catsdogs.py", ["--val_dir", str(data), "--evaluate_only", str(ckpt_dir), "--output_dir", str(out),
+                                            "--num_workers", "0", "--report_to", "none"])
+    assert "resnet10t" in proc.stdout
+    assert (out / "config.yaml").read_text() == config and (out / "metrics.jsonl").read_text() == metrics
+    (line,) = read_metrics(out / "evaluate_only")
+    assert line["weights"] == str(ckpt_dir / "model.safetensors") and line["num_val_samples"] == 8
+
+
+# ---- two machines on loopback
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machines_on_loopback_equal_two_processes(two_process_reference, tmp_path):
+    common, ref = two_process_reference
+    out = tmp_path / "nodes"
+    port = str(free_port())
+    nodes = [popen("train_retinanet.py", common + ["--output_dir", str(out)], config="cpu_2proc.yaml",
+                   launcher_args=("--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+                                  "--main_process_ip", "127.0.0.1", "--main_process_port", port))
+             for rank in (0, 1)]
+    texts = [n.communicate(timeout=600)[0] for n in nodes]
+    for n, text in zip(nodes, texts):
+        assert n.returncode == 0, text[-3000:]
+    assert "2 process(es)" in texts[0]
+    assert_same_weights(ref, out, atol=1e-6)
+    ev = lambda o: [m for m in read_metrics(o) if "AP" in m][-1]  # noqa: E731
+    assert {k: ev(out)[k] for k in ("AP", "AP50", "AR100")} == {k: ev(ref)[k] for k in ("AP", "AP50", "AR100")}
