@@ -285,7 +285,8 @@ def read_image_headers(paths: list[str], num_workers: int | None = None, progres
 def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: str = "train",
                report: DataReport | None = None, check_images: bool = True,
                max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
-               num_workers: int | None = None, progress: bool = True, cache_file: str | None = None) -> CocoCheck:
+               num_workers: int | None = None, progress: bool = True, cache_file: str | None = None,
+               need_files: bool = True) -> CocoCheck:
     """Check a COCO-format detection json (and, with `image_dir`, its image files) and normalise it.
 
     Everything that can be checked is checked, so one report lists all faults of the file.
@@ -298,6 +299,7 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         report: add to this report (default: a new one, with `strict`).
         max_image_pixels: width * height above which an image file is an error (None: no limit).
         num_workers, progress, cache_file: of the image header pass (see `read_image_headers`).
+        need_files: images must have a `file_name` (False for a ground truth used in evaluation only).
     Returns:
         CocoCheck: `.dataset` is the normalised json (see the module docstring; valid as such only when
         `report.ok`), None when the file has no usable COCO structure.
@@ -325,11 +327,11 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         return CocoCheck(None, report, split, source)
 
     categories = c.categories(data["categories"])
-    images, by_int, by_str = c.images(data["images"])
+    images, by_int, by_str = c.images(data["images"], need_files)
     left_out: set[int] = set()
     if image_dir is not None and check_images:
         images, left_out = c.image_files(images, image_dir, max_image_pixels, num_workers, progress, cache_file)
-    unsized = [im["file_name"] for im in images if im["width"] is None or im["height"] is None]
+    unsized = [im.get("file_name", im["id"]) for im in images if im["width"] is None or im["height"] is None]
     c.add("error", "structure", "images without a valid width / height (the image file check fills them in: "
           "do not skip it)", unsized)
     annotations_out = c.annotations(data["annotations"], {im["id"]: im for im in images if im["width"]}, by_int,
@@ -392,7 +394,7 @@ class _CocoChecker:
         self.add("warning", "categories", "category ids that share a name", [n for n, k in names.items() if k > 1])
         return out
 
-    def images(self, raw: list) -> tuple[list[dict], dict[int, int], dict[str, int]]:
+    def images(self, raw: list, need_files: bool = True) -> tuple[list[dict], dict[int, int], dict[str, int]]:
         """Normalised images; the json's int ids and non-numeric ids -> the normalised id."""
         out: list[dict] = []
         first: dict = {}  # the json's id (int, or non-numeric str) -> its first record
@@ -402,10 +404,10 @@ class _CocoChecker:
         def keep(key, rec):
             if key in first:
                 prev = first[key]
-                if prev["file_name"] == rec["file_name"]:
+                if prev.get("file_name") == rec.get("file_name"):
                     same_file_twice.append(key)
                 else:
-                    conflict.append(f"{key}: {prev['file_name']}, {rec['file_name']}")
+                    conflict.append(f"{key}: {prev.get('file_name')}, {rec.get('file_name')}")
                 return False
             first[key] = rec
             return True
@@ -415,7 +417,7 @@ class _CocoChecker:
                 bad.append(repr(im)[:40])
                 continue
             fn = im.get("file_name")
-            if not isinstance(fn, str) or not fn.strip():
+            if need_files and (not isinstance(fn, str) or not fn.strip()):
                 no_file.append(im.get("id"))
                 continue
             rec = dict(im)
@@ -461,7 +463,8 @@ class _CocoChecker:
         # One file under two ids: its boxes would be split between two samples of the same pixels.
         by_file: dict[str, list[dict]] = defaultdict(list)
         for rec in out:
-            by_file[rec["file_name"]].append(rec)
+            if isinstance(rec.get("file_name"), str):
+                by_file[rec["file_name"]].append(rec)
         merged, size_conflict, drop = [], [], set()
         for fn, recs in by_file.items():
             if len(recs) < 2:
@@ -563,7 +566,7 @@ class _CocoChecker:
                 no_cat.append(aid if aid is not None else f"category_id {a.get('category_id')!r}")
                 continue
             changed = nid != iid or cid is not a["category_id"]
-            if changed and (type(iid) is not int or type(a["category_id"]) is not int):
+            if changed and ((type(iid) is not int and not (isinstance(iid, str) and iid in by_str)) or type(a["category_id"]) is not int):
                 parsed.append(aid)
             # Fast path: a list of 4 numbers. Anything else (strings, None, a polygon only) takes _box_of.
             bbox = a.get("bbox")
@@ -788,3 +791,23 @@ def publish_report(report: DataReport, output_dir: str | None, is_main: bool = T
         where = f"; the full report is in {path}" if path else ""
         raise DataCheckError(f"the data check found {len(report.errors)} kinds of error (listed in the report above"
                              f"{where}); fix the data, or see --help of scripts/check_dataset.py", report)
+
+
+def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images: bool = True,
+                            max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
+                            is_main: bool = True) -> tuple[dict | None, dict]:
+    """The training script's data check in one call: `check_coco_data` + `publish_report`.
+
+    Every process runs it (they must all hold the same repaired data); the image headers are read by the
+    first process to get here and cached in `output_dir/image_header_cache.json` for the others (the script
+    runs it under `main_process_first`), so they are read once per machine.
+    Returns:
+        (train normalised json or None, val normalised json).
+    Raises:
+        DataCheckError (a ValueError) on errors, after logging the report; FileNotFoundError for a missing json.
+    """
+    cache = os.path.join(output_dir, "image_header_cache.json") if output_dir and check_images else None
+    train, val, report = check_coco_data(paths, check_images=check_images, max_image_pixels=max_image_pixels,
+                                         strict=strict, progress=is_main, cache_file=cache)
+    publish_report(report, output_dir, is_main)
+    return train, val

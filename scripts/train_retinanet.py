@@ -38,6 +38,7 @@ from detlib import checkpoint as ckpt
 from detlib.anchors import AnchorGenerator
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
 from detlib.data import CocoDetection, collate_detection
+from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS, check_coco_for_training
 from detlib.decode import decode_detections
 from detlib.loss import BOX_LOSSES, retinanet_loss
 from detlib.model import RetinaNet
@@ -74,6 +75,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--num_workers", type=int, default=4)
+    g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files' headers")
+    g.add_argument("--max_image_pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="images with more pixels stop the run at start (PIL's decompression-bomb limit); raise it "
+                        "for genuine large images (0: no limit)")
+    g.add_argument("--strict_data", action="store_true", help="data repairs (parsed strings, renumbered ids, dropped "
+                   "boxes, ...) stop the run like errors")
 
     g = p.add_argument_group("model")
     g.add_argument("--backbone", help="timm model name (resnet50; resnet18 on the built-in data)")
@@ -150,20 +157,25 @@ def resolve_data(args) -> dict[str, str]:
 
 
 def build_dataloaders(args, paths: dict[str, str]):
-    """The training and validation data sets and loaders (unprepared)."""
-    val_ds = CocoDetection(paths["val_images"], paths["val_annotations"], build_transform(args.image_size, "none", args.max_size),
-                           include_crowd=args.include_crowd, train=False)
+    """The training and validation data sets and loaders (unprepared), on the json files as the data check
+    repaired them (it stops the run on errors; report in output_dir/data_report.json)."""
+    from accelerate import PartialState
+
+    train_json, val_json = check_coco_for_training(paths, args.output_dir, check_images=not args.skip_image_check,
+                                                   max_image_pixels=args.max_image_pixels or None,
+                                                   strict=args.strict_data, is_main=PartialState().is_main_process)
     train_ds = None
     if paths.get("train_annotations"):
-        train_ds = CocoDetection(paths["train_images"], paths["train_annotations"],
+        train_ds = CocoDetection(paths["train_images"], train_json,
                                  build_transform(args.image_size, args.augmentation, args.max_size), include_crowd=args.include_crowd,
-                                 seed=args.seed)
-        if train_ds.category_map.category_ids != val_ds.category_map.category_ids:
-            raise ValueError("training and validation json have different categories: "
-                             f"{train_ds.category_map.category_ids} vs {val_ds.category_map.category_ids}")
+                                 seed=args.seed, max_image_pixels=args.max_image_pixels or None)
         if train_ds.num_target_boxes() == 0:
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
                              "training set; nothing to learn from (use --include_crowd to train on crowd boxes)")
+    # val's categories were checked against train's (same id, same name); the model's classes are train's
+    val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size),
+                           include_crowd=args.include_crowd, train=False, max_image_pixels=args.max_image_pixels or None,
+                           category_map=train_ds.category_map if train_ds is not None else None)
     bytes_per_batch = 3 * args.image_size * (args.max_size or args.image_size) * args.per_device_batch_size
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
@@ -303,7 +315,7 @@ def main(argv=None):
         save_config(config, args.output_dir)
         logger.info("config: %s", json.dumps(config, default=str))
     metrics = MetricsLogger(accelerator, args.output_dir)
-    evaluator = CocoEvaluator(val_ds.coco.dataset, backend=args.coco_eval_backend)
+    evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
     if args.evaluate_only:
         model, val_loader = accelerator.prepare(model, val_loader)
