@@ -294,8 +294,8 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
     Args:
         annotations: path of the json, or the loaded dict (not modified; the result may share entries with it).
         image_dir: folder of the images' `file_name`s; None (or `check_images=False`) checks the json alone.
-        split: name used in the report ("train", "val"). Categories without annotations are warned about in
-            "train" only (a val set need not cover every class).
+        split: name used in the report ("train", "val"). Categories without annotations are warned about
+            except in "val" (a val set need not cover every class).
         report: add to this report (default: a new one, with `strict`).
         max_image_pixels: width * height above which an image file is an error (None: no limit).
         num_workers, progress, cache_file: of the image header pass (see `read_image_headers`).
@@ -336,7 +336,7 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
           "do not skip it)", unsized)
     annotations_out = c.annotations(data["annotations"], {im["id"]: im for im in images if im["width"]}, by_int,
                                     by_str, left_out, {cat["id"] for cat in categories})
-    if split == "train":
+    if split != "val":
         used = set(a["category_id"] for a in annotations_out)
         c.add("warning", "categories", "categories without any annotation (the model still has an output for each)",
               [f"{cat['id']} {cat['name']!r}" for cat in categories if cat["id"] not in used])
@@ -549,6 +549,7 @@ class _CocoChecker:
             if type(a) is not dict:
                 bad_entry.append(repr(a)[:40])
                 continue
+            n_strings = len(strings)
             aid = a.get("id")
             iid = a.get("image_id")
             nid = by_int.get(iid) if type(iid) is int else self._image_of(iid, by_int, by_str)
@@ -613,6 +614,7 @@ class _CocoChecker:
                 crowd = 1 if value else 0
                 changed = True
             if changed:
+                del strings[n_strings + 1:]  # an annotation counts once, however many of its fields were strings
                 a = {**a, "image_id": nid, "category_id": cid, "bbox": [float(x), float(y), float(w), float(h)],
                      "area": float(area), "iscrowd": crowd}
             if type(aid) is int and aid > 0 and aid not in seen_ids:

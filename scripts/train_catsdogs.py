@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, check_same_classes,
-                                   classification_metrics, classification_transform, make_synthetic_image_folder,
-                                   scan_image_folder)
+from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, classification_metrics,
+                                   classification_transform, make_synthetic_image_folder, scan_image_folder)
+from detlib.foldercheck import check_folders_for_training
 from detlib.runtime import (REPORT_TO, MetricsLogger, check_shared_memory, init_trackers, log_run_setup,
                             make_accelerator, save_config, setup_logging)
 from detlib.schedules import build_lr_scheduler
@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--verify_images", default="full", choices=VERIFY_MODES,
                    help="check at start: full decode (finds truncated files), header only, or none")
     g.add_argument("--num_workers", type=int, default=4)
+    g.add_argument("--strict_data", action="store_true", help="data repairs (unreadable files left out, files in two "
+                   "classes left out, ...) stop the run like errors")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
@@ -99,8 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_dataloaders(args, dirs: dict[str, str | None]):
     """Scan the folders, build the data sets and the (unprepared) loaders.
 
-    The same class-to-index mapping in train and val is checked here (ValueError otherwise). Unreadable
-    files are left out and reported; the check result is cached in `output_dir/image_check_cache.json`.
+    The data check (detlib.foldercheck) runs here: the same class folders in train and val, files carrying two
+    labels, symlink loops (ValueError on errors, report in `output_dir/data_report.json`). Unreadable files are
+    left out and reported; the decode result is cached in `output_dir/image_check_cache.json`.
     Returns (train_ds or None, val_ds, train_loader or None, val_loader).
     """
     from accelerate import PartialState
@@ -111,9 +114,9 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     if dirs.get("train_dir"):
         scans["train"] = scan_image_folder(dirs["train_dir"], verify=args.verify_images, cache_file=cache)
     val_scan = scan_image_folder(dirs["val_dir"], verify=args.verify_images, cache_file=cache)
-    if "train" in scans:
-        check_same_classes(scans["train"].classes, val_scan.classes, dirs["train_dir"], dirs["val_dir"])
     scans["val"] = val_scan
+    # errors (class lists that differ, an empty train class) stop here; report in output_dir/data_report.json
+    scans = check_folders_for_training(scans, args.output_dir, strict=args.strict_data, is_main=is_main)
     for name, scan in scans.items():
         if is_main:  # the other processes read the same folders; one report is enough
             for level, line in scan.report(name):

@@ -139,7 +139,7 @@ def test_case_c05_bbox_and_area_as_strings_are_parsed_for_training_and_evaluatio
         a["area"] = str(a["area"])
     check = check_coco(gt, IMAGES, split="val")
     f = _find(check.report, "numeric strings: parsed")
-    assert f.level == "repair" and f.count == 26  # 13 bboxes + 13 areas
+    assert f.level == "repair" and f.count == 13  # annotations, each with its bbox and area as strings
     assert all(type(v) is float for a in check.dataset["annotations"] for v in a["bbox"] + [a["area"]])
     ds = CocoDetection(IMAGES, check.dataset, train=False)
     assert ds[0]["boxes"].shape == (2, 4)
