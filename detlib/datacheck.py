@@ -763,6 +763,9 @@ def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels:
     Raises:
         FileNotFoundError: an annotation file does not exist.
     """
+    for key in ("val_annotations", "train_annotations"):  # a missing file is named before any check runs
+        if paths.get(key) and not os.path.isfile(paths[key]):
+            raise FileNotFoundError(f"annotation file not found: {paths[key]}")
     report = DataReport(strict)
     kw = dict(report=report, check_images=check_images, max_image_pixels=max_image_pixels, progress=progress,
               cache_file=cache_file, num_workers=num_workers)

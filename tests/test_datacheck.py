@@ -405,3 +405,191 @@ def test_normalised_json_checks_clean_again(tmp_path):
     second = check_coco(first.dataset, str(tmp_path / "img"))
     assert second.report.findings == [] and second.dataset["annotations"] == first.dataset["annotations"]
     assert math.isclose(second.dataset["annotations"][0]["bbox"][2], 63.0)
+
+
+# ---- ImageFolder
+
+CATSDOGS = COCO_SUBSET.parent / "catsdogs"
+needs_catsdogs = pytest.mark.skipif(not (CATSDOGS / "train" / "cat").is_dir(), reason="../shared/data/catsdogs is absent")
+
+
+def _real(split, cls, k):
+    return sorted((CATSDOGS / split / cls).iterdir())[k]
+
+
+def _folder(root, files: dict[str, object]):
+    """files: relative path -> a real file to copy, or bytes."""
+    for rel, src in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(src if isinstance(src, bytes) else src.read_bytes())
+    return root
+
+
+@needs_catsdogs
+def test_image_folder_faults_two_labels_symlinks_loops_hidden_and_val_classes(tmp_path):
+    from detlib.classification import scan_image_folder
+    from detlib.foldercheck import check_folder_scans
+
+    cat = [_real("train", "cat", k) for k in range(3)]
+    dog = [_real("train", "dog", k) for k in range(3)]
+    train = _folder(tmp_path / "train", {"cat/a.jpg": cat[0], "cat/b.jpg": cat[1], "cat/fake.jpg": b"text",
+                                        "cat/b_copy.jpg": cat[1], "dog/c.jpg": dog[0], "dog/d.jpg": dog[1],
+                                        "dog/also_a.jpg": cat[0], ".ipynb_checkpoints/x.jpg": dog[2]})
+    (train / "dog" / "link_to_b.jpg").symlink_to(train / "cat" / "b.jpg")  # the same file in two classes
+    (train / "cat" / "loop").symlink_to(train / "cat")  # os.walk would list cat/ again and again
+    (train / "dog" / "sub").mkdir()
+    (train / "dog" / "sub" / "again").symlink_to(train / "dog" / "sub")
+    val = _folder(tmp_path / "val", {"cat/e.jpg": _real("val", "cat", 0), "dog/c_again.jpg": dog[0],
+                                    "bird/f.jpg": _real("val", "dog", 0)})
+    scans = {"train": scan_image_folder(str(train), verify="header"), "val": scan_image_folder(str(val), verify="header")}
+    assert len(scans["train"].samples) == 7  # loops not followed: each file once
+    out, r = check_folder_scans(scans)
+    f = _find(r, "files in two classes")
+    assert f.level == "repair" and sorted(f.examples) == sorted(
+        [f"{train}/cat/a.jpg (cat)", f"{train}/cat/b.jpg (cat)", f"{train}/cat/b_copy.jpg (cat)",
+         f"{train}/dog/also_a.jpg (dog)", f"{train}/dog/link_to_b.jpg (dog)"])
+    assert sorted(p for p, _ in out["train"].samples) == [f"{train}/dog/c.jpg", f"{train}/dog/d.jpg"]
+    assert _find(r, "cannot be read").examples[0].startswith(f"{train}/cat/fake.jpg (not an image")
+    assert sorted(_find(r, "reached again through a symlink").examples) == [f"{train}/cat/loop", f"{train}/dog/sub/again"]
+    assert _find(r, "hidden entries").examples == [".ipynb_checkpoints"]
+    assert _find(r, "classes without a usable image (a class needs").examples == ["cat"]  # all its files conflict
+    assert _find(r, "class folders differ").examples == ["only in val: bird"]
+    assert _find(r, "also in train").examples == [f"{val}/dog/c_again.jpg"]
+    assert len(r.errors) == 2
+
+
+# ---- scripts/check_dataset.py, as a new user runs it
+
+
+def _check_dataset(*args):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "check_dataset.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+
+
+@needs_coco_subset
+def test_check_dataset_script_reports_writes_fixed_json_and_exits_nonzero_on_errors(tmp_path):
+    gt = _subset()
+    for k, a in enumerate(gt["annotations"]):
+        a["id"] = k
+        a["bbox"] = [str(v) for v in a["bbox"]]
+    del gt["annotations"][1]["bbox"]
+    bad = tmp_path / "faults.json"
+    bad.write_text(json.dumps(gt))
+    proc = _check_dataset("--annotations", bad, "--images", IMAGES, "--write_fixed", tmp_path / "fixed.json")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("COCO data check: 0 errors, 3 repairs") and "Traceback" not in proc.stderr
+    assert "derived from the segmentation [1]" in proc.stdout
+    fixed = _check_dataset("--annotations", tmp_path / "fixed.json", "--images", IMAGES)
+    assert fixed.returncode == 0 and "0 repairs" in fixed.stdout
+
+    gt["images"][1]["id"] = gt["images"][0]["id"]  # C03 and a 40 MP limit under the files' size
+    bad.write_text(json.dumps(gt))
+    proc = _check_dataset("--annotations", bad, "--images", IMAGES, "--max_image_pixels", 1000, "--strict",
+                          "--write_fixed", tmp_path / "never.json", "--report_json", tmp_path / "r.json")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "image id used by two different files" in proc.stdout and "--max_image_pixels 307200" in proc.stdout
+    assert not (tmp_path / "never.json").exists() and json.loads((tmp_path / "r.json").read_text())["ok"] is False
+    missing = _check_dataset("--annotations", tmp_path / "nope.json", "--images", IMAGES)
+    assert missing.returncode == 2 and "annotation file not found" in missing.stderr
+
+
+# ---- the scripts at start (end to end, tiny)
+
+TINY = ["--backbone", "resnet18", "--fpn_channels", "16", "--epochs", "1", "--report_to", "none", "--num_workers", "0",
+        "--image_size", "64", "--per_device_batch_size", "2", "--per_device_eval_batch_size", "2"]
+
+
+def _faulty_pair(tmp_path):
+    """4 train + 2 val real images with C01 (ids from 0), C04 (every third bbox missing), C05 (numbers as strings)
+    and C19 (val lists only the categories it uses)."""
+    train, val = _subset((790, 802, 22192, 100667)), _subset((163497, 174632))
+    for d in (train, val):
+        for k, a in enumerate(d["annotations"]):
+            a["id"], a["bbox"], a["area"] = k, [str(v) for v in a["bbox"]], str(a["area"])
+            if k % 3 == 0:
+                del a["bbox"]
+    val["categories"] = [c for c in val["categories"] if c["id"] in {a["category_id"] for a in val["annotations"]}]
+    (tmp_path / "train.json").write_text(json.dumps(train))
+    (tmp_path / "val.json").write_text(json.dumps(val))
+    return ["--train_images", IMAGES, "--train_annotations", str(tmp_path / "train.json"), "--val_images", IMAGES,
+            "--val_annotations", str(tmp_path / "val.json")]
+
+
+@needs_coco_subset
+@pytest.mark.slow
+def test_retinanet_two_processes_train_and_evaluate_on_the_repaired_json(tmp_path):
+    from conftest import read_metrics, run_script
+
+    out = tmp_path / "run"
+    proc = run_script("train_retinanet.py", _faulty_pair(tmp_path) + TINY + ["--score_thresh", "0", "--output_dir", str(out)],
+                      config="cpu_2proc.yaml")
+    assert "2 process(es)" in proc.stdout and "COCO evaluation on 2 images" in proc.stdout
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["ok"] and report["counts"] == {"error": 0, "repair": 6, "warning": 1}
+    found = {(f["split"], f["message"].split(":")[0]): f["count"] for f in report["findings"]}
+    assert found[("train", "bbox missing or not 4 finite numbers")] == 15
+    assert found[("val", "bbox / area / iscrowd given as numeric strings")] == 16
+    assert "consistent with train's 80" in report["summaries"]["val"]["categories"]
+    assert proc.stdout.count("data check: 0 errors, 6 repairs, 1 warnings") == 1  # one block, main process
+    ev = [m for m in read_metrics(out) if "AP" in m]
+    assert len(ev) == 1 and all(math.isfinite(ev[0][k]) for k in ("AP", "AP50", "AR100"))
+    assert (out / "checkpoints" / "epoch_0001").is_dir()
+    preds = json.loads((out / "predictions_val.json").read_text())
+    assert {p["image_id"] for p in preds} == {163497, 174632}
+    headers = json.loads((out / "image_header_cache.json").read_text())
+    assert len(headers) == 6  # read once by the main process, the other one reused the cache
+
+
+@needs_coco_subset
+@pytest.mark.slow
+def test_retinanet_stops_at_start_on_data_errors_with_the_report_case_c03(tmp_path):
+    import time
+
+    from conftest import run_script
+
+    args = _faulty_pair(tmp_path)
+    val = json.loads((tmp_path / "val.json").read_text())
+    val["images"][1]["id"] = val["images"][0]["id"]
+    for a in val["annotations"]:
+        a["image_id"] = val["images"][0]["id"]
+    (tmp_path / "val.json").write_text(json.dumps(val))
+    out = tmp_path / "run"
+    t = time.time()
+    proc = run_script("train_retinanet.py", args + TINY + ["--output_dir", str(out)], check=False)
+    assert proc.returncode != 0 and time.time() - t < 60
+    text = proc.stdout + proc.stderr
+    assert ("val    ids        image id used by two different files (whose boxes are whose cannot be known) [1]; "
+            "e.g. 163497: 000000163497.jpg, 000000174632.jpg") in text
+    assert "the data check found 1 kinds of error" in text and "Traceback" not in proc.stdout
+    assert json.loads((out / "data_report.json").read_text())["ok"] is False
+    assert not (out / "checkpoints").exists()
+    # --strict_data: the repairs of the same files stop the run too
+    (tmp_path / "val.json").write_text(json.dumps(_subset((163497, 174632))))
+    proc = run_script("train_retinanet.py", args + TINY + ["--output_dir", str(out), "--strict_data"], check=False)
+    assert proc.returncode != 0 and "an error under strict checking" in proc.stdout + proc.stderr
+
+
+@needs_catsdogs
+@pytest.mark.slow
+def test_catsdogs_leaves_out_a_file_in_two_classes_and_reports_it(tmp_path):
+    from conftest import run_script
+
+    files = {f"train/{c}/{k}.jpg": _real("train", c, k) for c in ("cat", "dog") for k in range(3)}
+    files.update({f"val/{c}/{k}.jpg": _real("val", c, k) for c in ("cat", "dog") for k in range(2)})
+    files["train/dog/copy_of_cat_0.jpg"] = _real("train", "cat", 0)
+    _folder(tmp_path / "d", files)
+    out = tmp_path / "run"
+    run_script("train_catsdogs.py", ["--train_dir", str(tmp_path / "d" / "train"), "--val_dir", str(tmp_path / "d" / "val"),
+                                     "--image_size", "32", "--epochs", "1", "--per_device_batch_size", "4",
+                                     "--num_workers", "0", "--report_to", "none", "--output_dir", str(out)])
+    report = json.loads((out / "data_report.json").read_text())
+    f = [f for f in report["findings"] if f["message"].startswith("files in two classes")]
+    assert len(f) == 1 and f[0]["count"] == 2 and report["summaries"]["train"]["images"] == 5
+    cfg = (out / "config.yaml").read_text()
+    assert "num_train_images: 5" in cfg
