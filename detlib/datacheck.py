@@ -793,9 +793,9 @@ def publish_report(report: DataReport, output_dir: str | None, is_main: bool = T
         level = logging.ERROR if report.errors else logging.WARNING if report.findings else logging.INFO
         log.log(level, "%s", report.format(title))
     if report.errors:
-        where = f"; the full report is in {path}" if path else ""
-        raise DataCheckError(f"the data check found {len(report.errors)} kinds of error (listed in the report above"
-                             f"{where}); fix the data, or see --help of scripts/check_dataset.py", report)
+        where = f" (full report: {path})" if path else ""
+        lines = "\n".join("  " + f.line() for f in report.errors)
+        raise DataCheckError(f"the data check found {len(report.errors)} kinds of error{where}:\n{lines}", report)
 
 
 def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images: bool = True,

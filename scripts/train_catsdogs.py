@@ -116,7 +116,7 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     val_scan = scan_image_folder(dirs["val_dir"], verify=args.verify_images, cache_file=cache)
     scans["val"] = val_scan
     # errors (class lists that differ, an empty train class) stop here; report in output_dir/data_report.json
-    scans = check_folders_for_training(scans, args.output_dir, strict=args.strict_data, is_main=is_main)
+    scans = check_folders_for_training(scans, args.output_dir, strict=getattr(args, "strict_data", False), is_main=is_main)
     for name, scan in scans.items():
         if is_main:  # the other processes read the same folders; one report is enough
             for level, line in scan.report(name):

@@ -391,7 +391,7 @@ def test_strict_mode_turns_repairs_into_errors_and_publish_stops(tmp_path):
     assert check_coco(gt, str(tmp_path / "img")).report.ok
     r = check_coco(gt, str(tmp_path / "img"), strict=True).report
     assert not r.ok and len(r.errors) == 2 and all("strict" in f.message for f in r.errors)
-    with pytest.raises(DataCheckError, match="2 kinds of error"):
+    with pytest.raises(DataCheckError, match="2 kinds of error .*data_report.json.*\n  train  ids "):
         publish_report(r, str(tmp_path / "out"))
     saved = json.loads((tmp_path / "out" / "data_report.json").read_text())
     assert saved["ok"] is False and saved["counts"] == {"error": 2, "repair": 0, "warning": 0}
