@@ -552,7 +552,10 @@ class _CocoChecker:
             n_strings = len(strings)
             aid = a.get("id")
             iid = a.get("image_id")
-            nid = by_int.get(iid) if type(iid) is int else self._image_of(iid, by_int, by_str)
+            if type(iid) is int:
+                nid = by_int.get(iid)
+            else:
+                nid = self._image_of(iid, by_int, by_str)
             im = images.get(nid)
             if im is None:
                 if nid in left_out:
@@ -560,14 +563,14 @@ class _CocoChecker:
                 else:
                     no_image.append(aid if aid is not None else f"image_id {iid!r}")
                 continue
-            cid = a.get("category_id")
+            cid = cid0 = a.get("category_id")
             if type(cid) is not int:
                 cid = _int_id(cid)
             if cid not in category_ids:
-                no_cat.append(aid if aid is not None else f"category_id {a.get('category_id')!r}")
+                no_cat.append(aid if aid is not None else f"category_id {cid0!r}")
                 continue
-            changed = nid != iid or cid is not a["category_id"]
-            if changed and ((type(iid) is not int and not (isinstance(iid, str) and iid in by_str)) or type(a["category_id"]) is not int):
+            changed = nid != iid or cid is not cid0
+            if changed and ((type(iid) is not int and not (isinstance(iid, str) and iid in by_str)) or type(cid0) is not int):
                 parsed.append(aid)
             # Fast path: a list of 4 numbers. Anything else (strings, None, a polygon only) takes _box_of.
             bbox = a.get("bbox")
@@ -588,12 +591,12 @@ class _CocoChecker:
                 x2, y2 = x + w, y + h
                 changed = True
             W, H = im["width"], im["height"]
-            x1c, y1c = min(max(x, 0.0), W), min(max(y, 0.0), H)
-            x2c, y2c = min(max(x2, 0.0), W), min(max(y2, 0.0), H)
-            if x2c - x1c <= 0 or y2c - y1c <= 0:
-                degenerate.append(aid)
-                continue
-            if x1c != x or y1c != y or x2c != x2 or y2c != y2:
+            if not (0 <= x < x2 <= W and 0 <= y < y2 <= H):  # the common case needs no clipping
+                x1c, y1c = min(max(x, 0.0), W), min(max(y, 0.0), H)
+                x2c, y2c = min(max(x2, 0.0), W), min(max(y2, 0.0), H)
+                if x2c - x1c <= 0 or y2c - y1c <= 0:
+                    degenerate.append(aid)
+                    continue
                 clipped.append(aid)
                 x, y, w, h = x1c, y1c, x2c - x1c, y2c - y1c
                 changed = True
