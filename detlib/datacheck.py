@@ -251,6 +251,7 @@ def read_image_headers(paths: list[str], num_workers: int | None = None, progres
     results: list = [tuple(cache[k]) if k is not None and k in cache else None for k in keys]
     todo_paths = [paths[i] for i in todo]
     workers = num_workers if num_workers is not None else min(8, os.cpu_count() or 1)
+    limit = Image.MAX_IMAGE_PIXELS  # read_image_header lifts it; the process's own setting comes back after
     if len(todo_paths) >= PARALLEL_MIN_IMAGES and workers > 1:
         import multiprocessing as mp
 
@@ -263,7 +264,6 @@ def read_image_headers(paths: list[str], num_workers: int | None = None, progres
             new = list(tqdm(it, total=len(todo_paths), desc="image headers", disable=not progress, leave=False))
     else:
         new = [read_image_header(p) for p in todo_paths]
-    limit = Image.MAX_IMAGE_PIXELS
     for i, r in zip(todo, new):
         results[i] = r
     Image.MAX_IMAGE_PIXELS = limit
