@@ -5,7 +5,7 @@ gather` collects them from all processes as Python objects and de-duplicates the
 distributed sampler pads the last shard by repeating images, and a repeated image must not count twice
 (case B13). The main process then runs COCOeval and returns the 12 standard stats by name.
 
-The ground truth is the checked, normalised json of `detlib.datacheck` (a raw dict is checked here): numbers
+The ground truth is the checked, normalised json of `detlib.cococheck` (a raw dict is checked here): numbers
 parsed, boxes derived, ids made integers. Annotation ids are always renumbered 1..N for COCOeval, because
 pycocotools stores matches by annotation id and takes 0 for "no match": a ground-truth box with id 0 (or a
 negative, repeated or non-integer id) could never count as found (case C01). Image ids that the check had to
@@ -110,12 +110,12 @@ def _coco_classes(backend: str):
 
 
 def checked_ground_truth(gt_dataset: dict) -> dict:
-    """The normalised json of `detlib.datacheck.check_coco` (json part) for a ground-truth dict.
+    """The normalised json of `detlib.cococheck.check_coco` (json part) for a ground-truth dict.
 
     Raises:
         ValueError: the check finds errors (the message holds the report).
     """
-    from .datacheck import check_coco
+    from .cococheck import check_coco
 
     check = check_coco(gt_dataset, split="val", check_images=False, need_files=False)
     if not check.report.ok:
@@ -129,7 +129,7 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
 
     Args:
         gt_dataset: the ground truth as a COCO-format dict (`coco.dataset`); it is not modified.
-        checked: `gt_dataset` is already normalised by `detlib.datacheck` (else `checked_ground_truth` runs;
+        checked: `gt_dataset` is already normalised by `detlib.cococheck` (else `checked_ground_truth` runs;
             results may then name the json's own non-integer image ids).
         results: COCO result dicts (`detections_to_coco`), Python or numpy/tensor values (converted here).
         image_ids: the images to evaluate (default: all of the ground truth). Images in this list with no

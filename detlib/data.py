@@ -10,7 +10,7 @@ Crowd annotations (`iscrowd=1`) are excluded from the training targets by defaul
 `crowd_boxes` instead: the loss ignores anchors inside them (`detlib.matching`). With
 `include_crowd=True` they are ordinary targets.
 
-The annotations come checked and normalised by `detlib.datacheck` (ids, numeric values, boxes derived from
+The annotations come checked and normalised by `detlib.cococheck` (ids, numeric values, boxes derived from
 polygons, sizes): the training script passes the normalised dict; given a path, the data set runs the json
 part of the check itself, logs its repairs and raises ValueError with the report on errors.
 
@@ -36,7 +36,8 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
 from .anchors import INPUT_DIVISIBILITY
-from .datacheck import DEFAULT_MAX_IMAGE_PIXELS, check_coco
+from .cococheck import check_coco
+from .datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from .images import IMAGE_ERRORS, load_rgb
 from .labels import PAD_LABEL, CategoryMap
 from .transforms import make_sample
@@ -79,7 +80,7 @@ class CocoDetection(torch.utils.data.Dataset):
 
     Args:
         image_dir: folder holding the images named by each image's `file_name`.
-        annotation_file: the normalised COCO dict of `detlib.datacheck.check_coco` (used as is), or the path of
+        annotation_file: the normalised COCO dict of `detlib.cococheck.check_coco` (used as is), or the path of
             a COCO instances json (checked here, json part only).
         transform: a callable on a sample dict (see `detlib.transforms`), e.g. `build_transform(...)`.
         include_crowd: use crowd annotations as ordinary targets instead of ignore regions.

@@ -22,7 +22,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS, DataReport, check_coco, check_train_val  # noqa: E402
+from detlib.cococheck import check_coco, check_train_val  # noqa: E402
+from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

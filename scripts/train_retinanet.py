@@ -38,7 +38,8 @@ from detlib import checkpoint as ckpt
 from detlib.anchors import AnchorGenerator
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
 from detlib.data import CocoDetection, collate_detection
-from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS, check_coco_for_training
+from detlib.cococheck import check_coco_for_training
+from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
 from detlib.loss import BOX_LOSSES, retinanet_loss
 from detlib.model import RetinaNet

@@ -1,4 +1,4 @@
-"""The COCO data check (detlib.datacheck, issue 10): one fixture per kind of fault, cases C01, C03, C04, C05,
+"""The data check (detlib.datacheck, cococheck, foldercheck; issue 10): one fixture per kind of fault, cases C01, C03, C04, C05,
 C13, C19 by name, what training (CocoDetection) and evaluation (CocoEvaluator) then do, and the round trip:
 the ground truth fed back as detections scores AP exactly 1.0 on every repaired fixture, with both backends."""
 
@@ -15,9 +15,10 @@ from PIL import Image
 
 from detlib.coco_eval import CocoEvaluator, evaluate_coco
 from detlib.data import CocoDetection
-from detlib.datacheck import DataCheckError, DataReport, check_coco, check_coco_data, check_train_val, publish_report
+from detlib.cococheck import check_coco, check_coco_data, check_train_val
+from detlib.datacheck import DataCheckError, DataReport, publish_report
 
-from conftest import COCO_SUBSET, needs_coco_subset, write_coco, write_image
+from conftest import COCO_SUBSET, needs_coco_subset, write_image
 
 IMAGES = str(COCO_SUBSET / "images")
 # Four val images with 2, 3, 7 and 1 boxes (13 in all, none crowd).
