@@ -37,10 +37,11 @@ from tqdm.auto import tqdm
 from detlib import checkpoint as ckpt
 from detlib.anchors import AnchorGenerator
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
-from detlib.data import CocoDetection, collate_detection
 from detlib.cococheck import check_coco_for_training
+from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
+from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, retinanet_loss
 from detlib.model import RetinaNet
 from detlib.runtime import (REPORT_TO, MetricsLogger, check_shared_memory, init_trackers, log_run_setup,
@@ -173,10 +174,19 @@ def build_dataloaders(args, paths: dict[str, str]):
         if train_ds.num_target_boxes() == 0:
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
                              "training set; nothing to learn from (use --include_crowd to train on crowd boxes)")
-    # val's categories were checked against train's (same id, same name); the model's classes are train's
+    # The model's classes: train's (val's categories were checked against them: same id, same name; val may list
+    # only those it uses, case C19), or those of the evaluated checkpoint.
+    category_map = train_ds.category_map if train_ds is not None else None
+    saved = ckpt.read_model_config(args.evaluate_only) if args.evaluate_only else None
+    if category_map is None and saved and saved.get("category_ids"):
+        category_map = CategoryMap(saved["category_ids"])
+        unknown = sorted({a["category_id"] for a in val_json["annotations"]} - set(category_map.category_ids))
+        if unknown:
+            raise ValueError(f"{paths['val_annotations']}: category ids {unknown} have val boxes but are not classes of "
+                             f"the model in {args.evaluate_only}")
     val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size),
                            include_crowd=args.include_crowd, train=False, max_image_pixels=args.max_image_pixels or None,
-                           category_map=train_ds.category_map if train_ds is not None else None)
+                           category_map=category_map)
     bytes_per_batch = 3 * args.image_size * (args.max_size or args.image_size) * args.per_device_batch_size
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:

@@ -545,6 +545,13 @@ def test_retinanet_two_processes_train_and_evaluate_on_the_repaired_json(tmp_pat
     assert {p["image_id"] for p in preds} == {163497, 174632}
     headers = json.loads((out / "image_header_cache.json").read_text())
     assert len(headers) == 6  # read once by the main process, the other one reused the cache
+    # evaluation only: the checkpoint's 80 classes, a val json that lists 8 (C19), its faults repaired alike
+    proc = run_script("train_retinanet.py", ["--val_images", IMAGES, "--val_annotations", str(tmp_path / "val.json"),
+                                             "--evaluate_only", str(out / "best"), "--num_workers", "0", "--report_to",
+                                             "none", "--score_thresh", "0", "--output_dir", str(tmp_path / "ev")])
+    assert "COCO evaluation on 2 images" in proc.stdout
+    ev_only = [m for m in read_metrics(tmp_path / "ev" / "evaluate_only") if "AP" in m]
+    assert ev_only[0]["AP"] == pytest.approx(ev[0]["AP"], abs=1e-6)
 
 
 @needs_coco_subset
