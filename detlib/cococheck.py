@@ -271,7 +271,7 @@ class _CocoChecker:
         for rec in out:
             if isinstance(rec.get("file_name"), str):
                 by_file[rec["file_name"]].append(rec)
-        merged, size_conflict, drop = [], [], set()
+        merged, size_conflict, into = [], [], {}
         for fn, recs in by_file.items():
             if len(recs) < 2:
                 continue
@@ -281,13 +281,12 @@ class _CocoChecker:
                 continue
             for r in recs[1:]:
                 merged.append(f"{fn}: {r.get('original_id', r['id'])} -> {head['id']}")
-                drop.add(id(r))
-                for table in (by_int, by_str):
-                    for k, v in table.items():
-                        if v == r["id"]:
-                            table[k] = head["id"]
-        if drop:
-            out = [r for r in out if id(r) not in drop]
+                into[r["id"]] = head["id"]
+        if into:
+            out = [r for r in out if r["id"] not in into]
+            for table in (by_int, by_str):
+                for k, v in table.items():
+                    table[k] = into.get(v, v)
         self.add("error", "ids", "file listed under two image ids with different sizes", size_conflict)
         self.add("repair", "ids", "file listed under two image ids: merged into the first id (the annotations of both "
                  "kept)", merged)
