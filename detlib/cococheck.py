@@ -438,7 +438,7 @@ class _CocoChecker:
             renumbered.append(out[pos].get("id"))
             out[pos] = {**out[pos], "id": next_id}
             next_id += 1
-        self.dropped = len(bad_entry) + len(no_image) + len(no_cat) + len(no_box) + len(degenerate)
+        self.dropped = len(bad_entry) + len(no_image) + len(no_cat) + len(no_box) + len(degenerate) + with_image_left_out
         self.add("error", "structure", "annotations that are not objects", bad_entry)
         self.add("repair", "ids", "annotations whose image_id is not in images: dropped", no_image)
         self.add("repair", "ids", "annotations whose category_id is not in categories: dropped", no_cat)
