@@ -170,6 +170,7 @@ def test_case_c13_large_image_refused_at_start_naming_the_flag_then_accepted(tmp
     assert f.level == "error" and f.examples == ["aerial.png (13500x13400)"] and "--max_image_pixels 180900000" in f.message
     ok = check_coco(gt, str(img), max_image_pixels=200_000_000)
     assert ok.report.ok and len(ok.dataset["images"]) == 2
+    assert _round_trip(ok.dataset, _perfect(gt), "pycocotools")["AP"] == AP_1  # the large image is evaluated
     # the raised limit also holds where the image is opened (PIL refuses this file by default)
     opened = []
 
@@ -354,10 +355,24 @@ def test_image_file_faults_missing_unreadable_sizes_and_exif(tmp_path):
     ds = CocoDetection(str(tmp_path / "img"), check.dataset, train=False)
     shapes = {s["image_id"]: tuple(s["image"].shape[-2:]) for s in (ds[i] for i in range(len(ds)))}
     assert shapes == {1: (48, 64), 4: (96, 128), 6: (48, 64), 7: (64, 48)}  # the json's size, EXIF applied
+    for backend in BACKENDS:
+        assert _round_trip(check.dataset, _perfect(check.dataset), backend)["AP"] == AP_1
     # the cache answers the second process without reading the files
     (tmp_path / "img" / "ok.jpg").rename(tmp_path / "ok.bak")
     again = check_coco(gt, str(tmp_path / "img"), cache_file=str(tmp_path / "cache.json"))
     assert "ok.jpg (missing)" in _find(again.report, "missing or empty").examples
+
+
+def test_header_pass_in_worker_processes_matches_the_serial_one(tmp_path, monkeypatch):
+    from detlib import datacheck
+
+    paths = [str(write_image(tmp_path / f"{i}.png", 8 + i, 5)) for i in range(6)] + [str(tmp_path / "none.png")]
+    limit = Image.MAX_IMAGE_PIXELS
+    serial = datacheck.read_image_headers(paths, num_workers=1)
+    monkeypatch.setattr(datacheck, "PARALLEL_MIN_IMAGES", 2)
+    parallel = datacheck.read_image_headers(paths, num_workers=2, progress=False)
+    assert parallel == serial and serial[0] == ("ok", 8, 5, 1) and serial[-1] == ("missing", 0, 0, 1)
+    assert Image.MAX_IMAGE_PIXELS == limit  # lifted in the readers only
 
 
 def test_category_faults_and_val_against_train(tmp_path):
