@@ -592,9 +592,11 @@ def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images
                             is_main: bool = True) -> tuple[dict | None, dict]:
     """The training script's data check in one call: `check_coco_data` + `publish_report`.
 
-    Every process runs it (they must all hold the same repaired data); the image headers are read by the
-    first process to get here and cached in `output_dir/image_header_cache.json` for the others (the script
-    runs it under `main_process_first`), so they are read once per machine.
+    Every process runs it, so every process holds the same repaired data without sending it around (the json
+    part is fast: see benchmarks/datacheck_118k.py). The image headers are read by the main process (the
+    script calls this under `main_process_first`) and cached in `output_dir/image_header_cache.json`, where the
+    other processes find them: read once per run when `output_dir` is on a disk all machines share, once per
+    machine's first process otherwise.
     Returns:
         (train normalised json or None, val normalised json).
     Raises:
