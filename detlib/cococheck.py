@@ -595,8 +595,8 @@ def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images
     Every process runs it, so every process holds the same repaired data without sending it around (the json
     part is fast: see benchmarks/datacheck_118k.py). The image headers are read by the main process (the
     script calls this under `main_process_first`) and cached in `output_dir/image_header_cache.json`, where the
-    other processes find them: read once per run when `output_dir` is on a disk all machines share, once per
-    machine's first process otherwise.
+    other processes find them: read once per run when `output_dir` is on a disk all machines share (otherwise the
+    processes of the other machines read them again).
     Returns:
         (train normalised json or None, val normalised json).
     Raises:
