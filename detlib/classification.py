@@ -86,6 +86,7 @@ class FolderScan:
     skipped: (path, reason) of image-named files that cannot be decoded ("empty file", "truncated", ...).
     ignored: files left out without a check (hidden files, names without an image extension).
     hidden: hidden entries of the root (never classes).
+    revisited: folders reached a second time through a symlink (a loop, or a second link), not listed again.
     """
 
     root: str
@@ -95,6 +96,7 @@ class FolderScan:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     hidden: list[str] = field(default_factory=list)
+    revisited: list[str] = field(default_factory=list)
 
     def class_counts(self) -> list[int]:
         counts = Counter(t for _, t in self.samples)
@@ -118,10 +120,21 @@ class FolderScan:
         return lines
 
 
-def _list_files(root: str, classes: list[str]) -> tuple[list[tuple[str, int]], list[str]]:
-    candidates, ignored = [], []
+def _list_files(root: str, classes: list[str]) -> tuple[list[tuple[str, int]], list[str], list[str]]:
+    candidates, ignored, revisited = [], [], []
     for idx, cls in enumerate(classes):
+        # os.walk follows a symlink loop until the path is too long, listing every file again on each turn.
+        seen: set[tuple[int, int]] = set()
         for dirpath, dirnames, filenames in os.walk(os.path.join(root, cls), followlinks=True):
+            try:
+                st = os.stat(dirpath)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                revisited.append(dirpath)
+                dirnames[:] = []
+                continue
+            seen.add((st.st_dev, st.st_ino))
             ignored.extend(os.path.join(dirpath, d) for d in dirnames if is_hidden(d))
             dirnames[:] = sorted(d for d in dirnames if not is_hidden(d))  # os.walk does not descend into them
             for name in sorted(filenames):
@@ -130,7 +143,7 @@ def _list_files(root: str, classes: list[str]) -> tuple[list[tuple[str, int]], l
                     ignored.append(path)
                 else:
                     candidates.append((path, idx))
-    return candidates, ignored
+    return candidates, ignored, revisited
 
 
 def _load_cache(cache_file: str | None) -> dict:
@@ -177,7 +190,7 @@ def scan_image_folder(root: str, class_to_idx: dict[str, int] | None = None, ver
         expected = sorted(class_to_idx, key=class_to_idx.get)
         check_same_classes(expected, classes, "the training set", root)
     scan = FolderScan(root=root, classes=classes, class_to_idx=own_map, hidden=hidden)
-    candidates, scan.ignored = _list_files(root, classes)
+    candidates, scan.ignored, scan.revisited = _list_files(root, classes)
     if verify == "none":
         scan.samples = candidates
         return scan

@@ -5,6 +5,12 @@ gather` collects them from all processes as Python objects and de-duplicates the
 distributed sampler pads the last shard by repeating images, and a repeated image must not count twice
 (case B13). The main process then runs COCOeval and returns the 12 standard stats by name.
 
+The ground truth is the checked, normalised json of `detlib.cococheck` (a raw dict is checked here): numbers
+parsed, boxes derived, ids made integers. Annotation ids are always renumbered 1..N for COCOeval, because
+pycocotools stores matches by annotation id and takes 0 for "no match": a ground-truth box with id 0 (or a
+negative, repeated or non-integer id) could never count as found (case C01). Image ids that the check had to
+renumber are mapped back to the json's own (`original_id`) in `CocoEvaluator.results`.
+
 COCOeval backends: pycocotools (the reference) and faster-coco-eval (same algorithm in C++, much faster on
 large sets; its stats are checked against pycocotools in the tests). "auto" takes faster-coco-eval when it
 is installed and falls back to pycocotools.
@@ -103,12 +109,28 @@ def _coco_classes(backend: str):
     return COCO, COCOeval, "pycocotools"
 
 
+def checked_ground_truth(gt_dataset: dict) -> dict:
+    """The normalised json of `detlib.cococheck.check_coco` (json part) for a ground-truth dict.
+
+    Raises:
+        ValueError: the check finds errors (the message holds the report).
+    """
+    from .cococheck import check_coco
+
+    check = check_coco(gt_dataset, split="val", check_images=False, need_files=False)
+    if not check.report.ok:
+        raise ValueError(f"the evaluation ground truth has errors:\n{check.report.format()}")
+    return check.dataset
+
+
 def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int] | None = None,
-                  backend: str = "pycocotools") -> tuple[dict[str, float], str]:
+                  backend: str = "pycocotools", checked: bool = False) -> tuple[dict[str, float], str]:
     """Run COCO box evaluation.
 
     Args:
         gt_dataset: the ground truth as a COCO-format dict (`coco.dataset`); it is not modified.
+        checked: `gt_dataset` is already normalised by `detlib.cococheck` (else `checked_ground_truth` runs;
+            results may then name the json's own non-integer image ids).
         results: COCO result dicts (`detections_to_coco`), Python or numpy/tensor values (converted here).
         image_ids: the images to evaluate (default: all of the ground truth). Images in this list with no
             result count as images where nothing was detected.
@@ -124,6 +146,11 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     results = to_builtin(list(results))
+    if not checked:
+        gt_dataset = checked_ground_truth(gt_dataset)
+        internal = {im["original_id"]: im["id"] for im in gt_dataset["images"] if "original_id" in im}
+        if internal:
+            results = [dict(r, image_id=internal.get(r["image_id"], r["image_id"])) for r in results]
     known = {int(im["id"]) for im in gt_dataset.get("images", [])}
     unknown = sorted({r["image_id"] for r in results} - known)
     if unknown:
@@ -140,6 +167,8 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
     with contextlib.redirect_stdout(io.StringIO()):
         coco_gt = COCO()
         coco_gt.dataset = copy.deepcopy(gt)
+        for k, ann in enumerate(coco_gt.dataset["annotations"], 1):
+            ann["id"] = k  # see the module docstring: pycocotools takes id 0 for "no match" (case C01)
         coco_gt.createIndex()
         coco_dt = coco_gt.loadRes(results)
         ev = COCOeval(coco_gt, coco_dt, "bbox")
@@ -156,8 +185,11 @@ class CocoEvaluator:
     """Collects per-image detections on each process; `gather` + `evaluate` give the COCO stats.
 
     Args:
-        gt_dataset: the validation ground truth as a COCO-format dict.
+        gt_dataset: the validation ground truth as a COCO-format dict, normalised here by the data check (the
+            training script passes the normalised dict of its val set; checking it again changes nothing).
         backend: COCOeval implementation ("auto", "pycocotools", "faster").
+    Raises:
+        ValueError: the ground truth has errors (see `checked_ground_truth`).
 
     Use: call `add(image_id, results)` for every image a process evaluates (also for images with no
     detection: the image is then counted with zero detections) and `add_failed(image_id)` for images
@@ -166,8 +198,10 @@ class CocoEvaluator:
     """
 
     def __init__(self, gt_dataset: dict, backend: str = "auto"):
-        self.gt_dataset = gt_dataset
+        self.gt_dataset = checked_ground_truth(gt_dataset)
         self.backend = backend
+        # ids the check renumbered (non-integer in the json) -> the json's own, for exported results
+        self.original_ids = {im["id"]: im["original_id"] for im in self.gt_dataset["images"] if "original_id" in im}
         self.per_image: dict[int, list[dict]] = {}
         self.failed: set[int] = set()
 
@@ -201,7 +235,12 @@ class CocoEvaluator:
 
     @property
     def results(self) -> list[dict]:
-        """All recorded detections, by image id."""
+        """All recorded detections, by image id, carrying the json's own image ids (for predictions files)."""
+        if not self.original_ids:
+            return self._internal_results()
+        return [dict(r, image_id=self.original_ids.get(r["image_id"], r["image_id"])) for r in self._internal_results()]
+
+    def _internal_results(self) -> list[dict]:
         return [r for iid in sorted(self.per_image) for r in self.per_image[iid]]
 
     @property
@@ -216,4 +255,5 @@ class CocoEvaluator:
             logger.warning("COCO evaluation leaves out %d unreadable images: %s", len(self.failed), sorted(self.failed)[:10])
         if ids != all_ids - self.failed:
             logger.warning("COCO evaluation covers %d of the %d ground-truth images", len(ids), len(all_ids))
-        return evaluate_coco(self.gt_dataset, self.results, image_ids=sorted(ids), backend=self.backend)
+        return evaluate_coco(self.gt_dataset, self._internal_results(), image_ids=sorted(ids), backend=self.backend,
+                             checked=True)

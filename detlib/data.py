@@ -10,6 +10,10 @@ Crowd annotations (`iscrowd=1`) are excluded from the training targets by defaul
 `crowd_boxes` instead: the loss ignores anchors inside them (`detlib.matching`). With
 `include_crowd=True` they are ordinary targets.
 
+The annotations come checked and normalised by `detlib.cococheck` (ids, numeric values, boxes derived from
+polygons, sizes): the training script passes the normalised dict; given a path, the data set runs the json
+part of the check itself, logs its repairs and raises ValueError with the report on errors.
+
 Images without annotations are kept: they are valid all-background samples (case B01). An image file
 that is missing or empty is found when the data set is built and left out with a logged count; one that
 fails to decode later is, in training, replaced by the next image (logged), and in evaluation returned
@@ -28,9 +32,12 @@ from typing import Callable
 
 import numpy as np
 import torch
+from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
 from .anchors import INPUT_DIVISIBILITY
+from .cococheck import check_coco
+from .datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from .images import IMAGE_ERRORS, load_rgb
 from .labels import PAD_LABEL, CategoryMap
 from .transforms import make_sample
@@ -73,7 +80,8 @@ class CocoDetection(torch.utils.data.Dataset):
 
     Args:
         image_dir: folder holding the images named by each image's `file_name`.
-        annotation_file: COCO instances json.
+        annotation_file: the normalised COCO dict of `detlib.cococheck.check_coco` (used as is), or the path of
+            a COCO instances json (checked here, json part only).
         transform: a callable on a sample dict (see `detlib.transforms`), e.g. `build_transform(...)`.
         include_crowd: use crowd annotations as ordinary targets instead of ignore regions.
         min_box_size: boxes with width or height <= this many pixels (after clipping) are dropped.
@@ -83,6 +91,8 @@ class CocoDetection(torch.utils.data.Dataset):
         seed: when given, the random augmentation of a sample is a function of (seed, epoch, index) alone
             (see `set_epoch`), so it does not depend on the number of workers or processes, and a run
             resumed mid-epoch sees exactly the augmentations the uninterrupted run saw.
+        max_image_pixels: PIL's decompression-bomb limit while loading (the data check refuses larger images
+            at start; `--max_image_pixels` raises both); None: no limit.
     Item: dict with
         image: [3, h, w] uint8 RGB, after the transform
         boxes: [N, 4] float32 xyxy pixels of the transformed image;  labels: [N] int64 in 0..K-1
@@ -91,38 +101,52 @@ class CocoDetection(torch.utils.data.Dataset):
         valid: bool, False when the image could not be decoded (evaluation only)
     Raises:
         FileNotFoundError: the annotation file or the image folder does not exist (names the path).
-        ValueError: the json is not COCO-format, or has no categories.
+        ValueError: the json is not COCO-format or the check finds errors (the message holds the report).
     """
 
     def __init__(
         self,
         image_dir: str,
-        annotation_file: str,
+        annotation_file: str | dict,
         transform: Callable | None = None,
         include_crowd: bool = False,
         min_box_size: float = 1.0,
         train: bool = True,
         category_map: CategoryMap | None = None,
         seed: int | None = None,
+        max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     ):
         self.seed = seed
         self.epoch = 0
+        self.max_image_pixels = max_image_pixels
         if not os.path.isdir(image_dir):
             raise FileNotFoundError(f"image folder not found: {image_dir}")
-        self.coco = load_coco_api(annotation_file)
+        checked_dropped = 0
+        if isinstance(annotation_file, dict):
+            self.dataset = annotation_file
+        else:
+            check = check_coco(annotation_file, split="train" if train else "val", check_images=False)
+            if not check.report.ok:
+                raise ValueError(f"{annotation_file}: {check.report.format()}")
+            for f in check.report.findings:
+                logger.warning("%s: %s: %d, annotation ids / items %s", annotation_file, f.message, f.count, f.examples)
+            self.dataset, checked_dropped = check.dataset, check.dropped_annotations
+        source = annotation_file if isinstance(annotation_file, str) else "annotations"
+        self._coco = None
         self.image_dir = image_dir
         self.transform = transform
         self.train = train
-        cats = self.coco.dataset["categories"]
-        if not cats:
-            raise ValueError(f"{annotation_file} has no categories")
+        cats = self.dataset["categories"]
         self.category_map = category_map or CategoryMap([c["id"] for c in cats], [c.get("name", c["id"]) for c in cats])
+        annotations_of: dict[int, list[dict]] = {}
+        for ann in self.dataset["annotations"]:
+            annotations_of.setdefault(ann["image_id"], []).append(ann)
 
         self.records: list[dict] = []
         dropped: list[int] = []
         unknown_category: list[int] = []
         missing: list[str] = []
-        for img in sorted(self.coco.dataset["images"], key=lambda im: im["id"]):
+        for img in sorted(self.dataset["images"], key=lambda im: im["id"]):
             path = os.path.join(image_dir, img["file_name"])
             try:
                 if os.path.getsize(path) == 0:
@@ -133,7 +157,7 @@ class CocoDetection(torch.utils.data.Dataset):
                 continue
             H, W = int(img["height"]), int(img["width"])
             boxes, labels, crowd = [], [], []
-            for ann in self.coco.imgToAnns.get(img["id"], []):
+            for ann in annotations_of.get(img["id"], []):
                 x, y, w, h = (float(v) for v in ann["bbox"])
                 # COCO xywh -> xyxy, clipped to the image.
                 x1, y1 = min(max(x, 0.0), W), min(max(y, 0.0), H)
@@ -153,25 +177,37 @@ class CocoDetection(torch.utils.data.Dataset):
                 "id": int(img["id"]), "path": path, "size": (H, W),
                 "boxes": np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
                 "labels": np.asarray(labels, dtype=np.int64),
-                "iscrowd": np.asarray(crowd, dtype=bool),
+                "iscrowd": np.asarray(crowd, dtype=bool), "exif_transpose": bool(img.get("_exif_transpose", False)),
             })
         if dropped:
             logger.warning("%s: dropped %d degenerate boxes (w or h <= %g px after clipping to the image, "
-                           "or outside it); annotation ids %s%s", annotation_file, len(dropped), min_box_size,
+                           "or outside it); annotation ids %s%s", source, len(dropped), min_box_size,
                            dropped[:10], " ..." if len(dropped) > 10 else "")
         if unknown_category:
             logger.warning("%s: dropped %d annotations whose category_id is not in 'categories'; ids %s",
-                           annotation_file, len(unknown_category), unknown_category[:10])
+                           source, len(unknown_category), unknown_category[:10])
         if missing:
             logger.warning("%s: left out %d images whose file is missing or empty, e.g. %s",
-                           annotation_file, len(missing), missing[:5])
-        self.num_dropped_boxes = len(dropped)
+                           source, len(missing), missing[:5])
+        self.num_dropped_boxes = len(dropped) + checked_dropped
         self.missing_images = missing
         if not self.records:
-            raise ValueError(f"no usable image in {annotation_file} (image folder {image_dir})")
+            raise ValueError(f"no usable image in {source} (image folder {image_dir})")
 
     def __len__(self) -> int:
         return len(self.records)
+
+    @property
+    def coco(self):
+        """pycocotools COCO over the normalised json (built on first use)."""
+        if self._coco is None:
+            from pycocotools.coco import COCO
+
+            with contextlib.redirect_stdout(io.StringIO()):
+                self._coco = COCO()
+                self._coco.dataset = self.dataset
+                self._coco.createIndex()
+        return self._coco
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's augmentation stream (with `seed`). DataLoader workers must be re-created
@@ -188,7 +224,9 @@ class CocoDetection(torch.utils.data.Dataset):
 
     def _load(self, index: int) -> dict:
         rec = self.records[index]
-        pil, truncated = load_rgb(rec["path"])
+        # Set in the worker that loads: DataLoader workers do not share the parent's later changes.
+        Image.MAX_IMAGE_PIXELS = self.max_image_pixels
+        pil, truncated = load_rgb(rec["path"], exif_transpose=rec["exif_transpose"])
         if truncated:
             logger.warning("image %s is truncated; its missing part is decoded as grey", rec["path"])
         image = F.pil_to_tensor(pil)

@@ -305,7 +305,8 @@ class Run:
         if note:
             notes.append(note)
         if args.overwrite_output_dir and present and not self.evaluate_only:
-            for name in RUN_FILES + ("train.log", "predictions_val.json", "tensorboard", "wandb"):
+            for name in RUN_FILES + ("train.log", "predictions_val.json", "predictions_val.csv", "tensorboard", "wandb",
+                                     "run_status.json", "data_report.json", "plots", "samples"):
                 path = os.path.join(out, name)
                 if os.path.isdir(path):
                     shutil.rmtree(path)

@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, check_same_classes,
-                                   classification_metrics, classification_transform, make_synthetic_image_folder,
-                                   scan_image_folder)
+from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, classification_metrics,
+                                   classification_transform, make_synthetic_image_folder, scan_image_folder)
 from detlib.engine import Run, add_run_arguments, float_range, int_at_least, worker_init_fn
+from detlib.foldercheck import check_folders_for_training
 from detlib.runtime import check_shared_memory
 
 logger = logging.getLogger("train_catsdogs")
@@ -58,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--image_size", type=int_at_least(16), help="square input side in pixels (224; 64 on the built-in data)")
     g.add_argument("--verify_images", default="full", choices=VERIFY_MODES,
                    help="check at start: full decode (finds truncated files), header only, or none")
+    g.add_argument("--strict_data", action="store_true", help="data repairs (unreadable files left out, files in two "
+                   "classes left out, ...) stop the run like errors")
 
     g = groups["model"]
     g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
@@ -80,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_dataloaders(args, dirs: dict[str, str | None]):
     """Scan the folders, build the data sets and the (unprepared) loaders.
 
-    The same class-to-index mapping in train and val is checked here (ValueError otherwise). Unreadable
-    files are left out and reported; the check result is cached in `output_dir/image_check_cache.json`.
+    The data check (detlib.foldercheck) runs here: the same class folders in train and val, files carrying two
+    labels, symlink loops (ValueError on errors, report in `output_dir/data_report.json`). Unreadable files are
+    left out and reported; the decode result is cached in `output_dir/image_check_cache.json`.
     Returns (train_ds or None, val_ds, train_loader or None, val_loader).
     """
     from accelerate import PartialState
@@ -92,9 +95,9 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     if dirs.get("train_dir"):
         scans["train"] = scan_image_folder(dirs["train_dir"], verify=args.verify_images, cache_file=cache)
     val_scan = scan_image_folder(dirs["val_dir"], verify=args.verify_images, cache_file=cache)
-    if "train" in scans:
-        check_same_classes(scans["train"].classes, val_scan.classes, dirs["train_dir"], dirs["val_dir"])
     scans["val"] = val_scan
+    # errors (class lists that differ, an empty train class) stop here; report in output_dir/data_report.json
+    scans = check_folders_for_training(scans, args.output_dir, strict=getattr(args, "strict_data", False), is_main=is_main)
     for name, scan in scans.items():
         if is_main:  # the other processes read the same folders; one report is enough
             for level, line in scan.report(name):

@@ -39,11 +39,14 @@ from tqdm.auto import tqdm
 from detlib import checkpoint as ckpt
 from detlib.anchors import AnchorGenerator
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
+from detlib.cococheck import check_coco_for_training
 from detlib.data import CocoDetection, collate_detection
+from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
+from detlib.engine import Run, add_run_arguments, float_range, int_at_least, worker_init_fn
+from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, retinanet_loss
 from detlib.model import RetinaNet
-from detlib.engine import Run, add_run_arguments, float_range, int_at_least, worker_init_fn
 from detlib.runtime import check_shared_memory
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, build_transform
@@ -77,6 +80,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "most this (800 / 1333 is the standard COCO setting)")
     g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
+    g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files' headers")
+    g.add_argument("--max_image_pixels", type=int_at_least(0), default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="images with more pixels stop the run at start (PIL's decompression-bomb limit); raise it "
+                        "for genuine large images (0: no limit)")
+    g.add_argument("--strict_data", action="store_true", help="data repairs (parsed strings, renumbered ids, dropped "
+                   "boxes, ...) stop the run like errors")
 
     g = groups["model"]
     g.add_argument("--backbone", help="timm model name (resnet50; resnet18 on the built-in data)")
@@ -134,20 +143,34 @@ def resolve_data(args) -> dict[str, str]:
 
 
 def build_dataloaders(args, paths: dict[str, str]):
-    """The training and validation data sets and loaders (unprepared)."""
-    val_ds = CocoDetection(paths["val_images"], paths["val_annotations"], build_transform(args.image_size, "none", args.max_size),
-                           include_crowd=args.include_crowd, train=False)
+    """The training and validation data sets and loaders (unprepared), on the json files as the data check
+    repaired them (it stops the run on errors; report in output_dir/data_report.json)."""
+    from accelerate import PartialState
+
+    train_json, val_json = check_coco_for_training(paths, args.output_dir, check_images=not args.skip_image_check,
+                                                   max_image_pixels=args.max_image_pixels or None,
+                                                   strict=args.strict_data, is_main=PartialState().is_main_process)
     train_ds = None
     if paths.get("train_annotations"):
-        train_ds = CocoDetection(paths["train_images"], paths["train_annotations"],
+        train_ds = CocoDetection(paths["train_images"], train_json,
                                  build_transform(args.image_size, args.augmentation, args.max_size), include_crowd=args.include_crowd,
-                                 seed=args.seed)
-        if train_ds.category_map.category_ids != val_ds.category_map.category_ids:
-            raise ValueError("training and validation json have different categories: "
-                             f"{train_ds.category_map.category_ids} vs {val_ds.category_map.category_ids}")
+                                 seed=args.seed, max_image_pixels=args.max_image_pixels or None)
         if train_ds.num_target_boxes() == 0:
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
                              "training set; nothing to learn from (use --include_crowd to train on crowd boxes)")
+    # The model's classes: train's (val's categories were checked against them: same id, same name; val may list
+    # only those it uses, case C19), or those of the evaluated checkpoint.
+    category_map = train_ds.category_map if train_ds is not None else None
+    saved = ckpt.read_model_config(args.evaluate_only) if args.evaluate_only else None
+    if category_map is None and saved and saved.get("category_ids"):
+        category_map = CategoryMap(saved["category_ids"], saved.get("category_names"))
+        unknown = sorted({a["category_id"] for a in val_json["annotations"]} - set(category_map.category_ids))
+        if unknown:
+            raise ValueError(f"{paths['val_annotations']}: category ids {unknown} have val boxes but are not classes of "
+                             f"the model in {args.evaluate_only}")
+    val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size),
+                           include_crowd=args.include_crowd, train=False, max_image_pixels=args.max_image_pixels or None,
+                           category_map=category_map)
     bytes_per_batch = 3 * args.image_size * (args.max_size or args.image_size) * args.per_device_batch_size
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
@@ -244,7 +267,7 @@ def main(argv=None):
     # ---- model
     model_config = {"num_classes": len(category_map), "backbone": args.backbone, "fpn_channels": args.fpn_channels,
                     "image_size": args.image_size, "max_size": args.max_size, "category_ids": category_map.category_ids,
-                    "category_names": [val_ds.coco.cats[c]["name"] for c in category_map.category_ids]}
+                    "category_names": category_map.names}
     pretrained = bool(args.backbone_weights or args.pretrained_backbone)
     freeze_bn = args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained)
     if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
@@ -279,7 +302,7 @@ def main(argv=None):
     config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
                   synthetic_data=synthetic, num_classes=len(category_map), **{f"data_{k}": v for k, v in paths.items()})
     run.save_config(config, model_config)
-    evaluator = CocoEvaluator(val_ds.coco.dataset, backend=args.coco_eval_backend)
+    evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
     def write_predictions():
         if accelerator.is_main_process:

@@ -1,0 +1,117 @@
+r"""Check a data set before training: the same checks and report as the training scripts run at start.
+
+COCO-format detection data (json + image folder), optionally with its val set (categories checked against train):
+    python scripts/check_dataset.py --annotations train.json --images DIR
+    python scripts/check_dataset.py --annotations train.json --images DIR --val_annotations val.json --val_images DIR
+Write the repaired json (numbers parsed, ids made valid, boxes derived / clipped / dropped as the report says):
+    python scripts/check_dataset.py --annotations train.json --images DIR --write_fixed train_fixed.json
+
+An ImageFolder (class sub-folders), optionally with its val folder:
+    python scripts/check_dataset.py --image_folder data/train --val_image_folder data/val
+
+Prints the report (errors, repairs, warnings by kind, with counts and the first offending ids / files) and exits
+with status 1 when there are errors (2 for a missing file or folder), 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from detlib.cococheck import check_coco, check_train_val  # noqa: E402
+from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("COCO-format data")
+    g.add_argument("--annotations", metavar="FILE", help="COCO json (the training set when --val_annotations is given)")
+    g.add_argument("--images", metavar="DIR", help="folder of the images' file_name")
+    g.add_argument("--val_annotations", metavar="FILE")
+    g.add_argument("--val_images", metavar="DIR", help="default: --images")
+    g.add_argument("--write_fixed", metavar="OUT", help="write the repaired --annotations json here (not on errors)")
+    g.add_argument("--write_fixed_val", metavar="OUT", help="write the repaired --val_annotations json here")
+    g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files")
+    g.add_argument("--max_image_pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="images with more pixels are errors (PIL's decompression-bomb limit; 0: no limit)")
+    g.add_argument("--num_workers", type=int, help="processes reading image headers (default: CPU count, at most 8)")
+    g = p.add_argument_group("ImageFolder data")
+    g.add_argument("--image_folder", metavar="DIR", help="ImageFolder root: DIR/<class>/<image>")
+    g.add_argument("--val_image_folder", metavar="DIR")
+    g.add_argument("--verify", default="header", choices=["full", "header", "none"],
+                   help="full decode (finds truncated files), header only, or no file check")
+    g = p.add_argument_group("both")
+    g.add_argument("--strict", action="store_true", help="repairs count as errors")
+    g.add_argument("--report_json", metavar="OUT", help="also write the report as json (as data_report.json)")
+    args = p.parse_args(argv)
+    if bool(args.annotations) == bool(args.image_folder):
+        p.error("give --annotations (COCO) or --image_folder (ImageFolder)")
+    if args.annotations and not args.images and not args.skip_image_check:
+        p.error("--images DIR is needed to check the image files (or pass --skip_image_check)")
+    return args
+
+
+def write_fixed(dataset: dict, path: str) -> None:
+    """The normalised json, without the loader's private keys (leading underscore)."""
+    out = dict(dataset)
+    out["images"] = [{k: v for k, v in im.items() if not k.startswith("_")} for im in dataset["images"]]
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+def check_coco_files(args) -> tuple[DataReport, list[str]]:
+    report = DataReport(args.strict)
+    kw = dict(report=report, check_images=not args.skip_image_check, max_image_pixels=args.max_image_pixels or None,
+              num_workers=args.num_workers, progress=sys.stderr.isatty())
+    notes = []
+    train = check_coco(args.annotations, args.images, split="train" if args.val_annotations else "data", **kw)
+    val = None
+    if args.val_annotations:
+        val = check_coco(args.val_annotations, args.val_images or args.images, split="val", **kw)
+        check_train_val(train, val, args.images, args.val_images or args.images)
+    for check, out in ((train, args.write_fixed), (val, args.write_fixed_val)):
+        if out and check is not None:
+            if report.ok:
+                write_fixed(check.dataset, out)
+                notes.append(f"wrote the repaired json of {check.source} to {out}")
+            else:
+                notes.append(f"not written: {out} (fix the errors first)")
+    return report, notes
+
+
+def check_folders(args) -> DataReport:
+    from detlib.classification import scan_image_folder
+    from detlib.foldercheck import check_folder_scans
+
+    scans = {"train": scan_image_folder(args.image_folder, verify=args.verify)}
+    if args.val_image_folder:
+        scans["val"] = scan_image_folder(args.val_image_folder, verify=args.verify)
+    return check_folder_scans(scans, strict=args.strict)[1]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    notes = []
+    try:
+        if args.annotations:
+            report, notes = check_coco_files(args)
+        else:
+            report = check_folders(args)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.format("COCO data check" if args.annotations else "image folder check"))
+    for line in notes:
+        print(line)
+    if args.report_json:
+        report.write(args.report_json)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
