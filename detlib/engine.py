@@ -4,6 +4,7 @@ bookkeeping and guards, checkpoints, preemption, end of run.
 torchvision's detection references keep `engine.py` beside `train.py`; DETR does the same. Here the scripts
 keep their forward pass, loss, backward and evaluation in plain sight and call a `Run` around them:
 
+    args = run_argument_parser(__doc__, ...).parse_args()   # detlib.flags: the flags read here
     run = Run(args)                                  # output folder, lock, accelerator, logging, signals
     ... data, model, optimizer, accelerator.prepare(...)
     scheduler = run.start_training(model, optimizer, train_loader, schedule)   # resume, trackers
@@ -33,8 +34,8 @@ What a `Run` guarantees:
   SIGTERM when the launcher dies (Linux parent-death signal), so none outlives it.
 * Resume: `latest` skips damaged checkpoints; a checkpoint of another process count or batch size continues
   at the same position in samples seen; another `--epochs` continues a cosine schedule from its current LR.
-* Start-up checks: folder writable, disk space, one live run per folder (lock), never mixing into a
-  finished run, flag values (argparse types below).
+* Start-up checks: folder writable, disk space, one live run per folder, never mixing into a finished run
+  (detlib.rundir); flag values are checked by argparse (detlib.flags).
 
 Exit codes of the training process: 0 done; 1 error (bad data, damaged checkpoint, disk full); 2 bad flag
 values (argparse); EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary
@@ -45,182 +46,29 @@ exit 1 with the worker's code in its summary), so `output_dir/run_status.json` a
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import ctypes
 import json
 import logging
 import math
 import os
 import shutil
 import signal
-import socket
 import sys
 import threading
 import time
-import uuid
 
 import torch
 
 from . import checkpoint as ckpt
-from .runtime import (REPORT_TO, MetricsLogger, init_trackers, log_run_setup, make_accelerator, save_config,
-                      setup_logging)
+from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PREEMPT_SIGNALS, launched, prepare_output_dir, release_lock,
+                     set_parent_death_signal, write_run_status)
+from .runtime import MetricsLogger, init_trackers, log_run_setup, make_accelerator, save_config, setup_logging
 from .schedules import SCHEDULES, build_lr_scheduler, lr_factor, set_position
 
 logger = logging.getLogger("detlib.engine")
 
-EXIT_DIVERGED = 3
-EXIT_PREEMPTED = 75
-PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-LOCK_FILE = "run.lock"
-# Files a run leaves in its output folder: any of them means the folder already holds a run.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "best", "last")
 EXPLOSION_FACTOR = 100.0  # a finite loss this many times its lowest running level is reported
 EVAL_POLL_EVERY = 10  # evaluation batches between preemption checks
-
-
-# ---------------------------------------------------------------------------------------------- flags
-def int_at_least(lo: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text}")
-        return value
-    parse.__name__ = f"integer >= {lo}"
-    return parse
-
-
-def float_range(lo: float, hi: float = math.inf, lo_open: bool = False):
-    def parse(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value) and not (hi == math.inf and value == math.inf) or value < lo or value > hi \
-                or (lo_open and value == lo):
-            raise argparse.ArgumentTypeError(f"must be a number {'>' if lo_open else '>='} {lo}"
-                                             + (f" and <= {hi}" if hi != math.inf else "") + f", got {text}")
-        return value
-    parse.__name__ = "number"
-    return parse
-
-
-def add_run_arguments(p: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
-    """The flags of the run machinery, in the groups both scripts use. Returns the groups by name, so a script
-    adds its own flags beside them; a script changes a default with `p.set_defaults(...)`."""
-    groups = {name: p.add_argument_group(name) for name in
-              ("data", "model", "optimization", "evaluation", "checkpointing", "logging")}
-    g = groups["data"]
-    g.add_argument("--num_workers", type=int_at_least(0), default=4, help="DataLoader workers per process (default: %(default)s)")
-    g = groups["optimization"]
-    g.add_argument("--epochs", type=int_at_least(1))
-    g.add_argument("--max_steps", type=int_at_least(0), default=0, help="stop after this many optimizer steps (0: no limit)")
-    g.add_argument("--per_device_batch_size", type=int_at_least(1))
-    g.add_argument("--gradient_accumulation_steps", type=int_at_least(1), default=1)
-    g.add_argument("--max_grad_norm", type=float_range(0), help="gradient clipping norm (0: off; default: %(default)s)")
-    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max_nonfinite_steps", type=int_at_least(1), default=5,
-                   help="stop after this many non-finite optimizer steps in a row, each skipped (default: %(default)s)")
-    g = groups["evaluation"]
-    g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last (default: %(default)s)")
-    g.add_argument("--per_device_eval_batch_size", type=int_at_least(1))
-    g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a run folder, best/, last/, a checkpoint folder "
-                   "or a model.safetensors and exit (results in OUTPUT_DIR/evaluate_only/)")
-    g = groups["checkpointing"]
-    g.add_argument("--output_dir")
-    g.add_argument("--checkpoint_total_limit", type=int_at_least(0), default=2,
-                   help="keep the newest N checkpoints, epoch and step ones together (0: all; default: %(default)s)")
-    g.add_argument("--checkpoint_interval", type=int_at_least(1), default=1, help="checkpoint every N epochs and at the end (default: %(default)s)")
-    g.add_argument("--checkpoint_steps", type=int_at_least(0), default=0,
-                   help="also checkpoint every N optimizer steps, mid-epoch included (0: off)")
-    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH",
-                   help="latest: the newest intact checkpoint of OUTPUT_DIR; or a checkpoint folder")
-    g.add_argument("--overwrite_output_dir", action="store_true",
-                   help="start a new run in a folder that holds another run, deleting its checkpoints, best/, last/ and logs")
-    g = groups["logging"]
-    g.add_argument("--report_to", default="wandb", choices=REPORT_TO)
-    g.add_argument("--project", help="tracker project name")
-    g.add_argument("--run_name")
-    g.add_argument("--log_interval", type=int_at_least(1), help="optimizer steps between train log lines (default: %(default)s)")
-    return groups
-
-
-def worker_init_fn(worker_id: int) -> None:
-    """DataLoader workers ignore the preemption signals: the training process decides when to stop, and a
-    Ctrl-C to the terminal's process group must not kill the workers under it mid-save."""
-    for name in PREEMPT_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
-
-
-# ---------------------------------------------------------------------------------------------- lock
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
-    """Take `output_dir/run.lock` for this process. Returns (error, note): error when another live run holds
-    it (or one on another host: we cannot tell), note when a stale lock of a dead process was replaced."""
-    path = os.path.join(output_dir, LOCK_FILE)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-          "argv": sys.argv}
-    note = None
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    other = json.load(f)
-            except (OSError, ValueError):
-                other = {}
-            pid, host = other.get("pid"), other.get("host")
-            if host == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
-                note = f"replaced a stale lock of process {pid} (no longer running) in {output_dir}"
-                os.remove(path)
-                continue
-            if host not in (None, me["host"]):
-                return (f"{output_dir} is locked by a run on host {host} (pid {pid}, since {other.get('started')}); "
-                        f"if that run is dead, delete {path}"), None
-            return (f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; "
-                    "use another --output_dir"), None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        return None, note
-    return f"could not take the lock {path}", None
-
-
-def release_lock(output_dir: str) -> None:
-    path = os.path.join(output_dir, LOCK_FILE)
-    try:
-        with open(path) as f:
-            if json.load(f).get("pid") == os.getpid():
-                os.remove(path)
-    except (OSError, ValueError):
-        pass
-
-
-def _set_parent_death_signal() -> None:
-    """Linux: SIGTERM this process when its parent (the launcher) dies, even by kill -9, so no training
-    process outlives its launcher; the SIGTERM then takes the preemption path (checkpoint, exit)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        return
-    if os.getppid() == 1:  # the launcher died before the call above
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _launched() -> bool:
-    """True under `accelerate launch` / torchrun (the parent is a launcher, not an interactive shell)."""
-    return "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -256,7 +104,8 @@ class Run:
 
         error, notes = None, []
         if self.accelerator.is_main_process:
-            error, notes = self._check_output_dir()
+            error, notes, self._locked = prepare_output_dir(self.output_dir, self.evaluate_only,
+                                                            args.resume_from_checkpoint, args.overwrite_output_dir)
         error = self._broadcast(error)
         if error:
             if self.accelerator.is_main_process:
@@ -281,53 +130,14 @@ class Run:
         broadcast_object_list(box)
         return box[0]
 
-    def _check_output_dir(self) -> tuple[str | None, list[str]]:
-        """Main process: writable folder, not a finished run (unless resumed / overwritten), the lock."""
-        args, out = self.args, self.output_dir
-        notes = []
-        try:
-            os.makedirs(out, exist_ok=True)
-            probe = os.path.join(out, f".write_test_{uuid.uuid4().hex[:8]}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
-        except OSError as e:
-            return f"cannot write to --output_dir {out}: {e.strerror or e}", notes
-        present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))
-                   and (n != "checkpoints" or os.listdir(os.path.join(out, n)))]
-        if present and not self.evaluate_only and not args.resume_from_checkpoint and not args.overwrite_output_dir:
-            return (f"{out} holds another run ({', '.join(present)}); to continue it pass --resume_from_checkpoint "
-                    "latest, to keep it choose a new --output_dir, to replace it pass --overwrite_output_dir"), notes
-        error, note = acquire_lock(out)
-        if error:
-            return error, notes
-        self._locked = True
-        if note:
-            notes.append(note)
-        if args.overwrite_output_dir and present and not self.evaluate_only:
-            for name in RUN_FILES + ("train.log", "predictions_val.json", "predictions_val.csv", "tensorboard", "wandb",
-                                     "run_status.json", "data_report.json", "plots", "samples"):
-                path = os.path.join(out, name)
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                elif os.path.exists(path):
-                    os.remove(path)
-            notes.append(f"--overwrite_output_dir: removed the previous run's {', '.join(present)} from {out}")
-        root = ckpt.checkpoint_dir(out)
-        for name in os.listdir(root) if os.path.isdir(root) else []:
-            if name.endswith(".tmp"):  # a save that was killed half-way
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-                notes.append(f"removed the unfinished checkpoint folder {name} (a save that was interrupted)")
-        return None, notes
-
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         for name in PREEMPT_SIGNALS:
             sig = getattr(signal, name)
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-        if _launched():
-            _set_parent_death_signal()
+        if launched():
+            set_parent_death_signal()
 
     def _on_signal(self, signum, frame) -> None:
         # Only set a flag: the training loop acts on it at the next step, on every rank together.
@@ -348,14 +158,7 @@ class Run:
         raise SystemExit(code)
 
     def _write_status(self, code: int, message: str = "") -> None:
-        """`output_dir/run_status.json`: how the run ended, for schedulers and scripts (slurm/ reads it to requeue)."""
-        status = {0: "finished", EXIT_DIVERGED: "diverged", EXIT_PREEMPTED: "preempted"}.get(code, "failed")
-        try:
-            with open(os.path.join(self.output_dir, "run_status.json"), "w") as f:
-                json.dump({"status": status, "exit_code": code, "message": message,
-                           "global_step": self.state.global_step, "epoch": self.state.epoch}, f, indent=1)
-        except OSError:
-            pass
+        write_run_status(self.output_dir, code, message, global_step=self.state.global_step, epoch=self.state.epoch)
 
     def save_config(self, config: dict, model_config: dict) -> None:
         """Keep the resolved config (written to config.yaml, passed to the trackers) and the model's

@@ -36,8 +36,10 @@ from tqdm.auto import tqdm
 from detlib import checkpoint as ckpt
 from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, classification_metrics,
                                    classification_transform, make_synthetic_image_folder, scan_image_folder)
-from detlib.engine import Run, add_run_arguments, float_range, int_at_least, worker_init_fn
+from detlib.engine import Run
+from detlib.flags import float_range, int_at_least, run_argument_parser
 from detlib.foldercheck import check_folders_for_training
+from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
 
 logger = logging.getLogger("train_catsdogs")
@@ -48,10 +50,13 @@ SYNTHETIC_DEFAULTS = {"image_size": 64, "epochs": 5, "per_device_batch_size": 32
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = add_run_arguments(p)  # the run machinery's flags: epochs, batch, checkpoints, logging, ...
-    p.set_defaults(output_dir="outputs/catsdogs", project="detlib-catsdogs", max_grad_norm=1.0, eval_interval=1,
-                   per_device_eval_batch_size=64, log_interval=10)
+    p, groups = run_argument_parser(__doc__, output_dir="outputs/catsdogs", project="detlib-catsdogs", log_interval=10,
+                                    eval_interval=1, per_device_eval_batch_size=64, max_grad_norm=1.0)
+    g = groups["model"]
+    g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
+    g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is reset)")
+    g.add_argument("--pretrained", action="store_true", help="ImageNet weights from torchvision / timm (online)")
+
     g = groups["data"]
     g.add_argument("--train_dir", help="ImageFolder root: DIR/<class>/<image> (none: the built-in data set)")
     g.add_argument("--val_dir", help="ImageFolder root with the same class folders")
@@ -61,16 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--strict_data", action="store_true", help="data repairs (unreadable files left out, files in two "
                    "classes left out, ...) stop the run like errors")
 
-    g = groups["model"]
-    g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
-    g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is reset)")
-    g.add_argument("--pretrained", action="store_true", help="ImageNet weights from torchvision / timm (online)")
-
     g = groups["optimization"]
-    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     g.add_argument("--lr", type=float_range(0), help="peak learning rate: 1e-3 for AdamW, 0.05 for SGD")
     g.add_argument("--weight_decay", type=float_range(0), help="0.05 for AdamW, 5e-5 for SGD")
-    g.add_argument("--momentum", type=float_range(0, 1), default=0.9)
     g.add_argument("--warmup_steps", type=int_at_least(0), help="linear warmup before the cosine decay (default: 5%% of the steps)")
     g.add_argument("--label_smoothing", type=float_range(0, 1), default=0.0)
 

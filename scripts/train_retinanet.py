@@ -43,10 +43,12 @@ from detlib.cococheck import check_coco_for_training
 from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
-from detlib.engine import Run, add_run_arguments, float_range, int_at_least, worker_init_fn
+from detlib.engine import Run
+from detlib.flags import float_range, int_at_least, run_argument_parser
 from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, retinanet_loss
 from detlib.model import RetinaNet
+from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, build_transform
@@ -62,10 +64,9 @@ SYNTHETIC_DEFAULTS = {"backbone": "resnet18", "image_size": 160, "fpn_channels":
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    groups = add_run_arguments(p)  # the run machinery's flags: epochs, batch, checkpoints, logging, ...
-    p.set_defaults(output_dir="outputs/retinanet", project="detlib-retinanet", max_grad_norm=0.1, eval_interval=5,
-                   per_device_eval_batch_size=8, log_interval=20)
+    # the run machinery's flags (epochs, batch, checkpoints, logging, ...) with this script's defaults
+    p, groups = run_argument_parser(__doc__, output_dir="outputs/retinanet", project="detlib-retinanet", eval_interval=5,
+                                    max_grad_norm=0.1, per_device_eval_batch_size=8, log_interval=20)
     g = groups["data"]
     g.add_argument("--data_dir", help="COCO root: DIR/annotations/instances_{set}.json, images in DIR/{set} or DIR/images/{set}")
     g.add_argument("--train_set", default="train2017")
@@ -99,10 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--channels_last", action="store_true", help="channels_last memory format for the model")
 
     g = groups["optimization"]
-    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
     g.add_argument("--lr", type=float_range(0), help="1e-4 (1e-3 on the built-in data)")
     g.add_argument("--weight_decay", type=float_range(0), help="0.01 for AdamW (torch's default), 1e-4 for SGD")
-    g.add_argument("--momentum", type=float_range(0, 1), default=0.9)
     g.add_argument("--lr_scheduler", default="plateau", choices=["plateau", "multistep", "cosine", "constant"])
     g.add_argument("--plateau_patience", type=int_at_least(0), default=3)
     g.add_argument("--lr_steps", type=int_at_least(1), nargs="+", default=[8, 11], help="multistep: epochs where the LR drops 10x")

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from conftest import REPO
 from detlib import checkpoint as ckpt
-from detlib import engine
+from detlib import rundir
 from detlib.schedules import build_lr_scheduler, lr_factor, set_position
 from test_checkpoint import fake_checkpoint
 
@@ -128,21 +128,21 @@ def test_failed_save_removes_its_folder_keeps_the_previous_and_says_no_space(tmp
 
 def test_lock_refuses_a_live_run_and_replaces_a_stale_one(tmp_path):
     out = str(tmp_path)
-    error, note = engine.acquire_lock(out)
+    error, note = rundir.acquire_lock(out)
     assert error is None and note is None
-    error, _ = engine.acquire_lock(out)  # this (live) process holds it
+    error, _ = rundir.acquire_lock(out)  # this (live) process holds it
     assert error and f"pid {os.getpid()}" in error and "another run" in error
-    engine.release_lock(out)
-    assert not os.path.exists(tmp_path / engine.LOCK_FILE)
+    rundir.release_lock(out)
+    assert not os.path.exists(tmp_path / rundir.LOCK_FILE)
 
     dead = 2**22 + 12345  # above the default pid_max: no such process
-    (tmp_path / engine.LOCK_FILE).write_text(json.dumps({"pid": dead, "host": socket.gethostname()}))
-    error, note = engine.acquire_lock(out)
+    (tmp_path / rundir.LOCK_FILE).write_text(json.dumps({"pid": dead, "host": socket.gethostname()}))
+    error, note = rundir.acquire_lock(out)
     assert error is None and f"stale lock of process {dead}" in note
-    engine.release_lock(out)
+    rundir.release_lock(out)
 
-    (tmp_path / engine.LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "node-17"}))
-    error, _ = engine.acquire_lock(out)
+    (tmp_path / rundir.LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "node-17"}))
+    error, _ = rundir.acquire_lock(out)
     assert "host node-17" in error and "delete" in error
 
 
