@@ -98,6 +98,7 @@ class Run:
         self._locked = False
         self._closed = False
         self._signal: int | None = None
+        self._pid = os.getpid()
         self._sigints = 0
         self._old_handlers: dict = {}
         self.t_start = time.time()
@@ -140,6 +141,12 @@ class Run:
             set_parent_death_signal()
 
     def _on_signal(self, signum, frame) -> None:
+        if os.getpid() != self._pid:
+            # a forked child (a multiprocessing pool worker) inherited this handler: it must still die from
+            # SIGTERM, or the pool's terminate() waits for it forever
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         # Only set a flag: the training loop acts on it at the next step, on every rank together.
         if signum == signal.SIGINT:
             self._sigints += 1
@@ -373,7 +380,6 @@ class Run:
         if st.epoch >= self.args.epochs or st.global_step >= self.total_steps:
             return False
         self.epoch = st.epoch
-        self._epoch_steps_start = st.global_step
         return True
 
     def batches(self, loader):

@@ -82,6 +82,7 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path)
         ev = tmp_path / f"eval_{n}"
         launch(config, ["--val_dir", val, "--evaluate_only", out / "last", "--per_device_eval_batch_size", batch,
                         "--output_dir", ev, "--report_to", "none", "--num_workers", "0"])
+        ev = ev / "evaluate_only"  # evaluation never writes into the folder of a run
         assert_processes(ev, n)
         (line,) = read_metrics(ev)[1]
         assert line["num_val_samples"] == 5

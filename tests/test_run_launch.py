@@ -392,3 +392,24 @@ def test_two_machines_on_loopback_equal_two_processes(two_process_reference, tmp
     assert_same_weights(ref, out, atol=1e-6)
     ev = lambda o: [m for m in read_metrics(o) if "AP" in m][-1]  # noqa: E731
     assert {k: ev(out)[k] for k in ("AP", "AP50", "AR100")} == {k: ev(ref)[k] for k in ("AP", "AP50", "AR100")}
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGINT"])
+def test_sigusr1_or_first_ctrl_c_to_the_training_process_checkpoints_and_exits_75(tmp_path, sig):
+    data = make_tiny_folder(tmp_path / "data", [16, 16])
+    out = tmp_path / "run"
+    common = CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "2", "--epochs", "30",
+                     "--output_dir", str(out)]
+    proc = popen("train_catsdogs.py", common)
+    wait_for_step(out, proc, 3)
+    (trainer,) = [c for c in children(proc.pid) if alive(c)][:1]
+    os.kill(trainer, getattr(signal, sig))
+    text = proc.communicate(timeout=120)[0]
+    assert "returned non-zero exit status 75" in text, text[-3000:]
+    status = json.loads((out / "run_status.json").read_text())
+    assert status["status"] == "preempted" and f"preempted by {sig}" in status["message"]
+    assert (out / "checkpoints" / f"step_{status['global_step']:08d}").is_dir()
+    proc = run_script("train_catsdogs.py", common[:-4] + ["--epochs", "2", "--output_dir", str(out),
+                                                          "--resume_from_checkpoint", "latest"])
+    assert f"global step {status['global_step']}" in proc.stdout
+    assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
