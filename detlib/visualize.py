@@ -100,6 +100,33 @@ def image_size(path: str) -> tuple[int, int]:
         return im.height, im.width
 
 
+def upright_image_and_boxes(path: str, boxes: torch.Tensor, boxes_upright: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image file as a viewer shows it (EXIF orientation applied), and boxes in its pixels.
+
+    Args:
+        path: the image file.
+        boxes: [N, 4] float xyxy pixels, of the upright image when `boxes_upright` (the model saw the file
+            turned upright), else of the stored pixels (COCO), which are then mapped with the image.
+    Returns:
+        (image [3, H, W] uint8 RGB upright, boxes [N, 4] float32 xyxy pixels of it).
+    Raises:
+        OSError: the file cannot be read (names it).
+    """
+    if boxes_upright:
+        pil, _ = load_rgb(path, exif_transpose=True)
+    else:
+        pil, orientation = load_display_image(path)
+        if orientation != 1:
+            boxes = exif_transpose_boxes(boxes, orientation, pil.width, pil.height)
+            pil = pil.transpose(_EXIF_METHODS[orientation])
+    return torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1), boxes.float()
+
+
+def boxes_from_coco(xywh: Sequence[Sequence[float]]) -> torch.Tensor:
+    """COCO result / annotation boxes [[x, y, w, h], ...] -> [N, 4] float32 xyxy pixels (N may be 0)."""
+    return box_xywh_to_xyxy(torch.tensor(xywh, dtype=torch.float32).reshape(-1, 4))
+
+
 def class_color(category_id: int) -> tuple[int, int, int]:
     """A fixed, saturated colour per category id (golden-ratio hues), never the ground truth's green."""
     h = (int(category_id) * 0.618033988749895) % 1.0
@@ -185,11 +212,11 @@ def sample_detections(coco_gt: dict, results: list[dict], image_dir: str, image_
             pil = pil.transpose(_EXIF_METHODS[orientation])
         image = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
         d = sorted(dets[int(iid)], key=lambda r: -r["score"])
-        boxes = exif_transpose_boxes(_xyxy([r["bbox"] for r in d]), orientation, W, H)
+        boxes = exif_transpose_boxes(boxes_from_coco([r["bbox"] for r in d]), orientation, W, H)
         scores = torch.tensor([float(r["score"]) for r in d], dtype=torch.float32)
         cats = torch.tensor([int(r["category_id"]) for r in d], dtype=torch.int64)
         g = gts[int(iid)]
-        gt_boxes = exif_transpose_boxes(_xyxy([a["bbox"] for a in g]), orientation, W, H)
+        gt_boxes = exif_transpose_boxes(boxes_from_coco([a["bbox"] for a in g]), orientation, W, H)
         labels = [f"{names.get(int(c), c)} {s:.2f}" for c, s in zip(cats.tolist(), scores.tolist())]
         drawn = draw_detections(image, boxes, labels, [class_color(c) for c in cats.tolist()], gt_boxes)
         out.append({"image_id": int(iid), "file_name": info["file_name"], "image": image, "drawn": drawn,
@@ -197,10 +224,6 @@ def sample_detections(coco_gt: dict, results: list[dict], image_dir: str, image_
                     "gt_category_ids": torch.tensor([int(a["category_id"]) for a in g], dtype=torch.int64),
                     "gt_crowd": torch.tensor([bool(a.get("iscrowd", 0)) for a in g], dtype=torch.bool)})
     return out
-
-
-def _xyxy(xywh: list) -> torch.Tensor:
-    return box_xywh_to_xyxy(torch.tensor(xywh, dtype=torch.float32).reshape(-1, 4))
 
 
 def save_image(image: torch.Tensor, path: str, quality: int = 90) -> bytes:

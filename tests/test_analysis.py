@@ -128,6 +128,7 @@ def test_per_class_ap_equal_between_backends_on_real_data():
         stats, _, ev = evaluate_coco(gt, res, backend=backend, return_cocoeval=True)
         out[backend] = (stats, per_class_ap(ev))
     (s1, p1), (s2, p2) = out["pycocotools"], out["faster"]
+    assert s1 == pytest.approx(s2, abs=1e-12)
     assert list(p1) == list(p2)
     n_with_gt = len({a["category_id"] for a in gt["annotations"] if not a["iscrowd"]})
     assert len(p1) == n_with_gt  # categories with only crowd boxes or none are absent
