@@ -138,3 +138,51 @@ def category_map_from_config(config: dict) -> CategoryMap:
     `category_names` in the same order, or by the ids as strings when the config has no names."""
     ids = config.get("category_ids") or list(range(1, int(config["num_classes"]) + 1))
     return CategoryMap(ids, config.get("category_names"))
+
+
+class ClassificationImageFiles(torch.utils.data.Dataset):
+    """Image files for a classifier.
+
+    Args:
+        paths: the files; transform: PIL RGB -> tensor (`classification_transform(size, train=False)`).
+        exif_transpose: turn images upright by their EXIF orientation first.
+    Item: {"image": float32 [3, S, S] (a black image's transform when unreadable), "index": int, "valid": bool};
+    an unreadable file is logged and flagged, never raised.
+    """
+
+    def __init__(self, paths: list[str], transform, exif_transpose: bool = True):
+        self.paths = list(paths)
+        self.transform = transform
+        self.exif_transpose = exif_transpose
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> dict:
+        from PIL import Image
+
+        try:
+            img, _ = load_rgb(self.paths[index], exif_transpose=self.exif_transpose)
+            valid = True
+        except IMAGE_ERRORS as e:
+            logger.warning("skipping unreadable image: %s", e)
+            img, valid = Image.new("RGB", (64, 64)), False
+        return {"image": self.transform(img), "index": index, "valid": valid}
+
+
+def load_classifier(weights: str) -> tuple[torch.nn.Module, dict]:
+    """Rebuild a trained classifier from its weights and model_config.json (`model`, `classes`), eval mode.
+
+    Raises:
+        FileNotFoundError: no weights or no model_config.json (names the path).
+        RuntimeError: the weights do not fit the config's model.
+    """
+    from .classification import build_classifier
+
+    f = ckpt.weights_path(weights)
+    config = ckpt.read_model_config(weights)
+    if config is None or "classes" not in config:
+        raise FileNotFoundError(f"no classifier model_config.json (with 'classes') next to {f}: the model cannot be rebuilt")
+    model = build_classifier(config["model"], len(config["classes"]))
+    ckpt.load_model_weights(model, weights)
+    return model.eval(), config
