@@ -50,6 +50,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--score_thresh", type=float, default=0.05)
     p.add_argument("--output_dir", help="run folder for the extras (default: a temporary one)")
+    p.add_argument("--sample_format", default="jpg", choices=["jpg", "png"])
     p.add_argument("--out", default="benchmarks/eval_extras_time.json")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -89,7 +90,7 @@ def main(argv=None):
             f.write(json.dumps({"epoch": epoch, "step": epoch + 1, **stats}) + "\n")
         t0 = time.perf_counter()
         log_evaluation_extras(accelerator, out_dir, epoch, epoch + 1, ds.coco.dataset, evaluator.results,
-                              evaluator.coco_eval, args.val_images)
+                              evaluator.coco_eval, args.val_images, sample_format=args.sample_format)
         extras_s.append(time.perf_counter() - t0)
         print(f"epoch {epoch}: evaluation {eval_s[-1]:.2f} s, extras {extras_s[-1]:.2f} s, AP50 {stats['AP50']:.4f}, "
               f"{len(evaluator.results)} detections", flush=True)

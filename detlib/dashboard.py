@@ -23,7 +23,6 @@ import logging
 import os
 import time
 
-import torch
 
 from . import analysis, visualize
 
@@ -39,7 +38,7 @@ def _tracker(accelerator, name: str):
 def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step: int, coco_gt: dict,
                           results: list[dict], coco_eval, image_dir: str, num_log_images: int = 16,
                           display_thresh: float = 0.3, confusion_score_thresh: float = 0.25, seed: int = 0,
-                          category_names: dict[int, str] | None = None) -> dict | None:
+                          category_names: dict[int, str] | None = None, sample_format: str = "jpg") -> dict | None:
     """Per-class AP table, plots and sample images of one evaluation, to files and every tracker.
 
     Call on every process after `CocoEvaluator.evaluate()`; only the main process works (no collective),
@@ -56,6 +55,7 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
         display_thresh: lowest score drawn on the sample images (the wandb UI can still filter above it).
         confusion_score_thresh: lowest score counted in the confusion matrix.
         category_names: {category id: name}; default the json's names.
+        sample_format: "jpg" (fast, the default) or "png" for the files under samples/.
     Returns:
         (main process) {category name: {"AP", "AP50", "num_gt"}} for the classes with ground truth, the
         object to put into the evaluation line of metrics.jsonl; None on the other processes.
@@ -79,7 +79,7 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
 
     ids = visualize.select_sample_ids(evaluated, num_log_images, seed)
     samples = visualize.sample_detections(coco_gt, results, image_dir, ids, names, display_thresh)
-    encoded = visualize.save_samples(samples, os.path.join(output_dir, "samples", tag))
+    encoded = visualize.save_samples(samples, os.path.join(output_dir, "samples", tag), ext=sample_format)
     pngs = {k: v for k, v in plots["files"].items() if k in ("per_class_ap", "pr_curve", "confusion_matrix", "training_curves")}
 
     run = _tracker(accelerator, "wandb")

@@ -141,7 +141,8 @@ def main(argv=None):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's notes on traced shapes are not actionable here
             torch.onnx.export(wrapped, example, args.output, input_names=inputs, output_names=outputs,
-                              opset_version=args.opset, dynamo=True, verbose=False)
+                              opset_version=args.opset, dynamo=True, verbose=False,
+                              external_data=False)  # one self-contained file (models under 2 GB)
         files["onnx"] = args.output
     if args.format in ("pt2", "both"):
         program = torch.export.export(wrapped, example)
