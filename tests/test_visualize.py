@@ -174,3 +174,20 @@ def test_log_evaluation_extras_wandb_offline_and_tensorboard_read_back(tmp_path,
     info = next(im for im in gt["images"] if im["id"] == ids[0])
     assert (img.height, img.width) == (info["height"], info["width"]) and img.encoded_image_string[:2] == b"\xff\xd8"
     assert "per_class/table/text_summary" in tags["tensors"]
+
+
+@needs_coco_subset
+def test_log_evaluation_extras_without_trackers_or_detections(tmp_path):
+    """No tracker and an evaluation that detected nothing (no COCOeval object): the files are still written."""
+    from accelerate import Accelerator
+
+    from detlib.dashboard import log_evaluation_extras
+
+    gt = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())
+    per_class = log_evaluation_extras(Accelerator(cpu=True), str(tmp_path), None, 0, gt, [], None, str(COCO_SUBSET / "images"),
+                                      num_log_images=2)
+    assert per_class == {}
+    cm = json.loads((tmp_path / "plots" / "final" / "confusion_matrix.json").read_text())
+    n_gt = sum(1 for a in gt["annotations"] if not a["iscrowd"])
+    assert sum(row[-1] for row in cm["matrix"]) == n_gt  # every box missed
+    assert len(list((tmp_path / "samples" / "final").iterdir())) == 2
