@@ -96,8 +96,17 @@ def main(argv=None):
                 shutil.copy2(paths[index], dst)
 
     shards = gather_object([(rows, failed)])
-    if not accelerator.is_main_process:
-        return None
+    merged = None
+    if accelerator.is_main_process:
+        merged = write_outputs(args, paths, root, classes, k, shards)
+    # a clean end of the process group: a rank that exits while another still tears down gloo can abort
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return merged
+
+
+def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int, shards: list) -> dict:
+    """predictions.csv / .json, skipped.txt and the summary line from every process's share (main process)."""
     merged: dict[int, list[tuple[str, float]]] = {}
     skipped = []
     for part, fail in shards:

@@ -157,12 +157,21 @@ def main(argv=None):
 
     # ---- merge (every process's share, by index: no image twice) and write
     shards = gather_object([(per_image, failed)])
-    if not accelerator.is_main_process:
-        return None
+    results = None
+    if accelerator.is_main_process:
+        results = write_outputs(args, ds, shards, skipped, names)
+    # a clean end of the process group: a rank that exits while another still tears down gloo can abort
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return results
+
+
+def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, str]) -> list[dict]:
+    """predictions.json, skipped.txt and the summary line from every process's share (main process)."""
     merged: dict[int, list[dict]] = {}
     for part, fail in shards:
         merged.update(part)
-        skipped += [ds_path(ds, k) + " (unreadable)" for k in fail]
+        skipped = skipped + [ds_path(ds, k) + " (unreadable)" for k in fail]
     results = [r for k in sorted(merged) for r in merged[k]]
     with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
         json.dump(results, f)

@@ -7,7 +7,6 @@ import csv
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
