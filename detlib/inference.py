@@ -20,6 +20,7 @@ import os
 
 import numpy as np
 import torch
+from PIL import Image
 
 from . import checkpoint as ckpt
 from .classification import IMG_EXTENSIONS, is_hidden
@@ -159,8 +160,6 @@ class ClassificationImageFiles(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int) -> dict:
-        from PIL import Image
-
         try:
             img, _ = load_rgb(self.paths[index], exif_transpose=self.exif_transpose)
             valid = True

@@ -57,6 +57,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int, shards: list) -> dict:
+    """predictions.csv / .json, skipped.txt and the summary line from every process's share (main process)."""
+    merged: dict[int, list[tuple[str, float]]] = {}
+    skipped = []
+    for part, fail in shards:
+        merged.update(part)
+        skipped += [paths[i] for i in fail]
+    names = {i: os.path.relpath(paths[i], root) for i in merged}
+    with open(os.path.join(args.output_dir, "predictions.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["file"] + [c for j in range(1, k + 1) for c in (f"class_{j}", f"prob_{j}")])
+        for i in sorted(merged):
+            w.writerow([names[i]] + [v for c, p in merged[i] for v in (c, f"{p:.6f}")])
+    with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
+        json.dump([{"file_name": names[i], "topk": [{"class": c, "prob": p} for c, p in merged[i]]} for i in sorted(merged)], f)
+    with open(os.path.join(args.output_dir, "skipped.txt"), "w") as f:
+        f.write("".join(f"{p} (unreadable)\n" for p in sorted(skipped)))
+    if skipped:
+        logger.warning("skipped %d unreadable images (listed in %s/skipped.txt), e.g. %s", len(skipped), args.output_dir, skipped[:3])
+    top1 = Counter(merged[i][0][0] for i in merged)
+    logger.info("%d images classified: %s", len(merged), ", ".join(f"{c} {top1[c]}" for c in classes if top1[c]) or "none")
+    return merged
+
+
 @torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
@@ -102,30 +126,6 @@ def main(argv=None):
     # a clean end of the process group: a rank that exits while another still tears down gloo can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    return merged
-
-
-def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int, shards: list) -> dict:
-    """predictions.csv / .json, skipped.txt and the summary line from every process's share (main process)."""
-    merged: dict[int, list[tuple[str, float]]] = {}
-    skipped = []
-    for part, fail in shards:
-        merged.update(part)
-        skipped += [paths[i] for i in fail]
-    names = {i: os.path.relpath(paths[i], root) for i in merged}
-    with open(os.path.join(args.output_dir, "predictions.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["file"] + [c for j in range(1, k + 1) for c in (f"class_{j}", f"prob_{j}")])
-        for i in sorted(merged):
-            w.writerow([names[i]] + [v for c, p in merged[i] for v in (c, f"{p:.6f}")])
-    with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
-        json.dump([{"file_name": names[i], "topk": [{"class": c, "prob": p} for c, p in merged[i]]} for i in sorted(merged)], f)
-    with open(os.path.join(args.output_dir, "skipped.txt"), "w") as f:
-        f.write("".join(f"{p} (unreadable)\n" for p in sorted(skipped)))
-    if skipped:
-        logger.warning("skipped %d unreadable images (listed in %s/skipped.txt), e.g. %s", len(skipped), args.output_dir, skipped[:3])
-    top1 = Counter(merged[i][0][0] for i in merged)
-    logger.info("%d images classified: %s", len(merged), ", ".join(f"{c} {top1[c]}" for c in classes if top1[c]) or "none")
     return merged
 
 

@@ -92,6 +92,50 @@ def build_dataset(args, transform):
     return ds, [os.path.relpath(p, root) for p in paths], None, not args.no_exif_transpose, []
 
 
+def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, str]) -> list[dict]:
+    """predictions.json, skipped.txt and the summary line from every process's share (main process)."""
+    merged: dict[int, list[dict]] = {}
+    for part, fail in shards:
+        merged.update(part)
+        skipped = skipped + [ds_path(ds, k) + " (unreadable)" for k in fail]
+    results = [r for k in sorted(merged) for r in merged[k]]
+    with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
+        json.dump(results, f)
+    with open(os.path.join(args.output_dir, "skipped.txt"), "w") as f:
+        f.write("".join(s + "\n" for s in skipped))
+    if skipped:
+        logger.warning("skipped %d unreadable images (listed in %s/skipped.txt), e.g. %s", len(skipped),
+                       args.output_dir, skipped[:3])
+    per_class = Counter(names.get(r["category_id"], r["category_id"]) for r in results)
+    logger.info("%d images, %d detections with score >= %g: %s", len(merged), len(results), args.score_thresh,
+                ", ".join(f"{k} {v}" for k, v in per_class.most_common()) or "none")
+    return results
+
+
+def ds_path(ds, index: int) -> str:
+    return ds.records[index]["path"] if isinstance(ds, CocoDetection) else ds.paths[index]
+
+
+def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dict], exif_applied: bool,
+                        names: dict[int, str]) -> None:
+    """OUT/images/<name>.jpg (detections >= --draw_thresh on the upright image) and, with --save_json_per_image,
+    OUT/json/<name>.json; written by the process that predicted the image."""
+    stem = os.path.splitext(name)[0]
+    if not args.no_images:
+        shown = [r for r in res if r["score"] >= args.draw_thresh]
+        image, boxes = upright_image_and_boxes(path, boxes_from_coco([r["bbox"] for r in shown]), exif_applied)
+        labels = [f"{names.get(r['category_id'], r['category_id'])} {r['score']:.2f}" for r in shown]
+        drawn = draw_detections(image, boxes, labels, [class_color(r["category_id"]) for r in shown])
+        save_image(drawn, os.path.join(args.output_dir, "images", stem + ".jpg"))
+    if args.save_json_per_image:
+        out = os.path.join(args.output_dir, "json", stem + ".json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        dets = [{"category_id": r["category_id"], "category_name": names.get(r["category_id"], str(r["category_id"])),
+                 "score": r["score"], "bbox": r["bbox"]} for r in res]
+        with open(out, "w") as f:
+            json.dump({"file_name": name, "image_id": image_id, "detections": dets}, f, indent=1)
+
+
 @torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
@@ -164,50 +208,6 @@ def main(argv=None):
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
-
-
-def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, str]) -> list[dict]:
-    """predictions.json, skipped.txt and the summary line from every process's share (main process)."""
-    merged: dict[int, list[dict]] = {}
-    for part, fail in shards:
-        merged.update(part)
-        skipped = skipped + [ds_path(ds, k) + " (unreadable)" for k in fail]
-    results = [r for k in sorted(merged) for r in merged[k]]
-    with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
-        json.dump(results, f)
-    with open(os.path.join(args.output_dir, "skipped.txt"), "w") as f:
-        f.write("".join(s + "\n" for s in skipped))
-    if skipped:
-        logger.warning("skipped %d unreadable images (listed in %s/skipped.txt), e.g. %s", len(skipped),
-                       args.output_dir, skipped[:3])
-    per_class = Counter(names.get(r["category_id"], r["category_id"]) for r in results)
-    logger.info("%d images, %d detections with score >= %g: %s", len(merged), len(results), args.score_thresh,
-                ", ".join(f"{k} {v}" for k, v in per_class.most_common()) or "none")
-    return results
-
-
-def ds_path(ds, index: int) -> str:
-    return ds.records[index]["path"] if isinstance(ds, CocoDetection) else ds.paths[index]
-
-
-def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dict], exif_applied: bool,
-                        names: dict[int, str]) -> None:
-    """OUT/images/<name>.jpg (detections >= --draw_thresh on the upright image) and, with --save_json_per_image,
-    OUT/json/<name>.json; written by the process that predicted the image."""
-    stem = os.path.splitext(name)[0]
-    if not args.no_images:
-        shown = [r for r in res if r["score"] >= args.draw_thresh]
-        image, boxes = upright_image_and_boxes(path, boxes_from_coco([r["bbox"] for r in shown]), exif_applied)
-        labels = [f"{names.get(r['category_id'], r['category_id'])} {r['score']:.2f}" for r in shown]
-        drawn = draw_detections(image, boxes, labels, [class_color(r["category_id"]) for r in shown])
-        save_image(drawn, os.path.join(args.output_dir, "images", stem + ".jpg"))
-    if args.save_json_per_image:
-        out = os.path.join(args.output_dir, "json", stem + ".json")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        dets = [{"category_id": r["category_id"], "category_name": names.get(r["category_id"], str(r["category_id"])),
-                 "score": r["score"], "bbox": r["bbox"]} for r in res]
-        with open(out, "w") as f:
-            json.dump({"file_name": name, "image_id": image_id, "detections": dets}, f, indent=1)
 
 
 if __name__ == "__main__":
