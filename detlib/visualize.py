@@ -100,13 +100,15 @@ def image_size(path: str) -> tuple[int, int]:
         return im.height, im.width
 
 
-def upright_image_and_boxes(path: str, boxes: torch.Tensor, boxes_upright: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def upright_image_and_boxes(path: str, boxes: torch.Tensor, boxes_upright: bool,
+                            size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """An image file as a viewer shows it (EXIF orientation applied), and boxes in its pixels.
 
     Args:
         path: the image file.
         boxes: [N, 4] float xyxy pixels, of the upright image when `boxes_upright` (the model saw the file
             turned upright), else of the stored pixels (COCO), which are then mapped with the image.
+        size: (height, width) the stored pixels are resized to first (a COCO json's size, when the file differs).
     Returns:
         (image [3, H, W] uint8 RGB upright, boxes [N, 4] float32 xyxy pixels of it).
     Raises:
@@ -115,7 +117,7 @@ def upright_image_and_boxes(path: str, boxes: torch.Tensor, boxes_upright: bool)
     if boxes_upright:
         pil, _ = load_rgb(path, exif_transpose=True)
     else:
-        pil, orientation = load_display_image(path)
+        pil, orientation = load_display_image(path, size)
         if orientation != 1:
             boxes = exif_transpose_boxes(boxes, orientation, pil.width, pil.height)
             pil = pil.transpose(_EXIF_METHODS[orientation])

@@ -117,13 +117,13 @@ def ds_path(ds, index: int) -> str:
 
 
 def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dict], exif_applied: bool,
-                        names: dict[int, str]) -> None:
+                        names: dict[int, str], size: tuple[int, int] | None = None) -> None:
     """OUT/images/<name>.jpg (detections >= --draw_thresh on the upright image) and, with --save_json_per_image,
     OUT/json/<name>.json; written by the process that predicted the image."""
     stem = os.path.splitext(name)[0]
     if not args.no_images:
         shown = [r for r in res if r["score"] >= args.draw_thresh]
-        image, boxes = upright_image_and_boxes(path, boxes_from_coco([r["bbox"] for r in shown]), exif_applied)
+        image, boxes = upright_image_and_boxes(path, boxes_from_coco([r["bbox"] for r in shown]), exif_applied, size)
         labels = [f"{names.get(r['category_id'], r['category_id'])} {r['score']:.2f}" for r in shown]
         drawn = draw_detections(image, boxes, labels, [class_color(r["category_id"]) for r in shown])
         save_image(drawn, os.path.join(args.output_dir, "images", stem + ".jpg"))
@@ -197,7 +197,8 @@ def main(argv=None):
                 for r in res:
                     r["file_name"] = rel_names[index]
             per_image[index] = res
-            write_image_outputs(args, ds_path(ds, index), image_id, rel_names[index], res, exif_applied, names)
+            size = ds.records[index]["size"] if isinstance(ds, CocoDetection) else None  # the json's, boxes refer to it
+            write_image_outputs(args, ds_path(ds, index), image_id, rel_names[index], res, exif_applied, names, size)
 
     # ---- merge (every process's share, by index: no image twice) and write
     shards = gather_object([(per_image, failed)])
