@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from conftest import needs_coco_subset, run_script
 from tiny_retinanet import train_tiny
@@ -98,6 +100,18 @@ def test_predict_glob_single_file_and_missing_weights(tiny, tmp_path):
                                                "--num_workers", "0", "--score_thresh", "0.0", "--output_dir", str(out)])
     n = len(list(tiny["images"].glob("00000000079*.jpg")))
     assert f"{n} images, {100 * n} detections" in proc.stdout
+    # a photo stored sideways (EXIF orientation 6): predicted and drawn upright, boxes in upright pixels
+    arr = np.asarray(Image.open(one).convert("RGB"))[:200, :300]
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(arr).save(tmp_path / "side.jpg", exif=exif)
+    out = tmp_path / "side"
+    run_script("predict_retinanet.py", ["--weights", str(tiny["run"]), "--source", str(tmp_path / "side.jpg"), "--score_thresh", "0.0",
+                                        "--draw_thresh", "0.0", "--num_workers", "0", "--output_dir", str(out)])
+    boxes = np.array([p["bbox"] for p in json.loads((out / "predictions.json").read_text())])
+    assert len(boxes) == 100
+    assert (boxes[:, 0] + boxes[:, 2]).max() <= 200 + 1e-3 and (boxes[:, 1] + boxes[:, 3]).max() <= 300 + 1e-3
+    assert Image.open(out / "images" / "side.jpg").size == (200, 300)  # (width, height) upright
     proc = run_script("predict_retinanet.py", ["--weights", str(tmp_path / "nothing"), "--source", str(one),
                                                "--output_dir", str(tmp_path / "x")], check=False)
     assert proc.returncode != 0 and f"no model weights at {tmp_path / 'nothing'}" in proc.stderr
