@@ -124,7 +124,7 @@ def checked_ground_truth(gt_dataset: dict) -> dict:
 
 
 def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int] | None = None,
-                  backend: str = "pycocotools", checked: bool = False) -> tuple[dict[str, float], str]:
+                  backend: str = "pycocotools", checked: bool = False, return_cocoeval: bool = False):
     """Run COCO box evaluation.
 
     Args:
@@ -139,6 +139,8 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
         (stats, summary): the 12 stats by `STAT_NAMES` (-1 where COCO has nothing to measure, e.g. no
         small objects), and their printout (`format_stats`). With no result at all the stats are all 0.0 and a
         warning is logged (pycocotools' loadRes cannot take an empty list, case B06).
+        With `return_cocoeval=True` a third element follows: the evaluated and accumulated COCOeval object
+        (its `eval["precision"]` feeds `detlib.analysis`), None when there was no result at all.
     Raises:
         ValueError: if a result names an image id that is not in the ground truth (the message lists them),
             or an unknown backend.
@@ -158,7 +160,8 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
                          f"{' ...' if len(unknown) > 20 else ''} (results must carry the json's image ids)")
     if not results:
         logger.warning("COCO evaluation: no detections at all; reporting every stat as 0.0")
-        return {k: 0.0 for k in STAT_NAMES}, "no detections"
+        stats = {k: 0.0 for k in STAT_NAMES}
+        return (stats, "no detections", None) if return_cocoeval else (stats, "no detections")
     COCO, COCOeval, _ = _coco_classes(backend)
     gt = dict(gt_dataset)
     # pycocotools >= 2.0.9 copies these in loadRes(); hand-made json often lacks them (case B11).
@@ -178,7 +181,7 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
         ev.accumulate()
         ev.summarize()
     stats = {k: float(v) for k, v in zip(STAT_NAMES, ev.stats)}
-    return stats, format_stats(stats)
+    return (stats, format_stats(stats), ev) if return_cocoeval else (stats, format_stats(stats))
 
 
 class CocoEvaluator:
@@ -204,6 +207,7 @@ class CocoEvaluator:
         self.original_ids = {im["id"]: im["original_id"] for im in self.gt_dataset["images"] if "original_id" in im}
         self.per_image: dict[int, list[dict]] = {}
         self.failed: set[int] = set()
+        self.coco_eval = None  # the COCOeval object of the last `evaluate` (main process), for detlib.analysis
 
     def reset(self) -> None:
         """Forget everything recorded (call before each evaluation pass)."""
@@ -248,12 +252,16 @@ class CocoEvaluator:
         return len(self.per_image)
 
     def evaluate(self) -> tuple[dict[str, float], str]:
-        """COCO stats over the recorded images (see `evaluate_coco`); warns when images are missing."""
+        """COCO stats over the recorded images (see `evaluate_coco`); warns when images are missing.
+
+        Keeps the COCOeval object in `self.coco_eval` (None when nothing was detected).
+        """
         all_ids = {int(im["id"]) for im in self.gt_dataset["images"]}
         ids = set(self.per_image) - self.failed
         if self.failed:
             logger.warning("COCO evaluation leaves out %d unreadable images: %s", len(self.failed), sorted(self.failed)[:10])
         if ids != all_ids - self.failed:
             logger.warning("COCO evaluation covers %d of the %d ground-truth images", len(ids), len(all_ids))
-        return evaluate_coco(self.gt_dataset, self._internal_results(), image_ids=sorted(ids), backend=self.backend,
-                             checked=True)
+        stats, summary, self.coco_eval = evaluate_coco(self.gt_dataset, self._internal_results(), image_ids=sorted(ids),
+                                                       backend=self.backend, checked=True, return_cocoeval=True)
+        return stats, summary

@@ -278,3 +278,21 @@ class RetinaNet(nn.Module):
         c = OrderedDict((f"c{i + 3}", feats[j]) for i, j in enumerate(self.feature_indices))
         p = list(self.fpn(c).values())
         return {"cls_logits": self.cls_head(p), "box_deltas": self.box_head(p)}
+
+
+def build_retinanet_from_config(config: dict, freeze_backbone_bn: bool = False) -> RetinaNet:
+    """The RetinaNet a model_config.json describes (`num_classes`, `backbone`, `fpn_channels`), freshly
+    initialised, for loading trained weights into.
+
+    `freeze_backbone_bn=False` builds what `--evaluate_only` builds by default: plain BatchNorm, which in
+    eval mode computes the same function as a frozen one (weights of either kind load into it), so predictions
+    match the evaluation's to the bit; a frozen, folded BatchNorm rounds differently.
+
+    Raises:
+        KeyError: the config lacks one of the three keys (names it).
+    """
+    missing = [k for k in ("num_classes", "backbone", "fpn_channels") if k not in config]
+    if missing:
+        raise KeyError(f"model config lacks {missing}")
+    return RetinaNet(int(config["num_classes"]), config["backbone"], fpn_channels=int(config["fpn_channels"]),
+                     freeze_backbone_bn=freeze_backbone_bn)

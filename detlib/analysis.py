@@ -1,0 +1,365 @@
+"""What a COCO evaluation says beyond its 12 stats: per-class AP, PR curves, a detection confusion matrix,
+and the plots of them (plus the loss / AP curves of a run drawn from its metrics.jsonl).
+
+Everything per class is read from the accumulated COCOeval object, not recomputed: `coco_eval.eval["precision"]`
+is [T, R, K, A, M] = (IoU thresholds 0.50:0.05:0.95, 101 recall thresholds 0:0.01:1, categories in
+`params.catIds` order, area ranges all/small/medium/large, maxDets 1/10/100), with -1 where a category has
+no ground truth (pycocotools cocoeval.py, COCOeval.accumulate). faster-coco-eval fills the same array, so
+both backends give the same numbers. AP of a class is the mean of its [T, R] slice at area "all" and
+maxDets 100, exactly as `summarize()` averages over all classes for the overall AP.
+
+Plots are drawn with matplotlib's object API on an Agg canvas (no pyplot, no global backend switch, no
+display needed) and written as PNG next to a JSON file with the numbers they show.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Iterable
+
+import numpy as np
+import torch
+from torchvision.ops import box_iou
+
+from .box_ops import box_ioa, box_xywh_to_xyxy
+
+logger = logging.getLogger(__name__)
+
+# Index of the area range "all" and of maxDets=100 in COCOeval.params (areaRngLbl, maxDets).
+AREA_ALL = 0
+MAX_DETS_LAST = -1
+# Index of IoU 0.5 in params.iouThrs (0.50:0.05:0.95).
+IOU50 = 0
+BACKGROUND_NAME = "background"
+
+
+def _category_names(coco_eval) -> list[str]:
+    """Names of `params.catIds`, in that order; a name shared by two categories gets its id appended."""
+    cats = coco_eval.cocoGt.cats
+    names = [str(cats[c].get("name", c)) for c in coco_eval.params.catIds]
+    return [f"{n} ({c})" if names.count(n) > 1 else n for n, c in zip(names, coco_eval.params.catIds)]
+
+
+def _mean_valid(x: np.ndarray) -> float:
+    """Mean of the entries > -1 (COCOeval's "no ground truth" marker), -1 when there is none."""
+    v = x[x > -1]
+    return float(v.mean()) if v.size else -1.0
+
+
+def per_class_ap(coco_eval) -> dict[str, dict[str, float]]:
+    """AP (IoU 0.50:0.95) and AP50 of every category that has ground truth in the evaluated images.
+
+    Args:
+        coco_eval: a pycocotools `COCOeval` or faster-coco-eval `COCOeval_faster` after `evaluate()` and
+            `accumulate()` (`CocoEvaluator.coco_eval`), bbox type.
+    Returns:
+        {category name: {"AP": float, "AP50": float, "num_gt": int}} in `params.catIds` order. A category
+        without ground truth (its precision slice is all -1) is absent, not 0; `num_gt` counts its non-crowd
+        boxes in `params.imgIds`.
+    Raises:
+        ValueError: if `coco_eval` has not been accumulated.
+    """
+    if not getattr(coco_eval, "eval", None) or "precision" not in coco_eval.eval:
+        raise ValueError("per_class_ap needs a COCOeval after evaluate() and accumulate()")
+    precision = np.asarray(coco_eval.eval["precision"])  # [T, R, K, A, M]
+    num_gt = _num_gt(coco_eval)
+    out = {}
+    for k, (cat, name) in enumerate(zip(coco_eval.params.catIds, _category_names(coco_eval))):
+        p = precision[:, :, k, AREA_ALL, MAX_DETS_LAST]  # [T, R]
+        if not (p > -1).any():
+            continue
+        out[name] = {"AP": _mean_valid(p), "AP50": _mean_valid(p[IOU50]), "num_gt": num_gt.get(cat, 0)}
+    return out
+
+
+def _num_gt(coco_eval) -> dict[int, int]:
+    img_ids = set(coco_eval.params.imgIds)
+    counts: dict[int, int] = {}
+    for a in coco_eval.cocoGt.anns.values():
+        if a["image_id"] in img_ids and not a.get("iscrowd", 0):
+            counts[a["category_id"]] = counts.get(a["category_id"], 0) + 1
+    return counts
+
+
+def format_per_class(per_class: dict[str, dict[str, float]]) -> str:
+    """A text table (one row per class, sorted by AP, the worst first) for train.log."""
+    if not per_class:
+        return "(no class with ground truth)"
+    width = max(12, max(len(n) for n in per_class))
+    lines = [f"{'class':<{width}} {'AP':>6} {'AP50':>6} {'#gt':>5}"]
+    for name, v in sorted(per_class.items(), key=lambda kv: kv[1]["AP"]):
+        lines.append(f"{name:<{width}} {v['AP']:6.3f} {v['AP50']:6.3f} {v['num_gt']:5d}")
+    return "\n".join(lines)
+
+
+def pr_curves(coco_eval, iou_index: int = IOU50) -> dict:
+    """Interpolated precision-recall curves at one IoU threshold (IoU 0.5 by default), area "all", 100 dets.
+
+    Returns:
+        {"iou": float, "recall": [R] list (0, 0.01, ..., 1), "all": [R] mean precision over the classes with
+        ground truth, "per_class": {name: [R] precision}} (classes without ground truth absent). The area
+        under each curve, averaged as COCO does, is that class's AP50.
+    """
+    precision = np.asarray(coco_eval.eval["precision"])[iou_index, :, :, AREA_ALL, MAX_DETS_LAST]  # [R, K]
+    names = _category_names(coco_eval)
+    valid = (precision > -1).any(axis=0)
+    per_class = {names[k]: precision[:, k].tolist() for k in range(len(names)) if valid[k]}
+    mean = precision[:, valid].mean(axis=1) if valid.any() else np.zeros(precision.shape[0])
+    return {"iou": float(coco_eval.params.iouThrs[iou_index]), "recall": [float(r) for r in coco_eval.params.recThrs],
+            "all": mean.tolist(), "per_class": per_class}
+
+
+def detection_confusion_matrix(coco_gt: dict, results: list[dict], score_thresh: float = 0.25, iou_thresh: float = 0.5,
+                               image_ids: Iterable[int] | None = None) -> dict:
+    """An IoU-matched confusion matrix of detections against ground truth, with a background row and column.
+
+    Per image, detections with score >= `score_thresh` are matched one-to-one to non-crowd ground-truth boxes
+    regardless of class, greedily by decreasing IoU, pairs with IoU >= `iou_thresh` only (as YOLOv5's
+    `ConfusionMatrix`). A matched pair counts at [gt class, predicted class], an unmatched ground-truth box at
+    [gt class, background] (missed), an unmatched detection at [background, predicted class] (false alarm),
+    except one lying mostly inside a crowd region (IoA >= `iou_thresh`), which COCO ignores too.
+
+    Args:
+        coco_gt: ground truth as a COCO-format dict (`bbox` xywh pixels, `category_id`, `iscrowd`).
+        results: COCO results (`image_id`, `category_id`, `bbox` xywh pixels, `score`).
+        score_thresh, iou_thresh: as above.
+        image_ids: the images to count (default: those of `coco_gt`).
+    Returns:
+        {"names": [K + 1] category names in sorted-id order then "background", "category_ids": [K],
+        "matrix": [K + 1, K + 1] int list, rows = ground truth, columns = prediction, "score_thresh",
+        "iou_thresh"}.
+    """
+    cats = sorted(coco_gt["categories"], key=lambda c: c["id"])
+    index = {c["id"]: i for i, c in enumerate(cats)}
+    K = len(cats)
+    ids = {int(i) for i in (image_ids if image_ids is not None else (im["id"] for im in coco_gt["images"]))}
+    gt_by_image: dict[int, list[dict]] = {i: [] for i in ids}
+    for a in coco_gt["annotations"]:
+        if a["image_id"] in gt_by_image:
+            gt_by_image[a["image_id"]].append(a)
+    dt_by_image: dict[int, list[dict]] = {i: [] for i in ids}
+    for r in results:
+        if r["image_id"] in dt_by_image and r["score"] >= score_thresh and r["category_id"] in index:
+            dt_by_image[r["image_id"]].append(r)
+    m = np.zeros((K + 1, K + 1), dtype=np.int64)
+    for iid in sorted(ids):
+        gts = [a for a in gt_by_image[iid] if not a.get("iscrowd", 0)]
+        crowd = [a for a in gt_by_image[iid] if a.get("iscrowd", 0)]
+        dts = dt_by_image[iid]
+        g_lab = [index[a["category_id"]] for a in gts]
+        d_lab = [index[r["category_id"]] for r in dts]
+        g_box = _xyxy([a["bbox"] for a in gts])
+        d_box = _xyxy([r["bbox"] for r in dts])
+        g_used, d_used = set(), set()
+        if gts and dts:
+            iou = box_iou(g_box, d_box)  # [G, D]
+            gi, di = torch.nonzero(iou >= iou_thresh, as_tuple=True)
+            # stable sort keeps ties in (gt, detection) order, so the count does not depend on the torch build
+            order = torch.argsort(iou[gi, di], descending=True, stable=True)
+            for g, d in zip(gi[order].tolist(), di[order].tolist()):
+                if g in g_used or d in d_used:
+                    continue
+                g_used.add(g)
+                d_used.add(d)
+                m[g_lab[g], d_lab[d]] += 1
+        for g, lab in enumerate(g_lab):
+            if g not in g_used:
+                m[lab, K] += 1
+        in_crowd = (box_ioa(d_box, _xyxy([a["bbox"] for a in crowd])).amax(dim=1) >= iou_thresh).tolist() \
+            if crowd and dts else [False] * len(dts)
+        for d, lab in enumerate(d_lab):
+            if d not in d_used and not in_crowd[d]:
+                m[K, lab] += 1
+    return {"names": [str(c.get("name", c["id"])) for c in cats] + [BACKGROUND_NAME],
+            "category_ids": [int(c["id"]) for c in cats], "matrix": m.tolist(),
+            "score_thresh": float(score_thresh), "iou_thresh": float(iou_thresh)}
+
+
+def _xyxy(xywh: list) -> torch.Tensor:
+    return box_xywh_to_xyxy(torch.tensor(xywh, dtype=torch.float64).reshape(-1, 4))
+
+
+# ---- plots ---------------------------------------------------------------------------------------------
+
+def _figure(width: float, height: float, margins: tuple[float, float, float, float] = (0.1, 0.1, 0.97, 0.92), dpi: int = 100):
+    """A figure on matplotlib's Agg canvas with fixed margins (left, bottom, right, top as figure fractions).
+
+    Fixed margins instead of constrained layout: the layout solver measures every tick label and took a
+    third of the plotting time; the plots are written at every evaluation.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=dpi)
+    fig.subplots_adjust(*margins)
+    return fig
+
+
+def _save(fig, path: str) -> str:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    # zlib level 1: a third of the default's encoding time for plots of flat colours, files barely larger
+    fig.savefig(path + ".tmp.png", format="png", pil_kwargs={"compress_level": 1})
+    os.replace(path + ".tmp.png", path)
+    return path
+
+
+def _write_json(obj, path: str) -> str:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def plot_pr_curves(curves: dict, path: str, num_extremes: int = 3) -> str:
+    """PNG of the PR curves of `pr_curves`: the mean over all classes, and the `num_extremes` classes with
+    the lowest and the highest AP50 (by the area under their curve). Returns `path`."""
+    fig = _figure(6.4, 4.8)
+    ax = fig.add_subplot()
+    recall = curves["recall"]
+    ranked = sorted(curves["per_class"].items(), key=lambda kv: float(np.mean(kv[1])))
+    if len(ranked) <= 2 * num_extremes:  # few classes: all of them, no worst / best split
+        shown = [(name, p, "-", "") for name, p in ranked]
+    else:
+        shown = [(name, p, "-", ", best") for name, p in ranked[-num_extremes:][::-1]]
+        shown += [(name, p, "--", ", worst") for name, p in ranked[:num_extremes]]
+    for name, p, ls, tag in shown:
+        ax.plot(recall, p, lw=1.2, ls=ls, label=f"{name} (AP50 {np.mean(p):.2f}{tag})")
+    ax.plot(recall, curves["all"], color="black", lw=2.5, label=f"all {len(curves['per_class'])} classes "
+            f"(AP50 {np.mean(curves['all']):.3f})")
+    ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1), ylim=(0, 1.02),
+           title=f"precision-recall at IoU {curves['iou']:.2f}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    return _save(fig, path)
+
+
+def plot_confusion_matrix(cm: dict, path: str, max_classes: int = 30) -> str:
+    """PNG heat map of `detection_confusion_matrix` (counts). Only classes that occur as
+    ground truth or prediction are shown, the `max_classes` most frequent of them, plus background."""
+    m = np.asarray(cm["matrix"])
+    K = m.shape[0] - 1
+    used = m[:K].sum(1) + m[:, :K].sum(0)
+    keep = [i for i in np.argsort(-used, kind="stable")[:max_classes] if used[i] > 0]
+    keep = sorted(keep) + [K]
+    sub = m[np.ix_(keep, keep)]
+    names = [cm["names"][i] for i in keep]
+    n = len(keep)
+    side = min(14.0, 3.0 + 0.3 * n)
+    m = 1.3 / side  # room for the class names
+    fig = _figure(side + 1.2, side, margins=(m * side / (side + 1.2), m, 0.98, 1 - 0.7 / side), dpi=80)
+    ax = fig.add_subplot()
+    im = ax.imshow(np.where(sub > 0, sub, np.nan), cmap="Blues", vmin=0, vmax=max(1, sub.max()))
+    for i in range(n):
+        for j in range(n):
+            if sub[i, j]:
+                ax.text(j, i, str(sub[i, j]), ha="center", va="center", fontsize=7 if n > 15 else 9,
+                        color="white" if sub[i, j] > 0.6 * sub.max() else "black")
+    ax.set_xticks(range(n), names, rotation=90, fontsize=7)
+    ax.set_yticks(range(n), names, fontsize=7)
+    ax.set(xlabel="predicted", ylabel="ground truth")
+    ax.set_title(f"detections with score >= {cm['score_thresh']:g}\nmatched to ground truth at IoU >= {cm['iou_thresh']:g}",
+                 fontsize=9)
+    fig.colorbar(im, ax=ax, shrink=0.6)
+    return _save(fig, path)
+
+
+def plot_per_class_ap(per_class: dict[str, dict[str, float]], path: str) -> str:
+    """PNG bar chart of per-class AP and AP50, classes sorted by AP."""
+    items = sorted(per_class.items(), key=lambda kv: kv[1]["AP"])
+    n = max(1, len(items))
+    height = min(20.0, 1.5 + 0.16 * n)
+    fig = _figure(6.4, height, margins=(0.25, 0.9 / height, 0.97, 1 - 0.45 / height), dpi=80)
+    ax = fig.add_subplot()
+    y = np.arange(len(items))
+    ax.barh(y + 0.2, [v["AP50"] for _, v in items], height=0.4, label="AP50", color="tab:orange")
+    ax.barh(y - 0.2, [v["AP"] for _, v in items], height=0.4, label="AP", color="tab:blue")
+    ax.set_yticks(y, [k for k, _ in items], fontsize=6)
+    ax.set(xlim=(0, 1), xlabel="average precision", title="per-class AP (classes with ground truth)")
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, path)
+
+
+def write_evaluation_plots(plots_dir: str, epoch: int | None, coco_eval, coco_gt: dict, results: list[dict],
+                           confusion_score_thresh: float = 0.25, image_ids: Iterable[int] | None = None) -> dict:
+    """Per-class AP, PR curves and the confusion matrix of one evaluation, as PNG + JSON.
+
+    Files go to `plots_dir/epoch_NNNN/` (`plots_dir/final/` when `epoch` is None): `per_class_ap.{png,json}`,
+    `pr_curve.{png,json}`, `confusion_matrix.{png,json}`.
+
+    Args:
+        coco_eval: the accumulated COCOeval of the evaluation, or None (no detection at all: only the
+            confusion matrix is written, and per-class AP is {}).
+        coco_gt: the ground-truth COCO dict; results: the COCO results evaluated.
+        image_ids: the evaluated images (default: `coco_eval.params.imgIds`, else all of `coco_gt`).
+    Returns:
+        {"per_class": per_class_ap(...), "files": {name: path}}.
+    """
+    folder = os.path.join(plots_dir, "final" if epoch is None else f"epoch_{int(epoch):04d}")
+    files = {}
+    per_class = {}
+    if image_ids is None and coco_eval is not None:
+        image_ids = coco_eval.params.imgIds
+    if coco_eval is not None:
+        per_class = per_class_ap(coco_eval)
+        files["per_class_ap_json"] = _write_json(per_class, os.path.join(folder, "per_class_ap.json"))
+        files["per_class_ap"] = plot_per_class_ap(per_class, os.path.join(folder, "per_class_ap.png"))
+        curves = pr_curves(coco_eval)
+        files["pr_curve_json"] = _write_json(curves, os.path.join(folder, "pr_curve.json"))
+        files["pr_curve"] = plot_pr_curves(curves, os.path.join(folder, "pr_curve.png"))
+    cm = detection_confusion_matrix(coco_gt, results, score_thresh=confusion_score_thresh, image_ids=image_ids)
+    files["confusion_matrix_json"] = _write_json(cm, os.path.join(folder, "confusion_matrix.json"))
+    files["confusion_matrix"] = plot_confusion_matrix(cm, os.path.join(folder, "confusion_matrix.png"))
+    return {"per_class": per_class, "files": files}
+
+
+def read_metrics_jsonl(path: str) -> list[dict]:
+    """The lines of a metrics.jsonl as dicts; "nan" / "inf" strings (how MetricsLogger writes them) become
+    floats, and a line cut short by a killed run is skipped."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows.append({k: (float(v) if v in ("nan", "inf", "-inf") else v) for k, v in row.items()})
+    return rows
+
+
+def plot_training_curves(metrics_path: str, path: str, losses: tuple[str, ...] = ("loss", "cls_loss", "box_loss"),
+                         aps: tuple[str, ...] = ("AP", "AP50")) -> str | None:
+    """PNG of the loss curves (training lines) and AP curves (evaluation lines) of a metrics.jsonl, over the
+    optimizer step. Works without any tracker. Returns `path`, or None when the file has nothing to draw."""
+    if not os.path.isfile(metrics_path):
+        return None
+    rows = read_metrics_jsonl(metrics_path)
+    train = [r for r in rows if isinstance(r.get("step"), (int, float)) and any(isinstance(r.get(k), (int, float)) for k in losses)]
+    ev = [r for r in rows if isinstance(r.get("step"), (int, float)) and any(isinstance(r.get(k), (int, float)) for k in aps)]
+    if not train and not ev:
+        return None
+    fig = _figure(10, 4, margins=(0.07, 0.13, 0.98, 0.9))
+    fig.subplots_adjust(wspace=0.25)
+    ax_l, ax_a = fig.subplots(1, 2)
+    for k in losses:
+        pts = [(r["step"], r[k]) for r in train if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
+        if pts:
+            ax_l.plot(*zip(*pts), label=k, lw=1)
+    ax_l.set(xlabel="step", ylabel="loss", title="training loss")
+    if any(isinstance(r.get("loss"), (int, float)) and r["loss"] > 0 for r in train):
+        ax_l.set_yscale("log")
+    for k in aps:
+        pts = [(r["step"], r[k]) for r in ev if isinstance(r.get(k), (int, float)) and r[k] >= 0]
+        if pts:
+            ax_a.plot(*zip(*pts), marker="o", label=k)
+    ax_a.set(xlabel="step", ylabel="average precision", title="validation", ylim=(0, None))
+    for ax in (ax_l, ax_a):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    return _save(fig, path)

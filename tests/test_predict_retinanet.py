@@ -1,0 +1,117 @@
+"""scripts/predict_retinanet.py on real COCO images: the same detections as --evaluate_only, the same on 2
+processes as on 1, folders / globs / unreadable files, per-image json, class names."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import needs_coco_subset, run_script
+from tiny_retinanet import train_tiny
+
+pytestmark = [needs_coco_subset, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_retinanet")
+    t = train_tiny(root)
+    out = root / "eval"
+    run_script("train_retinanet.py", [f"--val_images={t['images']}", f"--val_annotations={t['val_json']}", "--evaluate_only",
+                                      str(t["run"] / "last"), "--per_device_eval_batch_size", "2", "--score_thresh", "0.0",
+                                      "--num_workers", "0", "--output_dir", str(out), "--report_to", "none"])
+    t["eval_predictions"] = json.loads((out / "evaluate_only" / "predictions_val.json").read_text())
+    return t
+
+
+def test_predict_on_coco_json_equals_evaluate_only(tiny, tmp_path):
+    out = tmp_path / "pred"
+    proc = run_script("predict_retinanet.py", ["--weights", str(tiny["run"] / "last"), "--source", str(tiny["val_json"]),
+                                               "--images", str(tiny["images"]), "--batch_size", "2", "--score_thresh", "0.0",
+                                               "--num_workers", "0", "--output_dir", str(out)])
+    preds = json.loads((out / "predictions.json").read_text())
+    assert len(preds) == 6 * 100  # score threshold 0: every image keeps its 100 best
+    assert preds == tiny["eval_predictions"]  # the same dicts, the same floats, the same order
+    val = json.loads(tiny["val_json"].read_text())
+    assert sorted(p.name for p in (out / "images").iterdir()) == sorted(im["file_name"] for im in val["images"])
+    assert "6 images, 600 detections with score >= 0:" in proc.stdout
+    # the config has no category_names: the COCO json's names are used
+    summary = proc.stdout.split("600 detections with score >= 0: ")[1].splitlines()[0]
+    names = {c["name"] for c in val["categories"]}
+    assert summary and all(item.rsplit(" ", 1)[0] in names for item in summary.split(", ")), summary
+    assert "file_name" not in preds[0]  # the results carry the json's image ids
+
+
+def test_predict_folder_two_processes_equal_one_and_skips_unreadable(tiny, tmp_path):
+    """A folder with the 6 val images, a text file saved as .jpg (sorted last) and a hidden file: 1 and 2
+    processes give the same predictions, the broken file is listed, never a crash; the boxes and scores are
+    those of the evaluation (same files, same order, same batches)."""
+    src = tmp_path / "photos"
+    val = json.loads(tiny["val_json"].read_text())
+    for im in val["images"]:
+        (src / "a").mkdir(parents=True, exist_ok=True)
+        shutil.copy(tiny["images"] / im["file_name"], src / "a" / im["file_name"])
+    (src / "zz").mkdir()
+    (src / "zz" / "broken.jpg").write_text("not an image")
+    (src / "a" / ".hidden.jpg").write_text("never read")
+    weights = tmp_path / "weights"
+    shutil.copytree(tiny["run"] / "last", weights)
+    cfg = json.loads((weights / "model_config.json").read_text())
+    cats = {c["id"]: c["name"] for c in val["categories"]}
+    cfg["category_names"] = [cats[c] for c in cfg["category_ids"]]
+    (weights / "model_config.json").write_text(json.dumps(cfg))
+
+    outs = {}
+    for n, config in ((1, "cpu.yaml"), (2, "cpu_2proc.yaml")):
+        out = tmp_path / f"out{n}"
+        proc = run_script("predict_retinanet.py", ["--weights", str(weights / "model.safetensors"), "--source", str(src),
+                                                   "--batch_size", "2", "--score_thresh", "0.0", "--num_workers", "0",
+                                                   "--save_json_per_image", "--output_dir", str(out)], config=config)
+        assert f"{n} process(es)" in proc.stdout
+        outs[n] = json.loads((out / "predictions.json").read_text())
+        assert (out / "skipped.txt").read_text().strip() == f"{src / 'zz' / 'broken.jpg'} (unreadable)"
+        assert sorted(p.name for p in (out / "images" / "a").iterdir()) == sorted(im["file_name"] for im in val["images"])
+        per_image = json.loads((out / "json" / "a" / val["images"][0]["file_name"].replace(".jpg", ".json")).read_text())
+        assert per_image["file_name"] == f"a/{val['images'][0]['file_name']}" and len(per_image["detections"]) == 100
+        assert {d["category_name"] for d in per_image["detections"]} <= set(cats.values())
+    assert outs[1] == outs[2]
+    assert len(outs[1]) == 600
+    # file_name and index-based image ids instead of the json's; boxes and scores as the evaluation's
+    by_name = {im["file_name"]: im["id"] for im in val["images"]}
+    as_eval = [dict(p, image_id=by_name[p.pop("file_name")[2:]]) for p in outs[1]]
+    assert as_eval == tiny["eval_predictions"]
+
+
+def test_predict_glob_single_file_and_missing_weights(tiny, tmp_path):
+    val = json.loads(tiny["val_json"].read_text())
+    one = tiny["images"] / val["images"][1]["file_name"]
+    out = tmp_path / "one"
+    run_script("predict_retinanet.py", ["--weights", str(tiny["run"]), "--source", str(one), "--score_thresh", "0.0",
+                                        "--no_images", "--num_workers", "0", "--output_dir", str(out)])
+    preds = json.loads((out / "predictions.json").read_text())
+    assert len(preds) == 100 and {p["file_name"] for p in preds} == {one.name} and {p["image_id"] for p in preds} == {0}
+    assert not (out / "images").exists()
+    out = tmp_path / "glob"
+    proc = run_script("predict_retinanet.py", ["--weights", str(tiny["run"] / "best"), "--source", str(tiny["images"] / "00000000079*.jpg"),
+                                               "--num_workers", "0", "--score_thresh", "0.0", "--output_dir", str(out)])
+    n = len(list(tiny["images"].glob("00000000079*.jpg")))
+    assert f"{n} images, {100 * n} detections" in proc.stdout
+    # a photo stored sideways (EXIF orientation 6): predicted and drawn upright, boxes in upright pixels
+    arr = np.asarray(Image.open(one).convert("RGB"))[:200, :300]
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(arr).save(tmp_path / "side.jpg", exif=exif)
+    out = tmp_path / "side"
+    run_script("predict_retinanet.py", ["--weights", str(tiny["run"]), "--source", str(tmp_path / "side.jpg"), "--score_thresh", "0.0",
+                                        "--draw_thresh", "0.0", "--num_workers", "0", "--output_dir", str(out)])
+    boxes = np.array([p["bbox"] for p in json.loads((out / "predictions.json").read_text())])
+    assert len(boxes) == 100
+    assert (boxes[:, 0] + boxes[:, 2]).max() <= 200 + 1e-3 and (boxes[:, 1] + boxes[:, 3]).max() <= 300 + 1e-3
+    assert Image.open(out / "images" / "side.jpg").size == (200, 300)  # (width, height) upright
+    proc = run_script("predict_retinanet.py", ["--weights", str(tmp_path / "nothing"), "--source", str(one),
+                                               "--output_dir", str(tmp_path / "x")], check=False)
+    assert proc.returncode != 0 and f"no model weights at {tmp_path / 'nothing'}" in proc.stderr

@@ -1,0 +1,193 @@
+"""Sample images with boxes: the fixed sample (1 and 2 processes), EXIF orientation of boxes against PIL, the
+drawn files, and a wandb offline + TensorBoard run of `log_evaluation_extras` read back from the files written."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from detlib.coco_eval import evaluate_coco
+from detlib.visualize import class_color, exif_transpose_boxes, sample_detections, select_sample_ids
+
+from conftest import COCO_SUBSET, REPO, needs_coco_subset
+
+
+def test_sample_ids_fixed_by_seed_not_by_order():
+    ids = list(range(100, 160))
+    a = select_sample_ids(ids, 16, seed=0)
+    assert len(a) == 16 and a == sorted(a) and set(a) <= set(ids)
+    assert select_sample_ids(reversed(ids), 16, seed=0) == a
+    assert select_sample_ids(ids, 16, seed=1) != a
+    assert select_sample_ids(ids[:5], 16) == ids[:5]
+
+
+@needs_coco_subset
+@pytest.mark.slow
+def test_sample_ids_same_on_one_and_two_processes(tmp_path):
+    picks = {}
+    for n, cfg in ((1, "cpu.yaml"), (2, "cpu_2proc.yaml")):
+        out = tmp_path / f"ids{n}.json"
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / cfg),
+               str(REPO / "tests" / "probes" / "sample_ids_probe.py"), str(COCO_SUBSET / "annotations" / "instances_val.json"), str(out)]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        data = json.loads(out.read_text())
+        assert data["num_processes"] == n
+        picks[n] = [r["picks"] for r in data["ranks"]]
+    first = picks[1][0][0]
+    assert len(first) == 16
+    for per_rank in picks.values():
+        for p in per_rank:
+            assert p == [first, first]  # every rank, both evaluations
+
+
+def _exif_file(path, orientation: int):
+    """A 60x40 black PNG with a red box at x 10..25, y 5..30, tagged with an EXIF orientation."""
+    arr = np.zeros((40, 60, 3), dtype=np.uint8)
+    arr[5:30, 10:25, 0] = 255
+    img = Image.fromarray(arr)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    img.save(path, exif=exif)
+    return torch.tensor([[10.0, 5.0, 25.0, 30.0]])
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_box_mapping_matches_pil_exif_transpose(tmp_path, orientation):
+    box = _exif_file(tmp_path / "a.png", orientation)
+    with Image.open(tmp_path / "a.png") as im:
+        upright = np.asarray(ImageOps.exif_transpose(im).convert("RGB"))
+    ys, xs = np.nonzero(upright[..., 0] > 127)
+    expected = [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]  # pixel edges
+    got = exif_transpose_boxes(box, orientation, 60, 40)
+    assert got.tolist() == [[float(v) for v in expected]]
+
+
+def test_sample_drawn_upright_with_boxes_on_the_objects(tmp_path):
+    """An image stored sideways (EXIF 6): the drawn sample is upright (40 x 60 -> 60 x 40 turned), the
+    ground-truth box (green) and the detection (its class colour) lie on the red object."""
+    (tmp_path / "img").mkdir()
+    _exif_file(tmp_path / "img" / "a.png", 6)
+    gt = {"images": [{"id": 7, "file_name": "a.png", "width": 60, "height": 40}],
+          "annotations": [{"id": 1, "image_id": 7, "category_id": 3, "bbox": [10, 5, 15, 25], "iscrowd": 0}],
+          "categories": [{"id": 3, "name": "red thing"}]}
+    res = [{"image_id": 7, "category_id": 3, "bbox": [10, 5, 15, 25], "score": 0.9},
+           {"image_id": 7, "category_id": 3, "bbox": [40, 5, 10, 10], "score": 0.1}]  # below the display threshold
+    (s,) = sample_detections(gt, res, str(tmp_path / "img"), [7], display_thresh=0.3)
+    assert s["image"].shape == (3, 60, 40)  # EXIF 6: rotated 90 degrees clockwise
+    # (x, y) -> (H - y, x) for ROTATE_270: x 10..35, y 10..25
+    assert s["boxes"].tolist() == [[10.0, 10.0, 35.0, 25.0]] and s["gt_boxes"].tolist() == [[10.0, 10.0, 35.0, 25.0]]
+    assert s["scores"].tolist() == pytest.approx([0.9])
+    assert int(s["image"][0, 20, 20]) == 255  # the red object is inside the upright box
+    assert (s["drawn"] != s["image"]).any()
+
+
+@needs_coco_subset
+def test_log_evaluation_extras_wandb_offline_and_tensorboard_read_back(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from detlib.dashboard import log_evaluation_extras
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    gt = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())
+    # 6 images; detections: the ground truth, shifted for "person" so that class is half found
+    keep = sorted(im["id"] for im in gt["images"])[:6]
+    gt["images"] = [im for im in gt["images"] if im["id"] in keep]
+    gt["annotations"] = [a for a in gt["annotations"] if a["image_id"] in keep]
+    res = []
+    for a in gt["annotations"]:
+        x, y, w, h = a["bbox"]
+        res.append({"image_id": a["image_id"], "category_id": a["category_id"],
+                    "bbox": [x + (w if a["category_id"] == 1 and a["id"] % 2 else 0), y, w, h], "score": 0.9})
+    stats, _, coco_eval = evaluate_coco(gt, res, return_cocoeval=True)
+    out = tmp_path / "run"
+    acc = Accelerator(cpu=True, log_with=["wandb", "tensorboard"],
+                      project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")))
+    acc.init_trackers("detlib-test", config={"x": 1}, init_kwargs={"wandb": {"dir": str(out)}})
+    (out / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in [
+        {"epoch": 0, "step": 1, "loss": 2.0, "cls_loss": 1.2, "box_loss": 0.8},
+        {"epoch": 0, "step": 2, "loss": 1.5, "cls_loss": 1.0, "box_loss": 0.5},
+        {"epoch": 0, "step": 2, **stats}]) + "\n")
+    per_class = log_evaluation_extras(acc, str(out), 0, 2, gt, res, coco_eval, str(COCO_SUBSET / "images"),
+                                      num_log_images=4)
+    acc.end_training()
+
+    # per-class AP: every class found exactly except person
+    assert per_class["person"]["AP"] < 0.9 and all(v["AP"] == pytest.approx(1.0) for k, v in per_class.items() if k != "person")
+    n_person = sum(1 for a in gt["annotations"] if a["category_id"] == 1 and not a["iscrowd"])
+    assert per_class["person"]["num_gt"] == n_person
+    # files
+    written = json.loads((out / "plots" / "epoch_0000" / "per_class_ap.json").read_text())
+    assert written == json.loads(json.dumps(per_class))
+    for f in ("pr_curve.png", "confusion_matrix.png", "per_class_ap.png"):
+        assert (out / "plots" / "epoch_0000" / f).stat().st_size > 5000
+    assert (out / "plots" / "training_curves.png").is_file()
+    ids = select_sample_ids(keep, 4)
+    drawn = sorted(p.name for p in (out / "samples" / "epoch_0000").iterdir())
+    assert drawn == [f"{i:012d}.jpg" for i in ids]
+    # a detection is drawn in its class colour on the left edge of the box it found (JPEG-blurred)
+    a = next(a for a in gt["annotations"] if a["image_id"] == ids[0] and a["bbox"][3] > 20 and a["category_id"] != 1)
+    x, y, w, h = (int(round(v)) for v in a["bbox"])
+    px = np.asarray(Image.open(out / "samples" / "epoch_0000" / f"{ids[0]:012d}.jpg"))[y + h // 2, x].astype(int)
+    assert np.abs(px - np.array(class_color(a["category_id"]))).max() < 60, px
+
+    # wandb offline run: the sample images with their boxes, and the per-class table
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    media = run_dir / "files" / "media"
+    sample_files = sorted(p.name for p in (media / "images" / "samples").iterdir())
+    assert len(sample_files) == 4 and all(n.endswith(".jpg") for n in sample_files)
+    for i in ids:  # the predictions (with scores) and the ground truth of each sample image
+        boxes = [json.loads(p.read_text()) for p in (media / "metadata" / "boxes2D" / "samples").glob(f"{i}_*.boxes2D.json")]
+        n_gt = sum(1 for b in gt["annotations"] if b["image_id"] == i)
+        if n_gt:  # (wandb stores identical box sets once: an image without any box has one empty file)
+            preds = [b for b in boxes if b["box_data"] and "scores" in b["box_data"][0]]
+            truth = [b for b in boxes if b["box_data"] and "scores" not in b["box_data"][0]]
+            assert len(preds[0]["box_data"]) == len(truth[0]["box_data"]) == n_gt  # one detection per gt box, all >= 0.3
+            assert preds[0]["class_labels"]["1"] == "person"
+            assert {d["box_caption"].rsplit(" ", 1)[-1] for d in preds[0]["box_data"]} == {"0.90"}
+    (table_file,) = (media / "table" / "per_class").glob("table_*.table.json")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == ["class", "AP", "AP50", "num_gt"]
+    assert {r[0]: r[1] for r in table["data"]} == pytest.approx({k: v["AP"] for k, v in per_class.items()})
+    assert (run_dir / f"run-{run_dir.name.split('-')[-1]}.wandb").stat().st_size > 0
+
+    # TensorBoard: per-class scalars, the table as text, the drawn samples and the plots as images
+    (ev_file,) = [p for p in (out / "tensorboard").rglob("events.out.tfevents.*") if p.stat().st_size > 1000]
+    acc_tb = EventAccumulator(str(ev_file), size_guidance={"images": 0, "scalars": 0, "tensors": 0})
+    acc_tb.Reload()
+    tags = acc_tb.Tags()
+    assert acc_tb.Scalars("per_class/AP/person")[0].value == pytest.approx(per_class["person"]["AP"])
+    assert acc_tb.Scalars("per_class/AP50/person")[0].step == 2
+    assert f"samples/{ids[0]}" in tags["images"] and "plots/pr_curve" in tags["images"]
+    img = acc_tb.Images(f"samples/{ids[0]}")[0]
+    info = next(im for im in gt["images"] if im["id"] == ids[0])
+    assert (img.height, img.width) == (info["height"], info["width"]) and img.encoded_image_string[:2] == b"\xff\xd8"
+    assert "per_class/table/text_summary" in tags["tensors"]
+
+
+@needs_coco_subset
+def test_log_evaluation_extras_without_trackers_or_detections(tmp_path):
+    """No tracker and an evaluation that detected nothing (no COCOeval object): the files are still written."""
+    from accelerate import Accelerator
+
+    from detlib.dashboard import log_evaluation_extras
+
+    gt = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())
+    per_class = log_evaluation_extras(Accelerator(cpu=True), str(tmp_path), None, 0, gt, [], None, str(COCO_SUBSET / "images"),
+                                      num_log_images=2)
+    assert per_class == {}
+    cm = json.loads((tmp_path / "plots" / "final" / "confusion_matrix.json").read_text())
+    n_gt = sum(1 for a in gt["annotations"] if not a["iscrowd"])
+    assert sum(row[-1] for row in cm["matrix"]) == n_gt  # every box missed
+    assert len(list((tmp_path / "samples" / "final").iterdir())) == 2
