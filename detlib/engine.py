@@ -524,7 +524,7 @@ class Run:
         if torch.cuda.is_available():
             line["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         self.progress.set_postfix(loss=f"{line['loss']:.4f}", lr=f"{lr:.2e}")
-        self.metrics.log(line, step=st.global_step)
+        self.metrics.log(line, step=st.global_step, tracker_epoch=self.epoch + st.step_in_epoch / self.steps_per_epoch)
         self.images_seen += images
         self._window.zero_()
         self._window_images = self._window_steps = self._window_skipped = 0
@@ -563,7 +563,8 @@ class Run:
         the best/ on disk included (so a resume from an older checkpoint never replaces it with a worse
         model). Returns True when best/ was written."""
         st, value = self.state, float(stats[self.metric])
-        self.metrics.log({"epoch": self.epoch, "step": st.global_step, **stats, **(extra or {})}, step=st.global_step)
+        self.metrics.log({"epoch": self.epoch, "step": st.global_step, **stats, **(extra or {})}, step=st.global_step,
+                         tracker_epoch=self.epoch + 1)
         self.last_stats = stats
         st.eval_pending = False
         on_disk = self._broadcast(self._best_on_disk() if self.accelerator.is_main_process else None)
@@ -576,13 +577,19 @@ class Run:
             logger.info("new best %s %.4f, saved %s/best/model.safetensors", self.metric, value, self.output_dir)
         return improved
 
-    def _best_on_disk(self) -> float | None:
+    def _best_record(self) -> dict | None:
+        """best/best.json of this folder when it scores this run's metric: {metric, value, epoch, step}."""
         try:
             with open(os.path.join(self.output_dir, "best", "best.json")) as f:
                 best = json.load(f)
-            return float(best["value"]) if best.get("metric") == self.metric else None
+            float(best["value"])
+            return best if best.get("metric") == self.metric else None
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+    def _best_on_disk(self) -> float | None:
+        best = self._best_record()
+        return float(best["value"]) if best else None
 
     def checkpoint_if_due(self, model) -> None:
         """The epoch-end checkpoint, every `--checkpoint_interval` epochs, at the end, and when a step
@@ -648,10 +655,14 @@ class Run:
             self._save_weights(model, "last")
             stats = getattr(self, "last_stats", None)
             elapsed = time.time() - self.t_start
+            best = self._broadcast(self._best_record() if self.accelerator.is_main_process else None) or {}
+            out = self.output_dir
             summary = [f"run finished in {elapsed / 60:.1f} min: {st.global_step} steps, {st.skipped_steps} skipped",
-                       f"best {self.metric} {st.best_metric:.4f}" + (f", final {self.metric} {stats[self.metric]:.4f}" if stats else ""),
-                       f"weights: {self.output_dir}/best/ (best), {self.output_dir}/last/ (final); checkpoints in "
-                       f"{ckpt.checkpoint_dir(self.output_dir)}; metrics in {self.metrics.path}"]
+                       f"best {self.metric} {st.best_metric:.4f}" + (f" (epoch {best['epoch']}, step {best['step']})" if best else "")
+                       + (f", final {self.metric} {stats[self.metric]:.4f}" if stats else ""),
+                       f"weights: {out}/best/ (best), {out}/last/ (final); checkpoints: {ckpt.checkpoint_dir(out)}",
+                       f"metrics: {self.metrics.path}; predictions, plots, samples: {out}/predictions_val.*, {out}/plots/, "
+                       f"{out}/samples/"]
             if self.images_seen:
                 summary.append(f"mean throughput {self.images_seen / elapsed:.1f} images/s (all processes)")
             logger.info("summary:\n  %s", "\n  ".join(summary))

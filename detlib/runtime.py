@@ -153,15 +153,18 @@ def save_config(config: dict, output_dir: str) -> None:
 class MetricsLogger:
     """Appends metric dicts to `metrics.jsonl` and sends them to the trackers (main process only).
 
-    Non-finite floats are written as the strings "nan" / "inf" so every line stays valid JSON.
+    Non-finite floats are written as the strings "nan" / "inf" so every line stays valid JSON. The trackers
+    also get `epoch` as a fractional epoch (`tracker_epoch`), and wandb plots every scalar against it
+    (`define_metric`), so the curves of a resumed run line up with the first part's.
     """
 
     def __init__(self, accelerator, output_dir: str):
         self.accelerator = accelerator
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.step_offset = 0  # tracker step = step + offset (see detlib.engine, resume from an older checkpoint)
+        self._defined: set[str] = set()
 
-    def log(self, values: dict, step: int) -> None:
+    def log(self, values: dict, step: int, tracker_epoch: float | None = None) -> None:
         if not self.accelerator.is_main_process:
             return
         line = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in values.items()}
@@ -171,8 +174,25 @@ class MetricsLogger:
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if tracker_epoch is not None:
+            numeric["epoch"] = float(tracker_epoch)
         if self.accelerator.trackers:
+            self._define_epoch_axis(numeric)
             self.accelerator.log(numeric, step=step + self.step_offset)
+
+    def _define_epoch_axis(self, numeric: dict) -> None:
+        new = [k for k in numeric if k not in self._defined and k != "epoch"]
+        if not new:
+            return
+        self._defined.update(new)
+        for tracker in self.accelerator.trackers:
+            if getattr(tracker, "name", "") == "wandb":
+                run = tracker.tracker
+                if "epoch" not in self._defined:
+                    run.define_metric("epoch")
+                    self._defined.add("epoch")
+                for k in new:
+                    run.define_metric(k, step_metric="epoch")
 
 
 def check_shared_memory(num_workers: int, bytes_per_batch: int, prefetch_factor: int = 2,

@@ -38,7 +38,9 @@ from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
 from detlib.anchors import AnchorGenerator
+from detlib.analysis import per_class_ap
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
+from detlib.dashboard import log_evaluation_extras
 from detlib.cococheck import check_coco_for_training
 from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
@@ -113,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5)
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100)
     g.add_argument("--coco_eval_backend", default="auto", choices=["auto", "pycocotools", "faster"])
+    g.add_argument("--num_log_images", type=int_at_least(0), default=16,
+                   help="val images drawn with their detections at every evaluation, the same ones each time, under "
+                        "OUTPUT_DIR/samples/ and to the trackers (default: %(default)s)")
     args = p.parse_args(argv)
     if args.max_size is not None and args.image_size is not None and args.max_size < args.image_size:
         p.error(f"--max_size {args.max_size} is smaller than --image_size {args.image_size} (the shorter side)")
@@ -303,17 +308,25 @@ def main(argv=None):
     run.save_config(config, model_config)
     evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
-    def write_predictions():
+    def report(stats: dict, epoch: int | None, weights: str | None = None) -> None:
+        """metrics.jsonl (+ per-class AP) and best/, predictions_val.json, then plots and sample images."""
+        per_class = per_class_ap(evaluator.coco_eval) if accelerator.is_main_process and evaluator.coco_eval else {}
+        if weights:  # evaluation only: record which weights were scored
+            run.metrics.log({"epoch": None, "step": 0, **stats, "per_class": per_class, "weights": weights}, step=0)
+        else:
+            run.report_evaluation(stats, model, extra={"per_class": per_class})
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
                 json.dump(evaluator.results, f)
+            log_evaluation_extras(accelerator, args.output_dir, epoch, run.state.global_step + run.metrics.step_offset,
+                                  val_ds.dataset, evaluator.results, evaluator.coco_eval, paths["val_images"],
+                                  num_log_images=args.num_log_images, seed=args.seed)
 
     if args.evaluate_only:
         model, val_loader = accelerator.prepare(model, val_loader)
         run.init_trackers()
         stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, run, args)
-        run.metrics.log({"epoch": None, "step": 0, **stats, "weights": os.path.abspath(weights)}, step=0)
-        write_predictions()
+        report(stats, None, weights=os.path.abspath(weights))
         logger.info("evaluation of %s: %s", weights, " ".join(f"{k}={v:.4f}" for k, v in stats.items()))
         run.finish()
         return stats
@@ -350,8 +363,7 @@ def main(argv=None):
         if run.evaluation_due():
             stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, run, args, train_model=model)
             logger.info("epoch %d eval: %s", run.epoch, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
-            run.report_evaluation(stats, model)
-            write_predictions()
+            report(stats, run.epoch)
         run.checkpoint_if_due(model)
     run.finish(model)
     return getattr(run, "last_stats", None)

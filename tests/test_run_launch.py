@@ -413,3 +413,37 @@ def test_sigusr1_or_first_ctrl_c_to_the_training_process_checkpoints_and_exits_7
                                                           "--resume_from_checkpoint", "latest"])
     assert f"global step {status['global_step']}" in proc.stdout
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+
+
+def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_path):
+    """Read back from the files the trackers wrote (not mocked): the health scalars of every train line, the
+    per-class AP, the sample images with boxes; and the same in metrics.jsonl, plots/ and samples/."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = make_detection_set(tmp_path / "d", 4, n_val=2)
+    out = tmp_path / "run"
+    proc = run_script("train_retinanet.py", data + TINY[:-2] + [
+        "--epochs", "2", "--eval_interval", "1", "--score_thresh", "0.0", "--num_log_images", "2", "--log_interval", "10",
+        "--report_to", "all", "--output_dir", str(out)], env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    m = read_metrics(out)
+    tr = [t for t in m if "loss" in t]
+    assert [t["epoch"] for t in tr] == [0, 1]  # an epoch shorter than --log_interval still gets its line
+    for key in ("grad_norm", "pos_anchors_per_image", "skipped_steps", "images_per_s", "data_time_fraction", "lr"):
+        assert all(isinstance(t[key], (int, float)) for t in tr), key
+    ev = [e for e in m if "AP" in e]
+    assert len(ev) == 2 and all(set(e["per_class"]) <= {"a", "b"} for e in ev)
+    assert (out / "plots" / "epoch_0001" / "pr_curve.png").is_file() and (out / "plots" / "training_curves.png").is_file()
+    assert len(list((out / "samples" / "epoch_0001").glob("*.jpg"))) == 2
+    assert "summary:" in proc.stdout and "best AP" in proc.stdout
+
+    acc = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent),
+                           size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    scalars, images = set(acc.Tags()["scalars"]), set(acc.Tags()["images"])
+    assert {"loss", "grad_norm", "pos_anchors_per_image", "skipped_steps", "AP", "epoch"} <= scalars
+    assert any(t.startswith("per_class/AP50/") for t in scalars)
+    assert any(t.startswith("samples/") for t in images)
+    (wandb_file,) = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    blob = wandb_file.read_bytes()
+    for key in (b"grad_norm", b"pos_anchors_per_image", b"skipped_steps", b"per_class", b"boxes"):
+        assert key in blob, key
