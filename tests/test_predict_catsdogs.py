@@ -52,7 +52,7 @@ def test_predict_equals_evaluate_only(weights, tmp_path):
     ev = tmp_path / "eval"
     run_script("train_catsdogs.py", ["--val_dir", str(CATSDOGS / "val"), "--evaluate_only", str(weights), "--num_workers", "0",
                                      "--per_device_eval_batch_size", "32", "--output_dir", str(ev), "--report_to", "none"])
-    expected = {r["path"]: r for r in _csv(ev / "predictions_val.csv")}
+    expected = {r["path"]: r for r in _csv(ev / "evaluate_only" / "predictions_val.csv")}
     out = tmp_path / "pred"
     proc = run_script("predict_catsdogs.py", ["--weights", str(weights), "--source", str(CATSDOGS / "val"), "--num_workers", "0",
                                               "--batch_size", "32", "--output_dir", str(out)])
