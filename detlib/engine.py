@@ -99,7 +99,7 @@ class Run:
         self._closed = False
         self._signal: int | None = None
         self._pid = os.getpid()
-        self._sigints = 0
+        self._first_sigint: float | None = None
         self._old_handlers: dict = {}
         self.t_start = time.time()
 
@@ -149,9 +149,12 @@ class Run:
             return
         # Only set a flag: the training loop acts on it at the next step, on every rank together.
         if signum == signal.SIGINT:
-            self._sigints += 1
-            if self._sigints > 1:
+            # a Ctrl-C may reach a process twice at once (from the terminal's process group and forwarded by a
+            # launcher): only a SIGINT a second or more after the first is the user's second Ctrl-C
+            now = time.monotonic()
+            if self._first_sigint is not None and now - self._first_sigint > 1.0:
                 raise KeyboardInterrupt("second SIGINT: stopping at once, without a checkpoint")
+            self._first_sigint = self._first_sigint or now
         if self._signal is None:
             self._signal = signum
 

@@ -447,3 +447,19 @@ def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_p
     blob = wandb_file.read_bytes()
     for key in (b"grad_norm", b"pos_anchors_per_image", b"skipped_steps", b"per_class", b"boxes"):
         assert key in blob, key
+
+
+def test_ctrl_c_to_a_two_process_launch_checkpoints_once(tmp_path):
+    """Ctrl-C to the launcher's process group, as a terminal sends it: torchrun forwards it to both workers,
+    which write one checkpoint together and stop (no KeyboardInterrupt)."""
+    data = make_tiny_folder(tmp_path / "data", [16, 16])
+    out = tmp_path / "run"
+    proc = popen("train_catsdogs.py", CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "2",
+                                              "--epochs", "30", "--output_dir", str(out)], config="cpu_2proc.yaml")
+    wait_for_step(out, proc, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    text = proc.communicate(timeout=120)[0]
+    assert "KeyboardInterrupt" not in text, text[-3000:]
+    status = json.loads((out / "run_status.json").read_text())
+    assert status["status"] == "preempted" and "preempted by SIGINT" in status["message"]
+    assert (out / "checkpoints" / f"step_{status['global_step']:08d}" / "random_states_1.pkl").is_file()
