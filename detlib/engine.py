@@ -235,7 +235,13 @@ class Run:
         scheduler = self._build_scheduler(optimizer, schedule, saved)
         acc.register_for_checkpointing(scheduler)
         if resume:
-            acc.load_state(resume)
+            try:
+                acc.load_state(resume)
+            except (RuntimeError, KeyError, ValueError) as e:  # a checkpoint of another model or optimizer
+                first = str(e).strip().splitlines()
+                self.fail(f"cannot resume from {resume}: it does not fit this run (another --backbone, width, class list "
+                          f"or optimizer?): {first[0][:200] if first else type(e).__name__}"
+                          + (f"; {first[1].strip()[:200]}" if len(first) > 1 else ""))
             if moved and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 set_position(scheduler, st.global_step)
             logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", resume, st.epoch,

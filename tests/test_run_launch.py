@@ -463,3 +463,15 @@ def test_ctrl_c_to_a_two_process_launch_checkpoints_once(tmp_path):
     status = json.loads((out / "run_status.json").read_text())
     assert status["status"] == "preempted" and "preempted by SIGINT" in status["message"]
     assert (out / "checkpoints" / f"step_{status['global_step']:08d}" / "random_states_1.pkl").is_file()
+
+
+def test_resume_with_another_model_is_one_line(tmp_path):
+    data = make_detection_set(tmp_path / "d", 4)
+    out = tmp_path / "run"
+    run_script("train_retinanet.py", data + TINY + ["--max_steps", "1", "--epochs", "1", "--output_dir", str(out)])
+    wider = [("32" if a == "16" and TINY[i - 1] == "--fpn_channels" else a) for i, a in enumerate(TINY)]
+    proc = run_script("train_retinanet.py", data + wider + ["--epochs", "1", "--output_dir", str(out),
+                                                           "--resume_from_checkpoint", "latest"], check=False)
+    assert proc.returncode != 0 and 'engine.py", line' not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert "cannot resume from" in line and "does not fit this run" in line
