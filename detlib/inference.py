@@ -141,23 +141,16 @@ def category_map_from_config(config: dict) -> CategoryMap:
     return CategoryMap(ids, config.get("category_names"))
 
 
-class ClassificationImageFiles(torch.utils.data.Dataset):
+class ClassificationImageFiles(DetectionImageFiles):
     """Image files for a classifier.
 
     Args:
         paths: the files; transform: PIL RGB -> tensor (`classification_transform(size, train=False)`).
         exif_transpose: turn images upright by their EXIF orientation first.
     Item: {"image": float32 [3, S, S] (a black image's transform when unreadable), "index": int, "valid": bool};
-    an unreadable file is logged and flagged, never raised.
+    an unreadable file is logged and flagged, never raised. (The file list and EXIF handling are the detection
+    set's; only the item differs.)
     """
-
-    def __init__(self, paths: list[str], transform, exif_transpose: bool = True):
-        self.paths = list(paths)
-        self.transform = transform
-        self.exif_transpose = exif_transpose
-
-    def __len__(self) -> int:
-        return len(self.paths)
 
     def __getitem__(self, index: int) -> dict:
         try:
@@ -185,3 +178,14 @@ def load_classifier(weights: str) -> tuple[torch.nn.Module, dict]:
     model = build_classifier(config["model"], len(config["classes"]))
     ckpt.load_model_weights(model, weights)
     return model.eval(), config
+
+
+def start_prediction(args):
+    """The Accelerator of a predict script (CPU or GPU, any number of processes) and its log,
+    `OUTPUT_DIR/predict.log` on the main process. Reads `args.output_dir`, `args.mixed_precision`, `args.cpu`."""
+    from .runtime import make_accelerator, setup_logging
+
+    os.makedirs(args.output_dir, exist_ok=True)
+    accelerator = make_accelerator(args.mixed_precision, 1, "none", args.output_dir, cpu=args.cpu)
+    setup_logging(args.output_dir, accelerator.is_main_process, filename="predict.log")
+    return accelerator

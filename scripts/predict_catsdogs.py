@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
 from detlib.classification import classification_transform
-from detlib.inference import ClassificationImageFiles, list_image_files, load_classifier, shard_batches
-from detlib.runtime import make_accelerator, setup_logging
+from detlib.inference import (ClassificationImageFiles, list_image_files, load_classifier, shard_batches,
+                              start_prediction)
 
 logger = logging.getLogger("predict_catsdogs")
 
@@ -84,9 +84,7 @@ def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int,
 @torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.output_dir, exist_ok=True)
-    accelerator = make_accelerator(args.mixed_precision, 1, "none", args.output_dir, cpu=args.cpu)
-    setup_logging(args.output_dir, accelerator.is_main_process, filename="predict.log")
+    accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
     try:
         model, config = load_classifier(args.weights)
         root, paths = list_image_files(args.source)

@@ -39,8 +39,7 @@ from detlib.anchors import AnchorGenerator
 from detlib.coco_eval import detections_to_coco
 from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
-from detlib.inference import DetectionImageFiles, list_image_files, load_retinanet, shard_batches
-from detlib.runtime import make_accelerator, setup_logging
+from detlib.inference import DetectionImageFiles, list_image_files, load_retinanet, shard_batches, start_prediction
 from detlib.transforms import build_transform
 from detlib.visualize import boxes_from_coco, class_color, draw_detections, save_image, upright_image_and_boxes
 
@@ -139,9 +138,7 @@ def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dic
 @torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
-    os.makedirs(args.output_dir, exist_ok=True)
-    accelerator = make_accelerator(args.mixed_precision, 1, "none", args.output_dir, cpu=args.cpu)
-    setup_logging(args.output_dir, accelerator.is_main_process, filename="predict.log")
+    accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
 
     # ---- model (rebuilt from model_config.json, class names included)
     try:
