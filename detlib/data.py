@@ -93,6 +93,9 @@ class CocoDetection(torch.utils.data.Dataset):
             resumed mid-epoch sees exactly the augmentations the uninterrupted run saw.
         max_image_pixels: PIL's decompression-bomb limit while loading (the data check refuses larger images
             at start; `--max_image_pixels` raises both); None: no limit.
+        filter_empty: leave out images with no usable (non-crowd) box, as torchvision's and detectron2's
+            training sets do (`DATASETS.FILTER_EMPTY_ANNOTATIONS`); the count is logged. For training only:
+            an evaluation must keep every image.
     Item: dict with
         image: [3, h, w] uint8 RGB, after the transform
         boxes: [N, 4] float32 xyxy pixels of the transformed image;  labels: [N] int64 in 0..K-1
@@ -115,6 +118,7 @@ class CocoDetection(torch.utils.data.Dataset):
         category_map: CategoryMap | None = None,
         seed: int | None = None,
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+        filter_empty: bool = False,
     ):
         self.seed = seed
         self.epoch = 0
@@ -191,6 +195,14 @@ class CocoDetection(torch.utils.data.Dataset):
                            source, len(missing), missing[:5])
         self.num_dropped_boxes = len(dropped) + checked_dropped
         self.missing_images = missing
+        self.num_filtered_empty = 0
+        if filter_empty:
+            kept = [r for r in self.records if (~r["iscrowd"]).any()]
+            self.num_filtered_empty = len(self.records) - len(kept)
+            if self.num_filtered_empty:
+                logger.info("%s: left out %d of %d training images with no usable box (--filter_empty)", source,
+                            self.num_filtered_empty, len(self.records))
+            self.records = kept
         if not self.records:
             raise ValueError(f"no usable image in {source} (image folder {image_dir})")
 

@@ -218,6 +218,31 @@ def fold_frozen_batchnorm(backbone: nn.Module) -> int:
     return n
 
 
+def freeze_backbone_stages(backbone: nn.Module, freeze_at: int) -> list[str]:
+    """Stop the gradient of a timm `features_only` backbone's first `freeze_at` parts (0: none; 1: the stem;
+    k: the stem and the first k-1 stages; the number of feature levels + ... : all).
+
+    The parts are cut at the feature modules timm lists (`feature_info.module_name()`: for a ResNet `act1`
+    (the stem's end), `layer1` ... `layer4`): every parameter registered before the first parameter of
+    feature module k is frozen (requires_grad False). Returns the frozen parameter names.
+    Raises:
+        ValueError: for `freeze_at` outside 0..number of feature levels.
+    """
+    names = backbone.feature_info.module_name()
+    if not 0 <= freeze_at <= len(names):
+        raise ValueError(f"freeze_at must be in 0..{len(names)}, got {freeze_at}")
+    if freeze_at == 0:
+        return []
+    stop = names[freeze_at] + "." if freeze_at < len(names) else None
+    frozen = []
+    for name, param in backbone.named_parameters():
+        if stop is not None and name.startswith(stop):
+            break
+        param.requires_grad_(False)
+        frozen.append(name)
+    return frozen
+
+
 class RetinaNet(nn.Module):
     """RetinaNet with a timm backbone.
 
@@ -234,6 +259,9 @@ class RetinaNet(nn.Module):
         fold_frozen_bn: with `freeze_backbone_bn`, apply each frozen BatchNorm of a ResNet backbone inside
             the conv before it (`fold_frozen_batchnorm`): the same function, fewer passes over the
             activations; state dict keys are unchanged.
+        freeze_at: freeze the backbone's first `freeze_at` parts, 0-5: the stem, then its stages (ResNet:
+            layer1..layer4), as detectron2's `FREEZE_AT` (2 in its RetinaNet recipe: stem and res2) and
+            torchvision's `trainable_backbone_layers` (3 trainable = freeze_at 2); see `freeze_backbone_stages`.
 
     Input: images [B, 3, H, W], uint8 or float in [0, 255], RGB, H and W multiples of 32 (see anchors).
     Output: dict with
@@ -253,6 +281,7 @@ class RetinaNet(nn.Module):
         prior_prob: float = 0.01,
         num_anchors: int = 9,
         fold_frozen_bn: bool = True,
+        freeze_at: int = 0,
     ):
         super().__init__()
         self.num_classes = num_classes
@@ -261,6 +290,7 @@ class RetinaNet(nn.Module):
             self.backbone = timm.layers.freeze_batch_norm_2d(self.backbone)
             if fold_frozen_bn:
                 fold_frozen_batchnorm(self.backbone)
+        freeze_backbone_stages(self.backbone, freeze_at)
         reductions = self.backbone.feature_info.reduction()
         channels = self.backbone.feature_info.channels()
         self.feature_indices = [reductions.index(r) for r in BACKBONE_REDUCTIONS]

@@ -34,14 +34,15 @@ import sys
 
 import torch
 from accelerate.utils import broadcast_object_list
+from timm.optim import param_groups_weight_decay
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
 from detlib.anchors import AnchorGenerator
 from detlib.analysis import per_class_ap
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
-from detlib.dashboard import log_evaluation_extras
 from detlib.cococheck import check_coco_for_training
+from detlib.dashboard import log_evaluation_extras
 from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
@@ -83,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "most this (800 / 1333 is the standard COCO setting)")
     g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
+    g.add_argument("--filter_empty", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave out training images with no usable box, as torchvision and detectron2 do (default: on)")
     g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files' headers")
     g.add_argument("--max_image_pixels", type=int_at_least(0), default=DEFAULT_MAX_IMAGE_PIXELS,
                    help="images with more pixels stop the run at start (PIL's decompression-bomb limit); raise it "
@@ -94,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--backbone", help="timm model name (resnet50; resnet18 on the built-in data)")
     g.add_argument("--backbone_weights", help="local backbone weights: .safetensors or torch state dict")
     g.add_argument("--pretrained_backbone", action="store_true", help="timm's own pretrained download (online)")
+    g.add_argument("--freeze_at", type=int_at_least(0), help="freeze the backbone's stem (1) and first stages (2-5; "
+                   "detectron2's FREEZE_AT): 2 with pretrained weights, 0 from scratch")
     g.add_argument("--backbone_bn", default="auto", choices=["auto", "frozen", "train"],
                    help="backbone BatchNorm: frozen (the standard setting with pretrained weights), train, or "
                         "auto = frozen when pretrained weights are loaded, trained when training from scratch")
@@ -104,6 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = groups["optimization"]
     g.add_argument("--lr", type=float_range(0), help="1e-4 (1e-3 on the built-in data)")
     g.add_argument("--weight_decay", type=float_range(0), help="0.01 for AdamW (torch's default), 1e-4 for SGD")
+    g.add_argument("--wd_norm", action="store_true", help="weight decay on norm weights and biases too (default: off)")
     g.add_argument("--lr_scheduler", default="plateau", choices=["plateau", "multistep", "cosine", "constant"])
     g.add_argument("--plateau_patience", type=int_at_least(0), default=3)
     g.add_argument("--lr_steps", type=int_at_least(1), nargs="+", default=[8, 11], help="multistep: epochs where the LR drops 10x")
@@ -158,7 +164,7 @@ def build_dataloaders(args, paths: dict[str, str]):
     if paths.get("train_annotations"):
         train_ds = CocoDetection(paths["train_images"], train_json,
                                  build_transform(args.image_size, args.augmentation, args.max_size), include_crowd=args.include_crowd,
-                                 seed=args.seed, max_image_pixels=args.max_image_pixels or None)
+                                 seed=args.seed, max_image_pixels=args.max_image_pixels or None, filter_empty=args.filter_empty)
         if train_ds.num_target_boxes() == 0:
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
                              "training set; nothing to learn from (use --include_crowd to train on crowd boxes)")
@@ -273,13 +279,15 @@ def main(argv=None):
                     "image_size": args.image_size, "max_size": args.max_size, "category_ids": category_map.category_ids,
                     "category_names": category_map.names}
     pretrained = bool(args.backbone_weights or args.pretrained_backbone)
+    if args.freeze_at is None:
+        args.freeze_at = 2 if pretrained and not args.evaluate_only else 0
     freeze_bn = args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained)
     if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
         logger.info("backbone from scratch (no --backbone_weights): its BatchNorm is trained, not frozen")
     model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
                       pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
                       backbone_weights=None if args.evaluate_only else args.backbone_weights,
-                      freeze_backbone_bn=freeze_bn)
+                      freeze_backbone_bn=freeze_bn, freeze_at=args.freeze_at)
     if args.evaluate_only:
         weights = run.load_weights(model, args.evaluate_only)
     if args.sync_bn and accelerator.num_processes > 1:
@@ -332,7 +340,10 @@ def main(argv=None):
         return stats
 
     # ---- optimizer and schedule
-    params = [p for p in model.parameters() if p.requires_grad]
+    # No weight decay on norm weights and biases (every 1-D parameter: timm, nanoGPT; detectron2's
+    # WEIGHT_DECAY_NORM=0); --wd_norm decays them too. Frozen parameters are left out either way.
+    params = ([p for p in model.parameters() if p.requires_grad] if args.wd_norm
+              else param_groups_weight_decay(model, args.weight_decay))
     if args.optimizer == "adamw":
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     else:

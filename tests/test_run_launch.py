@@ -435,6 +435,9 @@ def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_p
     assert (out / "plots" / "epoch_0001" / "pr_curve.png").is_file() and (out / "plots" / "training_curves.png").is_file()
     assert len(list((out / "samples" / "epoch_0001").glob("*.jpg"))) == 2
     assert "summary:" in proc.stdout and "best AP" in proc.stdout
+    # AdamW's two groups: no weight decay on norms and biases, 0.01 on the rest
+    opt = torch.load(out / "checkpoints" / "epoch_0002" / "optimizer.bin", weights_only=False)
+    assert sorted(g["weight_decay"] for g in opt["param_groups"]) == [0.0, 0.01]
 
     acc = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent),
                            size_guidance={"scalars": 0, "images": 0})

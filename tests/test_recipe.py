@@ -1,0 +1,57 @@
+"""Recipe settings of the references: backbone stages frozen (detectron2 FREEZE_AT), no weight decay on norms and
+biases, training images without a usable box left out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import write_coco, write_image
+from detlib.data import CocoDetection
+from detlib.model import RetinaNet, freeze_backbone_stages
+
+
+@pytest.mark.parametrize("freeze_bn", [True, False])
+def test_freeze_at_stops_the_stem_then_each_stage(freeze_bn):
+    trainable = {}
+    for k in range(6):
+        model = RetinaNet(3, "resnet18", fpn_channels=16, freeze_backbone_bn=freeze_bn, freeze_at=k)
+        frozen = {n.split(".")[1] for n, p in model.named_parameters() if not p.requires_grad}
+        stem = {"conv1"} | (set() if freeze_bn else {"bn1"})  # a frozen BN is folded into conv1 (no parameter left)
+        expected = (stem if k >= 1 else set()) | {f"layer{i}" for i in range(1, k)}
+        assert frozen == expected, k
+        assert all(p.requires_grad for n, p in model.named_parameters() if not n.startswith("backbone."))  # FPN, heads
+        trainable[k] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert all(trainable[k] > trainable[k + 1] for k in range(5))
+    with pytest.raises(ValueError, match="freeze_at must be in 0..5"):
+        freeze_backbone_stages(model.backbone, 6)
+
+
+def test_weight_decay_groups_leave_out_norms_and_biases():
+    from timm.optim import param_groups_weight_decay
+
+    model = RetinaNet(3, "resnet18", fpn_channels=16, freeze_backbone_bn=False, freeze_at=2)
+    groups = param_groups_weight_decay(model, 0.01)
+    by_wd = {g["weight_decay"]: g["params"] for g in groups}
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {names[id(p)] for p in by_wd[0.0]}
+    decay = {names[id(p)] for p in by_wd[0.01]}
+    assert "cls_head.logits.bias" in no_decay or any(n.endswith("bias") for n in no_decay)
+    assert all(n.endswith(("bias", ".weight")) for n in no_decay)
+    assert all(dict(model.named_parameters())[n].ndim == 1 for n in no_decay)
+    assert all(dict(model.named_parameters())[n].ndim > 1 for n in decay)
+    assert not any(n.startswith(("backbone.conv1", "backbone.bn1", "backbone.layer1")) for n in no_decay | decay)  # frozen
+
+
+def test_filter_empty_leaves_out_training_images_without_a_usable_box(tmp_path):
+    for i in range(3):
+        write_image(tmp_path / "img" / f"{i}.png", 48, 48, seed=i)
+    images = [{"id": i + 1, "file_name": f"{i}.png", "width": 48, "height": 48} for i in range(3)]
+    anns = [{"image_id": 1, "category_id": 1, "bbox": [4, 4, 20, 20]},
+            {"image_id": 2, "category_id": 1, "bbox": [4, 4, 20, 20], "iscrowd": 1}]  # image 2: crowd only; 3: nothing
+    ann = write_coco(tmp_path / "a.json", images, anns)
+    assert len(CocoDetection(str(tmp_path / "img"), str(ann), filter_empty=False)) == 3
+    kept = CocoDetection(str(tmp_path / "img"), str(ann), filter_empty=True)
+    assert [r["id"] for r in kept.records] == [1] and kept.num_filtered_empty == 2
+    sample = kept[0]
+    assert sample["boxes"].shape == (1, 4) and torch.equal(sample["labels"], torch.tensor([0]))
