@@ -53,6 +53,7 @@ from detlib.loss import BOX_LOSSES, retinanet_loss
 from detlib.model import RetinaNet
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
+from detlib.sampler import GroupedBatchSampler, aspect_groups
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, build_transform
 
@@ -84,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "most this (800 / 1333 is the standard COCO setting)")
     g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
+    g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,
+                   help="training batches of only landscape or only portrait images (default: on)")
     g.add_argument("--filter_empty", action=argparse.BooleanOptionalAction, default=True,
                    help="leave out training images with no usable box, as torchvision and detectron2 do (default: on)")
     g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files' headers")
@@ -191,8 +194,14 @@ def build_dataloaders(args, paths: dict[str, str]):
                   worker_init_fn=worker_init_fn)
     train_loader = None
     if train_ds is not None:
-        train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size, shuffle=True,
-                                                   drop_last=len(train_ds) >= args.per_device_batch_size, **common)
+        drop_last = len(train_ds) >= args.per_device_batch_size
+        if args.aspect_grouping:  # landscape and portrait images in separate batches: less padding
+            batches = GroupedBatchSampler(aspect_groups([r["size"] for r in train_ds.records]),
+                                          args.per_device_batch_size, seed=args.seed, drop_last=drop_last)
+            train_loader = torch.utils.data.DataLoader(train_ds, batch_sampler=batches, **common)
+        else:
+            train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size, shuffle=True,
+                                                       drop_last=drop_last, **common)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.per_device_eval_batch_size, shuffle=False, **common)
     return train_ds, val_ds, train_loader, val_loader
 
