@@ -66,18 +66,22 @@ class ResizeLongestSide:
 
     Records `scale` = (new_h / old_h, new_w / old_w) in the sample, which decoding divides out to give
     boxes in the original image's pixels.
+
+    `size` may be a list: each sample then draws one of them (multi-scale training, detectron2's
+    `MIN_SIZE_TRAIN` with `RandomChoice`), from the sample's own seeded stream (see `CocoDetection`).
     """
 
-    def __init__(self, size: int, max_size: int | None = None):
-        self.size = int(size)
+    def __init__(self, size: int | list[int], max_size: int | None = None):
+        self.sizes = [int(s) for s in size] if isinstance(size, (list, tuple)) else [int(size)]
         self.max_size = max_size
 
     def __call__(self, sample: dict) -> dict:
         h, w = sample["image"].shape[-2:]
+        size = self.sizes[0] if len(self.sizes) == 1 else random.choice(self.sizes)
         if self.max_size is None:
-            ratio = self.size / max(h, w)
+            ratio = size / max(h, w)
         else:
-            ratio = min(self.size / min(h, w), self.max_size / max(h, w))
+            ratio = min(size / min(h, w), self.max_size / max(h, w))
         nh, nw = max(1, int(round(h * ratio))), max(1, int(round(w * ratio)))
         out = dict(sample)
         out["image"] = F.resize(sample["image"], [nh, nw], antialias=True)
@@ -86,10 +90,11 @@ class ResizeLongestSide:
         return out
 
 
-def build_transform(image_size: int, augmentation: str = "none", max_size: int | None = None) -> v2.Compose:
+def build_transform(image_size: int | list[int], augmentation: str = "none", max_size: int | None = None) -> v2.Compose:
     """The sample transform for training (`augmentation` as above) or evaluation (`"none"`).
 
-    `image_size` is the longer side, or with `max_size` the shorter side (see `ResizeLongestSide`).
+    `image_size` is the longer side, or with `max_size` the shorter side (see `ResizeLongestSide`); a list of
+    sizes draws one per sample (multi-scale training).
 
     Raises:
         ValueError: for an unknown augmentation name.

@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "data); with --max_size, the shorter side")
     g.add_argument("--max_size", type=int_at_least(32), help="resize the shorter side to --image_size, the longer to at "
                    "most this (800 / 1333 is the standard COCO setting)")
+    g.add_argument("--train_scales", type=int_at_least(32), nargs="+", help="multi-scale training: each training image "
+                   "is resized to one of these sizes (the shorter side with --max_size, e.g. 640 672 704 736 768 800 "
+                   "with --max_size 1333 as detectron2's 1x); evaluation uses --image_size")
     g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,
@@ -166,7 +169,8 @@ def build_dataloaders(args, paths: dict[str, str]):
     train_ds = None
     if paths.get("train_annotations"):
         train_ds = CocoDetection(paths["train_images"], train_json,
-                                 build_transform(args.image_size, args.augmentation, args.max_size), include_crowd=args.include_crowd,
+                                 build_transform(args.train_scales or args.image_size, args.augmentation, args.max_size),
+                                 include_crowd=args.include_crowd,
                                  seed=args.seed, max_image_pixels=args.max_image_pixels or None, filter_empty=args.filter_empty)
         if train_ds.num_target_boxes() == 0:
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
@@ -184,7 +188,8 @@ def build_dataloaders(args, paths: dict[str, str]):
     val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size),
                            include_crowd=args.include_crowd, train=False, max_image_pixels=args.max_image_pixels or None,
                            category_map=category_map)
-    bytes_per_batch = 3 * args.image_size * (args.max_size or args.image_size) * args.per_device_batch_size
+    side = max(args.train_scales or [args.image_size])
+    bytes_per_batch = 3 * side * (args.max_size or side) * args.per_device_batch_size
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
         logger.warning(msg)

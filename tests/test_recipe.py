@@ -55,3 +55,24 @@ def test_filter_empty_leaves_out_training_images_without_a_usable_box(tmp_path):
     assert [r["id"] for r in kept.records] == [1] and kept.num_filtered_empty == 2
     sample = kept[0]
     assert sample["boxes"].shape == (1, 4) and torch.equal(sample["labels"], torch.tensor([0]))
+
+
+def test_train_scales_draw_a_size_per_sample_and_the_boxes_follow(tmp_path):
+    write_image(tmp_path / "img" / "0.png", 200, 100, seed=0)  # W 200, H 100
+    ann = write_coco(tmp_path / "a.json", [{"id": 1, "file_name": "0.png", "width": 200, "height": 100}],
+                     [{"image_id": 1, "category_id": 1, "bbox": [20, 10, 100, 50]}])
+    from detlib.transforms import build_transform
+
+    ds = CocoDetection(str(tmp_path / "img"), str(ann), build_transform([50, 80, 120], "none", max_size=1000), seed=0)
+    seen = set()
+    for epoch in range(12):
+        ds.set_epoch(epoch)
+        s = ds[0]
+        h, w = s["image"].shape[-2:]
+        assert h in (50, 80, 120) and w == 2 * h  # the shorter side is one of the scales, aspect kept
+        k = h / 100
+        torch.testing.assert_close(s["boxes"], torch.tensor([[20 * k, 10 * k, 120 * k, 60 * k]]))
+        seen.add(h)
+        ds.set_epoch(epoch)
+        assert ds[0]["image"].shape == s["image"].shape  # the draw is the sample's seeded one: replayable
+    assert seen == {50, 80, 120}
