@@ -13,6 +13,8 @@ smooth L1 as Detectron) or GIoU on decoded boxes; same normaliser. With no posit
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torchvision.ops import generalized_box_iou_loss, sigmoid_focal_loss
@@ -40,6 +42,7 @@ def retinanet_loss(
     fg_iou: float = 0.5,
     bg_iou: float = 0.4,
     max_elements: int = DEFAULT_MAX_ELEMENTS,
+    normalizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Focal + box loss of a batch.
 
@@ -56,9 +59,12 @@ def retinanet_loss(
         box_loss_weight: multiplier of the box loss in the total.
         fg_iou, bg_iou: matching thresholds (see `match_anchors`).
         max_elements: chunk budget of the IoU matrix.
+        normalizer: maps the batch's positive-anchor count (0-d float tensor) to the divisor of both losses;
+            default max(num_pos, 1). `EmaLossNormalizer` gives detectron2's running average.
     Returns:
         dict of float32 scalars: `loss` (= cls_loss + box_loss_weight * box_loss), `cls_loss`, `box_loss`,
-        and `num_pos` (positive anchors in the batch, before the clamp to 1). No host sync happens here.
+        and `num_pos` (positive anchors in the batch, before the clamp to 1). No host sync happens here
+        (except in an `EmaLossNormalizer`, which reads the count).
     Raises:
         ValueError: for an unknown `box_loss`.
     """
@@ -78,7 +84,7 @@ def retinanet_loss(
     valid = matched != IGNORE
     idx = matched.clamp(min=0)
     num_pos = pos.sum().float()
-    normaliser = num_pos.clamp(min=1.0)
+    normaliser = num_pos.clamp(min=1.0) if normalizer is None else normalizer(num_pos)
 
     labels = gt_labels.gather(1, idx).clamp(min=0)  # [B, A]
     target = torch.zeros((B, A, K), dtype=torch.float32, device=cls_logits.device)
@@ -101,3 +107,34 @@ def retinanet_loss(
     box = torch.where(pos, per_anchor, torch.zeros_like(per_anchor)).sum() / normaliser
 
     return {"loss": cls_loss + box_loss_weight * box, "cls_loss": cls_loss, "box_loss": box, "num_pos": num_pos}
+
+
+class EmaLossNormalizer:
+    """The loss normaliser as a running average of the positive-anchor count (detectron2's RetinaNet:
+    `loss_normalizer`, momentum 0.9, starting at 100): with 2 images per GPU the count of one batch swings
+    widely and so would the loss scale; the average keeps the gradient scale steady.
+
+    Args:
+        momentum: weight of the old value.
+        initial: the value before the first batch.
+        reduce: maps this process's count to the mean over processes (e.g. `lambda t: accelerator.reduce(t,
+            "mean")`), so every process holds the same value and a checkpoint (main process) restores all.
+    `state_dict` / `load_state_dict` make it a checkpointed object (`accelerator.register_for_checkpointing`).
+    """
+
+    def __init__(self, momentum: float = 0.9, initial: float = 100.0,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.momentum = momentum
+        self.value = float(initial)
+        self.reduce = reduce
+
+    def __call__(self, num_pos: torch.Tensor) -> torch.Tensor:
+        n = self.reduce(num_pos.detach()) if self.reduce is not None else num_pos.detach()
+        self.value = self.momentum * self.value + (1 - self.momentum) * max(float(n), 1.0)
+        return torch.tensor(self.value, dtype=torch.float32, device=num_pos.device)
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "momentum": self.momentum}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.momentum = float(state["value"]), float(state["momentum"])

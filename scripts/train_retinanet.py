@@ -49,7 +49,7 @@ from detlib.decode import decode_detections
 from detlib.engine import Run
 from detlib.flags import float_range, int_at_least, run_argument_parser
 from detlib.labels import CategoryMap
-from detlib.loss import BOX_LOSSES, retinanet_loss
+from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from detlib.model import RetinaNet
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
@@ -121,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lr_steps", type=int_at_least(1), nargs="+", default=[8, 11], help="multistep: epochs where the LR drops 10x")
     g.add_argument("--warmup_steps", type=int_at_least(0), default=500, help="linear warmup of the per-step schedules")
     g.add_argument("--box_loss", default="l1", choices=BOX_LOSSES)
+    g.add_argument("--loss_normalizer", default="batch", choices=["batch", "ema"],
+                   help="divide the losses by the batch's positive anchors, or by their running average over steps "
+                        "and processes (detectron2; steadier at 2 images per GPU) (default: %(default)s)")
 
     g = groups["evaluation"]
     g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05)
@@ -363,6 +366,10 @@ def main(argv=None):
     else:
         optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+    normalizer = None
+    if args.loss_normalizer == "ema":  # checkpointed with the run (registered before the resume loads it)
+        normalizer = EmaLossNormalizer(reduce=lambda t: accelerator.reduce(t, reduction="mean"))
+        accelerator.register_for_checkpointing(normalizer)
     # tiny-data check, resume (any process count), LR schedule, trackers, disk space
     scheduler = run.start_training(model, optimizer, train_loader, schedule_spec(args))
 
@@ -378,7 +385,7 @@ def main(argv=None):
                 out = model(images)
                 anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
                 losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
-                                        batch["crowd_boxes"], box_loss=args.box_loss)
+                                        batch["crowd_boxes"], box_loss=args.box_loss, normalizer=normalizer)
                 accelerator.backward(losses["loss"] * run.loss_weight)  # weight: a partial accumulation window
                 n = len(batch["image_ids"])
                 run.optimizer_step(model, optimizer, scheduler, {"loss": losses["loss"], "cls_loss": losses["cls_loss"],

@@ -76,3 +76,22 @@ def test_train_scales_draw_a_size_per_sample_and_the_boxes_follow(tmp_path):
         ds.set_epoch(epoch)
         assert ds[0]["image"].shape == s["image"].shape  # the draw is the sample's seeded one: replayable
     assert seen == {50, 80, 120}
+
+
+def test_ema_loss_normalizer_by_hand():
+    from detlib.loss import EmaLossNormalizer, retinanet_loss
+
+    ema = EmaLossNormalizer()
+    assert float(ema(torch.tensor(10.0))) == pytest.approx(0.9 * 100 + 0.1 * 10)  # 91
+    assert float(ema(torch.tensor(0.0))) == pytest.approx(0.9 * 91 + 0.1 * 1)  # a count under 1 counts as 1
+    restored = EmaLossNormalizer()
+    restored.load_state_dict(ema.state_dict())
+    assert restored.value == ema.value
+    torch.manual_seed(0)
+    anchors = torch.tensor([[0.0, 0, 10, 10], [5, 5, 15, 15], [20, 20, 30, 30]])
+    logits, deltas = torch.randn(1, 3, 2), torch.randn(1, 3, 4)
+    gt, labels = torch.tensor([[[0.0, 0, 10, 10]]]), torch.tensor([[1]])
+    batch = retinanet_loss(logits, deltas, anchors, gt, labels)
+    fixed = retinanet_loss(logits, deltas, anchors, gt, labels, normalizer=lambda n: torch.tensor(50.0))
+    assert float(batch["num_pos"]) == 1.0
+    torch.testing.assert_close(fixed["loss"], batch["loss"] / 50)  # the same sums, another divisor

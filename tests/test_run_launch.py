@@ -478,3 +478,14 @@ def test_resume_with_another_model_is_one_line(tmp_path):
     assert proc.returncode != 0 and 'engine.py", line' not in proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert "cannot resume from" in line and "does not fit this run" in line
+
+
+def test_ema_loss_normalizer_resumes_exactly(tmp_path):
+    data = make_detection_set(tmp_path / "d", 6)
+    common = data + TINY + ["--epochs", "2", "--loss_normalizer", "ema", "--optimizer", "sgd", "--lr", "0.01"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_script("train_retinanet.py", common + ["--output_dir", str(full)])
+    run_script("train_retinanet.py", common + ["--output_dir", str(part), "--max_steps", "4"])
+    run_script("train_retinanet.py", common + ["--output_dir", str(part), "--resume_from_checkpoint", "latest"])
+    assert_same_weights(full, part, atol=1e-6)  # the running average is in the checkpoint
+    assert [t["loss"] for t in trains(part)] == pytest.approx([t["loss"] for t in trains(full)], rel=1e-5)
