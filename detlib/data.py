@@ -40,6 +40,7 @@ from .cococheck import check_coco
 from .datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from .images import IMAGE_ERRORS, load_rgb
 from .labels import PAD_LABEL, CategoryMap
+from .records import CompactRecords
 from .transforms import make_sample
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,9 @@ class CocoDetection(torch.utils.data.Dataset):
         filter_empty: leave out images with no usable (non-crowd) box, as torchvision's and detectron2's
             training sets do (`DATASETS.FILTER_EMPTY_ANNOTATIONS`); the count is logged. For training only:
             an evaluation must keep every image.
+        compact: keep the per-image records in flat arrays (`detlib.records.CompactRecords`), and for training
+            (`train=True`) drop the json dict after indexing, so forked DataLoader workers share the records
+            instead of copying them (False: a list of dicts, for comparison in benchmarks/).
     Item: dict with
         image: [3, h, w] uint8 RGB, after the transform
         boxes: [N, 4] float32 xyxy pixels of the transformed image;  labels: [N] int64 in 0..K-1
@@ -119,6 +123,7 @@ class CocoDetection(torch.utils.data.Dataset):
         seed: int | None = None,
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
         filter_empty: bool = False,
+        compact: bool = True,
     ):
         self.seed = seed
         self.epoch = 0
@@ -146,7 +151,7 @@ class CocoDetection(torch.utils.data.Dataset):
         for ann in self.dataset["annotations"]:
             annotations_of.setdefault(ann["image_id"], []).append(ann)
 
-        self.records: list[dict] = []
+        records: list[dict] = []
         dropped: list[int] = []
         unknown_category: list[int] = []
         missing: list[str] = []
@@ -177,7 +182,7 @@ class CocoDetection(torch.utils.data.Dataset):
                 boxes.append((x1, y1, x2, y2))
                 labels.append(label)
                 crowd.append(bool(ann.get("iscrowd", 0)) and not include_crowd)
-            self.records.append({
+            records.append({
                 "id": int(img["id"]), "path": path, "size": (H, W),
                 "boxes": np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
                 "labels": np.asarray(labels, dtype=np.int64),
@@ -197,13 +202,17 @@ class CocoDetection(torch.utils.data.Dataset):
         self.missing_images = missing
         self.num_filtered_empty = 0
         if filter_empty:
-            kept = [r for r in self.records if (~r["iscrowd"]).any()]
-            self.num_filtered_empty = len(self.records) - len(kept)
+            kept = [r for r in records if (~r["iscrowd"]).any()]
+            self.num_filtered_empty = len(records) - len(kept)
             if self.num_filtered_empty:
                 logger.info("%s: left out %d of %d training images with no usable box (--filter_empty)", source,
-                            self.num_filtered_empty, len(self.records))
-            self.records = kept
-        if not self.records:
+                            self.num_filtered_empty, len(records))
+            records = kept
+        del annotations_of
+        self.records = CompactRecords(records) if compact else records
+        if compact and train:  # the records hold all a training sample needs; the json would be copied per worker
+            self.dataset = None
+        if not len(self.records):
             raise ValueError(f"no usable image in {source} (image folder {image_dir})")
 
     def __len__(self) -> int:
@@ -211,7 +220,13 @@ class CocoDetection(torch.utils.data.Dataset):
 
     @property
     def coco(self):
-        """pycocotools COCO over the normalised json (built on first use)."""
+        """pycocotools COCO over the normalised json (built on first use; not for a compact training set).
+
+        Raises:
+            RuntimeError: when the json was dropped (`compact` training set).
+        """
+        if self.dataset is None:
+            raise RuntimeError("this training data set dropped its json after indexing (compact=True)")
         if self._coco is None:
             from pycocotools.coco import COCO
 
@@ -232,6 +247,8 @@ class CocoDetection(torch.utils.data.Dataset):
 
     def num_target_boxes(self) -> int:
         """Number of non-crowd boxes over the whole data set (0 means nothing to learn from)."""
+        if isinstance(self.records, CompactRecords):
+            return int((~self.records.iscrowd).sum())
         return int(sum((~r["iscrowd"]).sum() for r in self.records))
 
     def _load(self, index: int) -> dict:
