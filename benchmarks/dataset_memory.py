@@ -3,7 +3,7 @@
     python benchmarks/dataset_memory.py [--images 118287]
 
 Generates a boxes-only COCO json of 118,287 images and 860,001 boxes (benchmarks/datacheck_118k.py) and a
-folder of hard links to one small JPEG (the data set only checks that each file exists). For each variant, in
+folder of symbolic links to one small JPEG (the data set only checks that each file exists). For each variant, in
 a fresh process: the resident memory the data set adds (RSS after building it, json freed, minus before), then
 a forked child, standing in for one DataLoader worker, reads every record once; its private dirty memory grows
 by what copy-on-read duplicated.
@@ -77,7 +77,7 @@ def main() -> None:
     one = os.path.join(root, "one.jpg")
     Image.new("RGB", (64, 48)).save(one)
     for i in range(1, args.images + 1):
-        os.link(one, os.path.join(image_dir, f"{i:012d}.jpg"))
+        os.symlink(one, os.path.join(image_dir, f"{i:012d}.jpg"))
     for variant in ("dicts", "arrays"):
         out = subprocess.run([sys.executable, __file__, "--variant", variant, "--json", json_path, "--image_dir", image_dir],
                              capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
