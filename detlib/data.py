@@ -202,12 +202,16 @@ class CocoDetection(torch.utils.data.Dataset):
         self.missing_images = missing
         self.num_filtered_empty = 0
         if filter_empty:
+            records_before = len(records)
             kept = [r for r in records if (~r["iscrowd"]).any()]
             self.num_filtered_empty = len(records) - len(kept)
             if self.num_filtered_empty:
                 logger.info("%s: left out %d of %d training images with no usable box (--filter_empty)", source,
                             self.num_filtered_empty, len(records))
             records = kept
+            if not records and records_before:
+                raise ValueError(f"{source}: no usable (non-crowd, non-degenerate) box in the whole training set; nothing "
+                                 "to learn from (use --include_crowd to train on crowd boxes)")
         del annotations_of
         self.records = CompactRecords(records) if compact else records
         if compact and train:  # the records hold all a training sample needs; the json would be copied per worker

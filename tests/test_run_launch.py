@@ -408,7 +408,8 @@ def test_sigusr1_or_first_ctrl_c_to_the_training_process_checkpoints_and_exits_7
     assert "returned non-zero exit status 75" in text, text[-3000:]
     status = json.loads((out / "run_status.json").read_text())
     assert status["status"] == "preempted" and f"preempted by {sig}" in status["message"]
-    assert (out / "checkpoints" / f"step_{status['global_step']:08d}").is_dir()
+    written = Path(status["message"].split("checkpoint ")[1].split(" written")[0])  # step_ or, during an evaluation, epoch_
+    assert written.parent == out / "checkpoints" and (written / "trainer_state.json").is_file()
     proc = run_script("train_catsdogs.py", common[:-4] + ["--epochs", "2", "--output_dir", str(out),
                                                           "--resume_from_checkpoint", "latest"])
     assert f"global step {status['global_step']}" in proc.stdout
@@ -465,7 +466,8 @@ def test_ctrl_c_to_a_two_process_launch_checkpoints_once(tmp_path):
     assert "KeyboardInterrupt" not in text, text[-3000:]
     status = json.loads((out / "run_status.json").read_text())
     assert status["status"] == "preempted" and "preempted by SIGINT" in status["message"]
-    assert (out / "checkpoints" / f"step_{status['global_step']:08d}" / "random_states_1.pkl").is_file()
+    written = Path(status["message"].split("checkpoint ")[1].split(" written")[0])  # step_ or, during an evaluation, epoch_
+    assert written.parent == out / "checkpoints" and (written / "random_states_1.pkl").is_file()
 
 
 def test_resume_with_another_model_is_one_line(tmp_path):
