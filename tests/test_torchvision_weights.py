@@ -3,11 +3,22 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
+from PIL import Image
+from torchvision.transforms.functional import to_tensor
 from torchvision.models.detection.anchor_utils import AnchorGenerator as TVAnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
+from conftest import COCO_SUBSET, REPO, needs_coco_subset, run_script
 from detlib.anchors import AnchorGenerator, anchor_config, anchor_generator_from_config, torchvision_anchor_settings
+from detlib.box_ops import box_xywh_to_xyxy
+from tiny_retinanet import subset_json
 
 
 def test_torchvision_anchor_settings_equal_torchvision_anchor_generator():
@@ -33,3 +44,89 @@ def test_torchvision_anchor_settings_equal_torchvision_anchor_generator():
                                        "anchor_stride_from_grid": True}
     assert anchor_generator_from_config(anchor_config(settings))(h, w)[0].equal(expected)
     assert not torch.equal(anchor_generator_from_config({})(h, w)[0], expected)
+
+
+# Parity at a smaller size than torchvision's 800 / 1333 (a ResNet-50 forward there takes seconds per image on a
+# CPU): torchvision's model is built with min_size / max_size and the conversion writes the same two values.
+MIN_SIZE, MAX_SIZE = 224, 320
+
+
+def _torchvision_retinanet():
+    """torchvision's v1 RetinaNet with seeded random weights that detect: the classification bias raised from
+    the prior's -4.6 to -2 so random features score above 0.05, the 11 class slots COCO does not use (0 and the
+    10 `N/A` ids) pushed to -1e4 as in the trained checkpoint, where they never had a positive and never score."""
+    from torchvision.models.detection import retinanet_resnet50_fpn
+
+    from detlib.torchvision_weights import torchvision_coco_categories
+
+    torch.manual_seed(0)
+    model = retinanet_resnet50_fpn(weights=None, weights_backbone=None, min_size=MIN_SIZE, max_size=MAX_SIZE).eval()
+    ids, _ = torchvision_coco_categories()
+    bias = model.head.classification_head.cls_logits.bias
+    with torch.no_grad():
+        bias.fill_(-2.0)
+        for a in range(9):
+            bias[[a * 91 + c for c in range(91) if c not in ids]] = -1e4
+    return model
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The torchvision checkpoint, its conversion by scripts/convert_weights.py, 3 val images and torchvision's own
+    detections on them (one batch of 3, as the evaluation below)."""
+    root = tmp_path_factory.mktemp("tv")
+    model = _torchvision_retinanet()
+    torch.save(model.state_dict(), root / "retinanet_tv.pth")
+    out = root / "converted"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_weights.py"), "--from", "torchvision",
+                           str(root / "retinanet_tv.pth"), "--out", str(out), "--image_size", str(MIN_SIZE), "--max_size",
+                           str(MAX_SIZE)], capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "torchvision RetinaNet v1, 80 classes" in proc.stdout
+    val = subset_json(root / "val3.json", "val", 3)
+    images = json.loads(val.read_text())["images"]
+    with torch.no_grad():
+        tv = model([to_tensor(Image.open(COCO_SUBSET / "images" / im["file_name"]).convert("RGB")) for im in images])
+    return {"root": root, "weights": out, "val": val, "tv": {im["id"]: o for im, o in zip(images, tv)}}
+
+
+def _assert_equal_to_torchvision(predictions: list[dict], tv: dict) -> None:
+    """Per image: the same number of detections, in the same order (by score), and one to one the same label
+    (COCO id), box within 0.5 px, score within 1e-4. Within a run of equal scores (random weights give exact ties)
+    the order is arbitrary on both sides, so each of torchvision's detections is matched to one of ours at most
+    two places away whose score is the same within 1e-4."""
+    for image_id, expected in tv.items():
+        ours = [p for p in predictions if p["image_id"] == image_id]
+        assert len(ours) == len(expected["boxes"]) == 300  # torchvision's RetinaNet keeps 300 per image
+        labels = torch.tensor([p["category_id"] for p in ours])
+        boxes = box_xywh_to_xyxy(torch.tensor([p["bbox"] for p in ours]))
+        scores = torch.tensor([p["score"] for p in ours])
+        torch.testing.assert_close(scores, expected["scores"], atol=1e-4, rtol=0)  # the same scores in the same order
+        used = set()
+        for i in range(len(ours)):
+            match = [j for j in range(max(0, i - 2), min(len(ours), i + 3)) if j not in used
+                     and labels[j] == expected["labels"][i] and (boxes[j] - expected["boxes"][i]).abs().max() <= 0.5
+                     and abs(scores[j] - expected["scores"][i]) <= 1e-4]
+            assert match, (image_id, i, expected["labels"][i], expected["boxes"][i], expected["scores"][i])
+            used.add(match[0])
+        assert sum(int(labels[i] == expected["labels"][i]) for i in range(len(ours))) >= len(ours) - 4  # ties are rare
+
+
+@needs_coco_subset
+@pytest.mark.slow
+def test_converted_config_and_evaluate_only_and_predict_equal_torchvision(converted, tmp_path):
+    cfg = json.loads((converted["weights"] / "model_config.json").read_text())
+    assert cfg["p6_input"] == "p5" and cfg["resize_mode"] == "torchvision" and cfg["anchor_offset"] == 0.0
+    assert cfg["num_classes"] == 80 and cfg["category_ids"][:3] == [1, 2, 3] and cfg["category_names"][0] == "person"
+    assert (cfg["image_size"], cfg["max_size"]) == (MIN_SIZE, MAX_SIZE)
+    common = ["--score_thresh", "0.05", "--nms_thresh", "0.5", "--detections_per_image", "300", "--num_workers", "0"]
+    out = tmp_path / "eval"
+    run_script("train_retinanet.py", [f"--val_images={COCO_SUBSET / 'images'}", f"--val_annotations={converted['val']}",
+                                      "--evaluate_only", str(converted["weights"]), "--per_device_eval_batch_size", "3",
+                                      "--num_log_images", "0", "--output_dir", str(out), "--report_to", "none", *common])
+    _assert_equal_to_torchvision(json.loads((out / "evaluate_only" / "predictions_val.json").read_text()), converted["tv"])
+    out = tmp_path / "pred"
+    run_script("predict_retinanet.py", ["--weights", str(converted["weights"]), "--source", str(converted["val"]), "--images",
+                                        str(COCO_SUBSET / "images"), "--batch_size", "3", "--no_images", "--output_dir",
+                                        str(out), *common])
+    _assert_equal_to_torchvision(json.loads((out / "predictions.json").read_text()), converted["tv"])
