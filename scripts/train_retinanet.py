@@ -314,12 +314,16 @@ def main(argv=None):
             run.fail(f"--init_from: {e}")
         if not loaded["loaded"]:
             run.fail(f"--init_from: no tensor of {init_file} fits this model ({args.backbone}, fpn_channels {args.fpn_channels})")
-        logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s); not in the file, kept as "
-                    "initialised: %d (%s)", init_file, len(loaded["loaded"]),
+        named = [k for k in loaded["skipped"] if not k.endswith("num_batches_tracked")]  # a frozen BatchNorm has none
+        logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s%s); not in the file, kept as "
+                    "initialised: %d%s", init_file, len(loaded["loaded"]),
                     (f"the classification output {loaded['reinitialised']} ({len(category_map)} classes; prior bias)"
-                     if loaded["reinitialised"] else "nothing"),
-                    len(loaded["skipped"]), ", ".join(loaded["skipped"][:8]) + (" ..." if len(loaded["skipped"]) > 8 else ""),
-                    len(loaded["not_in_file"]), ", ".join(loaded["not_in_file"][:8]) + (" ..." if len(loaded["not_in_file"]) > 8 else ""))
+                     if loaded["reinitialised"] else "nothing"), len(loaded["skipped"]),
+                    ", ".join(named[:8]) + (" ..." if len(named) > 8 else ""),
+                    f"{', ' if named else ''}{len(loaded['skipped']) - len(named)} BatchNorm num_batches_tracked"
+                    if len(named) < len(loaded["skipped"]) else "", len(loaded["not_in_file"]),
+                    f" ({', '.join(loaded['not_in_file'][:8])}{' ...' if len(loaded['not_in_file']) > 8 else ''})"
+                    if loaded["not_in_file"] else "")
     if args.sync_bn and accelerator.num_processes > 1:
         if accelerator.device.type == "cuda":
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -130,3 +130,51 @@ def test_converted_config_and_evaluate_only_and_predict_equal_torchvision(conver
                                         str(COCO_SUBSET / "images"), "--batch_size", "3", "--no_images", "--output_dir",
                                         str(out), *common])
     _assert_equal_to_torchvision(json.loads((out / "predictions.json").read_text()), converted["tv"])
+
+
+def _three_class_json(path, split: str, n: int, category_ids: list[int]):
+    """The first n images of a split that have a box of one of 3 categories, those boxes only, 3 categories."""
+    d = json.loads((COCO_SUBSET / "annotations" / f"instances_{split}.json").read_text())
+    d["annotations"] = [a for a in d["annotations"] if a["category_id"] in category_ids]
+    keep = sorted({a["image_id"] for a in d["annotations"]})[:n]
+    d["images"] = [im for im in d["images"] if im["id"] in keep]
+    d["annotations"] = [a for a in d["annotations"] if a["image_id"] in keep]
+    d["categories"] = [c for c in d["categories"] if c["id"] in category_ids]
+    path.write_text(json.dumps(d))
+    return path
+
+
+@needs_coco_subset
+@pytest.mark.slow
+def test_fine_tune_from_converted_weights_to_three_classes(converted, tmp_path):
+    """--init_from the converted file with a 3-class json: every tensor but the 80-class output loads, the output
+    is re-initialised (and said so), the run keeps torchvision's settings and trains (one step, 128 px)."""
+    from safetensors.torch import load_file
+
+    cats = [1, 3, 18]  # person, car, dog
+    train = _three_class_json(tmp_path / "train3.json", "train", 4, cats)
+    val = _three_class_json(tmp_path / "val3.json", "val", 2, cats)
+    run = tmp_path / "ft"
+    images = COCO_SUBSET / "images"
+    proc = run_script("train_retinanet.py", [f"--train_images={images}", f"--train_annotations={train}",
+                                             f"--val_images={images}", f"--val_annotations={val}", "--init_from",
+                                             str(converted["weights"]), "--image_size", "128", "--max_size", "160",
+                                             "--per_device_batch_size", "2", "--per_device_eval_batch_size", "2",
+                                             "--max_steps", "1", "--epochs", "1", "--num_workers", "0", "--num_log_images",
+                                             "0", "--output_dir", str(run), "--report_to", "none"])
+    log = proc.stdout + proc.stderr
+    source = load_file(converted["weights"] / "model.safetensors")
+    n_bn = sum(k.endswith("num_batches_tracked") and k.startswith("backbone.") for k in source)
+    # everything loads but the class output (2 tensors) and the frozen backbone BatchNorms' num_batches_tracked
+    assert f"loaded {len(source) - 2 - n_bn} tensors" in log, log[-3000:]
+    assert "re-initialised the classification output ['cls_head.out.weight', 'cls_head.out.bias'] (3 classes; prior bias)" in log
+    assert f"skipped {2 + n_bn} (" in log
+    cfg = json.loads((run / "last" / "model_config.json").read_text())
+    assert (cfg["num_classes"], cfg["category_ids"], cfg["p6_input"], cfg["resize_mode"]) == (3, cats, "p5", "torchvision")
+    assert cfg["anchor_sizes"][0] == [32, 40, 50] and cfg["anchor_stride_from_grid"] is True
+    weights = load_file(run / "last" / "model.safetensors")
+    assert weights["cls_head.out.weight"].shape == (9 * 3, 256, 3, 3)
+    assert torch.equal(weights["backbone.conv1.weight"], source["backbone.conv1.weight"])  # loaded, frozen (freeze_at 2)
+    assert not torch.equal(weights["cls_head.out.bias"], source["cls_head.out.bias"][:27])
+    prior = -torch.log(torch.tensor((1 - 0.01) / 0.01))
+    assert (weights["cls_head.out.bias"] - prior).abs().max() < 0.01  # the prior bias, after one small step
