@@ -26,6 +26,8 @@ IMAGENET_STD = (58.395, 57.12, 57.375)
 
 # What the P6 conv reads: the backbone's C5 (the paper) or the FPN's P5 (torchvision's v1 RetinaNet).
 P6_INPUTS = ("c5", "p5")
+# Norm of the heads' hidden convs: none (the paper) or GroupNorm (torchvision's v2).
+HEAD_NORMS = ("none", "gn")
 
 # The strides the FPN takes from the backbone: C3, C4, C5.
 BACKBONE_REDUCTIONS = (8, 16, 32)
@@ -43,21 +45,32 @@ class RetinaNetHead(nn.Module):
         bias_prior: if given, the output bias is set to -log((1 - p) / p) so every anchor starts with
             foreground probability p (paper, section 4.1 "Initialization", pi = 0.01).
         num_convs: hidden conv layers.
+        norm: "none" (the paper) or "gn": each hidden conv without bias and followed by GroupNorm(32) before its
+            ReLU, torchvision's v2 RetinaNet head (`retinanet_resnet50_fpn_v2`); tower indices then step by 3.
+    Raises:
+        ValueError: for another `norm`.
     """
 
     def __init__(self, channels: int, num_anchors: int, out_per_anchor: int, bias_prior: float | None = None,
-                 num_convs: int = 4):
+                 num_convs: int = 4, norm: str = "none"):
         super().__init__()
+        if norm not in HEAD_NORMS:
+            raise ValueError(f"head norm must be one of {HEAD_NORMS}, got {norm!r}")
         layers = []
         for _ in range(num_convs):
-            layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(inplace=True)]
+            if norm == "gn":
+                layers += [nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.GroupNorm(32, channels),
+                           nn.ReLU(inplace=True)]
+            else:
+                layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(inplace=True)]
         self.tower = nn.Sequential(*layers)
         self.out = nn.Conv2d(channels, num_anchors * out_per_anchor, 3, padding=1)
         self.out_per_anchor = out_per_anchor
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.normal_(m.weight, std=0.01)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
         if bias_prior is not None:
             self.reset_output(bias_prior)
 
@@ -272,6 +285,7 @@ class RetinaNet(nn.Module):
             torchvision's `trainable_backbone_layers` (3 trainable = freeze_at 2); see `freeze_backbone_stages`.
         p6_input: "c5" (the paper, footnote 2) or "p5" (torchvision's v1 RetinaNet: its LastLevelP6P7 takes P5
             when the FPN width equals its input width, 256 -> 256): what the P6 conv reads.
+        head_norm: "none" or "gn" (GroupNorm in the heads' hidden convs, torchvision's v2; see RetinaNetHead).
 
     Input: images [B, 3, H, W], uint8 or float in [0, 255], RGB, H and W multiples of 32 (see anchors).
     Output: dict with
@@ -293,6 +307,7 @@ class RetinaNet(nn.Module):
         fold_frozen_bn: bool = True,
         freeze_at: int = 0,
         p6_input: str = "c5",
+        head_norm: str = "none",
     ):
         super().__init__()
         if p6_input not in P6_INPUTS:
@@ -313,8 +328,8 @@ class RetinaNet(nn.Module):
         p6_in = in_channels[-1] if p6_input == "c5" else fpn_channels
         self.p6_input = p6_input
         self.fpn = FeaturePyramidNetwork(in_channels, fpn_channels, extra_blocks=LastLevelP6P7(p6_in, fpn_channels))
-        self.cls_head = RetinaNetHead(fpn_channels, num_anchors, num_classes, bias_prior=prior_prob)
-        self.box_head = RetinaNetHead(fpn_channels, num_anchors, 4)
+        self.cls_head = RetinaNetHead(fpn_channels, num_anchors, num_classes, bias_prior=prior_prob, norm=head_norm)
+        self.box_head = RetinaNetHead(fpn_channels, num_anchors, 4, norm=head_norm)
         self.register_buffer("pixel_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("pixel_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
 
@@ -359,8 +374,8 @@ def load_matching_weights(model: RetinaNet, state_dict: dict, prior_prob: float 
 
 
 def build_retinanet_from_config(config: dict, freeze_backbone_bn: bool = False) -> RetinaNet:
-    """The RetinaNet a model_config.json describes (`num_classes`, `backbone`, `fpn_channels`, and `p6_input`
-    when present: "c5" otherwise), freshly initialised, for loading trained weights into.
+    """The RetinaNet a model_config.json describes (`num_classes`, `backbone`, `fpn_channels`, and `p6_input` /
+    `head_norm` when present: "c5" / "none" otherwise), freshly initialised, for loading trained weights into.
 
     `freeze_backbone_bn=False` builds what `--evaluate_only` builds by default: plain BatchNorm, which in
     eval mode computes the same function as a frozen one (weights of either kind load into it), so predictions
@@ -373,4 +388,5 @@ def build_retinanet_from_config(config: dict, freeze_backbone_bn: bool = False) 
     if missing:
         raise KeyError(f"model config lacks {missing}")
     return RetinaNet(int(config["num_classes"]), config["backbone"], fpn_channels=int(config["fpn_channels"]),
-                     freeze_backbone_bn=freeze_backbone_bn, p6_input=config.get("p6_input") or "c5")
+                     freeze_backbone_bn=freeze_backbone_bn, p6_input=config.get("p6_input") or "c5",
+                     head_norm=config.get("head_norm") or "none")

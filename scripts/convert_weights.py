@@ -1,6 +1,7 @@
 r"""Convert another library's detector weights into a detlib RetinaNet folder (model.safetensors + model_config.json).
 
-Torchvision's COCO RetinaNet v1 (36.4 AP; `retinanet_resnet50_fpn_coco-eeacb38b.pth`, downloaded elsewhere):
+Torchvision's COCO RetinaNet v1 (36.4 AP; `retinanet_resnet50_fpn_coco-eeacb38b.pth`, downloaded elsewhere), or v2
+(`retinanet_resnet50_fpn_v2_coco-5905b1c5.pth`, 41.5 AP; the version is read from the file's keys):
     python scripts/convert_weights.py --from torchvision retinanet_resnet50_fpn_coco-eeacb38b.pth --out weights/tv_retinanet
 
 Keep the classes of a COCO json (default: torchvision's 80 COCO categories):
@@ -12,7 +13,7 @@ Then, as they are:
 Fine-tune: scripts/train_retinanet.py ... --init_from weights/tv_retinanet
 
 model_config.json carries what the model needs to reproduce torchvision's predictions (P6 from P5, its anchors,
-its resize, 800 / 1333): see detlib/torchvision_weights.py.
+its resize, 800 / 1333; v2: GroupNorm heads, P6 from C5): see detlib/torchvision_weights.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import sys
 from safetensors.torch import save_file
 
 from detlib.model import build_retinanet_from_config, load_state_dict_file
-from detlib.torchvision_weights import convert_torchvision_retinanet, torchvision_coco_categories, torchvision_model_config
+from detlib.torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories, torchvision_model_config,
+                                       torchvision_version)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,8 +50,10 @@ def main(argv=None) -> str:
             ids, names = [int(c["id"]) for c in cats], [str(c["name"]) for c in cats]
         else:
             ids, names = torchvision_coco_categories()
-        sd = convert_torchvision_retinanet(load_state_dict_file(args.path), ids)
-        config = torchvision_model_config(ids, names, args.image_size, args.max_size)
+        source = load_state_dict_file(args.path)
+        version = torchvision_version(source)
+        sd = convert_torchvision_retinanet(source, ids)
+        config = torchvision_model_config(ids, names, args.image_size, args.max_size, version)
         # loading strictly into the model model_config.json describes proves the file will load for evaluation
         build_retinanet_from_config(config).load_state_dict(sd, strict=True)
     except (OSError, KeyError, ValueError, RuntimeError) as e:
@@ -59,7 +63,7 @@ def main(argv=None) -> str:
     save_file({k: v.contiguous() for k, v in sd.items()}, out)
     with open(os.path.join(args.out, "model_config.json"), "w") as f:
         json.dump({**config, "converted_from": {"library": args.source_kind, "path": os.path.abspath(args.path)}}, f, indent=1)
-    print(f"wrote {out} and model_config.json: torchvision RetinaNet v1, {len(ids)} classes, {len(sd)} tensors")
+    print(f"wrote {out} and model_config.json: torchvision RetinaNet {version}, {len(ids)} classes, {len(sd)} tensors")
     return out
 
 

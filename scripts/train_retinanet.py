@@ -260,7 +260,7 @@ def main(argv=None):
         sys.exit(f"error: {flag}: {e}")
     # How the model sees images: ours by default; an evaluated or initialising model's own settings (a converted
     # torchvision model: P6 from P5, its anchors, its resize), which every checkpoint of this run then records.
-    model_settings = {"p6_input": "c5", "resize_mode": "antialias"}
+    model_settings = {"p6_input": "c5", "head_norm": "none", "resize_mode": "antialias"}
     if saved:  # rebuild the evaluated model as it was trained, and evaluate at its size unless told otherwise
         model_settings.update({k: saved[k] for k in (*model_settings, *ANCHOR_CONFIG_KEYS) if saved.get(k) is not None})
         for k in ("backbone", "fpn_channels"):
@@ -303,7 +303,8 @@ def main(argv=None):
     model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
                       pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
                       backbone_weights=None if args.evaluate_only else args.backbone_weights,
-                      freeze_backbone_bn=freeze_bn, freeze_at=args.freeze_at, p6_input=model_settings["p6_input"])
+                      freeze_backbone_bn=freeze_bn, freeze_at=args.freeze_at, p6_input=model_settings["p6_input"],
+                      head_norm=model_settings["head_norm"])
     if args.evaluate_only:
         weights = run.load_weights(model, args.evaluate_only)
     elif args.init_from:
