@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 from PIL import Image
-from torchvision.transforms.functional import to_tensor
+from torchvision.transforms.functional import pil_to_tensor, to_tensor
 from torchvision.models.detection.anchor_utils import AnchorGenerator as TVAnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
@@ -178,3 +179,91 @@ def test_fine_tune_from_converted_weights_to_three_classes(converted, tmp_path):
     assert not torch.equal(weights["cls_head.out.bias"], source["cls_head.out.bias"][:27])
     prior = -torch.log(torch.tensor((1 - 0.01) / 0.01))
     assert (weights["cls_head.out.bias"] - prior).abs().max() < 0.01  # the prior bias, after one small step
+
+    # a resume (the same command, as every resume) continues with torchvision's settings
+    proc = run_script("train_retinanet.py", [f"--train_images={images}", f"--train_annotations={train}",
+                                             f"--val_images={images}", f"--val_annotations={val}", "--init_from",
+                                             str(converted["weights"]), "--image_size", "128",
+                                             "--max_size", "160", "--per_device_batch_size", "2", "--per_device_eval_batch_size",
+                                             "2", "--max_steps", "2", "--epochs", "2", "--num_workers", "0", "--num_log_images",
+                                             "0", "--output_dir", str(run), "--report_to", "none", "--resume_from_checkpoint",
+                                             "latest"])
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert json.loads((run / "last" / "model_config.json").read_text()) == cfg
+    assert torch.equal(load_file(run / "last" / "model.safetensors")["backbone.conv1.weight"], source["backbone.conv1.weight"])
+
+
+@needs_coco_subset
+def test_v2_conversion_equals_torchvision_in_process():
+    """torchvision's v2 (GroupNorm heads, P6 from C5), seeded as v1 above, converted in process and run through
+    detlib's evaluation pieces (transform, collate, model, anchors, decoding): torchvision's detections."""
+    from torchvision.models.detection import retinanet_resnet50_fpn_v2
+
+    from detlib.coco_eval import detections_to_coco
+    from detlib.data import collate_detection
+    from detlib.decode import decode_detections
+    from detlib.model import build_retinanet_from_config
+    from detlib.torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories,
+                                            torchvision_model_config, torchvision_version)
+    from detlib.transforms import build_transform, make_sample
+
+    torch.manual_seed(0)
+    tv_model = retinanet_resnet50_fpn_v2(weights=None, weights_backbone=None, min_size=MIN_SIZE, max_size=MAX_SIZE).eval()
+    ids, names = torchvision_coco_categories()
+    with torch.no_grad():
+        bias = tv_model.head.classification_head.cls_logits.bias
+        bias.fill_(-2.0)
+        for a in range(9):
+            bias[[a * 91 + c for c in range(91) if c not in ids]] = -1e4
+    sd = tv_model.state_dict()
+    assert torchvision_version(sd) == "v2"
+    config = torchvision_model_config(ids, names, MIN_SIZE, MAX_SIZE, "v2")
+    assert (config["p6_input"], config["head_norm"]) == ("c5", "gn")
+    model = build_retinanet_from_config(config).eval()
+    model.load_state_dict(convert_torchvision_retinanet(sd, ids), strict=True)
+
+    d = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())
+    pils = [Image.open(COCO_SUBSET / "images" / im["file_name"]).convert("RGB")
+            for im in sorted(d["images"], key=lambda im: im["id"])[:2]]
+    transform = build_transform(MIN_SIZE, "none", MAX_SIZE, config["resize_mode"])
+    samples = []
+    for i, pil in enumerate(pils):
+        s = transform(make_sample(pil_to_tensor(pil), torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64),
+                                  torch.zeros(0, dtype=torch.bool)))
+        samples.append({"image": s["image"].as_subclass(torch.Tensor), "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
+                        "crowd_boxes": torch.zeros(0, 4), "image_id": i, "orig_size": (pil.height, pil.width),
+                        "scale": s["scale"], "valid": True})
+    batch = collate_detection(samples)
+    assert batch["images"].dtype == torch.float32
+    with torch.no_grad():
+        expected = tv_model([to_tensor(p) for p in pils])
+        out = model(batch["images"])
+    anchors, counts = anchor_generator_from_config(config)(*batch["images"].shape[-2:])
+    dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"], batch["scales"],
+                             max_detections=300).per_image(2)
+    preds = []
+    for i, det in enumerate(dets):
+        preds += detections_to_coco(det["boxes"], det["scores"], torch.tensor(ids)[det["labels"]], i)
+    _assert_equal_to_torchvision(preds, dict(enumerate(expected)))
+
+
+def test_load_matching_weights_between_timm_backbones():
+    """--init_from's loader on our own detectors: same backbone, other class count -> everything but the class
+    output loads, the output gets the prior bias; a resnet34 detector into a resnet18 one -> the blocks resnet18
+    has load, resnet34's extra blocks are skipped."""
+    from detlib.model import RetinaNet, load_matching_weights
+
+    torch.manual_seed(0)
+    src = RetinaNet(5, "resnet34", fpn_channels=16)
+    same = RetinaNet(5, "resnet34", fpn_channels=16)
+    dst = RetinaNet(3, "resnet18", fpn_channels=16)
+    with torch.no_grad():
+        src.cls_head.out.bias.fill_(1.0)
+    assert load_matching_weights(same, src.state_dict())["reinitialised"] == []
+    assert torch.equal(same.cls_head.out.bias, src.cls_head.out.bias)
+    report = load_matching_weights(dst, src.state_dict())
+    assert report["reinitialised"] == ["cls_head.out.weight", "cls_head.out.bias"]
+    assert "backbone.layer1.2.conv1.weight" in report["skipped"] and "cls_head.out.bias" in report["skipped"]
+    assert "backbone.layer4.1.conv2.weight" in report["loaded"] and report["not_in_file"] == []
+    assert torch.equal(dst.backbone.layer4[1].conv2.weight, src.backbone.layer4[1].conv2.weight)
+    torch.testing.assert_close(dst.cls_head.out.bias, torch.full((27,), -math.log(99.0)))
