@@ -131,6 +131,12 @@ def test_converted_config_and_evaluate_only_and_predict_equal_torchvision(conver
                                         str(COCO_SUBSET / "images"), "--batch_size", "3", "--no_images", "--output_dir",
                                         str(out), *common])
     _assert_equal_to_torchvision(json.loads((out / "predictions.json").read_text()), converted["tv"])
+    # export would build detlib's anchors into the graph: refused in one line, nothing written
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export_retinanet.py"), "--weights", str(converted["weights"]),
+                           "--output", str(tmp_path / "m.onnx")], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and "torchvision's settings (resize_mode, anchor_offset, anchor_sizes" in proc.stderr
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def _three_class_json(path, split: str, n: int, category_ids: list[int]):
