@@ -33,6 +33,11 @@ HEAD_NORMS = ("none", "gn")
 BACKBONE_REDUCTIONS = (8, 16, 32)
 
 
+def _prior_bias(p: float) -> float:
+    """-log((1 - p) / p): the logit whose sigmoid is p (paper, section 4.1, pi = 0.01 -> -4.595)."""
+    return -math.log((1 - p) / p)
+
+
 class RetinaNetHead(nn.Module):
     """One of RetinaNet's two subnets: 4 x (3x3 conv + ReLU), then a 3x3 conv to `num_anchors * out_per_anchor`.
 
@@ -72,12 +77,13 @@ class RetinaNetHead(nn.Module):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
         if bias_prior is not None:
-            self.reset_output(bias_prior)
+            # the bias only: the weights were drawn above, in the same random stream as before reset_output existed
+            nn.init.constant_(self.out.bias, _prior_bias(bias_prior))
 
     def reset_output(self, bias_prior: float) -> None:
         """Re-initialise the output conv: weights N(0, 0.01), bias -log((1 - p) / p) (paper, section 4.1)."""
         nn.init.normal_(self.out.weight, std=0.01)
-        nn.init.constant_(self.out.bias, -math.log((1 - bias_prior) / bias_prior))
+        nn.init.constant_(self.out.bias, _prior_bias(bias_prior))
 
     def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
         """features: list of [B, C, H_l, W_l]. Returns [B, sum_l H_l * W_l * A, out_per_anchor]."""

@@ -189,7 +189,8 @@ def build_dataloaders(args, paths: dict[str, str]):
     val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size, args.resize_mode),
                            include_crowd=args.include_crowd, train=False, max_image_pixels=args.max_image_pixels or None,
                            category_map=category_map)
-    bytes_per_batch = 3 * args.image_size * (args.max_size or args.image_size) * args.per_device_batch_size
+    bytes_per_batch = (3 * args.image_size * (args.max_size or args.image_size) * args.per_device_batch_size
+                       * (4 if args.resize_mode == "torchvision" else 1))  # float32 images in torchvision's resize
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
         logger.warning(msg)
