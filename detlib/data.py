@@ -40,6 +40,7 @@ from .cococheck import check_coco
 from .datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from .images import IMAGE_ERRORS, load_rgb
 from .labels import PAD_LABEL, CategoryMap
+from .model import IMAGENET_MEAN
 from .records import CompactRecords
 from .transforms import make_sample
 
@@ -47,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 # Padding colour of the batch: the ImageNet mean, so padded pixels are ~0 after normalisation.
 PAD_VALUE = (124, 116, 104)
+# Float images (resize mode "torchvision") are padded with the exact mean, so padded pixels are 0 after
+# normalisation, as torchvision pads its normalised batch with zeros.
+PAD_VALUE_FLOAT = IMAGENET_MEAN
 # Inputs are padded to a multiple of the backbone's output stride (see detlib.anchors).
 SIZE_DIVISIBILITY = INPUT_DIVISIBILITY
 
@@ -330,7 +334,8 @@ def collate_detection(samples: list[dict], size_divisibility: int = SIZE_DIVISIB
     """Stack samples into a padded batch of tensors (all on the same device after `accelerator.prepare`).
 
     Returns a dict of
-        images: [B, 3, Hp, Wp] uint8, padded at bottom/right with `PAD_VALUE` to a multiple of `size_divisibility`
+        images: [B, 3, Hp, Wp] uint8 (float32 0-255 when the samples are float), padded at bottom/right with
+            `PAD_VALUE` (`PAD_VALUE_FLOAT`) to a multiple of `size_divisibility`
         boxes: [B, M, 4] float32 xyxy (zeros in padding slots);  labels: [B, M] int64 (`PAD_LABEL` in padding)
         crowd_boxes: [B, C, 4] float32 xyxy, zero boxes as padding (C may be 0)
         image_ids: [B] int64;  image_sizes: [B, 2] (h, w) before padding;  orig_sizes: [B, 2] (H, W) of the files
@@ -341,7 +346,10 @@ def collate_detection(samples: list[dict], size_divisibility: int = SIZE_DIVISIB
     ws = [s["image"].shape[2] for s in samples]
     Hp = int(math.ceil(max(hs) / size_divisibility) * size_divisibility)
     Wp = int(math.ceil(max(ws) / size_divisibility) * size_divisibility)
-    images = torch.tensor(PAD_VALUE, dtype=torch.uint8).view(1, 3, 1, 1).repeat(B, 1, Hp, Wp)
+    # an unreadable image's uint8 placeholder in a float batch is cast, never the other way round
+    dtype = torch.uint8 if all(s["image"].dtype == torch.uint8 for s in samples) else torch.float32
+    pad = PAD_VALUE if dtype == torch.uint8 else PAD_VALUE_FLOAT
+    images = torch.tensor(pad, dtype=dtype).view(1, 3, 1, 1).repeat(B, 1, Hp, Wp)
     for i, s in enumerate(samples):
         images[i, :, : hs[i], : ws[i]] = s["image"]
     crowd = [s["crowd_boxes"] for s in samples]

@@ -24,8 +24,18 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
 IMAGENET_STD = (58.395, 57.12, 57.375)
 
+# What the P6 conv reads: the backbone's C5 (the paper) or the FPN's P5 (torchvision's v1 RetinaNet).
+P6_INPUTS = ("c5", "p5")
+# Norm of the heads' hidden convs: none (the paper) or GroupNorm (torchvision's v2).
+HEAD_NORMS = ("none", "gn")
+
 # The strides the FPN takes from the backbone: C3, C4, C5.
 BACKBONE_REDUCTIONS = (8, 16, 32)
+
+
+def _prior_bias(p: float) -> float:
+    """-log((1 - p) / p): the logit whose sigmoid is p (paper, section 4.1, pi = 0.01 -> -4.595)."""
+    return -math.log((1 - p) / p)
 
 
 class RetinaNetHead(nn.Module):
@@ -40,23 +50,40 @@ class RetinaNetHead(nn.Module):
         bias_prior: if given, the output bias is set to -log((1 - p) / p) so every anchor starts with
             foreground probability p (paper, section 4.1 "Initialization", pi = 0.01).
         num_convs: hidden conv layers.
+        norm: "none" (the paper) or "gn": each hidden conv without bias and followed by GroupNorm(32) before its
+            ReLU, torchvision's v2 RetinaNet head (`retinanet_resnet50_fpn_v2`); tower indices then step by 3.
+    Raises:
+        ValueError: for another `norm`.
     """
 
     def __init__(self, channels: int, num_anchors: int, out_per_anchor: int, bias_prior: float | None = None,
-                 num_convs: int = 4):
+                 num_convs: int = 4, norm: str = "none"):
         super().__init__()
+        if norm not in HEAD_NORMS:
+            raise ValueError(f"head norm must be one of {HEAD_NORMS}, got {norm!r}")
         layers = []
         for _ in range(num_convs):
-            layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(inplace=True)]
+            if norm == "gn":
+                layers += [nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.GroupNorm(32, channels),
+                           nn.ReLU(inplace=True)]
+            else:
+                layers += [nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(inplace=True)]
         self.tower = nn.Sequential(*layers)
         self.out = nn.Conv2d(channels, num_anchors * out_per_anchor, 3, padding=1)
         self.out_per_anchor = out_per_anchor
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.normal_(m.weight, std=0.01)
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
         if bias_prior is not None:
-            nn.init.constant_(self.out.bias, -math.log((1 - bias_prior) / bias_prior))
+            # the bias only: the weights were drawn above, in the same random stream as before reset_output existed
+            nn.init.constant_(self.out.bias, _prior_bias(bias_prior))
+
+    def reset_output(self, bias_prior: float) -> None:
+        """Re-initialise the output conv: weights N(0, 0.01), bias -log((1 - p) / p) (paper, section 4.1)."""
+        nn.init.normal_(self.out.weight, std=0.01)
+        nn.init.constant_(self.out.bias, _prior_bias(bias_prior))
 
     def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
         """features: list of [B, C, H_l, W_l]. Returns [B, sum_l H_l * W_l * A, out_per_anchor]."""
@@ -262,6 +289,9 @@ class RetinaNet(nn.Module):
         freeze_at: freeze the backbone's first `freeze_at` parts, 0-5: the stem, then its stages (ResNet:
             layer1..layer4), as detectron2's `FREEZE_AT` (2 in its RetinaNet recipe: stem and res2) and
             torchvision's `trainable_backbone_layers` (3 trainable = freeze_at 2); see `freeze_backbone_stages`.
+        p6_input: "c5" (the paper, footnote 2) or "p5" (torchvision's v1 RetinaNet: its LastLevelP6P7 takes P5
+            when the FPN width equals its input width, 256 -> 256): what the P6 conv reads.
+        head_norm: "none" or "gn" (GroupNorm in the heads' hidden convs, torchvision's v2; see RetinaNetHead).
 
     Input: images [B, 3, H, W], uint8 or float in [0, 255], RGB, H and W multiples of 32 (see anchors).
     Output: dict with
@@ -282,8 +312,12 @@ class RetinaNet(nn.Module):
         num_anchors: int = 9,
         fold_frozen_bn: bool = True,
         freeze_at: int = 0,
+        p6_input: str = "c5",
+        head_norm: str = "none",
     ):
         super().__init__()
+        if p6_input not in P6_INPUTS:
+            raise ValueError(f"p6_input must be one of {P6_INPUTS}, got {p6_input!r}")
         self.num_classes = num_classes
         self.backbone = build_backbone(backbone, pretrained_backbone, backbone_weights)
         if freeze_backbone_bn:
@@ -295,10 +329,13 @@ class RetinaNet(nn.Module):
         channels = self.backbone.feature_info.channels()
         self.feature_indices = [reductions.index(r) for r in BACKBONE_REDUCTIONS]
         in_channels = [channels[i] for i in self.feature_indices]
-        # P6 is computed from C5 as in the paper (section 4, footnote 2), P7 from ReLU(P6).
-        self.fpn = FeaturePyramidNetwork(in_channels, fpn_channels, extra_blocks=LastLevelP6P7(in_channels[-1], fpn_channels))
-        self.cls_head = RetinaNetHead(fpn_channels, num_anchors, num_classes, bias_prior=prior_prob)
-        self.box_head = RetinaNetHead(fpn_channels, num_anchors, 4)
+        # P6 is computed from C5 as in the paper (section 4, footnote 2), P7 from ReLU(P6); LastLevelP6P7 reads
+        # P5 instead when its in and out widths are equal, which is how torchvision's v1 gets P6 from P5.
+        p6_in = in_channels[-1] if p6_input == "c5" else fpn_channels
+        self.p6_input = p6_input
+        self.fpn = FeaturePyramidNetwork(in_channels, fpn_channels, extra_blocks=LastLevelP6P7(p6_in, fpn_channels))
+        self.cls_head = RetinaNetHead(fpn_channels, num_anchors, num_classes, bias_prior=prior_prob, norm=head_norm)
+        self.box_head = RetinaNetHead(fpn_channels, num_anchors, 4, norm=head_norm)
         self.register_buffer("pixel_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("pixel_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
 
@@ -310,9 +347,41 @@ class RetinaNet(nn.Module):
         return {"cls_logits": self.cls_head(p), "box_deltas": self.box_head(p)}
 
 
+def load_matching_weights(model: RetinaNet, state_dict: dict, prior_prob: float = 0.01) -> dict[str, list[str]]:
+    """Initialise `model` from another detector's state dict (`--init_from`): every tensor whose name and shape
+    fit is copied; when only the classification output does not fit (another class count) it is re-initialised
+    with the prior bias (`RetinaNetHead.reset_output`); everything else is skipped.
+
+    Works across timm backbones as far as names and shapes agree (e.g. a converted torchvision ResNet-50 into a
+    timm resnet50 model; from a resnet18 detector only the FPN's and heads' tensors of equal width fit).
+    Returns:
+        {"loaded": names copied, "reinitialised": the classification output's names when re-initialised,
+         "skipped": names of the file that do not fit (absent from the model or of another shape; a frozen
+         BatchNorm has no `num_batches_tracked`), "not_in_file": the model's names the file lacks (kept as
+         initialised)}.
+    """
+    own = model.state_dict()
+    fit, report = {}, {"loaded": [], "reinitialised": [], "skipped": [], "not_in_file": []}
+    for k, v in state_dict.items():
+        if k in own and tuple(own[k].shape) == tuple(v.shape):
+            fit[k] = v
+            report["loaded"].append(k)
+        else:
+            report["skipped"].append(k)
+    model.load_state_dict(fit, strict=False)
+    report["not_in_file"] = [k for k in own if k not in state_dict]
+    cls_out = [k for k in own if k.startswith("cls_head.out.")]
+    if any(k not in fit for k in cls_out):
+        # the whole output conv, its weight and bias together, so no class starts from half a layer
+        model.cls_head.reset_output(prior_prob)
+        report["reinitialised"] = cls_out
+        report["loaded"] = [k for k in report["loaded"] if k not in cls_out]
+    return report
+
+
 def build_retinanet_from_config(config: dict, freeze_backbone_bn: bool = False) -> RetinaNet:
-    """The RetinaNet a model_config.json describes (`num_classes`, `backbone`, `fpn_channels`), freshly
-    initialised, for loading trained weights into.
+    """The RetinaNet a model_config.json describes (`num_classes`, `backbone`, `fpn_channels`, and `p6_input` /
+    `head_norm` when present: "c5" / "none" otherwise), freshly initialised, for loading trained weights into.
 
     `freeze_backbone_bn=False` builds what `--evaluate_only` builds by default: plain BatchNorm, which in
     eval mode computes the same function as a frozen one (weights of either kind load into it), so predictions
@@ -325,4 +394,5 @@ def build_retinanet_from_config(config: dict, freeze_backbone_bn: bool = False) 
     if missing:
         raise KeyError(f"model config lacks {missing}")
     return RetinaNet(int(config["num_classes"]), config["backbone"], fpn_channels=int(config["fpn_channels"]),
-                     freeze_backbone_bn=freeze_backbone_bn)
+                     freeze_backbone_bn=freeze_backbone_bn, p6_input=config.get("p6_input") or "c5",
+                     head_norm=config.get("head_norm") or "none")

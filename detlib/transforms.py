@@ -17,6 +17,7 @@ Every level ends with a resize to `image_size` (aspect ratio kept; see `ResizeLo
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -25,6 +26,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 AUGMENTATIONS = ("none", "flip", "flip_crop_translate")
+RESIZE_MODES = ("antialias", "torchvision")
 
 
 def _box_fields(sample):
@@ -69,11 +71,26 @@ class ResizeLongestSide:
 
     `size` may be a list: each sample then draws one of them (multi-scale training, detectron2's
     `MIN_SIZE_TRAIN` with `RandomChoice`), from the sample's own seeded stream (see `CocoDetection`).
+
+    `mode`:
+      "antialias"   (default) the new sides are rounded, the uint8 image is resized with antialiasing and
+                    stays uint8.
+      "torchvision" torchvision's GeneralizedRCNNTransform, for its converted weights: the new sides are
+                    floored (`interpolate(scale_factor=..., recompute_scale_factor=True)`), the image is
+                    resized as float32 (values 0-255) by plain bilinear interpolation (align_corners=False, no
+                    antialiasing) and stays float32, not rounded back to uint8. Torchvision normalises before
+                    resizing; a bilinear resize is an affine combination of pixels with weights summing to 1,
+                    so it commutes with the per-channel normalisation the model applies (up to float rounding).
+    Raises:
+        ValueError: for another mode.
     """
 
-    def __init__(self, size: int | list[int], max_size: int | None = None):
+    def __init__(self, size: int | list[int], max_size: int | None = None, mode: str = "antialias"):
+        if mode not in RESIZE_MODES:
+            raise ValueError(f"resize mode must be one of {RESIZE_MODES}, got {mode!r}")
         self.sizes = [int(s) for s in size] if isinstance(size, (list, tuple)) else [int(size)]
         self.max_size = max_size
+        self.mode = mode
 
     def __call__(self, sample: dict) -> dict:
         h, w = sample["image"].shape[-2:]
@@ -82,19 +99,27 @@ class ResizeLongestSide:
             ratio = size / max(h, w)
         else:
             ratio = min(size / min(h, w), self.max_size / max(h, w))
-        nh, nw = max(1, int(round(h * ratio))), max(1, int(round(w * ratio)))
         out = dict(sample)
-        out["image"] = F.resize(sample["image"], [nh, nw], antialias=True)
+        if self.mode == "torchvision":
+            nh, nw = max(1, math.floor(h * ratio)), max(1, math.floor(w * ratio))
+            image = torch.nn.functional.interpolate(sample["image"][None].as_subclass(torch.Tensor).float(), size=[nh, nw],
+                                                    mode="bilinear", align_corners=False)[0]
+            out["image"] = tv_tensors.Image(image)
+        else:
+            nh, nw = max(1, int(round(h * ratio))), max(1, int(round(w * ratio)))
+            out["image"] = F.resize(sample["image"], [nh, nw], antialias=True)
         out["boxes"] = F.resize(sample["boxes"], [nh, nw])
         out["scale"] = (nh / h, nw / w)
         return out
 
 
-def build_transform(image_size: int | list[int], augmentation: str = "none", max_size: int | None = None) -> v2.Compose:
+def build_transform(image_size: int | list[int], augmentation: str = "none", max_size: int | None = None,
+                    resize_mode: str = "antialias") -> v2.Compose:
     """The sample transform for training (`augmentation` as above) or evaluation (`"none"`).
 
     `image_size` is the longer side, or with `max_size` the shorter side (see `ResizeLongestSide`); a list of
-    sizes draws one per sample (multi-scale training).
+    sizes draws one per sample (multi-scale training); `resize_mode` "torchvision" gives float32 images resized
+    as torchvision's detection models do.
 
     Raises:
         ValueError: for an unknown augmentation name.
@@ -107,7 +132,7 @@ def build_transform(image_size: int | list[int], augmentation: str = "none", max
     if augmentation == "flip_crop_translate":
         steps.append(RandomCropFraction(min_fraction=0.6, p=0.5))
         steps.append(v2.RandomApply([v2.RandomAffine(degrees=0.0, translate=(0.1, 0.1))], p=0.5))
-    steps.append(ResizeLongestSide(image_size, max_size))
+    steps.append(ResizeLongestSide(image_size, max_size, resize_mode))
     steps.append(v2.SanitizeBoundingBoxes(min_size=1.0, labels_getter=_box_fields))
     return v2.Compose(steps)
 

@@ -125,6 +125,12 @@ def main(argv=None):
         model, config, category_map = load_retinanet(args.weights)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         raise SystemExit(f"error: {e}") from None
+    # the exported graph has detlib's anchors and resize built in; a converted torchvision model's would differ
+    foreign = [k for k in ("resize_mode", "anchor_offset", "anchor_sizes") if k in config
+               and config[k] not in (None, "antialias")]
+    if foreign:
+        raise SystemExit(f"error: {args.weights}: exporting a model with torchvision's settings ({', '.join(foreign)} in "
+                         "model_config.json) is not supported yet; evaluate or predict it with the scripts")
     image_size = args.image_size or config.get("image_size") or 600
     max_size = args.max_size if args.image_size or args.max_size else config.get("max_size")
     canvas = canvas_size(image_size, max_size)

@@ -35,7 +35,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.anchors import AnchorGenerator
+from detlib.anchors import anchor_generator_from_config
 from detlib.coco_eval import detections_to_coco
 from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
@@ -151,12 +151,13 @@ def main(argv=None):
     image_size = args.image_size or config.get("image_size") or 600
     max_size = args.max_size if args.image_size or args.max_size else config.get("max_size")
     model.to(accelerator.device)
-    anchor_gen = AnchorGenerator()
+    anchor_gen = anchor_generator_from_config(config)  # a converted model's anchor convention, else ours
     names = dict(zip(category_map.category_ids, category_map.names))
 
     # ---- data: the evaluation transform; this process's share of the batches
     try:
-        ds, rel_names, coco_ids, exif_applied, skipped = build_dataset(args, build_transform(image_size, "none", max_size))
+        ds, rel_names, coco_ids, exif_applied, skipped = build_dataset(args, build_transform(image_size, "none", max_size,
+                                                                                     config.get("resize_mode", "antialias")))
     except (FileNotFoundError, ValueError) as e:
         logger.error("%s", e)
         raise SystemExit(f"error: {e}") from None

@@ -19,6 +19,10 @@ Any COCO-format data set:
     ... scripts/train_retinanet.py --output_dir outputs/r50_600 --resume_from_checkpoint latest
     ... scripts/train_retinanet.py --data_dir /data/coco --evaluate_only outputs/r50_600/best
 
+Torchvision's COCO weights (converted by scripts/convert_weights.py), evaluated as they are, or fine-tuned:
+    ... scripts/train_retinanet.py --data_dir /data/coco --evaluate_only weights/tv_retinanet
+    ... scripts/train_retinanet.py --train_images DIR --train_annotations 3class.json ... --init_from weights/tv_retinanet
+
 Long runs (a checkpoint every 500 steps; SIGTERM / SIGUSR1 / Ctrl-C write one and exit 75; SLURM: slurm/):
     ... scripts/train_retinanet.py --data_dir /data/coco --checkpoint_steps 500 --resume_from_checkpoint latest
 """
@@ -38,7 +42,7 @@ from timm.optim import param_groups_weight_decay
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.anchors import AnchorGenerator
+from detlib.anchors import ANCHOR_CONFIG_KEYS, anchor_generator_from_config
 from detlib.analysis import per_class_ap
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
 from detlib.cococheck import check_coco_for_training
@@ -50,7 +54,7 @@ from detlib.engine import Run
 from detlib.flags import float_range, int_at_least, run_argument_parser
 from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
-from detlib.model import RetinaNet
+from detlib.model import RetinaNet, load_matching_weights, load_state_dict_file
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
@@ -103,6 +107,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--backbone", help="timm model name (resnet50; resnet18 on the built-in data)")
     g.add_argument("--backbone_weights", help="local backbone weights: .safetensors or torch state dict")
     g.add_argument("--pretrained_backbone", action="store_true", help="timm's own pretrained download (online)")
+    g.add_argument("--init_from", help="start from a detector's weights (a converted torchvision model or one of ours: "
+                   "a run folder, best/, last/ or a weights file): every tensor whose name and shape fit; the class "
+                   "output is re-initialised when the class count differs. Its model_config.json's backbone, width, "
+                   "P6 input, anchors and resize are used unless --backbone / --fpn_channels / --image_size say otherwise")
     g.add_argument("--freeze_at", type=int_at_least(0), help="freeze the backbone's stem (1) and first stages (2-5; "
                    "detectron2's FREEZE_AT): 2 with pretrained weights, 0 from scratch")
     g.add_argument("--backbone_bn", default="auto", choices=["auto", "frozen", "train"],
@@ -172,8 +180,8 @@ def build_dataloaders(args, paths: dict[str, str]):
     train_ds = None
     if paths.get("train_annotations"):
         train_ds = CocoDetection(paths["train_images"], train_json,
-                                 build_transform(args.train_scales or args.image_size, args.augmentation, args.max_size),
-                                 include_crowd=args.include_crowd,
+                                 build_transform(args.train_scales or args.image_size, args.augmentation, args.max_size,
+                                                 args.resize_mode), include_crowd=args.include_crowd,
                                  seed=args.seed, max_image_pixels=args.max_image_pixels or None, filter_empty=args.filter_empty)
         if train_ds.num_target_boxes() == 0:
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
@@ -188,11 +196,12 @@ def build_dataloaders(args, paths: dict[str, str]):
         if unknown:
             raise ValueError(f"{paths['val_annotations']}: category ids {unknown} have val boxes but are not classes of "
                              f"the model in {args.evaluate_only}")
-    val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size),
+    val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size, args.resize_mode),
                            include_crowd=args.include_crowd, train=False, max_image_pixels=args.max_image_pixels or None,
                            category_map=category_map)
     side = max(args.train_scales or [args.image_size])
-    bytes_per_batch = 3 * side * (args.max_size or side) * args.per_device_batch_size
+    bytes_per_batch = (3 * side * (args.max_size or side) * args.per_device_batch_size
+                       * (4 if args.resize_mode == "torchvision" else 1))  # float32 images in torchvision's resize
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
         logger.warning(msg)
@@ -262,14 +271,22 @@ def main(argv=None):
     for k, v in (SYNTHETIC_DEFAULTS if synthetic else REAL_DEFAULTS).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    flag = "--evaluate_only" if args.evaluate_only else "--init_from"
     try:
-        saved = ckpt.read_model_config(args.evaluate_only) if args.evaluate_only else None
+        saved = ckpt.read_model_config(args.evaluate_only or args.init_from) if args.evaluate_only or args.init_from else None
     except ckpt.CheckpointError as e:
-        sys.exit(f"error: --evaluate_only: {e}")
+        sys.exit(f"error: {flag}: {e}")
+    # How the model sees images: ours by default; an evaluated or initialising model's own settings (a converted
+    # torchvision model: P6 from P5, its anchors, its resize), which every checkpoint of this run then records.
+    model_settings = {"p6_input": "c5", "head_norm": "none", "resize_mode": "antialias"}
     if saved:  # rebuild the evaluated model as it was trained, and evaluate at its size unless told otherwise
-        args.backbone, args.fpn_channels = saved["backbone"], saved["fpn_channels"]
+        model_settings.update({k: saved[k] for k in (*model_settings, *ANCHOR_CONFIG_KEYS) if saved.get(k) is not None})
+        for k in ("backbone", "fpn_channels"):
+            if args.evaluate_only or k not in given:
+                setattr(args, k, saved[k])
         if "image_size" not in given and saved.get("image_size"):
             args.image_size, args.max_size = saved["image_size"], saved.get("max_size")
+    args.resize_mode = model_settings["resize_mode"]  # read by build_dataloaders
     if args.weight_decay is None:
         args.weight_decay = 0.01 if args.optimizer == "adamw" else 1e-4
 
@@ -294,8 +311,8 @@ def main(argv=None):
     # ---- model
     model_config = {"num_classes": len(category_map), "backbone": args.backbone, "fpn_channels": args.fpn_channels,
                     "image_size": args.image_size, "max_size": args.max_size, "category_ids": category_map.category_ids,
-                    "category_names": category_map.names}
-    pretrained = bool(args.backbone_weights or args.pretrained_backbone)
+                    "category_names": category_map.names, **model_settings}
+    pretrained = bool(args.backbone_weights or args.pretrained_backbone or args.init_from)
     if args.freeze_at is None:
         args.freeze_at = 2 if pretrained and not args.evaluate_only else 0
     freeze_bn = args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained)
@@ -304,9 +321,28 @@ def main(argv=None):
     model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
                       pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
                       backbone_weights=None if args.evaluate_only else args.backbone_weights,
-                      freeze_backbone_bn=freeze_bn, freeze_at=args.freeze_at)
+                      freeze_backbone_bn=freeze_bn, freeze_at=args.freeze_at, p6_input=model_settings["p6_input"],
+                      head_norm=model_settings["head_norm"])
     if args.evaluate_only:
         weights = run.load_weights(model, args.evaluate_only)
+    elif args.init_from:
+        try:
+            init_file = ckpt.weights_path(args.init_from)
+            loaded = load_matching_weights(model, load_state_dict_file(init_file))
+        except (FileNotFoundError, ValueError, RuntimeError) as e:
+            run.fail(f"--init_from: {e}")
+        if not loaded["loaded"]:
+            run.fail(f"--init_from: no tensor of {init_file} fits this model ({args.backbone}, fpn_channels {args.fpn_channels})")
+        named = [k for k in loaded["skipped"] if not k.endswith("num_batches_tracked")]  # a frozen BatchNorm has none
+        logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s%s); not in the file, kept as "
+                    "initialised: %d%s", init_file, len(loaded["loaded"]),
+                    (f"the classification output {loaded['reinitialised']} ({len(category_map)} classes; prior bias)"
+                     if loaded["reinitialised"] else "nothing"), len(loaded["skipped"]),
+                    ", ".join(named[:8]) + (" ..." if len(named) > 8 else ""),
+                    f"{', ' if named else ''}{len(loaded['skipped']) - len(named)} BatchNorm num_batches_tracked"
+                    if len(named) < len(loaded["skipped"]) else "", len(loaded["not_in_file"]),
+                    f" ({', '.join(loaded['not_in_file'][:8])}{' ...' if len(loaded['not_in_file']) > 8 else ''})"
+                    if loaded["not_in_file"] else "")
     if args.sync_bn and accelerator.num_processes > 1:
         if accelerator.device.type == "cuda":
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -325,7 +361,7 @@ def main(argv=None):
             model.eval()(torch.zeros(1, 3, s, s))
         model.train()
         logger.info("forward cost at %dx%d: %.1f GFLOPs per image", s, s, fc.get_total_flops() / 1e9)
-    anchor_gen = AnchorGenerator()
+    anchor_gen = anchor_generator_from_config(model_config)
 
     config = {k: v for k, v in vars(args).items()}
     config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,

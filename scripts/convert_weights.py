@@ -1,0 +1,71 @@
+r"""Convert another library's detector weights into a detlib RetinaNet folder (model.safetensors + model_config.json).
+
+Torchvision's COCO RetinaNet v1 (36.4 AP; `retinanet_resnet50_fpn_coco-eeacb38b.pth`, downloaded elsewhere), or v2
+(`retinanet_resnet50_fpn_v2_coco-5905b1c5.pth`, 41.5 AP; the version is read from the file's keys):
+    python scripts/convert_weights.py --from torchvision retinanet_resnet50_fpn_coco-eeacb38b.pth --out weights/tv_retinanet
+
+Keep the classes of a COCO json (default: torchvision's 80 COCO categories):
+    python scripts/convert_weights.py --from torchvision tv.pth --out weights/tv --categories /data/coco/annotations/instances_val2017.json
+
+Then, as they are:
+    python scripts/train_retinanet.py --data_dir /data/coco --evaluate_only weights/tv_retinanet
+    python scripts/predict_retinanet.py --weights weights/tv_retinanet --source photos/ --output_dir out
+Fine-tune: scripts/train_retinanet.py ... --init_from weights/tv_retinanet
+
+model_config.json carries what the model needs to reproduce torchvision's predictions (P6 from P5, its anchors,
+its resize, 800 / 1333; v2: GroupNorm heads, P6 from C5): see detlib/torchvision_weights.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from safetensors.torch import save_file
+
+from detlib.model import build_retinanet_from_config, load_state_dict_file
+from detlib.torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories, torchvision_model_config,
+                                       torchvision_version)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from", dest="source_kind", required=True, choices=["torchvision"], help="the library the weights come from")
+    p.add_argument("path", help="the weights file (a torch state dict)")
+    p.add_argument("--out", required=True, help="output folder (model.safetensors, model_config.json)")
+    p.add_argument("--categories", help="a COCO json whose categories (ids and names) to keep (default: the 80 COCO ones)")
+    p.add_argument("--image_size", type=int, default=800, help="shorter image side (torchvision's min_size)")
+    p.add_argument("--max_size", type=int, default=1333, help="longest image side (torchvision's max_size)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> str:
+    args = parse_args(argv)
+    try:
+        if args.categories:
+            with open(args.categories) as f:
+                cats = sorted(json.load(f)["categories"], key=lambda c: c["id"])
+            ids, names = [int(c["id"]) for c in cats], [str(c["name"]) for c in cats]
+        else:
+            ids, names = torchvision_coco_categories()
+        source = load_state_dict_file(args.path)
+        version = torchvision_version(source)
+        sd = convert_torchvision_retinanet(source, ids)
+        config = torchvision_model_config(ids, names, args.image_size, args.max_size, version)
+        # loading strictly into the model model_config.json describes proves the file will load for evaluation
+        build_retinanet_from_config(config).load_state_dict(sd, strict=True)
+    except (OSError, KeyError, ValueError, RuntimeError) as e:
+        sys.exit(f"error: {args.path}: {type(e).__name__}: {e}")
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.join(args.out, "model.safetensors")
+    save_file({k: v.contiguous() for k, v in sd.items()}, out)
+    with open(os.path.join(args.out, "model_config.json"), "w") as f:
+        json.dump({**config, "converted_from": {"library": args.source_kind, "path": os.path.abspath(args.path)}}, f, indent=1)
+    print(f"wrote {out} and model_config.json: torchvision RetinaNet {version}, {len(ids)} classes, {len(sd)} tensors")
+    return out
+
+
+if __name__ == "__main__":
+    main()
