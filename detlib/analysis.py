@@ -75,6 +75,18 @@ def per_class_ap(coco_eval) -> dict[str, dict[str, float]]:
     return out
 
 
+def per_class_without_detections(coco_gt: dict, image_ids: Iterable[int] | None = None) -> dict[str, dict[str, float]]:
+    """Per-class AP when nothing at all was detected: 0 for every category with (non-crowd) ground truth in the
+    evaluated images, in the same form as `per_class_ap`; categories without ground truth stay absent."""
+    ids = set(image_ids) if image_ids is not None else None
+    counts: dict[int, int] = {}
+    for a in coco_gt["annotations"]:
+        if not a.get("iscrowd", 0) and (ids is None or a["image_id"] in ids):
+            counts[a["category_id"]] = counts.get(a["category_id"], 0) + 1
+    return {str(c.get("name", c["id"])): {"AP": 0.0, "AP50": 0.0, "num_gt": counts[c["id"]]}
+            for c in coco_gt["categories"] if c["id"] in counts}
+
+
 def _num_gt(coco_eval) -> dict[int, int]:
     img_ids = set(coco_eval.params.imgIds)
     counts: dict[int, int] = {}
@@ -291,7 +303,7 @@ def write_evaluation_plots(plots_dir: str, epoch: int | None, coco_eval, coco_gt
 
     Args:
         coco_eval: the accumulated COCOeval of the evaluation, or None (no detection at all: only the
-            confusion matrix is written, and per-class AP is {}).
+            confusion matrix is written, and per-class AP is 0 for every class with ground truth).
         coco_gt: the ground-truth COCO dict; results: the COCO results evaluated.
         image_ids: the evaluated images (default: `coco_eval.params.imgIds`, else all of `coco_gt`).
     Returns:
@@ -309,6 +321,8 @@ def write_evaluation_plots(plots_dir: str, epoch: int | None, coco_eval, coco_gt
         curves = pr_curves(coco_eval)
         files["pr_curve_json"] = _write_json(curves, os.path.join(folder, "pr_curve.json"))
         files["pr_curve"] = plot_pr_curves(curves, os.path.join(folder, "pr_curve.png"))
+    else:  # nothing detected: every class with ground truth scores 0 (not "no class")
+        per_class = per_class_without_detections(coco_gt, image_ids)
     cm = detection_confusion_matrix(coco_gt, results, score_thresh=confusion_score_thresh, image_ids=image_ids)
     files["confusion_matrix_json"] = _write_json(cm, os.path.join(folder, "confusion_matrix.json"))
     files["confusion_matrix"] = plot_confusion_matrix(cm, os.path.join(folder, "confusion_matrix.png"))

@@ -165,6 +165,8 @@ class Run:
             logger.error("%s", message, extra={"console": False})
             print(f"error: {message}", file=sys.stderr, flush=True)
             self._write_status(code, message)
+        # close the trackers now: at interpreter exit wandb's own hook would shut its service down first
+        self._close()
         raise SystemExit(code)
 
     def _write_status(self, code: int, message: str = "") -> None:
@@ -653,7 +655,8 @@ class Run:
             self.state.eval_pending = True
         t = time.time()
         path = self.save_checkpoint(model)
-        self.fail(f"preempted by {name} at step {self.state.global_step} (epoch {self.epoch}): checkpoint {path} "
+        where = f"in the evaluation after epoch {self.epoch}" if batch_index is not None else f"in epoch {self.epoch}"
+        self.fail(f"preempted by {name} at step {self.state.global_step} ({where}): checkpoint {path} "
                   f"written in {time.time() - t:.1f} s; continue with --resume_from_checkpoint latest", EXIT_PREEMPTED)
 
     # ---- end

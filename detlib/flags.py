@@ -82,3 +82,10 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g.add_argument("--log_interval", type=int_at_least(1), help="optimizer steps between train log lines (default: %(default)s)")
     p.set_defaults(**defaults)
     return p, groups
+
+
+def describe(p: argparse.ArgumentParser, **helps: str) -> None:
+    """Set the help text of flags added by `run_argument_parser` whose default depends on the script or data."""
+    for action in p._actions:
+        if action.dest in helps:
+            action.help = helps[action.dest]

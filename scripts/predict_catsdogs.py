@@ -89,7 +89,7 @@ def main(argv=None):
         model, config = load_classifier(args.weights)
         root, paths = list_image_files(args.source)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
-        logger.error("%s", e)
+        logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
         raise SystemExit(f"error: {e}") from None
     classes = config["classes"]
     image_size = args.image_size or config.get("image_size") or 224

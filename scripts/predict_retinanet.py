@@ -144,7 +144,7 @@ def main(argv=None):
     try:
         model, config, category_map = load_retinanet(args.weights)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
-        logger.error("%s", e)
+        logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
         raise SystemExit(f"error: {e}") from None
     logger.info("loaded %s (%s, fpn_channels %d, %d classes)", ckpt.weights_path(args.weights), config["backbone"],
                 config["fpn_channels"], len(category_map))
@@ -159,7 +159,7 @@ def main(argv=None):
         ds, rel_names, coco_ids, exif_applied, skipped = build_dataset(args, build_transform(image_size, "none", max_size,
                                                                                      config.get("resize_mode", "antialias")))
     except (FileNotFoundError, ValueError) as e:
-        logger.error("%s", e)
+        logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
         raise SystemExit(f"error: {e}") from None
     if "category_names" not in config:
         if isinstance(ds, CocoDetection) and ds.category_map.category_ids == category_map.category_ids:

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
 from detlib.anchors import ANCHOR_CONFIG_KEYS, anchor_generator_from_config
-from detlib.analysis import per_class_ap
+from detlib.analysis import per_class_ap, per_class_without_detections
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
 from detlib.cococheck import check_coco_for_training
 from detlib.dashboard import log_evaluation_extras
@@ -51,7 +51,7 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
 from detlib.engine import Run
-from detlib.flags import float_range, int_at_least, run_argument_parser
+from detlib.flags import describe, float_range, int_at_least, run_argument_parser
 from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from detlib.model import RetinaNet, load_matching_weights, load_state_dict_file
@@ -75,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the run machinery's flags (epochs, batch, checkpoints, logging, ...) with this script's defaults
     p, groups = run_argument_parser(__doc__, output_dir="outputs/retinanet", project="detlib-retinanet", eval_interval=5,
                                     max_grad_norm=0.1, per_device_eval_batch_size=8, log_interval=20)
+    describe(p, epochs="epochs to train: 12 (30 on the built-in data)",
+             per_device_batch_size="images per device and step: 15 (16 on the built-in data)",
+             per_device_eval_batch_size="images per device in evaluation (default: 8)")
     g = groups["data"]
     g.add_argument("--data_dir", help="COCO root: DIR/annotations/instances_{set}.json, images in DIR/{set} or DIR/images/{set}")
     g.add_argument("--train_set", default="train2017")
@@ -371,7 +374,10 @@ def main(argv=None):
 
     def report(stats: dict, epoch: int | None, weights: str | None = None) -> None:
         """metrics.jsonl (+ per-class AP) and best/, predictions_val.json, then plots and sample images."""
-        per_class = per_class_ap(evaluator.coco_eval) if accelerator.is_main_process and evaluator.coco_eval else {}
+        per_class = {}
+        if accelerator.is_main_process:  # nothing detected: 0 for every class with ground truth
+            per_class = (per_class_ap(evaluator.coco_eval) if evaluator.coco_eval is not None
+                         else per_class_without_detections(val_ds.dataset))
         if weights:  # evaluation only: record which weights were scored
             run.metrics.log({"epoch": None, "step": 0, **stats, "per_class": per_class, "weights": weights}, step=0)
         else:
