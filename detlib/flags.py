@@ -37,11 +37,12 @@ def float_range(lo: float, hi: float = math.inf, lo_open: bool = False):
     return parse
 
 
-def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
+def run_argument_parser(description: str, helps: dict | None = None, **defaults) -> tuple[argparse.ArgumentParser, dict]:
     """A parser with the run machinery's flags (detlib.engine) in the groups both scripts use.
 
-    `defaults` set the script's own defaults of these flags (e.g. `output_dir`, `eval_interval`). Returns the
-    parser and its groups by name, so the script adds its own flags beside them.
+    `defaults` set the script's own defaults of these flags (e.g. `output_dir`, `eval_interval`), `helps` the
+    help of those whose default depends on the script or the data (`describe`). Returns the parser and its
+    groups by name, so the script adds its own flags beside them.
     """
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = {name: p.add_argument_group(name) for name in GROUPS}
@@ -81,6 +82,7 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g.add_argument("--run_name")
     g.add_argument("--log_interval", type=int_at_least(1), help="optimizer steps between train log lines (default: %(default)s)")
     p.set_defaults(**defaults)
+    describe(p, **(helps or {}))
     return p, groups
 
 

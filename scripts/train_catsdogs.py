@@ -37,7 +37,7 @@ from detlib import checkpoint as ckpt
 from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, classification_metrics,
                                    classification_transform, make_synthetic_image_folder, scan_image_folder)
 from detlib.engine import Run
-from detlib.flags import describe, float_range, int_at_least, run_argument_parser
+from detlib.flags import float_range, int_at_least, run_argument_parser
 from detlib.foldercheck import check_folders_for_training
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
@@ -47,14 +47,15 @@ logger = logging.getLogger("train_catsdogs")
 # Defaults that depend on the data: a GPU recipe for real folders, a CPU-sized one for the built-in set.
 REAL_DEFAULTS = {"image_size": 224, "epochs": 10, "per_device_batch_size": 64}
 SYNTHETIC_DEFAULTS = {"image_size": 64, "epochs": 5, "per_device_batch_size": 32}
+# This script's defaults of the run machinery's flags (detlib.flags), and the help of those that depend on the data.
+RUN_DEFAULTS = {"output_dir": "outputs/catsdogs", "project": "detlib-catsdogs", "log_interval": 10, "eval_interval": 1,
+                "per_device_eval_batch_size": 64, "max_grad_norm": 1.0}
+RUN_HELP = {"epochs": "epochs to train: 10 (5 on the built-in data)",
+            "per_device_batch_size": "images per device and step: 64 (32 on the built-in data)"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p, groups = run_argument_parser(__doc__, output_dir="outputs/catsdogs", project="detlib-catsdogs", log_interval=10,
-                                    eval_interval=1, per_device_eval_batch_size=64, max_grad_norm=1.0)
-    describe(p, epochs="epochs to train: 10 (5 on the built-in data)",
-             per_device_batch_size="images per device and step: 64 (32 on the built-in data)",
-             per_device_eval_batch_size="images per device in evaluation (default: 64)")
+    p, groups = run_argument_parser(__doc__, helps=RUN_HELP, **RUN_DEFAULTS)  # epochs, batch, checkpoints, logging
     g = groups["model"]
     g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
     g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is reset)")

@@ -51,7 +51,7 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
 from detlib.engine import Run
-from detlib.flags import describe, float_range, int_at_least, run_argument_parser
+from detlib.flags import float_range, int_at_least, run_argument_parser
 from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from detlib.model import RetinaNet, load_matching_weights, load_state_dict_file
@@ -69,15 +69,15 @@ REAL_DEFAULTS = {"backbone": "resnet50", "image_size": 600, "fpn_channels": 256,
                  "lr": 1e-4}
 SYNTHETIC_DEFAULTS = {"backbone": "resnet18", "image_size": 160, "fpn_channels": 64, "epochs": 30, "per_device_batch_size": 16,
                       "lr": 1e-3}
+# This script's defaults of the run machinery's flags (detlib.flags), and the help of those that depend on the data.
+RUN_DEFAULTS = {"output_dir": "outputs/retinanet", "project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
+                "per_device_eval_batch_size": 8, "log_interval": 20}
+RUN_HELP = {"epochs": "epochs to train: 12 (30 on the built-in data)",
+            "per_device_batch_size": "images per device and step: 15 (16 on the built-in data)"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    # the run machinery's flags (epochs, batch, checkpoints, logging, ...) with this script's defaults
-    p, groups = run_argument_parser(__doc__, output_dir="outputs/retinanet", project="detlib-retinanet", eval_interval=5,
-                                    max_grad_norm=0.1, per_device_eval_batch_size=8, log_interval=20)
-    describe(p, epochs="epochs to train: 12 (30 on the built-in data)",
-             per_device_batch_size="images per device and step: 15 (16 on the built-in data)",
-             per_device_eval_batch_size="images per device in evaluation (default: 8)")
+    p, groups = run_argument_parser(__doc__, helps=RUN_HELP, **RUN_DEFAULTS)  # epochs, batch, checkpoints, logging
     g = groups["data"]
     g.add_argument("--data_dir", help="COCO root: DIR/annotations/instances_{set}.json, images in DIR/{set} or DIR/images/{set}")
     g.add_argument("--train_set", default="train2017")
