@@ -186,8 +186,12 @@ def test_log_evaluation_extras_without_trackers_or_detections(tmp_path):
     gt = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())
     per_class = log_evaluation_extras(Accelerator(cpu=True), str(tmp_path), None, 0, gt, [], None, str(COCO_SUBSET / "images"),
                                       num_log_images=2)
-    assert per_class == {}
     cm = json.loads((tmp_path / "plots" / "final" / "confusion_matrix.json").read_text())
     n_gt = sum(1 for a in gt["annotations"] if not a["iscrowd"])
+    # nothing detected: every class with ground truth scores 0 (absent only when it has no ground truth)
+    with_gt = {c["name"] for c in gt["categories"] if any(a["category_id"] == c["id"] and not a["iscrowd"]
+                                                         for a in gt["annotations"])}
+    assert set(per_class) == with_gt and all(v["AP"] == v["AP50"] == 0.0 for v in per_class.values())
+    assert sum(v["num_gt"] for v in per_class.values()) == n_gt
     assert sum(row[-1] for row in cm["matrix"]) == n_gt  # every box missed
     assert len(list((tmp_path / "samples" / "final").iterdir())) == 2
