@@ -191,6 +191,8 @@ B31_HELPER = textwrap.dedent('''
     resumed = [b["index"].tolist() for b in accelerator.skip_first_batches(train_loader, 1)]
     with open(os.path.join(out, f"rank{accelerator.process_index}.json"), "w") as f:
         json.dump({"epochs": seen, "resumed": resumed, "processes": accelerator.num_processes}, f)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroys the process group before the processes exit (else gloo may abort)
 ''')
 
 

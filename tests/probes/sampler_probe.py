@@ -22,3 +22,5 @@ per_rank = gather_object([{"rank": accelerator.process_index, "epochs": seen}])
 if accelerator.is_main_process:
     with open(out_path, "w") as f:
         json.dump({"num_processes": accelerator.num_processes, "ranks": per_rank}, f)
+accelerator.wait_for_everyone()
+accelerator.end_training()  # destroys the process group before the processes exit (else gloo may abort at exit)
