@@ -264,7 +264,6 @@ class Run:
         self._window = None  # per-window sums of the logged values, times images
         self._window_images = 0
         self._window_steps = 0
-        self._window_skipped = 0
         self._data_time = 0.0
         self._t_window = time.time()
         self._ckpt_due = False
@@ -476,7 +475,6 @@ class Run:
         nonfinite = bad_loss > 0 or (bad_grad > 0 and acc.scaler is None)
         if skipped:
             st.skipped_steps += 1
-            self._window_skipped += 1
         self._streak = self._streak + 1 if nonfinite else 0
         self.last_grad_norm = norm_sum / acc.num_processes if not bad_grad else math.nan
         if not bad_loss:
@@ -538,7 +536,7 @@ class Run:
         self.metrics.log(line, step=st.global_step, tracker_epoch=self.epoch + st.step_in_epoch / self.steps_per_epoch)
         self.images_seen += images
         self._window.zero_()
-        self._window_images = self._window_steps = self._window_skipped = 0
+        self._window_images = self._window_steps = 0
         self._data_time = 0.0
         self._t_window = time.time()
 

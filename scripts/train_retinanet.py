@@ -114,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "a run folder, best/, last/ or a weights file): every tensor whose name and shape fit; the class "
                    "output is re-initialised when the class count differs. Its model_config.json's backbone, width, "
                    "P6 input, anchors and resize are used unless --backbone / --fpn_channels / --image_size say otherwise")
-    g.add_argument("--freeze_at", type=int_at_least(0), help="freeze the backbone's stem (1) and first stages (2-5; "
+    g.add_argument("--freeze_at", type=int, choices=range(6), metavar="{0..5}", help="freeze the backbone's stem (1) and first stages (2-5; "
                    "detectron2's FREEZE_AT): 2 with pretrained weights, 0 from scratch")
     g.add_argument("--backbone_bn", default="auto", choices=["auto", "frozen", "train"],
                    help="backbone BatchNorm: frozen (the standard setting with pretrained weights), train, or "
