@@ -280,6 +280,8 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
         raise CheckpointError(_save_failure_message(output_dir, tmp, error))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        for entry in os.listdir(tmp):
+            _readable_as_umask_allows(os.path.join(tmp, entry))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if total_limit and total_limit > 0:
@@ -288,6 +290,16 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
                     shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _readable_as_umask_allows(path: str) -> None:
+    """Give a written file the mode every other output of the run gets (0644 under the usual umask 022):
+    safetensors writes through a private temporary file and leaves 0600, so a weights file was the one
+    output a teammate or a serving job running as another user could not read."""
+    if os.path.isfile(path):
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path, 0o666 & ~umask)
 
 
 def _save_failure_message(output_dir: str, tmp: str, error: BaseException | None) -> str:
@@ -314,10 +326,10 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
         from safetensors.torch import save_file
 
         os.makedirs(folder, exist_ok=True)
-        bare = accelerator.unwrap_model(model)
-        sd = {k: v.detach().contiguous().cpu() for k, v in bare.state_dict().items()}
+        sd = {k: v.detach().contiguous().cpu() for k, v in accelerator.get_state_dict(model).items()}
         save_file(sd, path + ".tmp")
         os.replace(path + ".tmp", path)
+        _readable_as_umask_allows(path)
         for fname, obj in (("model_config.json", model_config), ("best.json", extra)):
             if obj is not None:
                 with open(os.path.join(folder, fname), "w") as f:
