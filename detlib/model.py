@@ -19,6 +19,8 @@ from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from detlib.anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
+
 
 # ImageNet statistics of the RGB channels in [0, 255], for backbones pretrained on ImageNet.
 IMAGENET_MEAN = (123.675, 116.28, 103.53)
@@ -282,7 +284,8 @@ class RetinaNet(nn.Module):
         freeze_backbone_bn: replace the backbone's BatchNorm by FrozenBatchNorm2d (the standard setting
             when fine-tuning from pretrained weights with small per-device batches).
         prior_prob: initial foreground probability of the classifier (pi).
-        num_anchors: anchors per location (must match the AnchorGenerator; 9 by default).
+        num_anchors: anchors per location, `AnchorGenerator.num_anchors_per_location` (3 scales x 3 ratios = 9
+            by default).
         fold_frozen_bn: with `freeze_backbone_bn`, apply each frozen BatchNorm of a ResNet backbone inside
             the conv before it (`fold_frozen_batchnorm`): the same function, fewer passes over the
             activations; state dict keys are unchanged.
@@ -309,7 +312,7 @@ class RetinaNet(nn.Module):
         backbone_weights: str | None = None,
         freeze_backbone_bn: bool = True,
         prior_prob: float = 0.01,
-        num_anchors: int = 9,
+        num_anchors: int = DEFAULT_NUM_ANCHORS,
         fold_frozen_bn: bool = True,
         freeze_at: int = 0,
         p6_input: str = "c5",
@@ -329,11 +332,14 @@ class RetinaNet(nn.Module):
         channels = self.backbone.feature_info.channels()
         self.feature_indices = [reductions.index(r) for r in BACKBONE_REDUCTIONS]
         in_channels = [channels[i] for i in self.feature_indices]
-        # P6 is computed from C5 as in the paper (section 4, footnote 2), P7 from ReLU(P6); LastLevelP6P7 reads
-        # P5 instead when its in and out widths are equal, which is how torchvision's v1 gets P6 from P5.
+        # P6 is computed from C5 as in the paper (section 4, footnote 2), P7 from ReLU(P6). torchvision's
+        # LastLevelP6P7 guesses its input from the widths (P5 when in == out), so a backbone whose C5 is as wide
+        # as the FPN would silently read P5: the choice is set explicitly after construction.
         p6_in = in_channels[-1] if p6_input == "c5" else fpn_channels
         self.p6_input = p6_input
-        self.fpn = FeaturePyramidNetwork(in_channels, fpn_channels, extra_blocks=LastLevelP6P7(p6_in, fpn_channels))
+        extra = LastLevelP6P7(p6_in, fpn_channels)
+        extra.use_P5 = p6_input == "p5"
+        self.fpn = FeaturePyramidNetwork(in_channels, fpn_channels, extra_blocks=extra)
         self.cls_head = RetinaNetHead(fpn_channels, num_anchors, num_classes, bias_prior=prior_prob, norm=head_norm)
         self.box_head = RetinaNetHead(fpn_channels, num_anchors, 4, norm=head_norm)
         self.register_buffer("pixel_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
@@ -395,4 +401,5 @@ def build_retinanet_from_config(config: dict, freeze_backbone_bn: bool = False) 
         raise KeyError(f"model config lacks {missing}")
     return RetinaNet(int(config["num_classes"]), config["backbone"], fpn_channels=int(config["fpn_channels"]),
                      freeze_backbone_bn=freeze_backbone_bn, p6_input=config.get("p6_input") or "c5",
-                     head_norm=config.get("head_norm") or "none")
+                     head_norm=config.get("head_norm") or "none",
+                     num_anchors=anchor_generator_from_config(config).num_anchors_per_location)

@@ -42,7 +42,7 @@ from timm.optim import param_groups_weight_decay
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.anchors import ANCHOR_CONFIG_KEYS, anchor_generator_from_config
+from detlib.anchors import ANCHOR_CONFIG_KEYS, INPUT_DIVISIBILITY, anchor_generator_from_config
 from detlib.analysis import per_class_ap, per_class_without_detections
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
 from detlib.cococheck import check_coco_for_training
@@ -321,11 +321,12 @@ def main(argv=None):
     freeze_bn = args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained)
     if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
         logger.info("backbone from scratch (no --backbone_weights): its BatchNorm is trained, not frozen")
+    anchor_gen = anchor_generator_from_config(model_config)
     model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
                       pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
                       backbone_weights=None if args.evaluate_only else args.backbone_weights,
                       freeze_backbone_bn=freeze_bn, freeze_at=args.freeze_at, p6_input=model_settings["p6_input"],
-                      head_norm=model_settings["head_norm"])
+                      head_norm=model_settings["head_norm"], num_anchors=anchor_gen.num_anchors_per_location)
     if args.evaluate_only:
         weights = run.load_weights(model, args.evaluate_only)
     elif args.init_from:
@@ -359,12 +360,11 @@ def main(argv=None):
     if accelerator.is_main_process:
         from torch.utils.flop_counter import FlopCounterMode
 
-        s = int(math.ceil((args.max_size or args.image_size) / 32) * 32)
+        s = int(math.ceil((args.max_size or args.image_size) / INPUT_DIVISIBILITY) * INPUT_DIVISIBILITY)
         with torch.no_grad(), FlopCounterMode(display=False) as fc:
             model.eval()(torch.zeros(1, 3, s, s))
         model.train()
         logger.info("forward cost at %dx%d: %.1f GFLOPs per image", s, s, fc.get_total_flops() / 1e9)
-    anchor_gen = anchor_generator_from_config(model_config)
 
     config = {k: v for k, v in vars(args).items()}
     config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
