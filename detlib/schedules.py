@@ -20,8 +20,11 @@ def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, war
               milestones: Sequence[int] = (), gamma: float = 0.1, anchor: tuple[int, float] | None = None) -> float:
     """Multiplier of the base LR at optimizer step `step` (0-based).
 
-    Linear warmup from `warmup_start` to 1 over `warmup_steps` (Goyal et al., "Accurate, Large Minibatch
-    SGD", section 2.2; Detectron starts at 0.001), then:
+    Linear warmup over the first `warmup_steps` steps (Goyal et al., "Accurate, Large Minibatch SGD", section
+    2.2; Detectron starts at 0.001): the factor of step s < warmup_steps is
+    `warmup_start + (1 - warmup_start) * (s + 1) / warmup_steps`, so the first step already takes one step of
+    the ramp (not `warmup_start` itself) and step warmup_steps - 1 is the first at the full LR. Every kind
+    warms up, `constant` included; a run shorter than its warmup never reaches the base LR. Then:
       multistep  x gamma at each of `milestones` (optimizer steps)
       cosine     half-cosine from 1 to 0 over the steps after the warmup
       constant   1

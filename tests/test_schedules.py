@@ -32,3 +32,9 @@ def test_scheduler_steps_the_optimizer_lr_and_rejects_unknown_kinds():
     assert lrs == pytest.approx([0.5, 0.5, 0.05, 0.05])
     with pytest.raises(ValueError, match="schedule"):
         lr_factor(0, "linear", 10)
+
+
+def test_constant_warms_up_too_and_the_first_step_is_one_step_into_the_ramp():
+    f = [lr_factor(s, "constant", 200, warmup_steps=500, warmup_start=0.0) for s in (0, 1, 199)]
+    assert f == pytest.approx([1 / 500, 2 / 500, 200 / 500])  # a 200-step run never reaches its LR
+    assert lr_factor(3, "constant", 10, warmup_steps=4, warmup_start=0.0) == pytest.approx(1.0)
