@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = groups["optimization"]
     g.add_argument("--lr", type=float_range(0), help="peak learning rate")
     g.add_argument("--weight_decay", type=float_range(0), help="weight decay")
-    g.add_argument("--warmup_steps", type=int_at_least(0), help="linear warmup before the cosine decay "
-                   "(default: 5%% of the steps)")
+    g.add_argument("--warmup_steps", type=int_at_least(0), help="optimizer steps of linear warm-up from 0 before the "
+                   "cosine decay (default: 5%% of the steps)")
     g.add_argument("--label_smoothing", type=float_range(0, 1), default=0.0)
 
     g = groups["evaluation"]

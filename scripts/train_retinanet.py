@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plateau_patience", type=int_at_least(0), default=3, help="plateau: epochs without a lower mean "
                    "training loss tolerated before the LR drops 10x")
     g.add_argument("--lr_steps", type=int_at_least(1), nargs="+", default=[8, 11], help="multistep: epochs where the LR drops 10x")
-    g.add_argument("--warmup_steps", type=int_at_least(0), default=500, help="linear warmup of the per-step schedules")
+    g.add_argument("--warmup_steps", type=int_at_least(0), default=500, help="optimizer steps of linear warm-up from "
+                   "0.001x to the LR, for multistep, cosine and constant (plateau has none)")
     g.add_argument("--box_loss", default="l1", choices=BOX_LOSSES)
     g.add_argument("--loss_normalizer", default="batch", choices=["batch", "ema"],
                    help="divide the losses by the batch's positive anchors, or by their running average over steps "
