@@ -39,6 +39,8 @@ def resolved(script, argv: list[str], synthetic: bool = True) -> argparse.Namesp
 def test_default_lr_and_weight_decay_follow_the_optimizer_and_an_explicit_lr_wins():
     retinanet, catsdogs = load_script("train_retinanet"), load_script("train_catsdogs")
     assert resolved(retinanet, []).lr == 1e-3 and resolved(retinanet, [], synthetic=False).lr == 1e-4
+    assert resolved(retinanet, ["--optimizer", "sgd"]).lr == 0.01  # the COCO SGD 1x recipe's, 16 images per step
+    assert resolved(retinanet, ["--optimizer", "sgd"], synthetic=False).lr == 0.01
     assert resolved(retinanet, ["--optimizer", "sgd"]).weight_decay == 1e-4
     assert resolved(retinanet, ["--optimizer", "sgd", "--lr", "0.02"]).lr == 0.02
     assert resolved(catsdogs, ["--optimizer", "sgd"]).lr == 0.05 and resolved(catsdogs, []).lr == 1e-3
