@@ -20,6 +20,9 @@ Fine-tuning from local ImageNet weights (the 1000-class fc is replaced), or timm
 Long runs (a checkpoint every 200 steps; SIGTERM / SIGUSR1 / Ctrl-C write one and exit 75):
     ... scripts/train_catsdogs.py --train_dir data/train --val_dir data/validation --checkpoint_steps 200
 
+The same run again, from the config.yaml a run writes (flags given after it override it):
+    ... scripts/train_catsdogs.py --config outputs/catsdogs/config.yaml --output_dir outputs/catsdogs_again
+
 Defaults that depend on the data (built-in: no --train_dir / --val_dir given) and the optimizer
 (DATA_DEFAULTS in the script):
 """
@@ -40,8 +43,8 @@ from detlib import checkpoint as ckpt
 from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, classification_metrics,
                                    classification_transform, make_synthetic_image_folder, scan_image_folder)
 from detlib.engine import Run
-from detlib.flags import (data_defaults_table, float_range, int_at_least, resolve_data_defaults, run_argument_parser,
-                          show_data_defaults)
+from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
+                          run_argument_parser, show_data_defaults)
 from detlib.foldercheck import check_folders_for_training
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
@@ -61,10 +64,12 @@ __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring
 # This script's defaults of the run machinery's flags (detlib.flags).
 RUN_DEFAULTS = {"output_dir": "outputs/catsdogs", "project": "detlib-catsdogs", "log_interval": 10, "eval_interval": 1,
                 "per_device_eval_batch_size": 64, "max_grad_norm": 1.0}
+# What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
+RECORD_KEYS = ("classes", "num_val_images", "num_train_images", "data_train_dir", "data_val_dir")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # epochs, batch, checkpoints, logging
+    p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["model"]
     g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
     g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is reset)")
@@ -93,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The flags of `argv` (default: sys.argv[1:]); data-dependent ones stay None (resolved in main)."""
-    return build_parser().parse_args(argv)
+    """The flags of `argv` (default: sys.argv[1:]) over those of --config; data-dependent ones stay None (main)."""
+    return parse_with_config(build_parser(), argv, RECORD_KEYS)
 
 
 def build_dataloaders(args, dirs: dict[str, str | None]):

@@ -26,6 +26,9 @@ Torchvision's COCO weights (converted by scripts/convert_weights.py), evaluated 
 Long runs (a checkpoint every 500 steps; SIGTERM / SIGUSR1 / Ctrl-C write one and exit 75; SLURM: slurm/):
     ... scripts/train_retinanet.py --data_dir /data/coco --checkpoint_steps 500 --resume_from_checkpoint latest
 
+The same run again, from the config.yaml a run writes (flags given after it override it):
+    ... scripts/train_retinanet.py --config outputs/r50_600/config.yaml --output_dir outputs/r50_600_again
+
 Defaults that depend on the data (built-in: no --data_dir / --train_images / --val_images given) and the optimizer
 (DATA_DEFAULTS in the script):
 """
@@ -54,8 +57,8 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
 from detlib.engine import Run
-from detlib.flags import (data_defaults_table, float_range, int_at_least, resolve_data_defaults, run_argument_parser,
-                          show_data_defaults)
+from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
+                          run_argument_parser, show_data_defaults)
 from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from detlib.model import RetinaNet, load_matching_weights, load_state_dict_file
@@ -83,10 +86,13 @@ __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring
 # This script's defaults of the run machinery's flags (detlib.flags).
 RUN_DEFAULTS = {"output_dir": "outputs/retinanet", "project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
                 "per_device_eval_batch_size": 8, "log_interval": 20}
+# What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
+RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_annotations", "data_val_images",
+               "data_val_annotations")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # epochs, batch, checkpoints, logging
+    p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["data"]
     g.add_argument("--data_dir", help="COCO root: DIR/annotations/instances_{set}.json, images in DIR/{set} or DIR/images/{set}")
     g.add_argument("--train_set", default="train2017")
@@ -163,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The flags of `argv` (default: sys.argv[1:]); data-dependent ones stay None (resolved in main)."""
+    """The flags of `argv` (default: sys.argv[1:]) over those of --config; data-dependent ones stay None (main)."""
     p = build_parser()
-    args = p.parse_args(argv)
+    args = parse_with_config(p, argv, RECORD_KEYS)
     if args.max_size is not None and args.image_size is not None and args.max_size < args.image_size:
         p.error(f"--max_size {args.max_size} is smaller than --image_size {args.image_size} (the shorter side)")
     return args
@@ -291,7 +297,7 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
 def main(argv=None):
     args = parse_args(argv)
     synthetic = not (args.data_dir or args.train_images or args.val_images)
-    given = {k for k in vars(args) if getattr(args, k) is not None}  # what the user passed
+    given = {k for k in vars(args) if getattr(args, k) is not None}  # what the user passed (flags or --config)
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     flag = "--evaluate_only" if args.evaluate_only else "--init_from"
     try:
