@@ -1,17 +1,38 @@
-"""The command-line flags both training scripts share, and argparse types that refuse values that cannot work.
+"""The command-line flags both training scripts share, `--config FILE.yaml`, and argparse types that refuse values
+that cannot work.
 
 A nonsense value (`--epochs 0`, `--lr -1`, `--log_interval 0`) is an argparse error at start (exit code 2, one
-line naming the flag), never a traceback or a lost epoch later.
+line naming the flag), never a traceback or a lost epoch later; a value read from a `--config` file goes through
+the same checks.
+
+`--config` is timm's two-stage parse: a first parser reads only `--config`, the file's `flag: value` lines become
+the parser's defaults, and the full parse lets the command line override them. A run's own
+`OUTPUT_DIR/config.yaml` is such a file: fed back, it re-runs the run (the keys the run recorded beside its
+flags, e.g. `num_processes`, are read as what they are, a record, and not applied).
+
+Defaults that depend on the data (the built-in synthetic set or real data) and on the optimizer are written once
+per script, as a table `{flag: (built-in data, real data)}` or `{flag: {optimizer: (built-in, real)}}`;
+`data_defaults_table`, `show_data_defaults` and `resolve_data_defaults` print it in the docstring and `--help`
+and apply it.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import difflib
 import math
+import os
+
+import yaml
 
 from .runtime import REPORT_TO
 
 GROUPS = ("data", "model", "optimization", "evaluation", "checkpointing", "logging")
+# Keys both scripts' `main` write to config.yaml beside the flags: what the run found, not what it was told.
+RUN_RECORD_KEYS = ("num_processes", "synthetic_data")
+# detlib.engine.Run writes an evaluation-only run into OUTPUT_DIR/evaluate_only and records that folder as output_dir.
+EVALUATE_ONLY_SUBDIR = "evaluate_only"
 
 
 def int_at_least(lo: int):
@@ -37,57 +58,187 @@ def float_range(lo: float, hi: float = math.inf, lo_open: bool = False):
     return parse
 
 
-def run_argument_parser(description: str, helps: dict | None = None, **defaults) -> tuple[argparse.ArgumentParser, dict]:
-    """A parser with the run machinery's flags (detlib.engine) in the groups both scripts use.
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (the script's docstring: commands to copy) and every flag's default, appended
+    unless the help already states it (a help that says "default")."""
 
-    `defaults` set the script's own defaults of these flags (e.g. `output_dir`, `eval_interval`), `helps` the
-    help of those whose default depends on the script or the data (`describe`). Returns the parser and its
-    groups by name, so the script adds its own flags beside them.
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)  # argparse prints no help line for a flag without help, so no default either
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+
+def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
+    """A parser with `--config` and the run machinery's flags (detlib.engine) in the groups both scripts use.
+
+    `defaults` set the script's own defaults of these flags (e.g. `output_dir`, `eval_interval`). Returns the
+    parser and its groups by name, so the script adds its own flags beside them; parse with `parse_with_config`.
     """
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p.add_argument("--config", metavar="FILE.yaml",
+                   help="flag: value lines used as defaults; flags on the command line override them. A run's "
+                        "OUTPUT_DIR/config.yaml re-runs it (its record keys, e.g. num_processes, are not applied); "
+                        "an unknown key is an error (default: none)")
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     g = groups["data"]
-    g.add_argument("--num_workers", type=int_at_least(0), default=4, help="DataLoader workers per process (default: %(default)s)")
+    g.add_argument("--num_workers", type=int_at_least(0), default=4, help="DataLoader workers per process")
     g = groups["optimization"]
-    g.add_argument("--epochs", type=int_at_least(1))
+    g.add_argument("--epochs", type=int_at_least(1), help="epochs to train")
     g.add_argument("--max_steps", type=int_at_least(0), default=0, help="stop after this many optimizer steps (0: no limit)")
-    g.add_argument("--per_device_batch_size", type=int_at_least(1))
+    g.add_argument("--per_device_batch_size", type=int_at_least(1), help="images per device and step")
     g.add_argument("--gradient_accumulation_steps", type=int_at_least(1), default=1)
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
-    g.add_argument("--momentum", type=float_range(0, 1), default=0.9, help="SGD momentum (default: %(default)s)")
-    g.add_argument("--max_grad_norm", type=float_range(0), help="gradient clipping norm (0: off; default: %(default)s)")
+    g.add_argument("--momentum", type=float_range(0, 1), default=0.9, help="SGD momentum")
+    g.add_argument("--max_grad_norm", type=float_range(0), help="gradient clipping norm (0: off)")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max_nonfinite_steps", type=int_at_least(1), default=5,
-                   help="stop after this many non-finite optimizer steps in a row, each skipped (default: %(default)s)")
+                   help="stop after this many non-finite optimizer steps in a row, each skipped")
     g = groups["evaluation"]
-    g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last (default: %(default)s)")
+    g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last")
     g.add_argument("--per_device_eval_batch_size", type=int_at_least(1))
     g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a run folder, best/, last/, a checkpoint folder "
-                   "or a model.safetensors and exit (results in OUTPUT_DIR/evaluate_only/)")
+                   "or a model.safetensors and exit (results in OUTPUT_DIR/evaluate_only/; default: train)")
     g = groups["checkpointing"]
     g.add_argument("--output_dir")
     g.add_argument("--checkpoint_total_limit", type=int_at_least(0), default=2,
-                   help="keep the newest N checkpoints, epoch and step ones together (0: all; default: %(default)s)")
-    g.add_argument("--checkpoint_interval", type=int_at_least(1), default=1, help="checkpoint every N epochs and at the end (default: %(default)s)")
+                   help="keep the newest N checkpoints, epoch and step ones together (0: all)")
+    g.add_argument("--checkpoint_interval", type=int_at_least(1), default=1, help="checkpoint every N epochs and at the end")
     g.add_argument("--checkpoint_steps", type=int_at_least(0), default=0,
                    help="also checkpoint every N optimizer steps, mid-epoch included (0: off)")
     g.add_argument("--resume_from_checkpoint", metavar="latest|PATH",
-                   help="latest: the newest intact checkpoint of OUTPUT_DIR; or a checkpoint folder")
+                   help="latest: the newest intact checkpoint of OUTPUT_DIR; or a checkpoint folder (default: a new run)")
     g.add_argument("--overwrite_output_dir", action="store_true",
                    help="start a new run in a folder that holds another run, deleting its checkpoints, best/, last/ and logs")
     g = groups["logging"]
     g.add_argument("--report_to", default="wandb", choices=REPORT_TO)
     g.add_argument("--project", help="tracker project name")
-    g.add_argument("--run_name")
-    g.add_argument("--log_interval", type=int_at_least(1), help="optimizer steps between train log lines (default: %(default)s)")
+    g.add_argument("--run_name", help="tracker run name (default: the name of OUTPUT_DIR)")
+    g.add_argument("--log_interval", type=int_at_least(1), help="optimizer steps between train log lines")
     p.set_defaults(**defaults)
-    describe(p, **(helps or {}))
     return p, groups
 
 
-def describe(p: argparse.ArgumentParser, **helps: str) -> None:
-    """Set the help text of flags added by `run_argument_parser` whose default depends on the script or data."""
+# ---- defaults that depend on the data and the optimizer
+
+def _fmt(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _pair(builtin, real) -> str:
+    return _fmt(builtin) if builtin == real else f"built-in data {_fmt(builtin)}, real data {_fmt(real)}"
+
+
+def data_default_text(entry) -> str:
+    """One table entry as help text: `(160, 600)` -> "built-in data 160, real data 600"; `{"adamw": (1e-3, 1e-4),
+    "sgd": (0.01, 0.01)}` -> "adamw: built-in data 0.001, real data 0.0001; sgd: 0.01"."""
+    if isinstance(entry, dict):
+        return "; ".join(f"{optimizer}: {_pair(*pair)}" for optimizer, pair in entry.items())
+    return _pair(*entry)
+
+
+def data_defaults_table(table: dict) -> str:
+    """The table as docstring text: one line per flag (per flag and optimizer where it depends on the optimizer)."""
+    rows = [("flag", "built-in data", "real data")]
+    for flag, entry in table.items():
+        if isinstance(entry, dict):
+            rows += [(f"--{flag} with --optimizer {opt}", _fmt(b), _fmt(r)) for opt, (b, r) in entry.items()]
+        else:
+            rows.append((f"--{flag}", _fmt(entry[0]), _fmt(entry[1])))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"    {a:<{widths[0]}}   {b:<{widths[1]}}   {c}" for a, b, c in rows) + "\n"
+
+
+def show_data_defaults(p: argparse.ArgumentParser, table: dict) -> None:
+    """Append each table flag's defaults to its help ("(default: built-in data 160, real data 600)")."""
     for action in p._actions:
-        if action.dest in helps:
-            action.help = helps[action.dest]
+        if action.dest in table:
+            action.help = f"{action.help} (default: {data_default_text(table[action.dest])})"
+
+
+def resolve_data_defaults(args: argparse.Namespace, table: dict, synthetic: bool) -> None:
+    """Set each table flag left unset (None) to its default for the data (`synthetic`: the built-in set) and
+    `args.optimizer`. A value given on the command line or in --config is kept."""
+    for flag, entry in table.items():
+        if getattr(args, flag) is None:
+            builtin, real = entry[args.optimizer] if isinstance(entry, dict) else entry
+            setattr(args, flag, builtin if synthetic else real)
+
+
+# ---- --config: timm's two-stage parse
+
+def parse_with_config(p: argparse.ArgumentParser, argv: list[str] | None = None,
+                      record_keys: tuple[str, ...] = ()) -> argparse.Namespace:
+    """Parse `argv` (default: sys.argv[1:]) with the values of `--config FILE.yaml` as the parser's defaults.
+
+    `record_keys`: keys the script writes to config.yaml beside its flags; they are not applied (besides
+    `RUN_RECORD_KEYS` and `config` itself). An unreadable file, a file that is not a mapping, an unknown key or a
+    value a flag refuses is one line naming the file and the key, exit code 2.
+    """
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config")
+    known, _ = first.parse_known_args(argv)
+    if known.config:
+        p.set_defaults(**read_config(p, known.config, record_keys))
+    return p.parse_args(argv)
+
+
+def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, ...] = ()) -> dict:
+    """The flag values of a --config file, each checked and converted as the flag's own type and choices do it
+    (so `lr: 1e-4`, which YAML reads as a string, is the number 1e-4). Exits as `parse_with_config` says."""
+    def fail(message: str):
+        p.exit(2, f"{p.prog}: error: --config {path}: {message}\n")
+
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+    except OSError as e:
+        fail(e.strerror or str(e))
+    except yaml.YAMLError as e:
+        fail("not valid YAML: " + " ".join(str(e).split()))
+    if not isinstance(cfg, dict):
+        fail(f"must be a mapping of flag names to values (one `flag: value` per line), not {type(cfg).__name__}")
+    flags = {a.dest: a for a in p._actions if a.option_strings and a.default is not argparse.SUPPRESS}
+    ignored = {"config", *RUN_RECORD_KEYS, *record_keys}
+    out = {}
+    for key, value in cfg.items():
+        if key in ignored:
+            continue
+        if key not in flags:
+            close = difflib.get_close_matches(str(key), list(flags), n=1)
+            fail(f"unknown key {key!r}: not a flag of {p.prog}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        try:
+            out[key] = _flag_value(flags[key], value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            fail(f"{key}: {e}")
+    if out.get("evaluate_only") and os.path.basename(os.path.normpath(out.get("output_dir") or "")) == EVALUATE_ONLY_SUBDIR:
+        # the recorded folder of an evaluation-only run: re-running it writes to the same place, not one level down
+        out["output_dir"] = os.path.dirname(os.path.normpath(out["output_dir"]))
+    return out
+
+
+def _flag_value(action: argparse.Action, value):
+    """`value` from YAML as the flag would have parsed it. Raises ValueError / ArgumentTypeError."""
+    if value is None:
+        if action.default is not None:
+            raise ValueError(f"needs a value (the flag's default is {action.default!r})")
+        return None
+    if action.nargs == 0:  # store_true, --flag / --no-flag
+        if not isinstance(value, bool):
+            raise ValueError(f"must be true or false, got {value!r}")
+        return value
+    many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+    if many != isinstance(value, list) or isinstance(value, dict):
+        raise ValueError(f"must be {'a list' if many else 'one value'}, got {value!r}")
+    values = [action.type(str(v)) if action.type else str(v) for v in (value if many else [value])]
+    for v in values:
+        if action.choices is not None and v not in action.choices:
+            raise ValueError(f"must be one of {', '.join(map(str, action.choices))}, got {v!r}")
+    return values if many else values[0]

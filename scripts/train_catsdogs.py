@@ -19,6 +19,12 @@ Fine-tuning from local ImageNet weights (the 1000-class fc is replaced), or timm
 
 Long runs (a checkpoint every 200 steps; SIGTERM / SIGUSR1 / Ctrl-C write one and exit 75):
     ... scripts/train_catsdogs.py --train_dir data/train --val_dir data/validation --checkpoint_steps 200
+
+The same run again, from the config.yaml a run writes (flags given after it override it):
+    ... scripts/train_catsdogs.py --config outputs/catsdogs/config.yaml --output_dir outputs/catsdogs_again
+
+Defaults that depend on the data (built-in: no --train_dir / --val_dir given) and the optimizer
+(DATA_DEFAULTS in the script):
 """
 
 from __future__ import annotations
@@ -37,48 +43,63 @@ from detlib import checkpoint as ckpt
 from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, classification_metrics,
                                    classification_transform, make_synthetic_image_folder, scan_image_folder)
 from detlib.engine import Run
-from detlib.flags import float_range, int_at_least, run_argument_parser
+from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
+                          run_argument_parser, show_data_defaults)
 from detlib.foldercheck import check_folders_for_training
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
 
 logger = logging.getLogger("train_catsdogs")
 
-# Defaults that depend on the data: a GPU recipe for real folders, a CPU-sized one for the built-in set.
-REAL_DEFAULTS = {"image_size": 224, "epochs": 10, "per_device_batch_size": 64}
-SYNTHETIC_DEFAULTS = {"image_size": 64, "epochs": 5, "per_device_batch_size": 32}
-# This script's defaults of the run machinery's flags (detlib.flags), and the help of those that depend on the data.
+# Defaults that depend on the data, {flag: (built-in data, real data)}: a GPU recipe for real folders, a CPU-sized
+# one for the built-in set.
+DATA_DEFAULTS = {
+    "image_size": (64, 224),
+    "epochs": (5, 10),
+    "per_device_batch_size": (32, 64),
+    "lr": {"adamw": (1e-3, 1e-3), "sgd": (0.05, 0.05)},
+    "weight_decay": {"adamw": (0.05, 0.05), "sgd": (5e-5, 5e-5)},
+}
+__doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring and so in --help
+# This script's defaults of the run machinery's flags (detlib.flags).
 RUN_DEFAULTS = {"output_dir": "outputs/catsdogs", "project": "detlib-catsdogs", "log_interval": 10, "eval_interval": 1,
                 "per_device_eval_batch_size": 64, "max_grad_norm": 1.0}
-RUN_HELP = {"epochs": "epochs to train: 10 (5 on the built-in data)",
-            "per_device_batch_size": "images per device and step: 64 (32 on the built-in data)"}
+# What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
+RECORD_KEYS = ("classes", "num_val_images", "num_train_images", "data_train_dir", "data_val_dir")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p, groups = run_argument_parser(__doc__, helps=RUN_HELP, **RUN_DEFAULTS)  # epochs, batch, checkpoints, logging
+def build_parser() -> argparse.ArgumentParser:
+    p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["model"]
     g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
     g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is reset)")
     g.add_argument("--pretrained", action="store_true", help="ImageNet weights from torchvision / timm (online)")
 
     g = groups["data"]
-    g.add_argument("--train_dir", help="ImageFolder root: DIR/<class>/<image> (none: the built-in data set)")
-    g.add_argument("--val_dir", help="ImageFolder root with the same class folders")
-    g.add_argument("--image_size", type=int_at_least(16), help="square input side in pixels (224; 64 on the built-in data)")
+    g.add_argument("--train_dir", help="ImageFolder root: DIR/<class>/<image> (default: none, the built-in data set)")
+    g.add_argument("--val_dir", help="ImageFolder root with the same class folders (default: none, the built-in data set)")
+    g.add_argument("--image_size", type=int_at_least(16), help="square input side in pixels")
     g.add_argument("--verify_images", default="full", choices=VERIFY_MODES,
-                   help="check at start: full decode (finds truncated files), header only, or none")
+                   help="check at start: full decode (finds truncated files), header only, or none (default: %(default)s)")
     g.add_argument("--strict_data", action="store_true", help="data repairs (unreadable files left out, files in two "
                    "classes left out, ...) stop the run like errors")
 
     g = groups["optimization"]
-    g.add_argument("--lr", type=float_range(0), help="peak learning rate: 1e-3 for AdamW, 0.05 for SGD")
-    g.add_argument("--weight_decay", type=float_range(0), help="0.05 for AdamW, 5e-5 for SGD")
-    g.add_argument("--warmup_steps", type=int_at_least(0), help="linear warmup before the cosine decay (default: 5%% of the steps)")
+    g.add_argument("--lr", type=float_range(0), help="peak learning rate")
+    g.add_argument("--weight_decay", type=float_range(0), help="weight decay")
+    g.add_argument("--warmup_steps", type=int_at_least(0), help="optimizer steps of linear warm-up from 0 before the "
+                   "cosine decay (default: 5%% of the steps)")
     g.add_argument("--label_smoothing", type=float_range(0, 1), default=0.0)
 
     g = groups["evaluation"]
     g.add_argument("--num_misclassified", type=int_at_least(0), default=16, help="misclassified val images in the wandb table")
-    return p.parse_args(argv)
+    show_data_defaults(p, DATA_DEFAULTS)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags of `argv` (default: sys.argv[1:]) over those of --config; data-dependent ones stay None (main)."""
+    return parse_with_config(build_parser(), argv, RECORD_KEYS)
 
 
 def build_dataloaders(args, dirs: dict[str, str | None]):
@@ -230,13 +251,7 @@ def main(argv=None):
         if args.image_size is None:
             args.image_size = saved.get("image_size")
         args.model = saved.get("model", args.model)  # rebuild the evaluated model as it was trained
-    for k, v in (SYNTHETIC_DEFAULTS if synthetic else REAL_DEFAULTS).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.lr is None:
-        args.lr = 1e-3 if args.optimizer == "adamw" else 0.05
-    if args.weight_decay is None:
-        args.weight_decay = 0.05 if args.optimizer == "adamw" else 5e-5
+    resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     if not synthetic and not args.val_dir:
         sys.exit("error: --val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
     if not synthetic and not args.train_dir and not args.evaluate_only:

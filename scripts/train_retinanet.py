@@ -25,6 +25,12 @@ Torchvision's COCO weights (converted by scripts/convert_weights.py), evaluated 
 
 Long runs (a checkpoint every 500 steps; SIGTERM / SIGUSR1 / Ctrl-C write one and exit 75; SLURM: slurm/):
     ... scripts/train_retinanet.py --data_dir /data/coco --checkpoint_steps 500 --resume_from_checkpoint latest
+
+The same run again, from the config.yaml a run writes (flags given after it override it):
+    ... scripts/train_retinanet.py --config outputs/r50_600/config.yaml --output_dir outputs/r50_600_again
+
+Defaults that depend on the data (built-in: no --data_dir / --train_images / --val_images given) and the optimizer
+(DATA_DEFAULTS in the script):
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
 from detlib.engine import Run
-from detlib.flags import float_range, int_at_least, run_argument_parser
+from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
+                          run_argument_parser, show_data_defaults)
 from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from detlib.model import RetinaNet, load_matching_weights, load_state_dict_file
@@ -63,21 +70,29 @@ from detlib.transforms import AUGMENTATIONS, build_transform
 
 logger = logging.getLogger("train_retinanet")
 
-# Defaults that depend on the data: the full recipe for real data, a CPU-sized one for the built-in set.
-# (From scratch on a CPU the small model needs the higher LR to learn within the 15-minute budget.)
-REAL_DEFAULTS = {"backbone": "resnet50", "image_size": 600, "fpn_channels": 256, "epochs": 12, "per_device_batch_size": 15,
-                 "lr": 1e-4}
-SYNTHETIC_DEFAULTS = {"backbone": "resnet18", "image_size": 160, "fpn_channels": 64, "epochs": 30, "per_device_batch_size": 16,
-                      "lr": 1e-3}
-# This script's defaults of the run machinery's flags (detlib.flags), and the help of those that depend on the data.
+# Defaults that depend on the data, {flag: (built-in data, real data)}: the full recipe for real data, a CPU-sized one
+# for the built-in set (from scratch on a CPU the small model needs the higher AdamW LR to learn within the 15-minute
+# budget). SGD's 0.01 is the COCO 1x recipe's LR for 16 images per step (8 GPUs x 2; README recipe table).
+DATA_DEFAULTS = {
+    "backbone": ("resnet18", "resnet50"),
+    "image_size": (160, 600),
+    "fpn_channels": (64, 256),
+    "epochs": (30, 12),
+    "per_device_batch_size": (16, 15),
+    "lr": {"adamw": (1e-3, 1e-4), "sgd": (0.01, 0.01)},
+    "weight_decay": {"adamw": (0.01, 0.01), "sgd": (1e-4, 1e-4)},  # AdamW's is torch's default
+}
+__doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring and so in --help
+# This script's defaults of the run machinery's flags (detlib.flags).
 RUN_DEFAULTS = {"output_dir": "outputs/retinanet", "project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
                 "per_device_eval_batch_size": 8, "log_interval": 20}
-RUN_HELP = {"epochs": "epochs to train: 12 (30 on the built-in data)",
-            "per_device_batch_size": "images per device and step: 15 (16 on the built-in data)"}
+# What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
+RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_annotations", "data_val_images",
+               "data_val_annotations")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p, groups = run_argument_parser(__doc__, helps=RUN_HELP, **RUN_DEFAULTS)  # epochs, batch, checkpoints, logging
+def build_parser() -> argparse.ArgumentParser:
+    p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["data"]
     g.add_argument("--data_dir", help="COCO root: DIR/annotations/instances_{set}.json, images in DIR/{set} or DIR/images/{set}")
     g.add_argument("--train_set", default="train2017")
@@ -86,13 +101,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--train_annotations", help="COCO json of the training set")
     g.add_argument("--val_images")
     g.add_argument("--val_annotations")
-    g.add_argument("--image_size", type=int_at_least(32), help="longer image side in pixels (600; 160 on the built-in "
-                   "data); with --max_size, the shorter side")
+    g.add_argument("--image_size", type=int_at_least(32), help="longer image side in pixels; with --max_size, the "
+                   "shorter side")
     g.add_argument("--max_size", type=int_at_least(32), help="resize the shorter side to --image_size, the longer to at "
-                   "most this (800 / 1333 is the standard COCO setting)")
+                   "most this (800 / 1333 is the standard COCO setting; default: none, the longer side is --image_size)")
     g.add_argument("--train_scales", type=int_at_least(32), nargs="+", help="multi-scale training: each training image "
                    "is resized to one of these sizes (the shorter side with --max_size, e.g. 640 672 704 736 768 800 "
-                   "with --max_size 1333 as detectron2's 1x); evaluation uses --image_size")
+                   "with --max_size 1333 as detectron2's 1x); evaluation uses --image_size (default: none, --image_size only)")
     g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,
@@ -107,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "boxes, ...) stop the run like errors")
 
     g = groups["model"]
-    g.add_argument("--backbone", help="timm model name (resnet50; resnet18 on the built-in data)")
+    g.add_argument("--backbone", help="timm model name")
     g.add_argument("--backbone_weights", help="local backbone weights: .safetensors or torch state dict")
     g.add_argument("--pretrained_backbone", action="store_true", help="timm's own pretrained download (online)")
     g.add_argument("--init_from", help="start from a detector's weights (a converted torchvision model or one of ours: "
@@ -115,22 +130,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "output is re-initialised when the class count differs. Its model_config.json's backbone, width, "
                    "P6 input, anchors and resize are used unless --backbone / --fpn_channels / --image_size say otherwise")
     g.add_argument("--freeze_at", type=int, choices=range(6), metavar="{0..5}", help="freeze the backbone's stem (1) and first stages (2-5; "
-                   "detectron2's FREEZE_AT): 2 with pretrained weights, 0 from scratch")
+                   "detectron2's FREEZE_AT) (default: 2 with pretrained weights, 0 from scratch)")
     g.add_argument("--backbone_bn", default="auto", choices=["auto", "frozen", "train"],
                    help="backbone BatchNorm: frozen (the standard setting with pretrained weights), train, or "
-                        "auto = frozen when pretrained weights are loaded, trained when training from scratch")
-    g.add_argument("--fpn_channels", type=int_at_least(1), help="FPN and head width (256; 64 on the built-in data)")
+                        "auto = frozen when pretrained weights are loaded, trained when training from scratch "
+                        "(default: %(default)s)")
+    g.add_argument("--fpn_channels", type=int_at_least(1), help="FPN and head width")
     g.add_argument("--sync_bn", action="store_true", help="SyncBatchNorm for trainable BN layers (multi-GPU)")
     g.add_argument("--channels_last", action="store_true", help="channels_last memory format for the model")
 
     g = groups["optimization"]
-    g.add_argument("--lr", type=float_range(0), help="1e-4 (1e-3 on the built-in data)")
-    g.add_argument("--weight_decay", type=float_range(0), help="0.01 for AdamW (torch's default), 1e-4 for SGD")
-    g.add_argument("--wd_norm", action="store_true", help="weight decay on norm weights and biases too (default: off)")
+    g.add_argument("--lr", type=float_range(0), help="peak learning rate; scale it with the batch (SGD's 0.01 is the "
+                   "COCO 1x recipe's for 16 images per step)")
+    g.add_argument("--weight_decay", type=float_range(0), help="weight decay, not on norm weights and biases "
+                   "unless --wd_norm")
+    g.add_argument("--wd_norm", action="store_true", help="weight decay on norm weights and biases too")
     g.add_argument("--lr_scheduler", default="plateau", choices=["plateau", "multistep", "cosine", "constant"])
-    g.add_argument("--plateau_patience", type=int_at_least(0), default=3)
+    g.add_argument("--plateau_patience", type=int_at_least(0), default=3, help="plateau: epochs without a lower mean "
+                   "training loss tolerated before the LR drops 10x")
     g.add_argument("--lr_steps", type=int_at_least(1), nargs="+", default=[8, 11], help="multistep: epochs where the LR drops 10x")
-    g.add_argument("--warmup_steps", type=int_at_least(0), default=500, help="linear warmup of the per-step schedules")
+    g.add_argument("--warmup_steps", type=int_at_least(0), default=500, help="optimizer steps of linear warm-up from "
+                   "0.001x to the LR, for multistep, cosine and constant (plateau has none)")
     g.add_argument("--box_loss", default="l1", choices=BOX_LOSSES)
     g.add_argument("--loss_normalizer", default="batch", choices=["batch", "ema"],
                    help="divide the losses by the batch's positive anchors, or by their running average over steps "
@@ -144,7 +164,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--num_log_images", type=int_at_least(0), default=16,
                    help="val images drawn with their detections at every evaluation, the same ones each time, under "
                         "OUTPUT_DIR/samples/ and to the trackers (default: %(default)s)")
-    args = p.parse_args(argv)
+    show_data_defaults(p, DATA_DEFAULTS)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags of `argv` (default: sys.argv[1:]) over those of --config; data-dependent ones stay None (main)."""
+    p = build_parser()
+    args = parse_with_config(p, argv, RECORD_KEYS)
     if args.max_size is not None and args.image_size is not None and args.max_size < args.image_size:
         p.error(f"--max_size {args.max_size} is smaller than --image_size {args.image_size} (the shorter side)")
     return args
@@ -270,10 +297,8 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
 def main(argv=None):
     args = parse_args(argv)
     synthetic = not (args.data_dir or args.train_images or args.val_images)
-    given = {k for k in vars(args) if getattr(args, k) is not None}  # what the user passed
-    for k, v in (SYNTHETIC_DEFAULTS if synthetic else REAL_DEFAULTS).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    given = {k for k in vars(args) if getattr(args, k) is not None}  # what the user passed (flags or --config)
+    resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     flag = "--evaluate_only" if args.evaluate_only else "--init_from"
     try:
         saved = ckpt.read_model_config(args.evaluate_only or args.init_from) if args.evaluate_only or args.init_from else None
@@ -290,8 +315,6 @@ def main(argv=None):
         if "image_size" not in given and saved.get("image_size"):
             args.image_size, args.max_size = saved["image_size"], saved.get("max_size")
     args.resize_mode = model_settings["resize_mode"]  # read by build_dataloaders
-    if args.weight_decay is None:
-        args.weight_decay = 0.01 if args.optimizer == "adamw" else 1e-4
 
     run = Run(args, metric="AP")  # output folder checks and lock, accelerator, logging, preemption signals
     accelerator = run.accelerator

@@ -1,0 +1,206 @@
+"""The scripts' command line: `--config` (timm's two-stage parse), `--help` with every default, the data- and
+optimizer-dependent defaults (one table per script), and the one-line errors of a bad config file."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO, run_script, write_coco, write_image
+from detlib import flags
+from detlib.runtime import save_config
+
+SCRIPTS = ("train_retinanet", "train_catsdogs")
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", params=SCRIPTS)
+def script(request):
+    return load_script(request.param)
+
+
+def resolved(script, argv: list[str], synthetic: bool = True) -> argparse.Namespace:
+    """The args as `main` resolves them before the run starts (the data-dependent defaults applied)."""
+    args = script.parse_args(argv)
+    flags.resolve_data_defaults(args, script.DATA_DEFAULTS, synthetic)
+    return args
+
+
+def run_like_config(script, args: argparse.Namespace) -> dict:
+    """What `main` writes to config.yaml: the resolved flags and the record keys beside them."""
+    return {**vars(args), **{k: 1 for k in (*flags.RUN_RECORD_KEYS, *script.RECORD_KEYS)}}
+
+
+def one_line_error(capsys, script, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        script.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+# ---- --config
+
+def test_config_yaml_fed_back_gives_the_same_args(script, tmp_path):
+    argv = ["--epochs", "3", "--optimizer", "sgd", "--seed", "7", "--output_dir", str(tmp_path / "run"), "--report_to", "none"]
+    first = resolved(script, argv)
+    save_config(run_like_config(script, first), str(tmp_path))
+    again = resolved(script, ["--config", str(tmp_path / "config.yaml")])
+    assert again.config == str(tmp_path / "config.yaml")
+    assert {**vars(again), "config": None} == vars(first)
+    assert (again.epochs, again.seed, again.optimizer, again.report_to) == (3, 7, "sgd", "none")
+
+
+def test_command_line_overrides_the_config(script, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("epochs: 3\nseed: 7\nlr: 1e-4\n")  # YAML reads 1e-4 (no dot) as a string: the flag's type parses it
+    args = resolved(script, ["--config", str(path), "--epochs", "9"])
+    assert (args.epochs, args.seed, args.lr) == (9, 7, 1e-4)
+    args = resolved(script, ["--epochs", "9", f"--config={path}"])  # the order on the command line does not matter
+    assert (args.epochs, args.seed) == (9, 7)
+
+
+def test_unknown_config_key_is_a_one_line_error_naming_it(script, tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("epoch: 3\n")
+    err = one_line_error(capsys, script, ["--config", str(path)])
+    assert f"--config {path}: unknown key 'epoch'" in err and "did you mean 'epochs'?" in err
+
+
+@pytest.mark.parametrize("text,kind", [("- epochs\n- 3\n", "list"), ("epochs 3\n", "str"), ("", "NoneType")])
+def test_config_that_is_not_a_mapping_is_a_one_line_error(script, tmp_path, capsys, text, kind):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    err = one_line_error(capsys, script, ["--config", str(path)])
+    assert f"--config {path}: must be a mapping of flag names to values" in err and f"not {kind}" in err
+
+
+@pytest.mark.parametrize("text,message", [
+    ("epochs: 0\n", "epochs: must be an integer >= 1, got 0"),
+    ("optimizer: adam\n", "optimizer: must be one of adamw, sgd, got 'adam'"),
+    ("overwrite_output_dir: 1\n", "overwrite_output_dir: must be true or false, got 1"),
+    ("epochs: [3]\n", "epochs: must be one value, got [3]"),
+    ("seed: null\n", "seed: needs a value"),
+    ("epochs: [3\n", "not valid YAML"),
+])
+def test_config_values_are_checked_like_flags(script, tmp_path, capsys, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert message in one_line_error(capsys, script, ["--config", str(path)])
+
+
+def test_missing_config_file_is_a_one_line_error(script, tmp_path, capsys):
+    err = one_line_error(capsys, script, ["--config", str(tmp_path / "nope.yaml")])
+    assert f"--config {tmp_path / 'nope.yaml'}: No such file or directory" in err
+
+
+def test_evaluate_only_config_writes_where_the_evaluation_did(script, tmp_path):
+    # detlib.engine.Run records OUTPUT_DIR/evaluate_only as the output_dir of an evaluation-only run
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"evaluate_only": "runs/a/best", "output_dir": "runs/a/evaluate_only"}))
+    args = script.parse_args(["--config", str(path)])
+    assert (args.evaluate_only, args.output_dir) == ("runs/a/best", "runs/a")
+
+
+# ---- defaults: one table per script, in the docstring and --help
+
+def test_default_lr_and_weight_decay_follow_the_optimizer_and_an_explicit_lr_wins():
+    retinanet, catsdogs = load_script("train_retinanet"), load_script("train_catsdogs")
+    assert resolved(retinanet, []).lr == 1e-3 and resolved(retinanet, [], synthetic=False).lr == 1e-4
+    assert resolved(retinanet, ["--optimizer", "sgd"]).lr == 0.01  # the COCO SGD 1x recipe's, 16 images per step
+    assert resolved(retinanet, ["--optimizer", "sgd"], synthetic=False).lr == 0.01
+    assert resolved(retinanet, ["--optimizer", "sgd"]).weight_decay == 1e-4
+    assert resolved(retinanet, ["--optimizer", "sgd", "--lr", "0.02"]).lr == 0.02
+    assert resolved(catsdogs, ["--optimizer", "sgd"]).lr == 0.05 and resolved(catsdogs, []).lr == 1e-3
+    assert resolved(catsdogs, ["--optimizer", "sgd"], synthetic=False).weight_decay == 5e-5
+
+
+def test_data_defaults_apply_only_to_flags_left_unset():
+    retinanet = load_script("train_retinanet")
+    args = resolved(retinanet, ["--image_size", "320"], synthetic=False)
+    assert (args.image_size, args.backbone, args.fpn_channels, args.epochs, args.per_device_batch_size) == \
+        (320, "resnet50", 256, 12, 15)
+    args = resolved(retinanet, [])
+    assert (args.image_size, args.backbone, args.fpn_channels, args.epochs, args.per_device_batch_size) == \
+        (160, "resnet18", 64, 30, 16)
+
+
+def test_help_shows_every_default_once(script, capsys):
+    with pytest.raises(SystemExit) as e:
+        script.parse_args(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    parser = script.build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            line = " ".join(formatter._format_action(action).split())
+            assert line.count("default:") == 1, line
+            if action.dest in script.DATA_DEFAULTS:
+                assert "default: None" not in line and ("built-in data" in line or "adamw:" in line), line
+    # the docstring's commands are printed as written (a raw description), the table with them
+    assert "    accelerate launch --config_file accelerate_configs/cpu.yaml scripts/" in text
+    assert "    --lr with --optimizer sgd " in text and "    --epochs  " in text
+
+
+def test_data_defaults_table_and_help_text_by_hand():
+    table = {"image_size": (160, 600), "lr": {"adamw": (1e-3, 1e-4), "sgd": (0.01, 0.01)}}
+    assert flags.data_defaults_table(table).splitlines() == [
+        "    flag                          built-in data   real data",
+        "    --image_size                  160             600",
+        "    --lr with --optimizer adamw   0.001           0.0001",
+        "    --lr with --optimizer sgd     0.01            0.01"]
+    assert flags.data_default_text(table["image_size"]) == "built-in data 160, real data 600"
+    assert flags.data_default_text(table["lr"]) == "adamw: built-in data 0.001, real data 0.0001; sgd: 0.01"
+
+
+def test_script_docstring_holds_the_table(script):
+    assert script.__doc__.endswith(flags.data_defaults_table(script.DATA_DEFAULTS))
+
+
+# ---- a real run's config.yaml re-runs it
+
+def _tiny_data(tmp_path, name: str) -> list[str]:
+    if name == "train_catsdogs":
+        for split, n in (("train", 4), ("val", 2)):
+            for c in ("cats", "dogs"):
+                for k in range(n):
+                    write_image(tmp_path / split / c / f"{k}.jpg", 24, 24, seed=k + 10 * (c == "dogs"))
+        return ["--train_dir", str(tmp_path / "train"), "--val_dir", str(tmp_path / "val"), "--image_size", "16",
+                "--per_device_batch_size", "4", "--per_device_eval_batch_size", "4"]
+    for split in ("train", "val"):
+        images = [{"id": i + 1, "file_name": f"{i}.jpg", "width": 64, "height": 48} for i in range(2)]
+        for i in range(2):
+            write_image(tmp_path / "images" / f"{i}.jpg", 64, 48, seed=i)
+        write_coco(tmp_path / f"{split}.json", images, [{"image_id": i + 1, "category_id": 1, "bbox": [8, 8, 24, 20]}
+                                                         for i in range(2)])
+    return ["--train_images", str(tmp_path / "images"), "--train_annotations", str(tmp_path / "train.json"),
+            "--val_images", str(tmp_path / "images"), "--val_annotations", str(tmp_path / "val.json"),
+            "--backbone", "resnet18", "--image_size", "64", "--fpn_channels", "8", "--per_device_batch_size", "2",
+            "--per_device_eval_batch_size", "2", "--num_log_images", "0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_config_yaml_of_a_real_run_parses_back_to_its_values(name, tmp_path):
+    out = tmp_path / "run"
+    run_script(f"{name}.py", [*_tiny_data(tmp_path, name), "--epochs", "1", "--optimizer", "sgd", "--num_workers", "0",
+                              "--report_to", "none", "--output_dir", str(out)])
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    args = load_script(name).parse_args(["--config", str(out / "config.yaml")])  # every key is a flag or a record
+    assert recorded["lr"] == (0.01 if name == "train_retinanet" else 0.05)
+    for key, value in vars(args).items():
+        if key != "config":
+            assert recorded[key] == value, key
