@@ -8,7 +8,7 @@ Top-3, and a copy of every image into a folder named after its predicted class:
         --topk 3 --copy_to_class_folders
 
 Several processes (each takes its share of the batches; results merged, no image twice):
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/predict_catsdogs.py --weights ... --source ...
+    OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/predict_catsdogs.py --weights ... --source ...
 
 Writes OUT/predictions.csv (file, class_1, prob_1, ..., class_k, prob_k), OUT/predictions.json (the same as
 a list of {"file_name", "topk": [{"class", "prob"}, ...]}), OUT/skipped.txt (unreadable files), with

@@ -1,7 +1,7 @@
 r"""Train and evaluate an image classifier (ResNet-18 by default, any timm model) on an ImageFolder with Accelerate.
 
 Built-in data set (horizontal vs vertical stripes), CPU (generated on first use, no download):
-    accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_catsdogs.py
+    OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_catsdogs.py
 
 Kaggle "Dogs vs. Cats" (or any folder of class sub-folders) on 2 GPUs (fp16 from the config):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/train_catsdogs.py \
@@ -12,7 +12,7 @@ Fine-tuning from local ImageNet weights (the 1000-class fc is replaced), or timm
     ... scripts/train_catsdogs.py --train_dir data/train --val_dir data/validation --model convnext_tiny --pretrained
 
 2 CPU processes (gloo DDP), resume, evaluation only:
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_catsdogs.py \
+    OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_catsdogs.py \
         --train_dir ../shared/data/catsdogs/train --val_dir ../shared/data/catsdogs/val --image_size 128 --report_to none
     ... scripts/train_catsdogs.py --train_dir data/train --val_dir data/validation --output_dir outputs/catsdogs --resume_from_checkpoint latest
     ... scripts/train_catsdogs.py --val_dir data/validation --evaluate_only outputs/catsdogs/best

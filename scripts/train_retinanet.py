@@ -1,7 +1,7 @@
 r"""Train and evaluate RetinaNet (ResNet-50 + FPN by default, any timm backbone) with HuggingFace Accelerate.
 
 Built-in synthetic data, CPU (no download; the defaults switch to a small model and image size):
-    accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_retinanet.py
+    OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_retinanet.py
 
 COCO 2017 on 2 GPUs (fp16), the seed recipe (AdamW 1e-4, plateau, 600 px, 12 epochs):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/train_retinanet.py \
@@ -15,7 +15,7 @@ Any COCO-format data set:
     ... scripts/train_retinanet.py --train_images DIR --train_annotations train.json --val_images DIR --val_annotations val.json
 
 2 CPU processes (gloo DDP), resume, evaluation only:
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_retinanet.py ...
+    OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_retinanet.py ...
     ... scripts/train_retinanet.py --output_dir outputs/r50_600 --resume_from_checkpoint latest
     ... scripts/train_retinanet.py --data_dir /data/coco --evaluate_only outputs/r50_600/best
 
