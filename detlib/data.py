@@ -55,31 +55,6 @@ PAD_VALUE_FLOAT = IMAGENET_MEAN
 SIZE_DIVISIBILITY = INPUT_DIVISIBILITY
 
 
-def load_coco_api(annotation_file: str):
-    """pycocotools COCO for a json file, quietly, with a clear error for a missing or broken file.
-
-    Raises:
-        FileNotFoundError: naming the path.
-        ValueError: if the file is not COCO-format json.
-    """
-    from pycocotools.coco import COCO
-
-    if not os.path.isfile(annotation_file):
-        raise FileNotFoundError(f"annotation file not found: {annotation_file}")
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            coco = COCO(annotation_file)
-    except Exception as e:
-        raise ValueError(f"cannot read COCO annotations from {annotation_file}: {type(e).__name__}: {e}") from e
-    for key in ("images", "annotations", "categories"):
-        if key not in coco.dataset:
-            raise ValueError(f"{annotation_file} is not COCO-format: it has no '{key}' list")
-    # pycocotools >= 2.0.9 copies these in loadRes(); json files made by hand often lack them (case B11).
-    coco.dataset.setdefault("info", {})
-    coco.dataset.setdefault("licenses", [])
-    return coco
-
-
 class CocoDetection(torch.utils.data.Dataset):
     """A COCO-format detection data set.
 
@@ -108,7 +83,7 @@ class CocoDetection(torch.utils.data.Dataset):
         image: [3, h, w] uint8 RGB, after the transform
         boxes: [N, 4] float32 xyxy pixels of the transformed image;  labels: [N] int64 in 0..K-1
         crowd_boxes: [C, 4] float32 xyxy pixels (empty when `include_crowd`)
-        image_id: int, the json's image id;  orig_size: (H, W) of the file;  scale: (sy, sx) resized / original
+        image_id: int, the json's image id;  scale: (sy, sx) resized / original
         valid: bool, False when the image could not be decoded (evaluation only)
     Raises:
         FileNotFoundError: the annotation file or the image folder does not exist (names the path).
@@ -285,7 +260,6 @@ class CocoDetection(torch.utils.data.Dataset):
             "labels": sample["labels"][~crowd].reshape(-1),
             "crowd_boxes": boxes[crowd].reshape(-1, 4).float(),
             "image_id": rec["id"],
-            "orig_size": rec["size"],
             "scale": sample.get("scale", (1.0, 1.0)),
             "valid": True,
         }
@@ -301,7 +275,7 @@ class CocoDetection(torch.utils.data.Dataset):
                     rec = self.records[i]
                     return {"image": torch.zeros((3, 8, 8), dtype=torch.uint8), "boxes": torch.zeros((0, 4)),
                             "labels": torch.zeros((0,), dtype=torch.int64), "crowd_boxes": torch.zeros((0, 4)),
-                            "image_id": rec["id"], "orig_size": rec["size"], "scale": (1.0, 1.0), "valid": False}
+                            "image_id": rec["id"], "scale": (1.0, 1.0), "valid": False}
         raise RuntimeError(f"10 images in a row starting at index {index} could not be read; see the warnings above")
 
 
@@ -338,7 +312,7 @@ def collate_detection(samples: list[dict], size_divisibility: int = SIZE_DIVISIB
             `PAD_VALUE` (`PAD_VALUE_FLOAT`) to a multiple of `size_divisibility`
         boxes: [B, M, 4] float32 xyxy (zeros in padding slots);  labels: [B, M] int64 (`PAD_LABEL` in padding)
         crowd_boxes: [B, C, 4] float32 xyxy, zero boxes as padding (C may be 0)
-        image_ids: [B] int64;  image_sizes: [B, 2] (h, w) before padding;  orig_sizes: [B, 2] (H, W) of the files
+        image_ids: [B] int64;  image_sizes: [B, 2] (h, w) before padding
         scales: [B, 2] float32 (sy, sx);  valid: [B] bool
     """
     B = len(samples)
@@ -364,7 +338,6 @@ def collate_detection(samples: list[dict], size_divisibility: int = SIZE_DIVISIB
         "crowd_boxes": crowd_boxes,
         "image_ids": torch.tensor([s["image_id"] for s in samples], dtype=torch.int64),
         "image_sizes": torch.tensor([[h, w] for h, w in zip(hs, ws)], dtype=torch.int64),
-        "orig_sizes": torch.tensor([list(s["orig_size"]) for s in samples], dtype=torch.int64),
         "scales": torch.tensor([list(s["scale"]) for s in samples], dtype=torch.float32),
         "valid": torch.tensor([bool(s["valid"]) for s in samples]),
     }
