@@ -53,31 +53,14 @@ PAD_VALUE = (124, 116, 104)
 PAD_VALUE_FLOAT = IMAGENET_MEAN
 # Inputs are padded to a multiple of the backbone's output stride (see detlib.anchors).
 SIZE_DIVISIBILITY = INPUT_DIVISIBILITY
-
-
-def load_coco_api(annotation_file: str):
-    """pycocotools COCO for a json file, quietly, with a clear error for a missing or broken file.
-
-    Raises:
-        FileNotFoundError: naming the path.
-        ValueError: if the file is not COCO-format json.
-    """
-    from pycocotools.coco import COCO
-
-    if not os.path.isfile(annotation_file):
-        raise FileNotFoundError(f"annotation file not found: {annotation_file}")
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            coco = COCO(annotation_file)
-    except Exception as e:
-        raise ValueError(f"cannot read COCO annotations from {annotation_file}: {type(e).__name__}: {e}") from e
-    for key in ("images", "annotations", "categories"):
-        if key not in coco.dataset:
-            raise ValueError(f"{annotation_file} is not COCO-format: it has no '{key}' list")
-    # pycocotools >= 2.0.9 copies these in loadRes(); json files made by hand often lack them (case B11).
-    coco.dataset.setdefault("info", {})
-    coco.dataset.setdefault("licenses", [])
-    return coco
+# Images tried in a row before a training sample gives up: one bad file is skipped, a run of them means the
+# folder is wrong and the run must stop with a message instead of cycling through the data set.
+MAX_UNREADABLE_IN_A_ROW = 10
+# A sample's augmentation seed is ((seed * P1 + epoch) * P2 + index): two primes above any epoch or index
+# count, so distinct (seed, epoch, index) give distinct seeds and neighbouring samples unrelated streams.
+SEED_PRIME_EPOCH, SEED_PRIME_INDEX = 1_000_003, 1_000_000_007
+# Annotation ids and image paths named in a log line (the rest is counted).
+LOGGED_IDS, LOGGED_PATHS = 10, 5
 
 
 class CocoDetection(torch.utils.data.Dataset):
@@ -108,7 +91,7 @@ class CocoDetection(torch.utils.data.Dataset):
         image: [3, h, w] uint8 RGB, after the transform
         boxes: [N, 4] float32 xyxy pixels of the transformed image;  labels: [N] int64 in 0..K-1
         crowd_boxes: [C, 4] float32 xyxy pixels (empty when `include_crowd`)
-        image_id: int, the json's image id;  orig_size: (H, W) of the file;  scale: (sy, sx) resized / original
+        image_id: int, the json's image id;  scale: (sy, sx) resized / original
         valid: bool, False when the image could not be decoded (evaluation only)
     Raises:
         FileNotFoundError: the annotation file or the image folder does not exist (names the path).
@@ -134,16 +117,7 @@ class CocoDetection(torch.utils.data.Dataset):
         self.max_image_pixels = max_image_pixels
         if not os.path.isdir(image_dir):
             raise FileNotFoundError(f"image folder not found: {image_dir}")
-        checked_dropped = 0
-        if isinstance(annotation_file, dict):
-            self.dataset = annotation_file
-        else:
-            check = check_coco(annotation_file, split="train" if train else "val", check_images=False)
-            if not check.report.ok:
-                raise ValueError(f"{annotation_file}: {check.report.format()}")
-            for f in check.report.findings:
-                logger.warning("%s: %s: %d, annotation ids / items %s", annotation_file, f.message, f.count, f.examples)
-            self.dataset, checked_dropped = check.dataset, check.dropped_annotations
+        self.dataset, checked_dropped = _checked_json(annotation_file, train)
         source = annotation_file if isinstance(annotation_file, str) else "annotations"
         self._coco = None
         self.image_dir = image_dir
@@ -151,16 +125,43 @@ class CocoDetection(torch.utils.data.Dataset):
         self.train = train
         cats = self.dataset["categories"]
         self.category_map = category_map or CategoryMap([c["id"] for c in cats], [c.get("name", c["id"]) for c in cats])
+        records, dropped, unknown_category, missing = self._index(include_crowd, min_box_size)
+        _log_left_out(source, min_box_size, dropped, unknown_category, missing)
+        self.num_dropped_boxes = len(dropped) + checked_dropped
+        self.missing_images = missing
+        self.num_filtered_empty = 0
+        if filter_empty:
+            kept = [r for r in records if (~r["iscrowd"]).any()]
+            self.num_filtered_empty = len(records) - len(kept)
+            if self.num_filtered_empty:
+                logger.info("%s: left out %d of %d training images with no usable box (--filter_empty)", source,
+                            self.num_filtered_empty, len(records))
+            if not kept and records:
+                raise ValueError(f"{source}: no usable (non-crowd, non-degenerate) box in the whole training set; nothing "
+                                 "to learn from (use --include_crowd to train on crowd boxes)")
+            records = kept
+        self.records = CompactRecords(records) if compact else records
+        if compact and train:  # the records hold all a training sample needs; the json would be copied per worker
+            self.dataset = None
+        if not len(self.records):
+            raise ValueError(f"no usable image in {source} (image folder {image_dir})")
+
+    def _index(self, include_crowd: bool, min_box_size: float) -> tuple[list[dict], list, list, list[str]]:
+        """One record per image whose file is there, sorted by image id, with its boxes as xyxy pixels.
+
+        Returns:
+            (records, ids of degenerate boxes dropped, ids of annotations with an unknown category,
+            "path (missing)" / "path (empty file)" of the images left out).
+        """
         annotations_of: dict[int, list[dict]] = {}
         for ann in self.dataset["annotations"]:
             annotations_of.setdefault(ann["image_id"], []).append(ann)
-
         records: list[dict] = []
-        dropped: list[int] = []
-        unknown_category: list[int] = []
+        dropped: list = []
+        unknown_category: list = []
         missing: list[str] = []
         for img in sorted(self.dataset["images"], key=lambda im: im["id"]):
-            path = os.path.join(image_dir, img["file_name"])
+            path = os.path.join(self.image_dir, img["file_name"])
             try:
                 if os.path.getsize(path) == 0:
                     missing.append(f"{path} (empty file)")
@@ -192,36 +193,7 @@ class CocoDetection(torch.utils.data.Dataset):
                 "labels": np.asarray(labels, dtype=np.int64),
                 "iscrowd": np.asarray(crowd, dtype=bool), "exif_transpose": bool(img.get("_exif_transpose", False)),
             })
-        if dropped:
-            logger.warning("%s: dropped %d degenerate boxes (w or h <= %g px after clipping to the image, "
-                           "or outside it); annotation ids %s%s", source, len(dropped), min_box_size,
-                           dropped[:10], " ..." if len(dropped) > 10 else "")
-        if unknown_category:
-            logger.warning("%s: dropped %d annotations whose category_id is not in 'categories'; ids %s",
-                           source, len(unknown_category), unknown_category[:10])
-        if missing:
-            logger.warning("%s: left out %d images whose file is missing or empty, e.g. %s",
-                           source, len(missing), missing[:5])
-        self.num_dropped_boxes = len(dropped) + checked_dropped
-        self.missing_images = missing
-        self.num_filtered_empty = 0
-        if filter_empty:
-            records_before = len(records)
-            kept = [r for r in records if (~r["iscrowd"]).any()]
-            self.num_filtered_empty = len(records) - len(kept)
-            if self.num_filtered_empty:
-                logger.info("%s: left out %d of %d training images with no usable box (--filter_empty)", source,
-                            self.num_filtered_empty, len(records))
-            records = kept
-            if not records and records_before:
-                raise ValueError(f"{source}: no usable (non-crowd, non-degenerate) box in the whole training set; nothing "
-                                 "to learn from (use --include_crowd to train on crowd boxes)")
-        del annotations_of
-        self.records = CompactRecords(records) if compact else records
-        if compact and train:  # the records hold all a training sample needs; the json would be copied per worker
-            self.dataset = None
-        if not len(self.records):
-            raise ValueError(f"no usable image in {source} (image folder {image_dir})")
+        return records, dropped, unknown_category, missing
 
     def __len__(self) -> int:
         return len(self.records)
@@ -285,13 +257,12 @@ class CocoDetection(torch.utils.data.Dataset):
             "labels": sample["labels"][~crowd].reshape(-1),
             "crowd_boxes": boxes[crowd].reshape(-1, 4).float(),
             "image_id": rec["id"],
-            "orig_size": rec["size"],
             "scale": sample.get("scale", (1.0, 1.0)),
             "valid": True,
         }
 
     def __getitem__(self, index: int) -> dict:
-        for attempt in range(min(10, len(self))):
+        for attempt in range(min(MAX_UNREADABLE_IN_A_ROW, len(self))):
             i = (index + attempt) % len(self)
             try:
                 return self._load(i)
@@ -301,8 +272,41 @@ class CocoDetection(torch.utils.data.Dataset):
                     rec = self.records[i]
                     return {"image": torch.zeros((3, 8, 8), dtype=torch.uint8), "boxes": torch.zeros((0, 4)),
                             "labels": torch.zeros((0,), dtype=torch.int64), "crowd_boxes": torch.zeros((0, 4)),
-                            "image_id": rec["id"], "orig_size": rec["size"], "scale": (1.0, 1.0), "valid": False}
-        raise RuntimeError(f"10 images in a row starting at index {index} could not be read; see the warnings above")
+                            "image_id": rec["id"], "scale": (1.0, 1.0), "valid": False}
+        raise RuntimeError(f"{MAX_UNREADABLE_IN_A_ROW} images in a row starting at index {index} could not be read; "
+                           "see the warnings above")
+
+
+def _checked_json(annotation_file: str | dict, train: bool) -> tuple[dict, int]:
+    """(the normalised json, annotations the check dropped): a dict is used as is (the script checked it);
+    a path gets the json part of `check_coco`, its repairs logged.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: the check finds errors (the message holds the report).
+    """
+    if isinstance(annotation_file, dict):
+        return annotation_file, 0
+    check = check_coco(annotation_file, split="train" if train else "val", check_images=False)
+    if not check.report.ok:
+        raise ValueError(f"{annotation_file}: {check.report.format()}")
+    for f in check.report.findings:
+        logger.warning("%s: %s: %d, annotation ids / items %s", annotation_file, f.message, f.count, f.examples)
+    return check.dataset, check.dropped_annotations
+
+
+def _log_left_out(source: str, min_box_size: float, dropped: list, unknown_category: list, missing: list[str]) -> None:
+    """One warning per kind of box or image the data set left out while indexing."""
+    if dropped:
+        logger.warning("%s: dropped %d degenerate boxes (w or h <= %g px after clipping to the image, "
+                       "or outside it); annotation ids %s%s", source, len(dropped), min_box_size,
+                       dropped[:LOGGED_IDS], " ..." if len(dropped) > LOGGED_IDS else "")
+    if unknown_category:
+        logger.warning("%s: dropped %d annotations whose category_id is not in 'categories'; ids %s",
+                       source, len(unknown_category), unknown_category[:LOGGED_IDS])
+    if missing:
+        logger.warning("%s: left out %d images whose file is missing or empty, e.g. %s",
+                       source, len(missing), missing[:LOGGED_PATHS])
 
 
 @contextlib.contextmanager
@@ -313,7 +317,7 @@ def _sample_rng(seed: int | None, epoch: int, index: int):
         return
     state = random.getstate()
     with torch.random.fork_rng(devices=[]):
-        s = (seed * 1_000_003 + epoch) * 1_000_000_007 + index
+        s = (seed * SEED_PRIME_EPOCH + epoch) * SEED_PRIME_INDEX + index
         torch.manual_seed(s % (2**63))
         random.seed(s)
         try:
@@ -338,7 +342,7 @@ def collate_detection(samples: list[dict], size_divisibility: int = SIZE_DIVISIB
             `PAD_VALUE` (`PAD_VALUE_FLOAT`) to a multiple of `size_divisibility`
         boxes: [B, M, 4] float32 xyxy (zeros in padding slots);  labels: [B, M] int64 (`PAD_LABEL` in padding)
         crowd_boxes: [B, C, 4] float32 xyxy, zero boxes as padding (C may be 0)
-        image_ids: [B] int64;  image_sizes: [B, 2] (h, w) before padding;  orig_sizes: [B, 2] (H, W) of the files
+        image_ids: [B] int64;  image_sizes: [B, 2] (h, w) before padding
         scales: [B, 2] float32 (sy, sx);  valid: [B] bool
     """
     B = len(samples)
@@ -364,7 +368,6 @@ def collate_detection(samples: list[dict], size_divisibility: int = SIZE_DIVISIB
         "crowd_boxes": crowd_boxes,
         "image_ids": torch.tensor([s["image_id"] for s in samples], dtype=torch.int64),
         "image_sizes": torch.tensor([[h, w] for h, w in zip(hs, ws)], dtype=torch.int64),
-        "orig_sizes": torch.tensor([list(s["orig_size"]) for s in samples], dtype=torch.int64),
         "scales": torch.tensor([list(s["scale"]) for s in samples], dtype=torch.float32),
         "valid": torch.tensor([bool(s["valid"]) for s in samples]),
     }

@@ -114,6 +114,30 @@ class DataReport:
         os.replace(path + ".tmp", path)
 
 
+class Findings:
+    """The examples a pass of a check collects, one list per finding of its table, added to a report at the end.
+
+    A pass states what it can find once, as a table {key: (level, kind, message)} in report order; while it
+    runs it appends offending ids / items to `found[key]`.
+
+    Args:
+        table: {key: (level, kind, message)}; a message may hold `{name}` fields, filled by `add_to`.
+    """
+
+    def __init__(self, table: dict[str, tuple[str, str, str]]):
+        self.table = table
+        self.examples: dict[str, list] = {key: [] for key in table}
+
+    def __getitem__(self, key: str) -> list:
+        return self.examples[key]
+
+    def add_to(self, report: DataReport, split: str, **fields) -> None:
+        """Add every finding with examples to `report`, in the table's order; `fields` fill the messages."""
+        for key, (level, kind, message) in self.table.items():
+            if self.examples[key]:
+                report.add(level, kind, split, message.format(**fields) if fields else message, self.examples[key])
+
+
 class DataCheckError(ValueError):
     """The data check found errors; `report` holds them."""
 

@@ -7,8 +7,13 @@ summed over all non-ignored anchors and all K classes, divided by the number of 
 image without objects gives a finite loss. Computed by `torchvision.ops.sigmoid_focal_loss` from logits
 (the BCE-with-logits form, stable where sigmoid saturates) in float32, also under fp16/bf16 autocast.
 
-Box loss on positive anchors only, on the encoded deltas of `detlib.box_coder` (L1 as torchvision,
-smooth L1 as Detectron) or GIoU on decoded boxes; same normaliser. With no positive anchor it is 0.
+Box loss on positive anchors only, same normaliser (0 with no positive anchor), one of `BOX_LOSSES`:
+- "l1" (the default): L1 of the encoded deltas of `detlib.box_coder`, summed over the 4 coordinates. This is
+  torchvision's RetinaNet (`bbox_reg_loss_type="l1"`) and detectron2's: its RetinaNet configs set
+  `SMOOTH_L1_LOSS_BETA: 0.0`, and its smooth L1 with beta 0 is L1.
+- "smooth_l1": smooth L1 of the same deltas with `smooth_l1_beta` (default 0.1), as the original Detectron's
+  RetinaNet (beta 0.11) and detectron2's config default before its RetinaNet configs set 0.
+- "giou": GIoU loss of the decoded boxes (torchvision's `bbox_reg_loss_type="giou"`).
 """
 
 from __future__ import annotations
@@ -93,20 +98,31 @@ def retinanet_loss(
     cls_loss = torch.where(valid.unsqueeze(-1), focal, torch.zeros_like(focal)).sum() / normaliser
 
     matched_gt = gt_boxes.gather(1, idx.unsqueeze(-1).expand(B, A, 4)).float()  # [B, A, 4]
-    deltas = box_deltas.float()
-    if box_loss == "giou":
-        pred = box_coder.decode(deltas, anchors[None])
-        per_anchor = generalized_box_iou_loss(pred.reshape(-1, 4), matched_gt.reshape(-1, 4), reduction="none").view(B, A)
-    else:
-        target_deltas = box_coder.encode(matched_gt, anchors[None])
-        if box_loss == "l1":
-            per_anchor = F.l1_loss(deltas, target_deltas, reduction="none").sum(-1)
-        else:
-            per_anchor = F.smooth_l1_loss(deltas, target_deltas, beta=smooth_l1_beta, reduction="none").sum(-1)
+    per_anchor = _box_loss_per_anchor(box_deltas.float(), matched_gt, anchors, box_loss, smooth_l1_beta)
     # where(), not a product: a non-positive anchor's target may be a padding box whose GIoU is NaN.
     box = torch.where(pos, per_anchor, torch.zeros_like(per_anchor)).sum() / normaliser
 
     return {"loss": cls_loss + box_loss_weight * box, "cls_loss": cls_loss, "box_loss": box, "num_pos": num_pos}
+
+
+def _box_loss_per_anchor(deltas: torch.Tensor, matched_gt: torch.Tensor, anchors: torch.Tensor, box_loss: str,
+                         smooth_l1_beta: float) -> torch.Tensor:
+    """The box loss of every anchor against its matched box (see the module docstring for the kinds).
+
+    Args:
+        deltas: [B, A, 4] float32 predicted deltas;  matched_gt: [B, A, 4] float32 xyxy pixels;
+        anchors: [A, 4] float32 xyxy pixels;  box_loss: one of `BOX_LOSSES`.
+    Returns:
+        [B, A] float32 (any value where the anchor is not positive: the caller masks it).
+    """
+    B, A = deltas.shape[:2]
+    if box_loss == "giou":
+        pred = box_coder.decode(deltas, anchors[None])
+        return generalized_box_iou_loss(pred.reshape(-1, 4), matched_gt.reshape(-1, 4), reduction="none").view(B, A)
+    target_deltas = box_coder.encode(matched_gt, anchors[None])
+    if box_loss == "l1":
+        return F.l1_loss(deltas, target_deltas, reduction="none").sum(-1)
+    return F.smooth_l1_loss(deltas, target_deltas, beta=smooth_l1_beta, reduction="none").sum(-1)
 
 
 class EmaLossNormalizer:

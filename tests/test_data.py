@@ -123,6 +123,9 @@ def test_zero_byte_and_missing_files_left_out_at_start(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         ds = CocoDetection(str(tmp_path / "img"), str(ann))
     assert len(ds) == 1 and "2 images" in caplog.text and "2.jpg (empty file)" in caplog.text
+    # scripts/predict_retinanet.py lists these in skipped.txt
+    img = tmp_path / "img"
+    assert ds.missing_images == [f"{img / '2.jpg'} (empty file)", f"{img / '3.jpg'} (missing)"]
 
 
 @pytest.mark.parametrize("mode,fmt,ext", [("L", "JPEG", "jpg"), ("CMYK", "JPEG", "jpg"), ("RGBA", "PNG", "png"), ("P", "PNG", "png")])
@@ -180,6 +183,7 @@ def test_collate_pads_to_multiple_of_32_with_mean_colour(tmp_path):
     images = [{"id": 1, "file_name": "a.jpg", "width": 70, "height": 40}, {"id": 2, "file_name": "b.jpg", "width": 30, "height": 90}]
     ds = _dataset(tmp_path, images, [{"image_id": 1, "category_id": 1, "bbox": [1, 1, 20, 20]}], transform=build_transform(90, "none"))
     b = collate_detection([ds[0], ds[1]])
+    assert set(b) == {"images", "boxes", "labels", "crowd_boxes", "image_ids", "image_sizes", "scales", "valid"}
     assert b["images"].shape == (2, 3, 96, 96)
     assert b["image_sizes"].tolist() == [[51, 90], [90, 30]]
     assert b["images"][0, :, 95, 95].tolist() == list(PAD_VALUE)

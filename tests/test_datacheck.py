@@ -16,7 +16,8 @@ from PIL import Image
 from detlib.coco_eval import CocoEvaluator, evaluate_coco
 from detlib.data import CocoDetection
 from detlib.cococheck import check_coco, check_coco_data, check_train_val
-from detlib.datacheck import DataCheckError, DataReport, publish_report
+from detlib.cocofields import coco_area, fallback_box, ids_after, int_id, number, positive_size
+from detlib.datacheck import DataCheckError, DataReport, Findings, publish_report
 
 from conftest import COCO_SUBSET, needs_coco_subset, write_image
 
@@ -411,6 +412,39 @@ def test_strict_mode_turns_repairs_into_errors_and_publish_stops(tmp_path):
         publish_report(r, str(tmp_path / "out"))
     saved = json.loads((tmp_path / "out" / "data_report.json").read_text())
     assert saved["ok"] is False and saved["counts"] == {"error": 2, "repair": 0, "warning": 0}
+
+
+def test_field_readers_parse_what_converters_write_and_refuse_the_rest():
+    assert [int_id(v) for v in (7, 7.0, "7", " 7 ", "7.0", "1e3")] == [7, 7, 7, 7, 7, 1000]
+    assert [int_id(v) for v in (True, 7.5, "7.5", "x", None, [7])] == [None] * 6
+    assert [number(v) for v in (2, 2.5, "2.5", " -1 ")] == [2.0, 2.5, 2.5, -1.0]
+    assert [number(v) for v in (False, "nan", float("inf"), "", None)] == [None] * 5
+    assert [positive_size(v) for v in (640, "479.6", 0, -3, "x")] == [640, 480, None, None, None]
+    assert fallback_box({"bbox": "[1, 2, 3, 4]"}) == ([1.0, 2.0, 3.0, 4.0], "strings")
+    assert fallback_box({"bbox": ["1", 2, "3.5", 4]}) == ([1.0, 2.0, 3.5, 4.0], "strings")
+    # no bbox: the polygons' own extent (floats, not rounded to pixels)
+    poly = {"segmentation": [[10.5, 20, 30, 20, 30, 44.25], [5, 25, 6, 26]]}
+    assert fallback_box(poly) == ([5.0, 20.0, 25.0, 24.25], "segmentation")
+    assert fallback_box({"bbox": [1, 2, None, 4], "segmentation": []}) == (None, None)
+    # a 20 x 10 rectangle as a polygon: its mask area; without a segmentation the box's
+    rect = {"segmentation": [[0, 0, 20, 0, 20, 10, 0, 10]]}
+    assert coco_area(rect, 1.0, 1.0, 50, 50) == 200.0  # the mask's, not the w * h given
+    assert coco_area({}, 4.0, 2.5, 50, 50) == 10.0
+    assert list(zip(range(3), ids_after({4, 9, 2}))) == [(0, 10), (1, 11), (2, 12)]
+    assert next(ids_after(set())) == 1
+
+
+def test_findings_are_added_in_table_order_with_their_fields_and_only_when_found():
+    table = {"b": ("repair", "ids", "second in code, first in the table"), "a": ("error", "boxes", "limit {limit}"),
+             "none": ("warning", "images", "never found")}
+    found = Findings(table)
+    found["a"].extend([3, 1])
+    found["b"].append("x")
+    report = DataReport()
+    found.add_to(report, "val", limit=12)
+    assert [(f.level, f.kind, f.split, f.message, f.count, f.examples) for f in report.findings] == [
+        ("repair", "ids", "val", "second in code, first in the table", 1, ["x"]),
+        ("error", "boxes", "val", "limit 12", 2, [3, 1])]
 
 
 def test_normalised_json_checks_clean_again(tmp_path):

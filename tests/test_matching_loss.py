@@ -72,9 +72,11 @@ def test_chunked_matching_equals_unchunked_case_b29():
     labels = torch.randint(0, 5, (2, 300))
     labels[1, 250:] = -1
     crowd = torch.tensor([[[0.0, 0.0, 64.0, 64.0]], [[0.0, 0.0, 0.0, 0.0]]])
+    boxes[0, 20] = boxes[0, 21]  # two identical boxes: ties for the low-quality pass
     full = match_anchors(anchors, boxes, labels, crowd, max_elements=1 << 40)
-    chunked = match_anchors(anchors, boxes, labels, crowd, max_elements=50_000)
-    assert torch.equal(full, chunked)
+    for keep_ties in (None, True, False):  # the CPU's default, pairs kept per chunk, IoU recomputed
+        chunked = match_anchors(anchors, boxes, labels, crowd, max_elements=50_000, keep_ties=keep_ties)
+        assert torch.equal(full, chunked), keep_ties
     assert (full >= 0).sum() > 0
 
 
