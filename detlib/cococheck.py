@@ -87,7 +87,8 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
     unsized = [im.get("file_name", im["id"]) for im in images if im["width"] is None or im["height"] is None]
     report.add("error", "structure", split, "images without a valid width / height (the image file check fills them "
                "in: do not skip it)", unsized)
-    annotations_out, dropped = check_annotations(data["annotations"], {im["id"]: im for im in images if im["width"]},
+    sized = {im["id"]: im for im in images if im["width"] and im["height"]}
+    annotations_out, dropped = check_annotations(data["annotations"], sized,
                                                  by_int, by_str, left_out, {cat["id"] for cat in categories}, report,
                                                  split)
     if split != "val":

@@ -650,3 +650,14 @@ def test_catsdogs_leaves_out_a_file_in_two_classes_and_reports_it(tmp_path):
     assert len(f) == 1 and f[0]["count"] == 2 and report["summaries"]["train"]["images"] == 5
     cfg = (out / "config.yaml").read_text()
     assert "num_train_images: 5" in cfg
+
+
+@pytest.mark.parametrize("missing", ["height", "width"])
+def test_image_with_one_side_missing_is_a_finding_not_a_crash(missing):
+    # without the image-file check nothing fills the side in: a report, never a TypeError from the box checks
+    img = _img(1)
+    img.pop(missing)
+    gt = {"images": [img], "annotations": [_ann(1, 1)], "categories": [{"id": 1, "name": "a"}]}
+    r = check_coco(gt).report
+    assert _find(r, "images without a valid width / height").examples == [img["file_name"]]
+    assert not r.ok
