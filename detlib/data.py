@@ -269,12 +269,18 @@ class CocoDetection(torch.utils.data.Dataset):
             except IMAGE_ERRORS as e:
                 logger.warning("skipping unreadable image: %s", e)
                 if not self.train:
-                    rec = self.records[i]
-                    return {"image": torch.zeros((3, 8, 8), dtype=torch.uint8), "boxes": torch.zeros((0, 4)),
-                            "labels": torch.zeros((0,), dtype=torch.int64), "crowd_boxes": torch.zeros((0, 4)),
-                            "image_id": rec["id"], "scale": (1.0, 1.0), "valid": False}
+                    return unreadable_item(self.records[i]["id"])
         raise RuntimeError(f"{MAX_UNREADABLE_IN_A_ROW} images in a row starting at index {index} could not be read; "
                            "see the warnings above")
+
+
+def unreadable_item(image_id: int) -> dict:
+    """The item of an image that could not be read where none may be skipped (evaluation, prediction): an 8x8
+    black uint8 image, no boxes, `valid=False`, so the collate still works and the evaluation counts the image
+    with no detections (`CocoEvaluator.add_failed`)."""
+    return {"image": torch.zeros((3, 8, 8), dtype=torch.uint8), "boxes": torch.zeros((0, 4)),
+            "labels": torch.zeros((0,), dtype=torch.int64), "crowd_boxes": torch.zeros((0, 4)),
+            "image_id": image_id, "scale": (1.0, 1.0), "valid": False}
 
 
 def _checked_json(annotation_file: str | dict, train: bool) -> tuple[dict, int]:

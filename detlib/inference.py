@@ -25,6 +25,7 @@ from PIL import Image
 from . import checkpoint as ckpt
 from .classification import IMG_EXTENSIONS, is_hidden
 from .images import IMAGE_ERRORS, load_rgb
+from .data import unreadable_item
 from .labels import CategoryMap
 from .model import build_retinanet_from_config
 from .transforms import make_sample
@@ -80,7 +81,7 @@ class DetectionImageFiles(torch.utils.data.Dataset):
         transform: the evaluation transform (`build_transform(size, "none", max_size)`).
         exif_transpose: turn images upright by their EXIF orientation before anything else.
     Item: {"image": [3, h, w] uint8 resized, "boxes" / "crowd_boxes": [0, 4], "labels": [0], "image_id": int,
-           "orig_size": (H, W) of the (upright) file, "scale": (sy, sx), "valid": bool}; an unreadable file gives
+           "scale": (sy, sx), "valid": bool}; an unreadable file gives
            an 8x8 placeholder with valid=False (and a logged warning), never an exception.
     """
 
@@ -98,8 +99,7 @@ class DetectionImageFiles(torch.utils.data.Dataset):
             pil, truncated = load_rgb(self.paths[index], exif_transpose=self.exif_transpose)
         except IMAGE_ERRORS as e:
             logger.warning("skipping unreadable image: %s", e)
-            return {"image": torch.zeros((3, 8, 8), dtype=torch.uint8), "boxes": empty, "labels": torch.zeros((0,), dtype=torch.int64),
-                    "crowd_boxes": empty, "image_id": index, "orig_size": (8, 8), "scale": (1.0, 1.0), "valid": False}
+            return unreadable_item(index)
         if truncated:
             logger.warning("image %s is truncated; its missing part is decoded as grey", self.paths[index])
         image = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
@@ -107,8 +107,7 @@ class DetectionImageFiles(torch.utils.data.Dataset):
         if self.transform is not None:
             sample = self.transform(sample)
         return {"image": sample["image"].as_subclass(torch.Tensor), "boxes": empty, "labels": torch.zeros((0,), dtype=torch.int64),
-                "crowd_boxes": empty, "image_id": index, "orig_size": (pil.height, pil.width),
-                "scale": sample.get("scale", (1.0, 1.0)), "valid": True}
+                "crowd_boxes": empty, "image_id": index, "scale": sample.get("scale", (1.0, 1.0)), "valid": True}
 
 
 def load_retinanet(weights: str) -> tuple[torch.nn.Module, dict, CategoryMap]:

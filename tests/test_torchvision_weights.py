@@ -237,7 +237,7 @@ def test_v2_conversion_equals_torchvision_in_process():
         s = transform(make_sample(pil_to_tensor(pil), torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64),
                                   torch.zeros(0, dtype=torch.bool)))
         samples.append({"image": s["image"].as_subclass(torch.Tensor), "boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
-                        "crowd_boxes": torch.zeros(0, 4), "image_id": i, "orig_size": (pil.height, pil.width),
+                        "crowd_boxes": torch.zeros(0, 4), "image_id": i,
                         "scale": s["scale"], "valid": True})
     batch = collate_detection(samples)
     assert batch["images"].dtype == torch.float32
