@@ -24,6 +24,11 @@ from .schedules import SCHEDULES, build_lr_scheduler, lr_factor, set_position
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger("detlib.engine")
 
+# ReduceLROnPlateau divides the LR by 10 when the loss stalls: the 10x drop of the classic step schedules.
+PLATEAU_FACTOR = 0.1
+# The warm-up's first factor when the schedule does not give one: Detectron's 1/1000, as in detlib.schedules.
+WARMUP_START = 0.001
+
 
 class ResumeError(Exception):
     """No checkpoint to resume, or one that does not fit this run (another model or optimizer); one line."""
@@ -142,7 +147,7 @@ def build_scheduler(optimizer, schedule: dict, state: TrainState, saved: TrainSt
     kind = schedule["kind"]
     if kind == "plateau":
         state.schedule = {"kind": kind}
-        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=PLATEAU_FACTOR,
                                                           patience=schedule.get("plateau_patience", 3))
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}")
@@ -151,13 +156,13 @@ def build_scheduler(optimizer, schedule: dict, state: TrainState, saved: TrainSt
     if warmup is None:  # resolved once, at the start of the run
         warmup = old.get("warmup_steps", int(round(schedule.get("warmup_fraction", 0.0) * total_steps)))
     spec = {"kind": kind, "total_steps": total_steps, "warmup_steps": int(warmup),
-            "warmup_start": schedule.get("warmup_start", 0.001),
+            "warmup_start": schedule.get("warmup_start", WARMUP_START),
             "milestones": [e * steps_per_epoch for e in schedule.get("milestones_epochs", [])],
             "anchor": old.get("anchor"), "epochs": epochs}
     if old and kind == "cosine" and old.get("kind") == kind and old.get("epochs") != epochs and not max_steps:
         # Another run length: go on down from the LR the run has, to 0 at the new end (no jump back up).
         factor = lr_factor(saved.global_step, kind, old["total_steps"], old["warmup_steps"],
-                           old.get("warmup_start", 0.001), old.get("milestones", []),
+                           old.get("warmup_start", WARMUP_START), old.get("milestones", []),
                            anchor=tuple(old["anchor"]) if old.get("anchor") else None)
         spec["anchor"] = [state.global_step, factor]
         logger.warning("resumed with --epochs %d (the checkpoint's run had %s): the cosine schedule goes on from %.3g x "

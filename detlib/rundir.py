@@ -46,6 +46,9 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "best", "last")
 OTHER_RUN_FILES = ("train.log", "predictions_val.json", "predictions_val.csv", "tensorboard", "wandb",
                    "run_status.json", "data_report.json", "plots", "samples")
 EXIT_STATUS = {0: "finished", EXIT_DIVERGED: "diverged", EXIT_PREEMPTED: "preempted"}
+# A Ctrl-C may reach a process twice at once (from the terminal's process group and forwarded by a launcher):
+# only a SIGINT this many seconds or more after the first is the user's second Ctrl-C.
+SECOND_SIGINT_AFTER_S = 1.0
 
 
 def worker_init_fn(worker_id: int) -> None:
@@ -244,10 +247,8 @@ class PreemptionSignals:
             return
         # Only set a flag: the training loop acts on it at the next step, on every rank together.
         if signum == signal.SIGINT:
-            # a Ctrl-C may reach a process twice at once (from the terminal's process group and forwarded by a
-            # launcher): only a SIGINT a second or more after the first is the user's second Ctrl-C
             now = time.monotonic()
-            if self._first_sigint is not None and now - self._first_sigint > 1.0:
+            if self._first_sigint is not None and now - self._first_sigint > SECOND_SIGINT_AFTER_S:
                 raise KeyboardInterrupt("second SIGINT: stopping at once, without a checkpoint")
             self._first_sigint = self._first_sigint or now
         if self.received is None:

@@ -23,6 +23,13 @@ import torch
 logger = logging.getLogger("detlib.engine")
 
 EXPLOSION_FACTOR = 100.0  # a finite loss this many times its lowest running level is reported
+# After a report, the next one waits for a loss this many times the reported one: one line per order of
+# magnitude of growth, not one per step of a run that stays high.
+REWARN_FACTOR = 10.0
+# Weight of the newest loss in the running level the explosion watch compares with: an EMA over about ten
+# steps, so one noisy batch neither sets a low level nor trips the warning.
+LOSS_EMA_WEIGHT = 0.1
+LOSS_LEVEL_FLOOR = 1e-8  # a running level of 0 (a perfectly fit batch) must not make every later loss "explode"
 
 
 class StepGuard:
@@ -147,13 +154,13 @@ class StepGuard:
     def _watch_explosion(self, loss: float, lr: float, step: int) -> None:
         if not math.isfinite(loss):
             return
-        if self._ema_low is not None and loss > EXPLOSION_FACTOR * max(self._ema_low, 1e-8) \
-                and loss > 10 * self._warned_loss:
+        if self._ema_low is not None and loss > EXPLOSION_FACTOR * max(self._ema_low, LOSS_LEVEL_FLOOR) \
+                and loss > REWARN_FACTOR * self._warned_loss:
             logger.warning("step %d: loss %.4g is over %dx its lowest running level %.4g (lr %.3g): the run may be "
                            "diverging; consider a lower --lr or --max_grad_norm", step, loss,
                            int(EXPLOSION_FACTOR), self._ema_low, lr)
             self._warned_loss = loss
-        self._ema = loss if self._ema is None else 0.9 * self._ema + 0.1 * loss
+        self._ema = loss if self._ema is None else (1 - LOSS_EMA_WEIGHT) * self._ema + LOSS_EMA_WEIGHT * loss
         self._ema_low = self._ema if self._ema_low is None else min(self._ema_low, self._ema)
 
     # ---- the train line

@@ -325,7 +325,7 @@ def test_preemption_signals_set_a_flag_and_a_late_second_sigint_stops(monkeypatc
         clock[0] += 0.5  # the same Ctrl-C forwarded by the launcher: still only the flag
         signals._on_signal(signal.SIGINT, None)
         assert signals.received == signal.SIGUSR1  # the first signal is the one named
-        clock[0] += 1.0
+        clock[0] += rundir.SECOND_SIGINT_AFTER_S
         with pytest.raises(KeyboardInterrupt):
             signals._on_signal(signal.SIGINT, None)
     finally:
