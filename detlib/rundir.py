@@ -6,21 +6,35 @@
   told to overwrite it.
 * `output_dir/run_status.json` records how the run ended (finished, preempted, diverged, failed), because
   launchers report a worker's exit code each in their own way.
-* DataLoader workers ignore the preemption signals, and under a launcher each training process asks the
-  kernel for SIGTERM when its launcher dies, so no training process outlives it.
+  Exit codes of the training process: 0 done; 1 error (bad data, damaged checkpoint, disk full); 2 bad flag
+  values (argparse); EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary
+  failure, retry") preempted, checkpoint written, resume with `--resume_from_checkpoint latest`. The launcher
+  reports them in its own way (accelerate's 1-process launcher: "returned non-zero exit status 75"; torchrun:
+  exit 1 with the worker's code in its summary), hence run_status.json.
+* The disk-space check: room for the checkpoints the run keeps, best/ and last/.
+* The preemption signals only set a flag the training loop polls (`PreemptionSignals`); DataLoader workers
+  ignore them, and under a launcher each training process asks the kernel for SIGTERM when its launcher dies,
+  so no training process outlives it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
+
+import torch
+
+# The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
+logger = logging.getLogger("detlib.engine")
 
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 EXIT_DIVERGED = 3  # non-finite optimizer steps in a row
@@ -32,6 +46,9 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "best", "last")
 OTHER_RUN_FILES = ("train.log", "predictions_val.json", "predictions_val.csv", "tensorboard", "wandb",
                    "run_status.json", "data_report.json", "plots", "samples")
 EXIT_STATUS = {0: "finished", EXIT_DIVERGED: "diverged", EXIT_PREEMPTED: "preempted"}
+# A Ctrl-C may reach a process twice at once (from the terminal's process group and forwarded by a launcher):
+# only a SIGINT this many seconds or more after the first is the user's second Ctrl-C.
+SECOND_SIGINT_AFTER_S = 1.0
 
 
 def worker_init_fn(worker_id: int) -> None:
@@ -133,6 +150,39 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
     return None, notes, True
 
 
+def checkpoint_bytes(model: torch.nn.Module, optimizer) -> tuple[int, int]:
+    """Returns (bytes of the model's weights, bytes of one checkpoint: weights and optimizer state) for the
+    disk-space check (`check_disk_space`). `optimizer` may be accelerate's wrapper."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    bare = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    # Adam keeps two tensors per weight (exp_avg, exp_avg_sq), SGD one (its momentum buffer)
+    opt_state = 2 if isinstance(bare, torch.optim.Adam | torch.optim.AdamW) else 1
+    return weights, weights * (1 + opt_state)
+
+
+def check_disk_space(output_dir: str, model, optimizer, num_checkpoints: int) -> str | None:
+    """Free space in `output_dir` for `num_checkpoints` checkpoints of `model` and `optimizer` (accelerate's
+    wrapper or a bare one) plus the one being written, best/ and last/. Main process.
+
+    Returns an error (one line) when not even one checkpoint with best/ and last/ fits; otherwise logs the
+    start-up checks' line (free and needed GiB), as a warning when there is less than needed, and returns None.
+    """
+    weights, per_ckpt = checkpoint_bytes(model, optimizer)
+    needed = per_ckpt * (num_checkpoints + 1) + 2 * weights  # + the one being written, best/ and last/
+    free = shutil.disk_usage(output_dir).free
+    line = (f"start-up checks: {output_dir} writable and locked; {free / 2**30:.1f} GiB free, "
+            f"{needed / 2**30:.2f} GiB needed for {num_checkpoints} checkpoints of ~{per_ckpt / 2**20:.0f} MiB "
+            "+ best/ + last/")
+    if free < per_ckpt + 2 * weights:
+        return (f"not enough disk space in {output_dir}: {free / 2**20:.0f} MiB free, one checkpoint needs "
+                f"~{per_ckpt / 2**20:.0f} MiB")
+    if free < needed:
+        logger.warning("%s: less than needed, lower --checkpoint_total_limit or free space", line)
+    else:
+        logger.info("%s", line)
+    return None
+
+
 def write_run_status(output_dir: str, code: int, message: str = "", **counters) -> None:
     """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message",
     and the counters given (global_step, epoch)}, for schedulers and scripts (slurm/ reads it to requeue)."""
@@ -163,3 +213,60 @@ def launched() -> bool:
     """True under `accelerate launch` / torchrun (the parent is a launcher, not an interactive shell, whose exit
     must not stop a `nohup python train.py`)."""
     return "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
+
+
+class PreemptionSignals:
+    """SIGTERM, SIGUSR1 and a first SIGINT only set `received` (the signal number); the training loop acts on
+    it at its next poll, on every rank together (`detlib.engine.Run.poll_preemption`). A second SIGINT, a second
+    or more after the first, raises KeyboardInterrupt at once. Under a launcher the process also asks for
+    SIGTERM when the launcher dies (`set_parent_death_signal`).
+    """
+
+    def __init__(self):
+        self.received: int | None = None
+        self._pid = os.getpid()
+        self._first_sigint: float | None = None
+        self._old_handlers: dict = {}
+
+    def install(self) -> None:
+        """Handle the preemption signals in this process (main thread only: Python allows no other)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in PREEMPT_SIGNALS:
+            sig = getattr(signal, name)
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        if launched():
+            set_parent_death_signal()
+
+    def _on_signal(self, signum, frame) -> None:
+        if os.getpid() != self._pid:
+            # a forked child (a multiprocessing pool worker) inherited this handler: it must still die from
+            # SIGTERM, or the pool's terminate() waits for it forever
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        # Only set a flag: the training loop acts on it at the next step, on every rank together.
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_sigint is not None and now - self._first_sigint > SECOND_SIGINT_AFTER_S:
+                raise KeyboardInterrupt("second SIGINT: stopping at once, without a checkpoint")
+            self._first_sigint = self._first_sigint or now
+        if self.received is None:
+            self.received = signum
+
+    def poll(self, accelerator) -> str | None:
+        """Collective (every rank calls it at the same points): the name of the signal when any process got
+        one, through accelerate's trigger ("a signal to another process" on the ranks that got none); else None."""
+        if self.received is not None:
+            accelerator.set_trigger()
+        if not accelerator.check_trigger():
+            return None
+        return signal.Signals(self.received).name if self.received else "a signal to another process"
+
+    def restore(self) -> None:
+        """Put back the handlers `install` replaced."""
+        for sig, handler in self._old_handlers.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, TypeError):
+                pass

@@ -191,3 +191,193 @@ def test_set_position_moves_a_lambda_schedule():
     sched.step()
     assert sched.last_epoch == 11
     assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 11 / 40)))
+
+
+# ---- the run machinery's parts (detlib.step_guard, detlib.resume, detlib.rundir, detlib.checkpointer)
+
+def _guarded_bn_model():
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts_the_streak(caplog):
+    from detlib.step_guard import StepGuard
+
+    acc, model, opt = _guarded_bn_model()
+    guard = StepGuard(acc, max_grad_norm=None, max_nonfinite_steps=2)
+    x = torch.randn(4, 3)
+
+    guard.snapshot_buffers(model)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    guard.add({"loss": loss}, 4)
+    before = model[0].weight.detach().clone()
+    skipped, sums = guard.step(model, opt, loss)
+    assert not skipped and not torch.equal(model[0].weight, before)
+    assert sums[:2] == (0.0, 0.0) and sums[2] == pytest.approx(loss.item())
+    assert guard.record(1, 0.1, *sums) is False and guard.streak == 0
+    assert guard.last_grad_norm == pytest.approx(sums[3]) and sums[3] > 0
+
+    weights, running_mean = model[0].weight.detach().clone(), model[1].running_mean.clone()
+    for step in (2, 3):
+        guard.snapshot_buffers(model)
+        loss = model(x).sum() * float("nan")  # the forward moves the running mean, the loss is NaN
+        loss.backward()
+        guard.add({"loss": loss}, 4)
+        skipped, sums = guard.step(model, opt, loss)
+        assert skipped and sums[0] == 1.0
+        assert torch.equal(model[0].weight, weights) and torch.equal(model[1].running_mean, running_mean)
+        diverged = guard.record(step, 0.1, *sums)
+        assert guard.streak == step - 1 and diverged == (step == 3) and math.isnan(guard.last_grad_norm)
+    warned = [r.getMessage() for r in caplog.records if "non-finite loss" in r.getMessage()]
+    assert warned == ["step 2: non-finite loss (lr 0.1); the step is skipped on every process (1 in a row)",
+                      "step 3: non-finite loss (lr 0.1); the step is skipped on every process (2 in a row)"]
+
+
+def test_step_guard_window_line_is_the_mean_over_images_and_restarts():
+    from accelerate import Accelerator
+
+    from detlib.step_guard import StepGuard
+
+    acc = Accelerator(cpu=True)
+    guard = StepGuard(acc, max_grad_norm=1.0, max_nonfinite_steps=3)
+    assert guard.window_line({"epoch": 0, "step": 0}, 0.1, 0, [{"lr": 0.1}]) is None  # no step yet
+    guard.add({"loss": torch.tensor(2.0), "cls_loss": torch.tensor(1.0)}, 3)
+    guard.add({"loss": torch.tensor(6.0), "cls_loss": torch.tensor(5.0)}, 1)
+    guard.record(1, 0.1, 0.0, 0.0, 6.0, 0.5)
+    line, images = guard.window_line({"epoch": 0, "step": 1}, 0.1, 0, [{"lr": 0.1}, {"lr": 0.01}])
+    assert images == 4
+    assert list(line)[:4] == ["epoch", "step", "loss", "cls_loss"]
+    assert line["loss"] == pytest.approx((2 * 3 + 6) / 4) and line["cls_loss"] == pytest.approx((1 * 3 + 5) / 4)
+    assert line["grad_norm"] == 0.5 and line["lr_1"] == 0.01 and line["skipped_steps"] == 0
+    guard.reset_window()
+    assert guard.window_line({"epoch": 0, "step": 1}, 0.1, 0, [{"lr": 0.1}]) is None
+
+
+def test_explosion_is_reported_once_per_order_of_magnitude(caplog):
+    from accelerate import Accelerator
+
+    from detlib.step_guard import StepGuard
+
+    guard = StepGuard(Accelerator(cpu=True), max_grad_norm=None, max_nonfinite_steps=3)
+    for step, loss in enumerate([1.0, 1.0, 1.0, 150.0, 300.0, 2000.0], 1):
+        guard.record(step, 0.1, 0.0, 0.0, loss, 1.0)
+    warned = [r.getMessage() for r in caplog.records if "lowest running level" in r.getMessage()]
+    # 150 > 100 x the level 1.0: reported; 300 is under 10 x 150: not; 2000 is over 10 x 150: reported
+    assert len(warned) == 2 and warned[0].startswith("step 4: loss 150 is over 100x its lowest running level 1 ")
+    assert warned[1].startswith("step 6: loss 2000 ")
+
+
+def test_run_length_counts_the_partial_accumulation_window_as_a_step():
+    from detlib.resume import run_length
+
+    # 10 batches per process, 3 per step: steps of 3, 3, 3 and 1 batches
+    assert run_length(10, num_processes=2, per_device_batch_size=4, accumulation_steps=3, epochs=5,
+                      max_steps=None) == (4, 24, 20)
+    assert run_length(10, 2, 4, 3, epochs=5, max_steps=7) == (4, 24, 7)
+
+
+def test_convert_position_keeps_the_samples_seen_on_another_process_count():
+    from detlib.resume import convert_position
+
+    # 2 processes x 8 samples per step, 10 steps per epoch; now 1 process: 20 steps per epoch of 8 samples
+    saved = ckpt.TrainState(epoch=1, step_in_epoch=4, global_step=14, num_processes=2, steps_per_epoch=10,
+                            samples_per_step=16)
+    state = ckpt.TrainState(**saved.state_dict())
+    assert convert_position(state, saved, num_processes=1, samples_per_step=8, steps_per_epoch=20)
+    assert (state.epoch, state.step_in_epoch, state.global_step) == (1, 8, 28)
+    same = ckpt.TrainState(**saved.state_dict())
+    assert not convert_position(same, saved, num_processes=2, samples_per_step=16, steps_per_epoch=10)
+    assert (same.step_in_epoch, same.global_step) == (4, 14)
+
+
+def test_tracker_offset_continues_after_the_last_logged_step(tmp_path):
+    from detlib.resume import set_tracker_offset
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4, 5, 6)) + "not json\n")
+    state = ckpt.TrainState(global_step=3)  # resumed from the step-3 checkpoint; steps 4..6 were logged
+    set_tracker_offset(state, str(path), resumed=True)
+    assert state.tracker_offset == 3  # step 4 is logged to the trackers at 7
+    fresh = ckpt.TrainState(global_step=6)
+    set_tracker_offset(fresh, str(path), resumed=True)
+    assert fresh.tracker_offset == 0
+
+
+def test_preemption_signals_set_a_flag_and_a_late_second_sigint_stops(monkeypatch):
+    import signal
+
+    signals = rundir.PreemptionSignals()
+    before = signal.getsignal(signal.SIGUSR1)
+    signals.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert signals.received == signal.SIGUSR1
+        clock = [100.0]
+        monkeypatch.setattr(rundir.time, "monotonic", lambda: clock[0])
+        signals._on_signal(signal.SIGINT, None)
+        clock[0] += 0.5  # the same Ctrl-C forwarded by the launcher: still only the flag
+        signals._on_signal(signal.SIGINT, None)
+        assert signals.received == signal.SIGUSR1  # the first signal is the one named
+        clock[0] += rundir.SECOND_SIGINT_AFTER_S
+        with pytest.raises(KeyboardInterrupt):
+            signals._on_signal(signal.SIGINT, None)
+    finally:
+        signals.restore()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_disk_check_refuses_less_than_one_checkpoint_and_warns_below_the_kept_ones(tmp_path, monkeypatch, caplog):
+    from collections import namedtuple
+
+    model = torch.nn.Linear(256, 256)  # 65,792 float32 = 263,168 bytes
+    opt = torch.optim.AdamW(model.parameters())
+    weights, per_ckpt = rundir.checkpoint_bytes(model, opt)
+    assert (weights, per_ckpt) == (263168, 3 * 263168)  # Adam: exp_avg and exp_avg_sq per weight
+    assert rundir.checkpoint_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1))[1] == 2 * 263168
+    usage = namedtuple("usage", "total used free")
+    caplog.set_level("INFO", logger="detlib.engine")
+    for free, expect in [(per_ckpt + 2 * weights - 1, "error"), (per_ckpt * 3 + 2 * weights - 1, "warning"),
+                         (per_ckpt * 3 + 2 * weights, "info")]:
+        monkeypatch.setattr(rundir.shutil, "disk_usage", lambda _, f=free: usage(0, 0, f))
+        caplog.clear()
+        error = rundir.check_disk_space(str(tmp_path), model, opt, num_checkpoints=2)
+        if expect == "error":
+            assert error.startswith(f"not enough disk space in {tmp_path}: 1 MiB free, one checkpoint needs ~1 MiB")
+            assert not caplog.records
+        else:
+            (record,) = [r for r in caplog.records if "start-up checks" in r.getMessage()]
+            assert error is None and record.levelname == expect.upper()
+            assert "for 2 checkpoints of ~1 MiB + best/ + last/" in record.getMessage()
+
+
+def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
+    from accelerate import Accelerator
+
+    from detlib.checkpointer import Checkpointer, read_best_record, summary_lines
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(3, 2))
+
+    def fail(message, code):
+        raise AssertionError(message)
+
+    saver = Checkpointer(acc, str(tmp_path), "AP", total_limit=2, fail=fail)
+    state = ckpt.TrainState(global_step=10)
+    assert saver.keep_best(model, 0.5, state, epoch=1) and state.best_metric == 0.5
+    assert read_best_record(str(tmp_path), "AP") == {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10}
+    assert read_best_record(str(tmp_path), "accuracy") is None  # another metric's best/ does not count
+    older = ckpt.TrainState(global_step=4)  # a resume from an older checkpoint: best_metric -1
+    assert not saver.keep_best(model, 0.4, older, epoch=0) and older.best_metric == 0.4
+    assert saver.best_record()["value"] == 0.5  # best/ kept
+    assert not saver.keep_best(model, float("nan"), state, epoch=2) and state.best_metric == 0.5
+    lines = summary_lines("out", "out/metrics.jsonl", "AP", 90.0, 10, 1, 0.5, saver.best_record(), 0.45, 300)
+    assert lines[:2] == ["run finished in 1.5 min: 10 steps, 1 skipped",
+                         "best AP 0.5000 (epoch 1, step 10), final AP 0.4500"]
+    assert lines[-1] == "mean throughput 3.3 images/s (all processes)"

@@ -1,0 +1,123 @@
+"""What a run writes to resume from or to use, for `detlib.engine.Run`: its checkpoints (rotated; the format is
+detlib.checkpoint's), best/ when the validation metric beats every earlier value, last/ at the end, and the
+end-of-run summary that points at them.
+
+* Weights with a non-finite value are never written: the run stops instead (EXIT_DIVERGED), keeping the last
+  good checkpoint.
+* best/ must beat the best/ already on disk too, so a resume from an older checkpoint never replaces it with a
+  worse model.
+* A save that fails (disk full) stops the run with one line, keeping the older checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Callable
+
+import torch
+
+from . import checkpoint as ckpt
+from .collectives import broadcast_object, min_over_processes
+from .rundir import EXIT_DIVERGED
+
+# The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
+logger = logging.getLogger("detlib.engine")
+
+
+class Checkpointer:
+    """Writes a run's checkpoints and weights folders (every method is collective: all ranks call it).
+
+    Args:
+        accelerator: the run's `accelerate.Accelerator`.
+        output_dir: the run's folder (checkpoints/, best/, last/).
+        metric: the validation metric best/ keeps the highest of, e.g. "AP".
+        total_limit: checkpoints kept (0 or None: all).
+        fail: the run's `fail(message, code)`: one error line, then exit (does not return).
+    `model_config` (the model's description, written beside every weights file) is set once it is known.
+    """
+
+    def __init__(self, accelerator, output_dir: str, metric: str, total_limit: int | None,
+                 fail: Callable[[str, int], None]):
+        self.accelerator = accelerator
+        self.output_dir = output_dir
+        self.metric = metric
+        self.total_limit = total_limit
+        self.fail = fail
+        self.model_config: dict | None = None
+
+    def _check_finite(self, model, what: str, step: int) -> None:
+        ok = min_over_processes(self.accelerator, int(ckpt.all_finite(self.accelerator.unwrap_model(model))))
+        if not ok:
+            self.fail(f"the model holds non-finite weights at step {step}: not writing {what}; "
+                      f"the last good checkpoint is kept", EXIT_DIVERGED)
+
+    def save_checkpoint(self, model, state: ckpt.TrainState, epoch_sums: torch.Tensor) -> str:
+        """Write a checkpoint of everything a resume needs; `epoch_sums` ([2] float64: this process's loss sum
+        over images, image count) are summed over processes into `state` first. Returns its folder."""
+        self._check_finite(model, "a checkpoint", state.global_step)
+        state.epoch_loss_sum, state.epoch_images = self.accelerator.reduce(epoch_sums, reduction="sum").tolist()
+        t = time.time()
+        try:
+            path = ckpt.save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config)
+        except ckpt.CheckpointError as e:
+            self.fail(str(e), 1)
+        logger.info("saved checkpoint %s (%.1f s)", path, time.time() - t)
+        return path
+
+    def save_weights(self, model, name: str, step: int, extra: dict | None = None) -> None:
+        """`output_dir/name/model.safetensors` (+ model_config.json, + best.json from `extra`)."""
+        self._check_finite(model, f"{name}/", step)
+        ckpt.save_model_weights(self.accelerator, model, os.path.join(self.output_dir, name), self.model_config, extra)
+
+    def keep_best(self, model, value: float, state: ckpt.TrainState, epoch: int) -> bool:
+        """Write best/ when `value` beats `state.best_metric` and the best/ on disk; raise `state.best_metric`
+        to it (a non-finite value changes nothing). Returns True when best/ was written."""
+        best = self.best_record()
+        on_disk = float(best["value"]) if best else None
+        improved = math.isfinite(value) and value > state.best_metric and (on_disk is None or value > on_disk)
+        if math.isfinite(value):
+            state.best_metric = max(state.best_metric, value)
+        if improved:
+            self.save_weights(model, "best", state.global_step, {"metric": self.metric, "value": value,
+                                                                  "epoch": epoch, "step": state.global_step})
+            logger.info("new best %s %.4f, saved %s/best/model.safetensors", self.metric, value, self.output_dir)
+        return improved
+
+    def best_record(self) -> dict | None:
+        """best/best.json as the main process reads it, when it scores this run's metric: {"metric", "value",
+        "epoch", "step"}; None when there is none, it is unreadable, or it scores another metric."""
+        return broadcast_object(self.accelerator, read_best_record(self.output_dir, self.metric)
+                                if self.accelerator.is_main_process else None)
+
+
+def read_best_record(output_dir: str, metric: str) -> dict | None:
+    """`output_dir/best/best.json` when it scores `metric` (see `Checkpointer.best_record`)."""
+    try:
+        with open(os.path.join(output_dir, "best", "best.json")) as f:
+            best = json.load(f)
+        float(best["value"])
+        return best if best.get("metric") == metric else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def summary_lines(output_dir: str, metrics_path: str, metric: str, elapsed_s: float, global_step: int,
+                  skipped_steps: int, best_metric: float, best: dict | None, final: float | None,
+                  images_seen: float) -> list[str]:
+    """The end-of-run summary: time and steps; best `metric` (with best/'s epoch and step when `best` is its
+    record) and the `final` one; where the weights, checkpoints, metrics and the evaluation's files are; the
+    mean throughput over `images_seen` images (all processes), when any were logged."""
+    out = output_dir
+    lines = [f"run finished in {elapsed_s / 60:.1f} min: {global_step} steps, {skipped_steps} skipped",
+             f"best {metric} {best_metric:.4f}" + (f" (epoch {best['epoch']}, step {best['step']})" if best else "")
+             + (f", final {metric} {final:.4f}" if final is not None else ""),
+             f"weights: {out}/best/ (best), {out}/last/ (final); checkpoints: {ckpt.checkpoint_dir(out)}",
+             f"metrics: {metrics_path}; predictions, plots, samples: {out}/predictions_val.*, {out}/plots/, "
+             f"{out}/samples/"]
+    if images_seen:
+        lines.append(f"mean throughput {images_seen / elapsed_s:.1f} images/s (all processes)")
+    return lines

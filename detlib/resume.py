@@ -1,0 +1,203 @@
+"""Where a run starts, for `detlib.engine.Run.start_training`: its length in optimizer steps, the state of the
+checkpoint it resumes, the counters of a checkpoint written in another geometry (process count x batch size x
+accumulation), the LR schedule (resolved once, continued without a jump when the run length changes), and the
+tracker steps after a resume from an older checkpoint.
+
+Resume guarantees: `latest` skips damaged checkpoints (detlib.checkpoint); a checkpoint of another process
+count or batch size continues at the same position in samples seen; another `--epochs` continues a cosine
+schedule from its current LR. The functions take the run's `TrainState` and plain values, and write the
+state's fields they name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import torch
+
+from .checkpoint import CheckpointError, TrainState, read_train_state, resolve_resume
+from .collectives import broadcast_object
+from .schedules import SCHEDULES, build_lr_scheduler, lr_factor, set_position
+
+# The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
+logger = logging.getLogger("detlib.engine")
+
+# ReduceLROnPlateau divides the LR by 10 when the loss stalls: the 10x drop of the classic step schedules.
+PLATEAU_FACTOR = 0.1
+# The warm-up's first factor when the schedule does not give one: Detectron's 1/1000, as in detlib.schedules.
+WARMUP_START = 0.001
+
+
+class ResumeError(Exception):
+    """No checkpoint to resume, or one that does not fit this run (another model or optimizer); one line."""
+
+
+def run_length(batches_per_epoch: int, num_processes: int, per_device_batch_size: int, accumulation_steps: int,
+               epochs: int, max_steps: int | None) -> tuple[int, int, int]:
+    """Returns (optimizer steps per epoch, samples per step over all processes, total optimizer steps).
+
+    `batches_per_epoch` is one process's; `max_steps` (when set) replaces `epochs` x steps per epoch.
+    """
+    # accumulate() also steps at the end of the loader, so a partial last window is one more step.
+    steps_per_epoch = math.ceil(batches_per_epoch / accumulation_steps)
+    samples_per_step = num_processes * per_device_batch_size * accumulation_steps
+    return steps_per_epoch, samples_per_step, max_steps or epochs * steps_per_epoch
+
+
+def resolve_checkpoint(accelerator, output_dir: str, resume_from: str) -> str:
+    """The checkpoint folder `--resume_from_checkpoint` names (collective: the main process resolves `latest`,
+    past damaged checkpoints). Raises ResumeError (on every process) when there is none to resume."""
+    error = resume = None
+    if accelerator.is_main_process:
+        try:
+            resume = resolve_resume(output_dir, resume_from)
+        except CheckpointError as e:
+            error = f"--resume_from_checkpoint: {e}"
+    error, resume = broadcast_object(accelerator, (error, resume))
+    if error:
+        raise ResumeError(error)
+    return resume
+
+
+def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | None, optimizer, schedule: dict,
+            steps_per_epoch: int, samples_per_step: int, total_steps: int, epochs: int, max_steps: int | None):
+    """Build the LR scheduler and, when `resume_from` (`--resume_from_checkpoint`: a folder or "latest") is
+    given, load that checkpoint of `output_dir` (collective).
+
+    The counters are read into `state` and moved to this run's geometry (`convert_position`); the scheduler
+    (`build_scheduler`, same args) is registered for checkpointing before `accelerator.load_state` loads the
+    model, optimizer, scheduler and RNG states, then set to the moved position. `state` ends with this run's
+    geometry (num_processes, steps_per_epoch, samples_per_step).
+    Returns the scheduler. Raises ResumeError when there is no checkpoint to resume or its states do not fit
+    this run.
+    """
+    resume = resolve_checkpoint(accelerator, output_dir, resume_from) if resume_from else None
+    saved = read_train_state(resume) if resume else None
+    if saved:
+        state.load_state_dict(saved.state_dict())
+        state.eval_pending = bool(saved.eval_pending)
+    num_processes = accelerator.num_processes
+    moved = convert_position(state, saved, num_processes, samples_per_step, steps_per_epoch) if saved else False
+    scheduler = build_scheduler(optimizer, schedule, state, saved, total_steps, steps_per_epoch, epochs, max_steps)
+    accelerator.register_for_checkpointing(scheduler)
+    if resume:
+        try:
+            accelerator.load_state(resume)
+        except (RuntimeError, KeyError, ValueError) as e:  # a checkpoint of another model or optimizer
+            first = str(e).strip().splitlines()
+            raise ResumeError(f"cannot resume from {resume}: it does not fit this run (another --backbone, width, "
+                              f"class list or optimizer?): {first[0][:200] if first else type(e).__name__}"
+                              + (f"; {first[1].strip()[:200]}" if len(first) > 1 else "")) from None
+        if moved and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            set_position(scheduler, state.global_step)
+        logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", resume, state.epoch,
+                    state.step_in_epoch, state.global_step, optimizer.param_groups[0]["lr"])
+    state.num_processes, state.steps_per_epoch = num_processes, steps_per_epoch
+    state.samples_per_step = samples_per_step
+    return scheduler
+
+
+def convert_position(state: TrainState, saved: TrainState, num_processes: int, samples_per_step: int,
+                     steps_per_epoch: int) -> bool:
+    """Move the counters of a checkpoint counted in another geometry to the same position in samples seen,
+    in this run's steps (`state.step_in_epoch`, `state.global_step`); logs what moved.
+
+    Args:
+        state: this run's counters, already loaded from `saved`.
+        saved: the checkpoint's counters, with the geometry they were counted in.
+        num_processes, samples_per_step, steps_per_epoch: this run's geometry (samples over all processes
+            and accumulation micro-batches per optimizer step).
+    Returns True when the counters moved (the geometry differs), False otherwise.
+    """
+    old_spe = saved.steps_per_epoch
+    if not old_spe or (saved.num_processes == num_processes and saved.samples_per_step == samples_per_step
+                       and old_spe == steps_per_epoch):
+        return False
+    in_epoch = min(steps_per_epoch - 1, round(saved.step_in_epoch * steps_per_epoch / old_spe))
+    state.step_in_epoch = in_epoch if saved.step_in_epoch else 0
+    state.global_step = saved.epoch * steps_per_epoch + state.step_in_epoch
+    logger.warning(
+        "the checkpoint was written by %s process(es) at %s samples per step (%d steps per epoch); this run has %d "
+        "at %d (%d steps per epoch): epoch %d step %d -> step %d, global step %d -> %d, so the LR schedule keeps its "
+        "position in samples seen.%s", saved.num_processes, saved.samples_per_step, old_spe,
+        num_processes, samples_per_step, steps_per_epoch, saved.epoch,
+        saved.step_in_epoch, state.step_in_epoch, saved.global_step, state.global_step,
+        " The rest of this epoch is read in the new process count's order (some of its images may be seen twice "
+        "or not at all); later epochs are exact." if saved.step_in_epoch else "")
+    return True
+
+
+def build_scheduler(optimizer, schedule: dict, state: TrainState, saved: TrainState | None, total_steps: int,
+                    steps_per_epoch: int, epochs: int, max_steps: int | None):
+    """The run's LR scheduler, its resolved settings written to `state.schedule` (checkpointed).
+
+    Args:
+        schedule: {"kind": "plateau" | "multistep" | "cosine" | "constant", "warmup_steps": int or None,
+            "warmup_fraction": float (when warmup_steps is None), "warmup_start": float,
+            "milestones_epochs": [int], "plateau_patience": int}.
+        saved: the resumed checkpoint's counters (None on a fresh start): its warm-up length is kept, and a
+            cosine schedule resumed with another `epochs` goes on from the LR it had (an anchor).
+        total_steps, steps_per_epoch: this run's length in optimizer steps.
+        epochs, max_steps: the run's flags (`--max_steps` set: no anchor).
+    Returns ReduceLROnPlateau (stepped per epoch) or a per-step LambdaLR (detlib.schedules).
+    Raises ValueError for an unknown kind.
+    """
+    kind = schedule["kind"]
+    if kind == "plateau":
+        state.schedule = {"kind": kind}
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=PLATEAU_FACTOR,
+                                                          patience=schedule.get("plateau_patience", 3))
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r}")
+    old = saved.schedule if saved else {}
+    warmup = schedule.get("warmup_steps")
+    if warmup is None:  # resolved once, at the start of the run
+        warmup = old.get("warmup_steps", int(round(schedule.get("warmup_fraction", 0.0) * total_steps)))
+    spec = {"kind": kind, "total_steps": total_steps, "warmup_steps": int(warmup),
+            "warmup_start": schedule.get("warmup_start", WARMUP_START),
+            "milestones": [e * steps_per_epoch for e in schedule.get("milestones_epochs", [])],
+            "anchor": old.get("anchor"), "epochs": epochs}
+    if old and kind == "cosine" and old.get("kind") == kind and old.get("epochs") != epochs and not max_steps:
+        # Another run length: go on down from the LR the run has, to 0 at the new end (no jump back up).
+        factor = lr_factor(saved.global_step, kind, old["total_steps"], old["warmup_steps"],
+                           old.get("warmup_start", WARMUP_START), old.get("milestones", []),
+                           anchor=tuple(old["anchor"]) if old.get("anchor") else None)
+        spec["anchor"] = [state.global_step, factor]
+        logger.warning("resumed with --epochs %d (the checkpoint's run had %s): the cosine schedule goes on from %.3g x "
+                       "the base LR at step %d down to 0 at step %d, without a restart%s", epochs,
+                       old.get("epochs"), factor, state.global_step, total_steps,
+                       "; it had already reached 0, so the added epochs train at LR 0" if factor == 0 else "")
+    state.schedule = spec
+    return build_lr_scheduler(optimizer, kind, total_steps, spec["warmup_steps"], spec["warmup_start"],
+                              spec["milestones"], anchor=spec["anchor"])
+
+
+def last_logged_step(metrics_path: str) -> int:
+    """The highest tracker step in `metrics.jsonl` ("tracker_step", else "step"); -1 when none or no file."""
+    last = -1
+    try:
+        with open(metrics_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    last = max(last, int(row.get("tracker_step", row.get("step") or 0)))
+                except (ValueError, TypeError):
+                    continue
+    except OSError:
+        pass
+    return last
+
+
+def set_tracker_offset(state: TrainState, metrics_path: str, resumed: bool) -> None:
+    """Trackers (wandb) drop a step lower than one already logged: after a resume from an older checkpoint,
+    tracker steps continue after the last logged one (`state.tracker_offset`); metrics.jsonl keeps the true
+    step. Main process only (it reads `metrics_path`)."""
+    last = last_logged_step(metrics_path)
+    if state.global_step + 1 + state.tracker_offset <= last and resumed:
+        state.tracker_offset = last - state.global_step  # the next step, global_step + 1, is logged at last + 1
+        logger.warning("resumed at step %d but the trackers already hold steps up to %d: tracker steps go on at %d "
+                       "(step + %d); metrics.jsonl keeps the true step, and its lines after step %d are from the "
+                       "abandoned part of the run", state.global_step, last, last + 1, state.tracker_offset,
+                       state.global_step)
