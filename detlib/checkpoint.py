@@ -46,7 +46,7 @@ class TrainState:
     best_metric: best validation metric so far (AP or accuracy), -1 before the first evaluation.
     run_id: the tracker run id, so a resumed run logs into the same wandb run.
     num_processes, steps_per_epoch, samples_per_step: the geometry the counters were counted in, so a
-        resume on another process count or batch size can convert them (`detlib.engine`).
+        resume on another process count or batch size can convert them (`detlib.resume`).
     schedule: the per-step LR schedule's resolved settings (kind, total_steps, warmup_steps, anchor).
     epoch_loss_sum, epoch_images: the epoch's loss summed over its images and the image count, over all
         processes, so the epoch mean that drives ReduceLROnPlateau covers the whole epoch after a resume.

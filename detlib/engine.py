@@ -4,7 +4,7 @@ bookkeeping and guards, checkpoints, preemption, end of run.
 torchvision's detection references keep `engine.py` beside `train.py`; DETR does the same. Here the scripts
 keep their forward pass, loss, backward and evaluation in plain sight and call a `Run` around them:
 
-    args = run_argument_parser(__doc__, ...).parse_args()   # detlib.flags: the flags read here
+    args = parse_with_config(build_parser(), argv, RECORD_KEYS)   # detlib.flags: --config, then the flags
     run = Run(args)                                  # output folder, lock, accelerator, logging, signals
     ... data, model, optimizer, accelerator.prepare(...)
     scheduler = run.start_training(model, optimizer, train_loader, schedule)   # resume, trackers
@@ -41,17 +41,18 @@ also records how the run ended, since launchers report exit codes each in their 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import sys
 import time
 
 import torch
+import yaml
 
 from . import checkpoint as ckpt
 from .checkpointer import Checkpointer, summary_lines
 from .collectives import broadcast_object, min_over_processes
+from .flags import EVALUATE_ONLY_SUBDIR
 from .resume import ResumeError, restore, run_length, set_tracker_offset
 from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, check_disk_space, prepare_output_dir,
                      release_lock, write_run_status)
@@ -80,7 +81,7 @@ class Run:
         self.metric = metric
         self.evaluate_only = bool(args.evaluate_only)
         if self.evaluate_only:  # never write over a training run's config.yaml / metrics.jsonl
-            args.output_dir = os.path.join(args.output_dir, "evaluate_only")
+            args.output_dir = os.path.join(args.output_dir, EVALUATE_ONLY_SUBDIR)
         self.output_dir = args.output_dir
         self.accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
                                             self.output_dir, seed=args.seed)
@@ -134,7 +135,8 @@ class Run:
         self.config, self.checkpointer.model_config = config, model_config
         if self.accelerator.is_main_process:
             save_config(config, self.output_dir)
-            logger.info("config: %s", json.dumps(config, default=str))
+            logger.info("config (also in %s):\n%s", os.path.join(self.output_dir, "config.yaml"),
+                        yaml.safe_dump(config, sort_keys=False).rstrip())
 
     def load_weights(self, model: torch.nn.Module, path: str) -> str:
         """Load `--evaluate_only` weights into the bare model; any failure is one line and exit 1."""
@@ -178,12 +180,14 @@ class Run:
         except ResumeError as e:
             self.fail(str(e))
         self.init_trackers()
+        error = None
         if acc.is_main_process:
             set_tracker_offset(st, self.metrics.path, bool(args.resume_from_checkpoint))
             self.metrics.step_offset = st.tracker_offset
             error = check_disk_space(self.output_dir, model, optimizer, args.checkpoint_total_limit or args.epochs)
-            if error:
-                self.fail(error)
+        error = broadcast_object(acc, error)  # every process stops: a lone main exit leaves the others waiting
+        if error:
+            self.fail(error)
         self._start_counters()
         return scheduler
 

@@ -16,6 +16,7 @@ import logging
 import math
 
 import torch
+from accelerate import PartialState
 
 from .checkpoint import CheckpointError, TrainState, read_train_state, resolve_resume
 from .collectives import broadcast_object
@@ -169,6 +170,9 @@ def build_scheduler(optimizer, schedule: dict, state: TrainState, saved: TrainSt
                        "the base LR at step %d down to 0 at step %d, without a restart%s", epochs,
                        old.get("epochs"), factor, state.global_step, total_steps,
                        "; it had already reached 0, so the added epochs train at LR 0" if factor == 0 else "")
+    if spec["warmup_steps"] >= total_steps > 0 and not saved and PartialState().is_main_process:
+        logger.warning("--warmup_steps %d is not shorter than the run's %d optimizer steps: the LR never reaches "
+                       "its base value (%s warms up too); lower --warmup_steps", spec["warmup_steps"], total_steps, kind)
     state.schedule = spec
     return build_lr_scheduler(optimizer, kind, total_steps, spec["warmup_steps"], spec["warmup_start"],
                               spec["milestones"], anchor=spec["anchor"])

@@ -161,7 +161,7 @@ class MetricsLogger:
     def __init__(self, accelerator, output_dir: str):
         self.accelerator = accelerator
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.step_offset = 0  # tracker step = step + offset (see detlib.engine, resume from an older checkpoint)
+        self.step_offset = 0  # tracker step = step + offset (see detlib.resume, resume from an older checkpoint)
         self._defined: set[str] = set()
 
     def log(self, values: dict, step: int, tracker_epoch: float | None = None) -> None:

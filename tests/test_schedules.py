@@ -38,3 +38,20 @@ def test_constant_warms_up_too_and_the_first_step_is_one_step_into_the_ramp():
     f = [lr_factor(s, "constant", 200, warmup_steps=500, warmup_start=0.0) for s in (0, 1, 199)]
     assert f == pytest.approx([1 / 500, 2 / 500, 200 / 500])  # a 200-step run never reaches its LR
     assert lr_factor(3, "constant", 10, warmup_steps=4, warmup_start=0.0) == pytest.approx(1.0)
+
+
+def test_a_warmup_as_long_as_the_run_is_a_warning_once_at_the_start(caplog):
+    from detlib.checkpoint import TrainState
+    from detlib.resume import build_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    spec = {"kind": "constant", "warmup_steps": 500}
+    with caplog.at_level("WARNING", logger="detlib"):
+        build_scheduler(opt, spec, TrainState(), None, total_steps=200, steps_per_epoch=20, epochs=10, max_steps=0)
+    (record,) = [r for r in caplog.records if "warmup_steps" in r.getMessage()]
+    assert "500" in record.getMessage() and "200 optimizer steps" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="detlib"):
+        build_scheduler(opt, {**spec, "warmup_steps": 50}, TrainState(), None, total_steps=200, steps_per_epoch=20,
+                        epochs=10, max_steps=0)
+    assert not [r for r in caplog.records if "warmup_steps" in r.getMessage()]
