@@ -4,7 +4,7 @@ Every comparison runs in this one process on this machine: warm-up calls first, 
 alternate ours and the peer (the order flips each round, so a slow spell of a shared machine hits both),
 and the table reports medians and ratios ours / peer (lower is better).
 
-    python benchmarks/run.py --quick                # <= 10 min on 2 CPU cores (fewer repeats)
+    python benchmarks/run.py --quick                # fewer repeats: 6-15 min on 2 CPU cores, by their load
     python benchmarks/run.py                        # the full set (more repeats)
     python benchmarks/run.py --only assign_3000 coco_eval
     python benchmarks/run.py --threads 0            # torch's default threads (one per core) instead of 1
@@ -47,7 +47,7 @@ GPU_IMAGES_PER_S = 100.0
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer repeats (the <= 10 minute run)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats (6-15 min on 2 CPU cores, by their load)")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for both sides (0: torch's default, one per core). 1 by default: "
