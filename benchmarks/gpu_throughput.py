@@ -25,12 +25,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers import real_batch, spread_class_scores, torchvision_retinanet  # noqa: E402
-
-from detlib.anchors import AnchorGenerator  # noqa: E402
-from detlib.decode import decode_detections  # noqa: E402
-from detlib.loss import retinanet_loss  # noqa: E402
-from detlib.model import RetinaNet  # noqa: E402
+from kit import Kit, build_model_pair  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,64 +51,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-class Kit:
-    """One model (ours or torchvision's) with its train step and inference call on a batch of size B."""
-
-    def __init__(self, name, model, device, image_size, base):
-        self.name, self.device, self.S = name, device, image_size
-        self.model = model.to(device)
-        if name == "detlib":
-            self.model = self.model.to(memory_format=torch.channels_last)
-        self.base = base
-        self.anchor_gen = AnchorGenerator()
-        self.optimizer = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=1e-4, momentum=0.9)
-
-    def batch(self, B: int) -> dict:
-        reps = -(-B // self.base["images"].shape[0])
-        out = {"images": self.base["images"].repeat(reps, 1, 1, 1)[:B].to(self.device),
-               "boxes": self.base["boxes"].repeat(reps, 1, 1)[:B].to(self.device),
-               "labels": self.base["labels"].repeat(reps, 1)[:B].to(self.device),
-               "image_sizes": self.base["image_sizes"].repeat(reps, 1)[:B].to(self.device),
-               "scales": self.base["scales"].repeat(reps, 1)[:B].to(self.device)}
-        if self.name == "detlib":
-            out["images"] = out["images"].contiguous(memory_format=torch.channels_last)
-        else:
-            out["tv_images"] = [(self.base["tv_images"][i % len(self.base["tv_images"])]).to(self.device) for i in range(B)]
-            out["tv_targets"] = [{k: v.to(self.device) for k, v in self.base["tv_targets"][i % len(self.base["tv_targets"])].items()}
-                                 for i in range(B)]
-        return out
-
-    def train_step(self, batch, dtype, scaler, model=None):
-        model = self.model if model is None else model
-        with torch.autocast(self.device.type, dtype=dtype):
-            if self.name == "detlib":
-                out = model(batch["images"])
-                anchors, _ = self.anchor_gen(self.S, self.S, device=self.device)
-                loss = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"])["loss"]
-            else:
-                loss = sum(model(batch["tv_images"], batch["tv_targets"]).values())
-        scaler.scale(loss).backward()
-        scaler.step(self.optimizer)
-        scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @torch.inference_mode()
-    def infer(self, batch, dtype):
-        with torch.autocast(self.device.type, dtype=dtype):
-            if self.name == "detlib":
-                out = self.model(batch["images"])
-                anchors, per_level = self.anchor_gen(self.S, self.S, device=self.device)
-                dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, per_level,
-                                         batch["image_sizes"], batch["scales"])
-                return dets.scores.shape[0]
-            return sum(len(d["boxes"]) for d in self.model(batch["tv_images"]))
-
-
-def fits(kit: Kit, B: int, dtype) -> bool:
+def fits(kit: Kit, base: dict, B: int, dtype) -> bool:
     """Two training steps at batch B; False on out-of-memory (and the memory is given back)."""
     scaler = torch.amp.GradScaler(kit.device.type, enabled=dtype == torch.float16)
     try:
-        batch = kit.batch(B)
+        batch = kit.batch(base, B)
         for _ in range(2):
             kit.train_step(batch, dtype, scaler)
         sync(kit.device)
@@ -127,9 +69,10 @@ def fits(kit: Kit, B: int, dtype) -> bool:
             torch.cuda.empty_cache()
 
 
-def train_throughput(kit: Kit, B: int, dtype, steps: int, model=None) -> dict:
+def train_throughput(kit: Kit, base: dict, B: int, dtype, steps: int, model=None) -> dict:
+    """Train images/s at batch B after two warm-up steps, and the peak memory of the timed steps."""
     scaler = torch.amp.GradScaler(kit.device.type, enabled=dtype == torch.float16)
-    batch = kit.batch(B)
+    batch = kit.batch(base, B)
     for _ in range(2):
         kit.train_step(batch, dtype, scaler, model)
     sync(kit.device)
@@ -144,9 +87,10 @@ def train_throughput(kit: Kit, B: int, dtype, steps: int, model=None) -> dict:
     return {"batch": B, "images_per_s": B * steps / dt, "step_s": dt / steps, "peak_memory_gib": peak}
 
 
-def infer_throughput(kit: Kit, B: int, dtype, steps: int) -> dict:
+def infer_throughput(kit: Kit, base: dict, B: int, dtype, steps: int) -> dict:
+    """Eval images/s at batch B (forward + decoding) after one warm-up call, and detections per image."""
     kit.model.eval()
-    batch = kit.batch(B)
+    batch = kit.batch(base, B)
     kit.infer(batch, dtype)
     sync(kit.device)
     t0 = time.perf_counter()
@@ -155,14 +99,14 @@ def infer_throughput(kit: Kit, B: int, dtype, steps: int) -> dict:
     sync(kit.device)
     dt = time.perf_counter() - t0
     kit.model.train()
-    return {"batch": B, "images_per_s": B * steps / dt, "detections_per_image": n / B}
+    return {"batch": B, "images_per_s": B * steps / dt, "detections_per_image": sum(n) / B}
 
 
-def count_syncs(kit: Kit, B: int) -> int | None:
+def count_syncs(kit: Kit, base: dict, B: int) -> int | None:
     """Host-device synchronisations in one bf16 training step (CUDA only)."""
     if kit.device.type != "cuda":
         return None
-    batch = kit.batch(B)
+    batch = kit.batch(base, B)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     kit.train_step(batch, torch.bfloat16, scaler)
     sync(kit.device)
@@ -177,6 +121,60 @@ def count_syncs(kit: Kit, B: int) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def measure_kit(name: str, kit: Kit, base: dict, args, t_start: float) -> dict | None:
+    """The largest batch that fits (bf16), train images/s in bf16 and fp16, eval images/s, syncs per step;
+    None when the first candidate batch does not fit."""
+    best = None
+    torch.backends.cudnn.benchmark = False  # no autotuning for every batch size the search tries
+    for B in args.batch_sizes:
+        if not fits(kit, base, B, torch.bfloat16):
+            break
+        best = B
+    torch.backends.cudnn.benchmark = True  # the timed batch size is autotuned in its warm-up steps
+    if best is None:
+        print(f"{name}: batch {args.batch_sizes[0]} does not fit", flush=True)
+        return None
+    r = {"max_batch": best}
+    for dname, dtype in DTYPES.items():
+        t = r[f"train_{dname}"] = train_throughput(kit, base, best, dtype, args.steps)
+        print(f"{name} train {dname}: batch {best}, {t['images_per_s']:.1f} images/s, peak {t['peak_memory_gib'] or 0:.1f} "
+              f"GiB  ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    r["infer_bf16"] = infer_throughput(kit, base, best, torch.bfloat16, args.steps)
+    r["syncs_per_train_step_bf16"] = count_syncs(kit, base, min(best, 8))
+    print(f"{name} inference bf16: {r['infer_bf16']['images_per_s']:.1f} images/s; host-device syncs per "
+          f"train step: {r['syncs_per_train_step_bf16']}  ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    return r
+
+
+def measure_compiled(kit: Kit, base: dict, B: int, steps: int) -> dict:
+    """Train images/s of `torch.compile(kit.model)` in bf16, with the compile + warm-up time; a failure is
+    returned as {"error": ...} (a finding, not a reason to lose the other numbers)."""
+    t0 = time.perf_counter()
+    try:
+        r = train_throughput(kit, base, B, torch.bfloat16, steps, model=torch.compile(kit.model))
+        r["compile_and_warmup_s"] = time.perf_counter() - t0 - r["step_s"] * steps
+        print(f"detlib train bf16 torch.compile: {r['images_per_s']:.1f} images/s "
+              f"(compile + warm-up {r['compile_and_warmup_s']:.0f} s)", flush=True)
+        return r
+    except Exception as e:
+        print(f"torch.compile failed: {type(e).__name__}: {e}", flush=True)
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+
+
+def print_table(kits: dict) -> None:
+    print("\n| kit | batch | train bf16 img/s | train fp16 img/s | peak GiB | eval bf16 img/s | syncs/step |")
+    print("|---|---|---|---|---|---|---|")
+    for kit_name, r in kits.items():
+        peak = r["train_bf16"]["peak_memory_gib"]
+        print(f"| {kit_name} | {r['max_batch']} | {r['train_bf16']['images_per_s']:.1f} | "
+              f"{r['train_fp16']['images_per_s']:.1f} | {peak if peak is None else f'{peak:.1f}'} | "
+              f"{r['infer_bf16']['images_per_s']:.1f} | {r['syncs_per_train_step_bf16']} |")
+    if {"detlib", "torchvision"} <= set(kits):
+        a, b = kits["detlib"], kits["torchvision"]
+        for key in ("train_bf16", "train_fp16", "infer_bf16"):
+            print(f"{key}: detlib / torchvision throughput = {a[key]['images_per_s'] / b[key]['images_per_s']:.2f}x")
+
+
 def main(argv=None):
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -189,13 +187,8 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}, {args.image_size} px", flush=True)
 
-    torch.manual_seed(0)
-    ours = RetinaNet(80, "resnet50", fpn_channels=256)
-    base = real_batch(args.image_size, 2)
-    spread_class_scores(ours, base["images"])  # realistic candidate counts for decoding (see peers.py)
-    peer = torchvision_retinanet(ours, args.image_size)
-    peer.detections_per_img = 100
-    kits = [Kit("detlib", ours, device, args.image_size, base), Kit("torchvision", peer, device, args.image_size, base)]
+    ours, peer, base = build_model_pair(args.image_size, 2)
+    kits = {"detlib": Kit(ours, device, channels_last=True), "torchvision": Kit(peer, device)}
     results = {"device": name, "image_size": args.image_size, "torch": torch.__version__, "kits": {}}
 
     def save():  # after every stage, so a run stopped by its time limit keeps what it measured
@@ -204,59 +197,20 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 
-    for kit in kits:
-        best = None
-        torch.backends.cudnn.benchmark = False  # no autotuning for every batch size the search tries
-        for B in args.batch_sizes:
-            if not fits(kit, B, torch.bfloat16):
-                break
-            best = B
-        torch.backends.cudnn.benchmark = True  # the timed batch size is autotuned in its warm-up steps
-        if best is None:
-            print(f"{kit.name}: batch {args.batch_sizes[0]} does not fit", flush=True)
-            continue
-        r = {"max_batch": best}
-        for dname, dtype in DTYPES.items():
-            r[f"train_{dname}"] = train_throughput(kit, best, dtype, args.steps)
-            print(f"{kit.name} train {dname}: batch {best}, {r[f'train_{dname}']['images_per_s']:.1f} images/s, "
-                  f"peak {r[f'train_{dname}']['peak_memory_gib'] or 0:.1f} GiB  ({time.perf_counter() - t_start:.0f} s)",
-                  flush=True)
-        r["infer_bf16"] = infer_throughput(kit, best, torch.bfloat16, args.steps)
-        r["syncs_per_train_step_bf16"] = count_syncs(kit, min(best, 8))
-        print(f"{kit.name} inference bf16: {r['infer_bf16']['images_per_s']:.1f} images/s; host-device syncs per "
-              f"train step: {r['syncs_per_train_step_bf16']}  ({time.perf_counter() - t_start:.0f} s)", flush=True)
-        results["kits"][kit.name] = r
-        save()
+    for kit_name, kit in kits.items():
+        r = measure_kit(kit_name, kit, base, args, t_start)
+        if r is not None:
+            results["kits"][kit_name] = r
+            save()
 
-    ours_kit = kits[0]
     if "detlib" in results["kits"] and time.perf_counter() - t_start < args.deadline_s:
         B = results["kits"]["detlib"]["max_batch"]
-        t0 = time.perf_counter()
-        compiled = torch.compile(ours_kit.model)
-        try:
-            r = train_throughput(ours_kit, B, torch.bfloat16, args.steps, model=compiled)
-            r["compile_and_warmup_s"] = time.perf_counter() - t0 - r["step_s"] * args.steps
-            results["kits"]["detlib"]["train_bf16_compiled"] = r
-            print(f"detlib train bf16 torch.compile: {r['images_per_s']:.1f} images/s "
-                  f"(compile + warm-up {r['compile_and_warmup_s']:.0f} s)", flush=True)
-        except Exception as e:  # a compile failure is a finding, not a reason to lose the other numbers
-            results["kits"]["detlib"]["train_bf16_compiled"] = {"error": f"{type(e).__name__}: {e}"[:500]}
-            print(f"torch.compile failed: {type(e).__name__}: {e}", flush=True)
+        results["kits"]["detlib"]["train_bf16_compiled"] = measure_compiled(kits["detlib"], base, B, args.steps)
         save()
     else:
         print("torch.compile stage skipped (past --deadline_s)", flush=True)
 
-    print("\n| kit | batch | train bf16 img/s | train fp16 img/s | peak GiB | eval bf16 img/s | syncs/step |")
-    print("|---|---|---|---|---|---|---|")
-    for kit_name, r in results["kits"].items():
-        peak = r["train_bf16"]["peak_memory_gib"]
-        print(f"| {kit_name} | {r['max_batch']} | {r['train_bf16']['images_per_s']:.1f} | "
-              f"{r['train_fp16']['images_per_s']:.1f} | {peak if peak is None else f'{peak:.1f}'} | "
-              f"{r['infer_bf16']['images_per_s']:.1f} | {r['syncs_per_train_step_bf16']} |")
-    if {"detlib", "torchvision"} <= set(results["kits"]):
-        a, b = results["kits"]["detlib"], results["kits"]["torchvision"]
-        for key in ("train_bf16", "train_fp16", "infer_bf16"):
-            print(f"{key}: detlib / torchvision throughput = {a[key]['images_per_s'] / b[key]['images_per_s']:.2f}x")
+    print_table(results["kits"])
     save()
     print(f"written {args.out} ({results['total_s']:.0f} s)")
 

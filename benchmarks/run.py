@@ -4,7 +4,7 @@ Every comparison runs in this one process on this machine: warm-up calls first, 
 alternate ours and the peer (the order flips each round, so a slow spell of a shared machine hits both),
 and the table reports medians and ratios ours / peer (lower is better).
 
-    python benchmarks/run.py --quick                # <= 10 min on 2 CPU cores (fewer repeats)
+    python benchmarks/run.py --quick                # fewer repeats: 6-15 min on 2 CPU cores, by their load
     python benchmarks/run.py                        # the full set (more repeats)
     python benchmarks/run.py --only assign_3000 coco_eval
     python benchmarks/run.py --threads 0            # torch's default threads (one per core) instead of 1
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import math
@@ -31,26 +32,22 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peers import (COCO_IMAGES, COCO_TRAIN_JSON, coco_eval_inputs, head_output_gap, real_batch,  # noqa: E402
-                   spread_class_scores, torchvision_retinanet)
+from kit import NUM_CLASSES, Kit, build_model_pair  # noqa: E402  (kit puts tests/ on the path for peers)
+from peers import COCO_IMAGES, COCO_TRAIN_JSON, coco_eval_inputs, head_output_gap  # noqa: E402
 
 from detlib.anchors import AnchorGenerator  # noqa: E402
 from detlib.coco_eval import STAT_NAMES, evaluate_coco  # noqa: E402
-from detlib.decode import decode_detections  # noqa: E402
-from detlib.loss import retinanet_loss  # noqa: E402
 from detlib.matching import match_anchors  # noqa: E402
-from detlib.model import RetinaNet  # noqa: E402
 
 BENCHMARKS = ("train_step", "inference", "assign_3000", "coco_eval", "data_pipeline")
 GOALS = {"train_step": 0.8, "inference": 0.7, "assign_3000": 1.0, "coco_eval": 0.33}
 # The throughput the data loader must feed: the issue's aim for one H200 (images/s).
 GPU_IMAGES_PER_S = 100.0
-NUM_CLASSES = 80
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer repeats (the <= 10 minute run)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats (6-15 min on 2 CPU cores, by their load)")
     p.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for both sides (0: torch's default, one per core). 1 by default: "
@@ -117,118 +114,46 @@ def peak_rss_gib(fn) -> tuple[object, float | None]:
 
 # ---------------------------------------------------------------- 1 + 2: train step and inference
 
-def build_models(image_size: int, batch_size: int):
-    """Our R50-FPN RetinaNet and torchvision's with the same weights, plus the shared real batch."""
-    torch.manual_seed(0)
-    ours = RetinaNet(NUM_CLASSES, "resnet50", fpn_channels=256)
-    batch = real_batch(image_size, batch_size)
-    spread_class_scores(ours, batch["images"])  # realistic candidate counts for decoding (see peers.py)
-    peer = torchvision_retinanet(ours, image_size)
-    peer.detections_per_img = 100  # the paper's cap, which our decoder uses (torchvision's default is 300)
-    gap = head_output_gap(ours, peer, batch["images"])
-    return ours, peer, batch, gap
-
-
-def _sgd(model):
-    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4, momentum=0.9)
+def kit_variants(args, models, mode: str) -> dict[str, Kit]:
+    """Fresh copies of both models: ours channels_last vs torchvision as it comes (NCHW), and with the full
+    run also the other memory format of each. `mode` is "train" or "eval"."""
+    ours, peer, _ = models
+    settings = {"ours": (ours, True), "peer": (peer, False)}
+    if not args.quick:
+        settings.update(ours_contiguous=(ours, False), peer_channels_last=(peer, True))
+    kits = {name: Kit(copy.deepcopy(model), channels_last=cl) for name, (model, cl) in settings.items()}
+    for kit in kits.values():
+        kit.model.train(mode == "train")
+    return kits
 
 
 def bench_train_step(args, models) -> dict:
     """Forward + loss + backward + SGD step on the same batch, ours (channels_last) vs torchvision."""
-    import copy
-
-    ours, peer, batch, gap = models
-    S = args.image_size
-    anchor_gen = AnchorGenerator()
-    variants = {}
-
-    def ours_step(model, channels_last: bool):
-        model = copy.deepcopy(model).train()
-        if channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        images = batch["images"].contiguous(memory_format=torch.channels_last) if channels_last else batch["images"]
-        opt = _sgd(model)
-
-        def step():
-            out = model(images)
-            anchors, _ = anchor_gen(S, S)
-            losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
-                                    batch["crowd_boxes"], box_loss="l1")
-            losses["loss"].backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
-
-    def peer_step(model, channels_last: bool):
-        model = copy.deepcopy(model).train()
-        if channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        opt = _sgd(model)
-
-        def step():
-            losses = model(batch["tv_images"], batch["tv_targets"])
-            sum(losses.values()).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
-
-    variants["ours"] = ours_step(ours, True)
-    variants["peer"] = peer_step(peer, False)
-    if not args.quick:
-        variants["ours_contiguous"] = ours_step(ours, False)
-        variants["peer_channels_last"] = peer_step(peer, True)
-    times = alternate(variants, warmup=1, repeats=3 if args.quick else 7)
+    ours, peer, base = models
+    kits = kit_variants(args, models, "train")
+    batches = {name: kit.batch(base) for name, kit in kits.items()}
+    times = alternate({name: (lambda k=kit, b=batches[name]: k.train_step(b)) for name, kit in kits.items()},
+                      warmup=1, repeats=3 if args.quick else 7)
     out = summarise(times, "ours", "peer", GOALS["train_step"])
-    out.update(setting=f"R50-FPN, {S}x{S} real COCO images, batch {args.batch_size}, fp32, SGD; ours with "
-                       "channels_last and folded frozen BN; torchvision default (NCHW)",
-               head_logit_max_abs_diff=gap)
+    out.update(setting=f"R50-FPN, {args.image_size}x{args.image_size} real COCO images, batch {args.batch_size}, fp32, "
+                       "SGD; ours with channels_last and folded frozen BN; torchvision default (NCHW)",
+               head_logit_max_abs_diff=head_output_gap(ours, peer, base["images"]))
     return out
 
 
 def bench_inference(args, models) -> dict:
     """Eval-mode forward + decoding to at most 100 detections per image, ours vs torchvision."""
-    import copy
-
-    ours, peer, batch, _ = models
-    S = args.image_size
-    anchor_gen = AnchorGenerator()
+    kits = kit_variants(args, models, "eval")
+    batches = {name: kit.batch(models[2]) for name, kit in kits.items()}
     counts = {}
 
-    def ours_infer(model, channels_last: bool, name: str):
-        model = copy.deepcopy(model).eval()
-        if channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        images = batch["images"].contiguous(memory_format=torch.channels_last) if channels_last else batch["images"]
+    def run(name):
+        counts[name] = kits[name].infer(batches[name])
 
-        def run():
-            with torch.inference_mode():
-                out = model(images)
-                anchors, per_level = anchor_gen(S, S)
-                dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, per_level,
-                                         batch["image_sizes"], batch["scales"], score_thresh=0.05,
-                                         topk_per_level=1000, nms_thresh=0.5, max_detections=100)
-            counts[name] = torch.bincount(dets.batch_idx, minlength=len(images)).tolist()
-        return run
-
-    def peer_infer(model, channels_last: bool, name: str):
-        model = copy.deepcopy(model).eval()
-        if channels_last:
-            model = model.to(memory_format=torch.channels_last)
-
-        def run():
-            with torch.inference_mode():
-                dets = model(batch["tv_images"])
-            counts[name] = [len(d["boxes"]) for d in dets]
-        return run
-
-    variants = {"ours": ours_infer(ours, True, "ours"), "peer": peer_infer(peer, False, "peer")}
-    if not args.quick:
-        variants["ours_contiguous"] = ours_infer(ours, False, "ours_contiguous")
-        variants["peer_channels_last"] = peer_infer(peer, True, "peer_channels_last")
-    times = alternate(variants, warmup=1, repeats=3 if args.quick else 7)
+    times = alternate({name: (lambda n=name: run(n)) for name in kits}, warmup=1, repeats=3 if args.quick else 7)
     out = summarise(times, "ours", "peer", GOALS["inference"])
-    out.update(setting=f"R50-FPN, {S}x{S}, batch {args.batch_size}, eval, score > 0.05, top-1000 per level, "
-                       "NMS 0.5, 100 per image; ours channels_last", detections_per_image=counts)
+    out.update(setting=f"R50-FPN, {args.image_size}x{args.image_size}, batch {args.batch_size}, eval, score > 0.05, "
+                       "top-1000 per level, NMS 0.5, 100 per image; ours channels_last", detections_per_image=counts)
     return out
 
 
@@ -379,7 +304,7 @@ def main(argv=None):
             continue
         t0 = time.perf_counter()
         if name in ("train_step", "inference"):
-            models = models or build_models(args.image_size, args.batch_size)
+            models = models or build_model_pair(args.image_size, args.batch_size)
             results[name] = (bench_train_step if name == "train_step" else bench_inference)(args, models)
         elif name == "assign_3000":
             results[name] = bench_assign(args)

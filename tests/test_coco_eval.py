@@ -135,3 +135,24 @@ def test_repeated_images_count_once_case_b13():
     ev.add(1, hit(1) + miss(1))  # the padding repeat
     assert ev.num_images == 3 and len(ev.results) == 4
     assert ev.evaluate()[0] == single.evaluate()[0]
+
+
+@pytest.mark.parametrize("backend", ["pycocotools", "faster"])
+def test_one_summary_per_evaluation_and_no_backend_output(backend, caplog, capsys):
+    # faster-coco-eval's COCOeval logs its progress and its own 12-line summary at INFO and pycocotools prints
+    # them: with the training script's log line, train.log held the summary twice and ~40 backend lines per run.
+    gt = {"images": [{"id": i, "width": 50, "height": 50} for i in (1, 2)],
+          "annotations": [{"id": i, "image_id": i, "category_id": 1, "bbox": [5, 5, 20, 20], "area": 400, "iscrowd": 0}
+                          for i in (1, 2)],
+          "categories": [{"id": 1}]}
+    ev = CocoEvaluator(gt, backend=backend)
+    ev.add(1, [{"image_id": 1, "category_id": 1, "bbox": [5, 5, 20, 20], "score": 0.9}])
+    ev.add(2, [{"image_id": 2, "category_id": 1, "bbox": [30, 30, 10, 10], "score": 0.8}])
+    with caplog.at_level(logging.INFO):
+        stats, summary = ev.evaluate()
+        logging.getLogger("train").info("COCO evaluation on %d images:\n%s", ev.num_images, summary)  # as the script does
+    assert stats["AP50"] == pytest.approx(51 / 101)  # precision 1 at the 51 recall points 0.00..0.50 of 101
+    info = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert [r.name for r in info] == ["train"]
+    assert caplog.text.count("Average Precision  (AP) @[ IoU=0.50      | area=   all | maxDets=100 ]") == 1
+    assert capsys.readouterr().out == ""

@@ -9,13 +9,12 @@
 * Model: folding the frozen BatchNorm into the convs and channels_last change nothing but float rounding,
   and keep the state dict keys.
 * COCO evaluation: the faster-coco-eval backend gives pycocotools' 12 stats to 1e-6 on jittered real data.
-* Benchmark harness: torchvision's RetinaNet built by `benchmarks/peers.py` really carries our weights.
+* Benchmark peer: torchvision's RetinaNet built by `tests/peers.py` (used by `benchmarks/`) really carries our weights.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 
 import pytest
@@ -35,7 +34,7 @@ from detlib.loss import retinanet_loss
 from detlib.matching import match_anchors, pairwise_iou
 from detlib.model import RetinaNet, _Conv2dFrozenBN
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from peers import COCO_SUBSET_JSON, coco_eval_inputs, head_output_gap, torchvision_retinanet
 
 
 @pytest.fixture(autouse=True)
@@ -46,13 +45,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _load_peers():
-    spec = importlib.util.spec_from_file_location("peers", os.path.join(REPO, "benchmarks", "peers.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _random_boxes(n: int, size: float, gen: torch.Generator, min_wh: float = 2.0, max_wh: float = 80.0) -> torch.Tensor:
@@ -281,10 +273,9 @@ def test_folded_frozen_bn_and_channels_last_match_the_plain_model():
 
 def test_faster_coco_eval_gives_pycocotools_stats():
     pytest.importorskip("faster_coco_eval")
-    peers = _load_peers()
-    if not os.path.isfile(peers.COCO_SUBSET_JSON):
+    if not os.path.isfile(COCO_SUBSET_JSON):
         pytest.skip("shared COCO subset not found")
-    gt, results = peers.coco_eval_inputs(150, 30)
+    gt, results = coco_eval_inputs(150, 30)
     ref, _ = evaluate_coco(gt, results, backend="pycocotools")
     fast, _ = evaluate_coco(gt, results, backend="faster")
     assert 0.05 < ref["AP"] < 0.95  # jittered copies: a non-trivial AP
@@ -292,12 +283,11 @@ def test_faster_coco_eval_gives_pycocotools_stats():
         assert abs(fast[k] - ref[k]) <= 1e-6, k
 
 
-# ---------------------------------------------------------------- benchmark harness
+# ---------------------------------------------------------------- benchmark peer
 
 def test_torchvision_peer_carries_our_weights():
-    peers = _load_peers()
     torch.manual_seed(0)
     ours = RetinaNet(5, "resnet50", fpn_channels=256)
-    tv = peers.torchvision_retinanet(ours, 64)
+    tv = torchvision_retinanet(ours, 64)
     images = torch.randint(0, 256, (1, 3, 64, 64), dtype=torch.uint8)
-    assert peers.head_output_gap(ours, tv, images) < 1e-3
+    assert head_output_gap(ours, tv, images) < 1e-3

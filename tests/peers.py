@@ -1,4 +1,4 @@
-"""What the benchmarks compare against, and the inputs they share.
+"""The peers detlib is compared with, shared by `tests/test_fast_paths.py` and `benchmarks/kit.py`.
 
 * `torchvision_retinanet`: torchvision's `retinanet_resnet50_fpn` carrying exactly our model's weights.
   Two settings are aligned so that every weight maps one to one (and the head outputs agree, checked by
@@ -9,7 +9,6 @@
       (torchvision's v1 default): +0.27 GMAC per 512 px image, under 0.5 % of the forward.
   What still differs is each kit's own code: input transform, anchors (torchvision's are rounded to whole
   pixels and centred at offset 0), matching, loss and decoding.
-* `real_batch`: real COCO images and boxes from the shared subset, resized to a square.
 * `coco_eval_inputs`: a large COCO ground truth made of renumbered copies of the subset's annotations, and
   detections that are jittered copies of the ground truth plus false positives, so the AP is non-trivial.
 """
@@ -26,7 +25,6 @@ import timm
 import torch
 from torchvision.models.detection import retinanet_resnet50_fpn
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
-from torchvision.transforms.v2 import functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COCO_SUBSET = os.environ.get("DETLIB_COCO_SUBSET", os.path.join(os.path.dirname(REPO), "shared", "data", "coco_subset"))
@@ -96,48 +94,6 @@ def head_output_gap(ours: torch.nn.Module, tv: torch.nn.Module, images: torch.Te
     b = tv.head.classification_head(list(tv.backbone(x).values()))
     ours.train(was[0]), tv.train(was[1])
     return float((a - b).abs().max())
-
-
-def spread_class_scores(model: torch.nn.Module, images: torch.Tensor, target_std: float = 1.0) -> None:
-    """Rescale the classifier's output conv so its logits vary with std `target_std` around the prior.
-
-    A freshly initialised head gives every (anchor, class) the same score 0.01, below the 0.05 threshold,
-    so decoding would have nothing to do. With a spread of 1 about 5 % of the candidates pass the
-    threshold: the top-k, decoding and NMS then run at full size, as they do for a partly trained model.
-    """
-    with torch.no_grad():
-        was = model.training
-        model.eval()
-        logits = model(images)["cls_logits"].float()
-        model.train(was)
-        std = float(logits.std().clamp(min=1e-12))
-        model.cls_head.out.weight.mul_(target_std / std)
-
-
-def real_batch(image_size: int, batch_size: int, first: int = 0):
-    """`batch_size` real COCO training images resized to image_size x image_size, with their boxes.
-
-    Returns:
-        images [B, 3, S, S] uint8; boxes [B, M, 4] float32 xyxy padded with zeros; labels [B, M] int64
-        (-1 in padding); crowd_boxes [B, C, 4]; and torchvision-style `tv_images` (list of float [3, S, S]
-        in [0, 1]) and `tv_targets` (list of {"boxes", "labels"}).
-    """
-    from detlib.data import CocoDetection, collate_detection
-
-    ds = CocoDetection(COCO_IMAGES, COCO_TRAIN_JSON, transform=None)
-    samples = []
-    for i in range(first, first + batch_size):
-        s = ds[i % len(ds)]
-        h, w = s["image"].shape[-2:]
-        scale = torch.tensor([image_size / w, image_size / h] * 2)
-        s["image"] = F.resize(s["image"], [image_size, image_size], antialias=True)
-        s["boxes"] = s["boxes"] * scale
-        s["crowd_boxes"] = s["crowd_boxes"] * scale
-        samples.append(s)
-    batch = collate_detection(samples)
-    batch["tv_images"] = [s["image"].float() / 255 for s in samples]
-    batch["tv_targets"] = [{"boxes": s["boxes"], "labels": s["labels"]} for s in samples]
-    return batch
 
 
 def coco_eval_inputs(num_images: int, dets_per_image: int = 100, seed: int = 0) -> tuple[dict, list[dict]]:
