@@ -24,7 +24,7 @@ from torchvision.models.detection._utils import Matcher
 from torchvision.ops import batched_nms, box_area, box_iou, sigmoid_focal_loss
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from detlib import box_coder, matching
+from detlib import box_coder
 from detlib.anchors import AnchorGenerator
 from detlib.box_ops import clip_boxes_to_image
 from detlib.coco_eval import STAT_NAMES, evaluate_coco
@@ -100,7 +100,7 @@ def _padded_batch(gen, anchors_size, counts, tiny=False):
 
 
 @pytest.mark.parametrize("tiny", [False, True], ids=["mixed_boxes", "many_8px_boxes"])
-def test_matching_chunked_unchunked_and_torchvision_agree(tiny, monkeypatch):
+def test_matching_chunked_unchunked_and_torchvision_agree(tiny):
     gen = torch.Generator().manual_seed(1 if tiny else 2)
     anchors, _ = AnchorGenerator()(160, 128)
     counts = [60, 0, 7] if tiny else [9, 0, 3, 14]
@@ -113,10 +113,8 @@ def test_matching_chunked_unchunked_and_torchvision_agree(tiny, monkeypatch):
     assert torch.equal(unchunked, reference)
     M = gt_boxes.shape[1]
     for max_elements in (len(counts) * M * 97, len(counts) * M * 1000):  # 40 and 4 chunks
-        monkeypatch.setattr(matching, "_KEEP_TIES_ON_CPU", True)
-        kept_ties = match_anchors(anchors, gt_boxes, gt_labels, max_elements=max_elements)
-        monkeypatch.setattr(matching, "_KEEP_TIES_ON_CPU", False)
-        recomputed = match_anchors(anchors, gt_boxes, gt_labels, max_elements=max_elements)
+        kept_ties = match_anchors(anchors, gt_boxes, gt_labels, max_elements=max_elements, keep_ties=True)
+        recomputed = match_anchors(anchors, gt_boxes, gt_labels, max_elements=max_elements, keep_ties=False)
         assert torch.equal(kept_ties, unchunked), max_elements
         assert torch.equal(recomputed, unchunked), max_elements
     assert (unchunked[1] == BACKGROUND).all()
