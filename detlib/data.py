@@ -42,12 +42,10 @@ from .images import IMAGE_ERRORS, load_rgb
 from .labels import PAD_LABEL, CategoryMap
 from .model import IMAGENET_MEAN
 from .records import CompactRecords
-from .transforms import make_sample
+from .transforms import PAD_VALUE, make_sample
 
 logger = logging.getLogger(__name__)
 
-# Padding colour of the batch: the ImageNet mean, so padded pixels are ~0 after normalisation.
-PAD_VALUE = (124, 116, 104)
 # Float images (resize mode "torchvision") are padded with the exact mean, so padded pixels are 0 after
 # normalisation, as torchvision pads its normalised batch with zeros.
 PAD_VALUE_FLOAT = IMAGENET_MEAN

@@ -11,7 +11,8 @@ Augmentation levels (`--augmentation`):
   none                 resize only
   flip                 horizontal flip (p = 0.5)
   flip_crop_translate  flip, a random crop keeping 60-100 % of each side (p = 0.5), and a random
-                       translation of up to 10 % of each side (p = 0.5): the seed recipe's "-aug".
+                       translation of up to 10 % of each side (p = 0.5; the uncovered area filled with
+                       `PAD_VALUE`, as the batch padding): the seed recipe's "-aug".
 Every level ends with a resize to `image_size` (aspect ratio kept; see `ResizeLongestSide`).
 """
 
@@ -26,6 +27,9 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 AUGMENTATIONS = ("none", "flip", "flip_crop_translate")
+# Padding colour of the batch (detlib.data) and of the area a translation uncovers: the ImageNet mean in uint8,
+# so both are ~0 after normalisation, and the model never learns that a black band means "edge of the image".
+PAD_VALUE = (124, 116, 104)
 RESIZE_MODES = ("antialias", "torchvision")
 
 
@@ -131,7 +135,7 @@ def build_transform(image_size: int | list[int], augmentation: str = "none", max
         steps.append(v2.RandomHorizontalFlip(p=0.5))
     if augmentation == "flip_crop_translate":
         steps.append(RandomCropFraction(min_fraction=0.6, p=0.5))
-        steps.append(v2.RandomApply([v2.RandomAffine(degrees=0.0, translate=(0.1, 0.1))], p=0.5))
+        steps.append(v2.RandomApply([v2.RandomAffine(degrees=0.0, translate=(0.1, 0.1), fill=list(PAD_VALUE))], p=0.5))
     steps.append(ResizeLongestSide(image_size, max_size, resize_mode))
     steps.append(v2.SanitizeBoundingBoxes(min_size=1.0, labels_getter=_box_fields))
     return v2.Compose(steps)

@@ -223,3 +223,22 @@ def test_resize_longer_side_or_shorter_side_with_cap():
     assert capped["image"].shape[-2:] == (60, 120)
     shorter = ResizeLongestSide(80, max_size=1333)(sample)
     assert shorter["image"].shape[-2:] == (80, 160)
+
+
+def test_translation_fills_the_uncovered_area_with_the_padding_colour():
+    from torchvision.transforms import v2
+
+    from detlib.transforms import PAD_VALUE, build_transform, make_sample
+
+    (apply,) = [t for t in build_transform(64, "flip_crop_translate").transforms if isinstance(t, v2.RandomApply)]
+    affine = apply.transforms[0]
+    white = torch.full((3, 64, 64), 255, dtype=torch.uint8)
+    torch.manual_seed(0)
+    uncovered = 0
+    for _ in range(5):
+        out = affine(make_sample(white, torch.tensor([[8.0, 8.0, 40.0, 40.0]]), torch.tensor([1]), torch.tensor([False])))
+        pixels = out["image"].reshape(3, -1).T
+        moved = pixels[(pixels != 255).any(dim=1)]
+        uncovered += len(moved)
+        assert all(tuple(p) == PAD_VALUE for p in moved.tolist())
+    assert uncovered > 0  # the translations did uncover some area
