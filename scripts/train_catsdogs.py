@@ -34,13 +34,14 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, classification_metrics,
-                                   classification_transform, make_synthetic_image_folder, scan_image_folder)
+from detlib.classification import build_classifier, classification_metrics, classification_transform
 from detlib.engine import Run
 from detlib.flags import float_range, int_at_least, run_argument_parser
 from detlib.foldercheck import check_folders_for_training
+from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
+from detlib.synthetic import make_synthetic_image_folder
 
 logger = logging.getLogger("train_catsdogs")
 
