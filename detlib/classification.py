@@ -1,7 +1,7 @@
 """Image classification: the transforms, the model builder with its weight loading, and the metrics.
 
 The data (ImageFolder scan and data set) is `detlib.imagefolder`; the built-in stripes data set is
-`detlib.synthetic`; weights files are read by `detlib.model.load_state_dict_file`.
+`detlib.synthetic`; weights files are read by `detlib.checkpoint.load_state_dict_file`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from .model import load_state_dict_file
+from .checkpoint import load_state_dict_file
 
 logger = logging.getLogger(__name__)
 

@@ -1,17 +1,57 @@
-"""Library pieces used instead of our own (torchvision's image extensions) give the values ours gave; the
-built-in data sets keep their cache folders."""
+"""Library pieces used instead of our own (timm's weights reader, torchvision's image extensions) give the values
+ours gave; the built-in data sets keep their cache folders."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+from safetensors.torch import save_file
+
 from detlib import imagefolder, synthetic
+from detlib.checkpoint import load_state_dict_file
 
 
 def test_image_extensions_are_torchvisions_and_cover_ours():
     ours_before = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
     assert set(ours_before) <= set(imagefolder.IMG_EXTENSIONS)
     assert all(e == e.lower() for e in imagefolder.IMG_EXTENSIONS)  # the scan lower-cases names before the check
+
+
+# ---- weights files: timm's reader plus our repeated prefix stripping
+
+STATE = {"a.weight": torch.arange(4.0).reshape(2, 2), "b.bias": torch.ones(3)}
+
+
+@pytest.mark.parametrize("prefix", ["", "module.", "_orig_mod.", "_orig_mod.module.", "module._orig_mod.",
+                                    "module.module.", "module._orig_mod.module."])
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_wrapper_prefixes_are_stripped_however_deep(tmp_path, prefix, fmt):
+    sd = {prefix + k: v for k, v in STATE.items()}
+    path = tmp_path / f"w.{fmt}"
+    save_file(sd, str(path)) if fmt == "safetensors" else torch.save(sd, path)
+    loaded = load_state_dict_file(path)
+    assert sorted(loaded) == ["a.weight", "b.bias"]
+    assert all(torch.equal(loaded[k], STATE[k]) for k in STATE)
+
+
+def test_containers_are_unwrapped_and_ema_weights_not_taken(tmp_path):
+    torch.save({"state_dict": {f"module.{k}": v for k, v in STATE.items()}, "epoch": 3}, tmp_path / "sd.pth")
+    torch.save({"model": STATE, "optimizer": {}}, tmp_path / "model.pth")
+    # a timm training checkpoint: the raw weights, as before (timm's reader alone would take the EMA ones)
+    torch.save({"state_dict": STATE, "state_dict_ema": {k: v * 0 for k, v in STATE.items()}}, tmp_path / "ema.pth")
+    for name in ("sd.pth", "model.pth", "ema.pth"):
+        loaded = load_state_dict_file(tmp_path / name)
+        assert sorted(loaded) == ["a.weight", "b.bias"] and float(loaded["a.weight"].sum()) == 6.0, name
+
+
+def test_missing_and_foreign_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"weights file not found: {tmp_path / 'nothing.pt'}"):
+        load_state_dict_file(tmp_path / "nothing.pt")
+    torch.save({"epoch": 3, "note": "no tensors"}, tmp_path / "meta.pt")
+    with pytest.raises(ValueError, match="does not hold a state dict of tensors"):
+        load_state_dict_file(tmp_path / "meta.pt")
 
 
 # ---- the built-in data sets share one cache root; their folders are those of before
