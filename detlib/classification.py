@@ -10,19 +10,18 @@ import logging
 
 import torch
 import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from .checkpoint import load_state_dict_file
 
 logger = logging.getLogger(__name__)
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 # Val resize: the shorter side to image_size / 0.875, then a centre crop (ResNet's 256 -> 224).
 CENTER_CROP_FRACTION = 0.875
 
 
 def classification_transform(image_size: int, train: bool):
-    """PIL RGB image -> float32 [3, image_size, image_size], ImageNet-normalised.
+    """PIL RGB image -> float32 [3, image_size, image_size], ImageNet-normalised (timm's mean / std, 0-1 units).
 
     Train: RandomResizedCrop (scale 0.08-1, aspect 3/4-4/3, the ImageNet recipe) + horizontal flip.
     Eval: shorter side resized to image_size / 0.875, centre crop.
@@ -34,7 +33,7 @@ def classification_transform(image_size: int, train: bool):
     else:
         geometry = [v2.Resize(int(round(image_size / CENTER_CROP_FRACTION)), antialias=True), v2.CenterCrop(image_size)]
     return v2.Compose([*geometry, v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+                       v2.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)])
 
 
 TORCHVISION_MODELS = ("resnet18",)

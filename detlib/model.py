@@ -13,6 +13,7 @@ from collections import OrderedDict
 import timm
 import torch
 import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models.resnet import BasicBlock, Bottleneck
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
@@ -21,9 +22,10 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 from .checkpoint import load_state_dict_file
 
 
-# ImageNet statistics of the RGB channels in [0, 255], for backbones pretrained on ImageNet.
-IMAGENET_MEAN = (123.675, 116.28, 103.53)
-IMAGENET_STD = (58.395, 57.12, 57.375)
+# ImageNet statistics of the RGB channels, for backbones pretrained on ImageNet, in pixel units [0, 255]: RetinaNet
+# takes images in [0, 255] and normalises them itself. timm's constants are in [0, 1] units, hence the x 255.
+IMAGENET_MEAN = tuple(255 * v for v in IMAGENET_DEFAULT_MEAN)  # (123.675, 116.28, 103.53)
+IMAGENET_STD = tuple(255 * v for v in IMAGENET_DEFAULT_STD)  # (58.395, 57.12, 57.375)
 
 # What the P6 conv reads: the backbone's C5 (the paper) or the FPN's P5 (torchvision's v1 RetinaNet).
 P6_INPUTS = ("c5", "p5")

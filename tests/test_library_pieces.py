@@ -1,5 +1,5 @@
-"""Library pieces used instead of our own (timm's weights reader, torchvision's image extensions) give the values
-ours gave; the built-in data sets keep their cache folders."""
+"""Library pieces used instead of our own (timm's ImageNet statistics and weights reader, torchvision's image
+extensions) give the values ours gave; the built-in data sets keep their cache folders."""
 
 from __future__ import annotations
 
@@ -9,8 +9,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from detlib import imagefolder, synthetic
+from detlib import classification, imagefolder, model, synthetic
 from detlib.checkpoint import load_state_dict_file
+
+# ---- ImageNet statistics: timm's constants, in 0-1 units (classifier) and 0-255 units (RetinaNet)
+
+
+def test_imagenet_statistics_keep_their_values_in_both_units():
+    assert model.IMAGENET_MEAN == pytest.approx((123.675, 116.28, 103.53), abs=1e-9)
+    assert model.IMAGENET_STD == pytest.approx((58.395, 57.12, 57.375), abs=1e-9)
+    # the float32 buffers RetinaNet normalises with are bit-identical to the literals used before
+    assert torch.equal(torch.tensor(model.IMAGENET_MEAN), torch.tensor((123.675, 116.28, 103.53)))
+    assert torch.equal(torch.tensor(model.IMAGENET_STD), torch.tensor((58.395, 57.12, 57.375)))
+    normalize = classification.classification_transform(32, train=False).transforms[-1]
+    assert tuple(normalize.mean) == (0.485, 0.456, 0.406) and tuple(normalize.std) == (0.229, 0.224, 0.225)
 
 
 def test_image_extensions_are_torchvisions_and_cover_ours():
