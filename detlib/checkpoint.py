@@ -27,8 +27,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-
-from .model import load_state_dict_file
+from timm.models import load_state_dict as timm_load_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -407,3 +406,48 @@ def all_finite(model: torch.nn.Module) -> bool:
     """True when every parameter and buffer of `model` is finite (one device sync)."""
     flags = [torch.isfinite(t).all() for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True
+
+
+# ---- reading weights files
+
+# Key prefixes that wrappers add: DDP's `module.` and torch.compile's `_orig_mod.`.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _strip_wrapper_prefixes(state_dict: dict) -> dict:
+    """Remove wrapper prefixes from the keys until none is left.
+
+    timm's reader already removes each prefix once, in a fixed order that depends on the timm version; a key
+    wrapped more deeply (`module.module.`: DDP around a DDP-wrapped model) or in another order keeps the
+    rest, so this repeats until no prefix is left (what detlib did before it used timm's reader).
+    """
+    out = {}
+    for k, v in state_dict.items():
+        while k.startswith(WRAPPER_PREFIXES):
+            k = k.removeprefix("module.").removeprefix("_orig_mod.")
+        out[k] = v
+    return out
+
+
+def load_state_dict_file(path: str | os.PathLike) -> dict:
+    """Read a state dict {name: tensor on the CPU} from `.safetensors` or a torch file (`weights_only=True`).
+
+    Built on timm's reader (`timm.models.load_state_dict`): it unwraps a `{"state_dict": ...}` or
+    `{"model": ...}` container and strips the wrapper prefixes `module.` and `_orig_mod.`. `use_ema=False`:
+    a timm training checkpoint that also holds EMA weights gives its raw weights, as before.
+
+    Raises:
+        FileNotFoundError: naming the path, if it does not exist.
+        ValueError: if the file holds no state dict of tensors.
+        RuntimeError: a torch file that `weights_only=True` refuses (pickled objects other than tensors).
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):  # checked here: timm's FileNotFoundError does not name the path
+        raise FileNotFoundError(f"weights file not found: {path}")
+    try:
+        sd = timm_load_state_dict(path, use_ema=False, weights_only=True)
+    except AttributeError:  # timm's prefix cleaning calls `.items()` on what the file holds: not a dict
+        sd = None
+    if not isinstance(sd, dict) or not any(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"{path} does not hold a state dict of tensors")
+    return _strip_wrapper_prefixes(sd)

@@ -1,6 +1,6 @@
 """The ImageFolder part of the data check (see `detlib.datacheck` for the levels and the report).
 
-`scan_image_folder` (detlib.classification) lists and decodes the files; `check_folder_scans` then judges
+`scan_image_folder` (detlib.imagefolder) lists and decodes the files; `check_folder_scans` then judges
 what the scans found, across classes and across train / val:
 
 - class folders: train and val must have the same class names (else the label indices differ: error, listing
@@ -24,7 +24,7 @@ import os
 from collections import defaultdict
 from dataclasses import replace
 
-from .classification import FolderScan
+from .imagefolder import FolderScan
 from .datacheck import DataReport, publish_report
 
 

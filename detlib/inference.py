@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from . import checkpoint as ckpt
-from .classification import IMG_EXTENSIONS, is_hidden
+from .imagefolder import IMG_EXTENSIONS, is_hidden
 from .images import IMAGE_ERRORS, load_rgb
 from .data import unreadable_item
 from .labels import CategoryMap

@@ -8,23 +8,25 @@ figure 3. The model returns raw head outputs only; matching, losses and decoding
 from __future__ import annotations
 
 import math
-import os
 from collections import OrderedDict
 
 import timm
 import torch
 import torch.nn as nn
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models.resnet import BasicBlock, Bottleneck
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from detlib.anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
+from .anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
+from .checkpoint import load_state_dict_file
 
 
-# ImageNet statistics of the RGB channels in [0, 255], for backbones pretrained on ImageNet.
-IMAGENET_MEAN = (123.675, 116.28, 103.53)
-IMAGENET_STD = (58.395, 57.12, 57.375)
+# ImageNet statistics of the RGB channels, for backbones pretrained on ImageNet, in pixel units [0, 255]: RetinaNet
+# takes images in [0, 255] and normalises them itself. timm's constants are in [0, 1] units, hence the x 255.
+IMAGENET_MEAN = tuple(255 * v for v in IMAGENET_DEFAULT_MEAN)  # (123.675, 116.28, 103.53)
+IMAGENET_STD = tuple(255 * v for v in IMAGENET_DEFAULT_STD)  # (58.395, 57.12, 57.375)
 
 # What the P6 conv reads: the backbone's C5 (the paper) or the FPN's P5 (torchvision's v1 RetinaNet).
 P6_INPUTS = ("c5", "p5")
@@ -96,47 +98,6 @@ class RetinaNetHead(nn.Module):
             # -> [B, H, W, A, k] -> [B, H*W*A, k]: the level -> y -> x -> anchor order of the anchors.
             outs.append(o.view(b, -1, self.out_per_anchor, h, w).permute(0, 3, 4, 1, 2).reshape(b, -1, self.out_per_anchor))
         return torch.cat(outs, dim=1)
-
-
-def _strip_prefixes(state_dict: dict) -> dict:
-    """Remove wrapper prefixes that DDP (`module.`) and torch.compile (`_orig_mod.`) add to keys."""
-    out = OrderedDict()
-    for k, v in state_dict.items():
-        changed = True
-        while changed:
-            changed = False
-            for p in ("module.", "_orig_mod."):
-                if k.startswith(p):
-                    k, changed = k[len(p):], True
-        out[k] = v
-    return out
-
-
-def load_state_dict_file(path: str | os.PathLike) -> dict:
-    """Read a state dict from `.safetensors` or a torch file (loaded with `weights_only=True`).
-
-    Wrapper prefixes (`module.`, `_orig_mod.`) are stripped; a `{"state_dict": ...}` or `{"model": ...}`
-    container is unwrapped.
-
-    Raises:
-        FileNotFoundError: naming the path, if it does not exist.
-        ValueError: if the file holds no tensors.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"weights file not found: {path}")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        sd = load_file(path, device="cpu")
-    else:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-        for key in ("state_dict", "model"):
-            if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
-                sd = sd[key]
-    if not isinstance(sd, dict) or not any(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ValueError(f"{path} does not hold a state dict of tensors")
-    return _strip_prefixes(sd)
 
 
 def build_backbone(name: str, pretrained: bool = False, weights_path: str | None = None) -> nn.Module:

@@ -1,14 +1,20 @@
-"""A built-in detection data set, generated deterministically, so the main job runs with no download.
+"""The built-in data sets, generated deterministically, so both scripts run with no download.
 
-Images show 1-4 filled shapes (circle, square, triangle: 3 classes) in random colours on textured
-backgrounds (smooth colour gradient + noise + random lines as distractors). Written as JPEG files plus
-COCO-format json, the same path a real data set takes through the code:
+Detection (`make_synthetic_coco`, used by train_retinanet.py): images show 1-4 filled shapes (circle, square,
+triangle: 3 classes) in random colours on textured backgrounds (smooth colour gradient + noise + random lines
+as distractors). Written as JPEG files plus COCO-format json, the same path a real data set takes through the code:
 
     root/images/{train,val}_000000.jpg
     root/annotations/instances_{train,val}.json
 
+Classification (`make_synthetic_image_folder`, used by train_catsdogs.py): a 2-class ImageFolder,
+horizontal vs vertical stripes:
+
+    root/{train,val}/{horizontal,vertical}/<class>_00000.jpg
+
 Generation is seeded, so the same arguments give the same files on every machine; a folder that already
-holds a matching `generator.json` is reused (the cache).
+holds a matching `generator.json` is reused (the cache). Both live under `cache_root()`, each in a folder
+named with its generator's version, so a changed generator never reuses old files.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ from PIL import Image, ImageDraw
 
 logger = logging.getLogger(__name__)
 
-CATEGORIES = [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}, {"id": 3, "name": "triangle"}]
-VERSION = 1
+SHAPES_CATEGORIES = [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}, {"id": 3, "name": "triangle"}]
+SHAPES_VERSION = 1
+STRIPES_CLASSES = ("horizontal", "vertical")
+STRIPES_VERSION = 2
 
 
-def default_root() -> str:
-    base = os.environ.get("DETLIB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "detlib"))
-    return os.path.join(base, f"synthetic_shapes_v{VERSION}")
+def cache_root() -> str:
+    """Where the built-in data sets are generated: `$DETLIB_CACHE`, else `~/.cache/detlib`."""
+    return os.environ.get("DETLIB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "detlib"))
 
 
 def _background(rng: np.random.RandomState, size: int) -> np.ndarray:
@@ -77,13 +85,13 @@ def _iou(a, b) -> float:
 
 def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: int = 100, image_size: int = 160,
                         min_object: int = 20, max_object: int = 64, seed: int = 0) -> dict[str, str]:
-    """Generate (or reuse) the synthetic data set.
+    """Generate (or reuse) the synthetic shapes detection data set (default root: cache_root()/synthetic_shapes_v1).
 
     Returns:
         {"train_images", "train_annotations", "val_images", "val_annotations"}: paths in the COCO layout.
     """
-    root = root or default_root()
-    params = {"version": VERSION, "num_train": num_train, "num_val": num_val, "image_size": image_size,
+    root = root or os.path.join(cache_root(), f"synthetic_shapes_v{SHAPES_VERSION}")
+    params = {"version": SHAPES_VERSION, "num_train": num_train, "num_val": num_val, "image_size": image_size,
               "min_object": min_object, "max_object": max_object, "seed": seed}
     paths = {"train_images": os.path.join(root, "images"), "val_images": os.path.join(root, "images"),
              "train_annotations": os.path.join(root, "annotations", "instances_train.json"),
@@ -107,11 +115,11 @@ def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: 
             image_id = i + 1 + (0 if split == "train" else 1_000_000)
             images.append({"id": image_id, "file_name": name, "width": image_size, "height": image_size})
             for cls, bbox in anns:
-                annotations.append({"id": ann_id, "image_id": image_id, "category_id": CATEGORIES[cls]["id"],
+                annotations.append({"id": ann_id, "image_id": image_id, "category_id": SHAPES_CATEGORIES[cls]["id"],
                                     "bbox": bbox, "area": bbox[2] * bbox[3], "iscrowd": 0})
                 ann_id += 1
-        data = {"info": {"description": "detlib synthetic shapes", "version": VERSION}, "licenses": [],
-                "images": images, "annotations": annotations, "categories": CATEGORIES}
+        data = {"info": {"description": "detlib synthetic shapes", "version": SHAPES_VERSION}, "licenses": [],
+                "images": images, "annotations": annotations, "categories": SHAPES_CATEGORIES}
         tmp = paths[f"{split}_annotations"] + ".tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)
@@ -119,3 +127,54 @@ def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: 
     with open(marker, "w") as f:
         json.dump(params, f)
     return paths
+
+
+# ---- classification: horizontal vs vertical stripes
+
+def _draw_stripes_image(rng: np.random.RandomState, size: int, cls: int) -> Image.Image:
+    """Stripes of random period, phase, contrast and colours, horizontal (class 0) or vertical (class 1), under
+    pixel noise and a random filled shape that both classes share (so no single colour or blob tells them apart)."""
+    period = rng.uniform(size / 10, size / 3)
+    wave = 0.5 + 0.5 * np.sin(2 * np.pi * np.arange(size) / period + rng.uniform(0, 2 * np.pi))
+    wave = wave[:, None] if cls == 0 else wave[None, :]  # rows (horizontal stripes) or columns
+    c0, c1 = rng.randint(0, 256, 3), rng.randint(0, 256, 3)
+    img = c0 * (1 - wave[..., None]) + c1 * wave[..., None] + rng.normal(0, 20, (size, size, 3))
+    img = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    s = int(rng.randint(size // 5, size // 2))
+    x, y = int(rng.randint(0, size - s)), int(rng.randint(0, size - s))
+    colour = tuple(int(v) for v in rng.randint(0, 256, 3))
+    (draw.ellipse if rng.rand() < 0.5 else draw.rectangle)([x, y, x + s - 1, y + s - 1], fill=colour)
+    return img
+
+
+def make_synthetic_image_folder(root: str | None = None, num_train: int = 200, num_val: int = 50,
+                                image_size: int = 64, seed: int = 0) -> dict[str, str]:
+    """Generate (or reuse) a 2-class ImageFolder: horizontal vs vertical stripes (see `_draw_stripes_image`);
+    default root: cache_root()/synthetic_imagefolder_v2.
+
+    `num_train` / `num_val` images per class, JPEG, seeded (the same files on every machine); a folder whose
+    `generator.json` matches the arguments is reused.
+    Returns:
+        {"train_dir": root/train, "val_dir": root/val}.
+    """
+    root = root or os.path.join(cache_root(), f"synthetic_imagefolder_v{STRIPES_VERSION}")
+    params = {"version": STRIPES_VERSION, "num_train": num_train, "num_val": num_val, "image_size": image_size,
+              "seed": seed}
+    dirs = {"train_dir": os.path.join(root, "train"), "val_dir": os.path.join(root, "val")}
+    marker = os.path.join(root, "generator.json")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            if json.load(f) == params:
+                return dirs
+    logger.info("generating the built-in stripes image folder (horizontal vs vertical) in %s", root)
+    for split, count, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
+        rng = np.random.RandomState(split_seed)
+        for cls, name in enumerate(STRIPES_CLASSES):
+            folder = os.path.join(root, split, name)
+            os.makedirs(folder, exist_ok=True)
+            for i in range(count):
+                _draw_stripes_image(rng, image_size, cls).save(os.path.join(folder, f"{name}_{i:05d}.jpg"), quality=90)
+    with open(marker, "w") as f:
+        json.dump(params, f)
+    return dirs

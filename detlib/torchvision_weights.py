@@ -68,7 +68,7 @@ def convert_torchvision_retinanet(state_dict: dict, category_ids: list[int]) -> 
 
     Args:
         state_dict: torchvision's tensors (FrozenBatchNorm2d buffers or BatchNorm2d ones; wrapper prefixes
-            already stripped, see `detlib.model.load_state_dict_file`).
+            already stripped, see `detlib.checkpoint.load_state_dict_file`).
         category_ids: the COCO ids to keep, any order; they become labels 0..K-1 in sorted order. Torchvision's
             label of a class is its COCO id, and its classification output has A x 91 channels, anchor-major
             (channel = a * 91 + id), the layout of our head's [A * K] output, so our channel a * K + k is

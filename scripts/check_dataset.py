@@ -84,7 +84,7 @@ def check_coco_files(args) -> tuple[DataReport, list[str]]:
 
 
 def check_folders(args) -> DataReport:
-    from detlib.classification import scan_image_folder
+    from detlib.imagefolder import scan_image_folder
     from detlib.foldercheck import check_folder_scans
 
     scans = {"train": scan_image_folder(args.image_folder, verify=args.verify)}

@@ -40,14 +40,15 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.classification import (VERIFY_MODES, ImageFolderDataset, build_classifier, classification_metrics,
-                                   classification_transform, make_synthetic_image_folder, scan_image_folder)
+from detlib.classification import build_classifier, classification_metrics, classification_transform
 from detlib.engine import Run
 from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
                           run_argument_parser, show_data_defaults)
 from detlib.foldercheck import check_folders_for_training
+from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
+from detlib.synthetic import make_synthetic_image_folder
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -245,8 +246,9 @@ def main(argv=None):
     saved = None
     if args.evaluate_only:
         try:
+            ckpt.weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
             saved = ckpt.read_model_config(args.evaluate_only) or {}
-        except ckpt.CheckpointError as e:
+        except (FileNotFoundError, ckpt.CheckpointError) as e:
             sys.exit(f"error: --evaluate_only: {e}")
         if args.image_size is None:
             args.image_size = saved.get("image_size")
@@ -281,8 +283,11 @@ def main(argv=None):
     model_config = {"model": args.model, "num_classes": len(classes), "classes": classes, "image_size": args.image_size}
     if saved and saved.get("classes") not in (None, classes):
         run.fail(f"{args.evaluate_only} was trained on classes {saved['classes']}, but {dirs['val_dir']} has {classes}")
-    model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
-                             weights=None if args.evaluate_only else args.weights)
+    try:
+        model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
+                                 weights=None if args.evaluate_only else args.weights)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # a --weights / --model / --pretrained problem
+        run.fail(str(e))
     if args.evaluate_only:
         weights = run.load_weights(model, args.evaluate_only)
     logger.info("%s: %.2fM parameters, %d classes %s", args.model, sum(p.numel() for p in model.parameters()) / 1e6,

@@ -50,6 +50,7 @@ from tqdm.auto import tqdm
 from detlib import checkpoint as ckpt
 from detlib.anchors import ANCHOR_CONFIG_KEYS, INPUT_DIVISIBILITY, anchor_generator_from_config
 from detlib.analysis import per_class_ap, per_class_without_detections
+from detlib.checkpoint import load_state_dict_file
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
 from detlib.cococheck import check_coco_for_training
 from detlib.dashboard import log_evaluation_extras
@@ -61,7 +62,7 @@ from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_
                           run_argument_parser, show_data_defaults)
 from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
-from detlib.model import RetinaNet, load_matching_weights, load_state_dict_file
+from detlib.model import RetinaNet, load_matching_weights
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups

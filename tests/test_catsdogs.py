@@ -21,9 +21,10 @@ import torch
 from PIL import Image
 
 from detlib import checkpoint as ckpt
-from detlib.classification import (SYNTHETIC_CLASSES, ImageFolderDataset, build_classifier, classification_metrics,
-                                   classification_transform, find_classes, load_pretrained_weights,
-                                   make_synthetic_image_folder, scan_image_folder)
+from detlib.classification import (build_classifier, classification_metrics, classification_transform,
+                                   load_pretrained_weights)
+from detlib.imagefolder import ImageFolderDataset, find_classes, scan_image_folder
+from detlib.synthetic import STRIPES_CLASSES, make_synthetic_image_folder
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -95,7 +96,7 @@ def make_bad_folder(root: Path, good_per_class: int = 6, size: int = 40) -> BadF
 def make_tiny_folder(root: Path, per_class: list[int], size: int = 32, seed: int = 0) -> Path:
     """The built-in generator's two classes (`horizontal`, `vertical` stripes) with the given counts."""
     dirs = make_synthetic_image_folder(str(root / "gen"), num_train=max(per_class), num_val=1, image_size=size, seed=seed)
-    for cls, n in zip(SYNTHETIC_CLASSES, per_class):
+    for cls, n in zip(STRIPES_CLASSES, per_class):
         (root / "set" / cls).mkdir(parents=True, exist_ok=True)
         for p in sorted(Path(dirs["train_dir"], cls).iterdir())[:n]:
             os.link(p, root / "set" / cls / p.name)
@@ -141,11 +142,11 @@ def test_scan_cache_is_reused_and_invalidated(tmp_path):
     cache = tmp_path / "cache.json"
     first = scan_image_folder(str(bad.root), cache_file=str(cache))
     assert cache.is_file()
-    import detlib.classification as cl
+    import detlib.imagefolder as folder
 
     calls = []
-    real_check = cl.check_image_file
-    cl.check_image_file = lambda *a, **k: calls.append(a) or real_check(*a, **k)
+    real_check = folder.check_image_file
+    folder.check_image_file = lambda *a, **k: calls.append(a) or real_check(*a, **k)
     try:
         second = scan_image_folder(str(bad.root), cache_file=str(cache))
         assert calls == []  # every result came from the cache
@@ -155,7 +156,7 @@ def test_scan_cache_is_reused_and_invalidated(tmp_path):
         assert [Path(a[0]).name for a in calls] == ["0.jpg"]
         assert len(third.samples) == len(first.samples) + 1
     finally:
-        cl.check_image_file = real_check
+        folder.check_image_file = real_check
 
 
 def test_class_mapping_mismatch_is_a_clear_error(tmp_path):
@@ -242,7 +243,7 @@ def test_built_in_data_set_is_seeded_and_cached(tmp_path):
     a = make_synthetic_image_folder(str(tmp_path / "a"), num_train=3, num_val=2, image_size=24)
     b = make_synthetic_image_folder(str(tmp_path / "b"), num_train=3, num_val=2, image_size=24)
     scan = scan_image_folder(a["train_dir"])
-    assert scan.classes == list(SYNTHETIC_CLASSES) and scan.class_counts() == [3, 3] and not scan.skipped
+    assert scan.classes == list(STRIPES_CLASSES) and scan.class_counts() == [3, 3] and not scan.skipped
     assert scan_image_folder(a["val_dir"]).class_counts() == [2, 2]
     files = sorted(Path(a["train_dir"]).rglob("*.jpg"))
     assert [f.read_bytes() for f in files] == [f.read_bytes() for f in sorted(Path(b["train_dir"]).rglob("*.jpg"))]

@@ -1,7 +1,8 @@
 """End-to-end runs of scripts/train_catsdogs.py through `accelerate launch`, on tiny folders, asserting on
 what the runs leave behind (metrics.jsonl, predictions, checkpoints, weights, the wandb folder).
 
-Cases of ../shared/cases/README.md: B13, B16, B19, B21, B24-B27 (a whole run), B31.
+Cases of ../shared/cases/README.md: B13, B16, B19, B21, B24-B27 (a whole run), B31; and the one-line errors of
+wrong weights paths and of weights trained on other classes (train_catsdogs.py and predict_catsdogs.py).
 Every run uses the tiny timm model `test_resnet` at 32 px, so a launch takes seconds on 2 CPU cores.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_script
 from test_catsdogs import make_bad_folder, make_tiny_folder
 
 pytestmark = pytest.mark.slow
@@ -215,3 +217,67 @@ def test_case_b31_each_epoch_a_new_order_and_disjoint_shards(tmp_path):
     assert orders[0] != orders[1] != orders[2] and orders[0] != orders[2]
     for r in ranks:  # resuming after 1 batch of epoch 2 gives that epoch's remaining batches
         assert r["resumed"] == r["epochs"][2][1:]
+
+
+def save_classifier(folder: Path, classes: list[str], config_classes: list[str] | None = None) -> Path:
+    """A `test_resnet` classifier's weights for `classes`, with a model_config.json listing `config_classes`."""
+    from safetensors.torch import save_file
+
+    from detlib.classification import build_classifier
+
+    folder.mkdir(parents=True)
+    model = build_classifier("test_resnet", len(classes))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    listed = config_classes or classes
+    (folder / "model_config.json").write_text(json.dumps({"model": "test_resnet", "num_classes": len(listed),
+                                                          "classes": listed, "image_size": 32}))
+    return folder
+
+
+def assert_one_error_line(proc, expected: str) -> None:
+    """Exit 1 and exactly one error line, `expected` or starting with it, and no traceback through our code
+    (the launcher's own trailer aside)."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and len(errors) == 1 and errors[0].startswith(expected), proc.stderr[-4000:]
+    assert f'File "{REPO}' not in proc.stderr and f'File "{REPO}' not in proc.stdout
+
+
+def test_train_wrong_weights_and_other_classes_are_one_line_errors(tmp_path):
+    data = make_tiny_folder(tmp_path / "data", [2, 2])
+    common = ["--num_workers", "0", "--report_to", "none", "--image_size", "32"]
+    missing = tmp_path / "nothing"
+    proc = run_script("train_catsdogs.py", [*common, "--val_dir", str(data), "--evaluate_only", str(missing),
+                                            "--output_dir", str(tmp_path / "ev")], check=False)
+    assert_one_error_line(proc, f"error: --evaluate_only: no model weights at {missing} (expected a file, a folder "
+                                "with model.safetensors, or a run folder with best/ or last/)")
+    assert not (tmp_path / "ev").exists()  # stopped before the run folder and the data scan
+
+    other = save_classifier(tmp_path / "abc", ["a", "b", "c"])
+    out = tmp_path / "ev2"
+    proc = run_script("train_catsdogs.py", [*common, "--val_dir", str(data), "--evaluate_only", str(other),
+                                            "--output_dir", str(out)], check=False)
+    message = f"{other} was trained on classes ['a', 'b', 'c'], but {data} has ['horizontal', 'vertical']"
+    assert_one_error_line(proc, f"error: {message}")
+    status = json.loads((out / "evaluate_only" / "run_status.json").read_text())
+    assert status["status"] == "failed" and status["exit_code"] == 1 and status["message"] == message
+
+    # --weights that are not there: was a traceback from the model builder
+    proc = run_script("train_catsdogs.py", [*FAST, "--train_dir", str(data), "--val_dir", str(data), "--weights",
+                                            str(missing / "w.safetensors"), "--output_dir", str(tmp_path / "tr")],
+                      check=False)
+    assert_one_error_line(proc, f"error: weights file not found: {missing / 'w.safetensors'}")
+
+
+def test_predict_wrong_weights_and_other_classes_are_one_line_errors(tmp_path):
+    data = make_tiny_folder(tmp_path / "data", [1, 1])
+    missing = tmp_path / "nothing"
+    proc = run_script("predict_catsdogs.py", ["--weights", str(missing), "--source", str(data), "--output_dir",
+                                              str(tmp_path / "p1")], check=False)
+    assert_one_error_line(proc, f"error: no model weights at {missing} (expected a file")
+
+    # weights of 3 classes beside a model_config.json that lists 2
+    mixed = save_classifier(tmp_path / "mixed", ["a", "b", "c"], config_classes=["cat", "dog"])
+    proc = run_script("predict_catsdogs.py", ["--weights", str(mixed), "--source", str(data), "--output_dir",
+                                              str(tmp_path / "p2")], check=False)
+    assert_one_error_line(proc, f"error: weights in {mixed / 'model.safetensors'} do not fit this model")
+    assert "size mismatch for fc.weight" in proc.stderr

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from detlib import checkpoint as ckpt
-from detlib.model import RetinaNet, load_state_dict_file
+from detlib.checkpoint import load_state_dict_file
+from detlib.model import RetinaNet
 
 
 @pytest.fixture(scope="module")

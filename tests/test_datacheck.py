@@ -478,7 +478,7 @@ def _folder(root, files: dict[str, object]):
 
 @needs_catsdogs
 def test_image_folder_faults_two_labels_symlinks_loops_hidden_and_val_classes(tmp_path):
-    from detlib.classification import scan_image_folder
+    from detlib.imagefolder import scan_image_folder
     from detlib.foldercheck import check_folder_scans
 
     cat = [_real("train", "cat", k) for k in range(3)]

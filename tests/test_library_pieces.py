@@ -1,0 +1,85 @@
+"""Library pieces used instead of our own (timm's ImageNet statistics and weights reader, torchvision's image
+extensions) give the values ours gave; the built-in data sets keep their cache folders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from detlib import classification, imagefolder, model, synthetic
+from detlib.checkpoint import load_state_dict_file
+
+# ---- ImageNet statistics: timm's constants, in 0-1 units (classifier) and 0-255 units (RetinaNet)
+
+
+def test_imagenet_statistics_keep_their_values_in_both_units():
+    assert model.IMAGENET_MEAN == pytest.approx((123.675, 116.28, 103.53), abs=1e-9)
+    assert model.IMAGENET_STD == pytest.approx((58.395, 57.12, 57.375), abs=1e-9)
+    # the float32 buffers RetinaNet normalises with are bit-identical to the literals used before
+    assert torch.equal(torch.tensor(model.IMAGENET_MEAN), torch.tensor((123.675, 116.28, 103.53)))
+    assert torch.equal(torch.tensor(model.IMAGENET_STD), torch.tensor((58.395, 57.12, 57.375)))
+    normalize = classification.classification_transform(32, train=False).transforms[-1]
+    assert tuple(normalize.mean) == (0.485, 0.456, 0.406) and tuple(normalize.std) == (0.229, 0.224, 0.225)
+
+
+def test_image_extensions_are_torchvisions_and_cover_ours():
+    ours_before = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+    assert set(ours_before) <= set(imagefolder.IMG_EXTENSIONS)
+    assert all(e == e.lower() for e in imagefolder.IMG_EXTENSIONS)  # the scan lower-cases names before the check
+
+
+# ---- weights files: timm's reader plus our repeated prefix stripping
+
+STATE = {"a.weight": torch.arange(4.0).reshape(2, 2), "b.bias": torch.ones(3)}
+
+
+@pytest.mark.parametrize("prefix", ["", "module.", "_orig_mod.", "_orig_mod.module.", "module._orig_mod.",
+                                    "module.module.", "module._orig_mod.module."])
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_wrapper_prefixes_are_stripped_however_deep(tmp_path, prefix, fmt):
+    sd = {prefix + k: v for k, v in STATE.items()}
+    path = tmp_path / f"w.{fmt}"
+    save_file(sd, str(path)) if fmt == "safetensors" else torch.save(sd, path)
+    loaded = load_state_dict_file(path)
+    assert sorted(loaded) == ["a.weight", "b.bias"]
+    assert all(torch.equal(loaded[k], STATE[k]) for k in STATE)
+
+
+def test_containers_are_unwrapped_and_ema_weights_not_taken(tmp_path):
+    torch.save({"state_dict": {f"module.{k}": v for k, v in STATE.items()}, "epoch": 3}, tmp_path / "sd.pth")
+    torch.save({"model": STATE, "optimizer": {}}, tmp_path / "model.pth")
+    # a timm training checkpoint: the raw weights, as before (timm's reader alone would take the EMA ones)
+    torch.save({"state_dict": STATE, "state_dict_ema": {k: v * 0 for k, v in STATE.items()}}, tmp_path / "ema.pth")
+    for name in ("sd.pth", "model.pth", "ema.pth"):
+        loaded = load_state_dict_file(tmp_path / name)
+        assert sorted(loaded) == ["a.weight", "b.bias"] and float(loaded["a.weight"].sum()) == 6.0, name
+
+
+def test_missing_and_foreign_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"weights file not found: {tmp_path / 'nothing.pt'}"):
+        load_state_dict_file(tmp_path / "nothing.pt")
+    torch.save({"epoch": 3, "note": "no tensors"}, tmp_path / "meta.pt")
+    with pytest.raises(ValueError, match="does not hold a state dict of tensors"):
+        load_state_dict_file(tmp_path / "meta.pt")
+
+
+# ---- the built-in data sets share one cache root; their folders are those of before
+
+
+def test_built_in_data_sets_keep_their_cache_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("DETLIB_CACHE", str(tmp_path))
+    assert synthetic.cache_root() == str(tmp_path)
+    dirs = synthetic.make_synthetic_image_folder(num_train=1, num_val=1, image_size=16)
+    assert dirs == {"train_dir": str(tmp_path / "synthetic_imagefolder_v2" / "train"),
+                    "val_dir": str(tmp_path / "synthetic_imagefolder_v2" / "val")}
+    assert json.loads((tmp_path / "synthetic_imagefolder_v2" / "generator.json").read_text()) == {
+        "version": 2, "num_train": 1, "num_val": 1, "image_size": 16, "seed": 0}
+    paths = synthetic.make_synthetic_coco(num_train=1, num_val=1, image_size=64, min_object=12, max_object=30)
+    assert paths["train_annotations"] == str(tmp_path / "synthetic_shapes_v1" / "annotations" / "instances_train.json")
+    assert paths["train_images"] == str(tmp_path / "synthetic_shapes_v1" / "images")
+    assert json.loads((tmp_path / "synthetic_shapes_v1" / "generator.json").read_text())["version"] == 1
+    monkeypatch.delenv("DETLIB_CACHE")
+    assert synthetic.cache_root().endswith("/.cache/detlib")
