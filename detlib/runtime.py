@@ -140,7 +140,7 @@ def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log") -
         root.addHandler(fh)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     for noisy in ("PIL", "urllib3", "matplotlib", "git", "filelock", "accelerate.checkpointing", "accelerate.accelerator",
-                  "faster_coco_eval"):
+                  "timm.models._helpers", "faster_coco_eval"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
