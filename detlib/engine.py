@@ -176,7 +176,7 @@ class Run:
         try:
             scheduler = restore(acc, st, self.output_dir, args.resume_from_checkpoint, optimizer, schedule,
                                 self.steps_per_epoch, self.samples_per_step, self.total_steps, args.epochs,
-                                args.max_steps)
+                                args.max_steps, self.checkpointer.model_config)
         except ResumeError as e:
             self.fail(str(e))
         self.init_trackers()

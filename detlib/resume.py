@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 
 import torch
 from accelerate import PartialState
@@ -62,8 +63,37 @@ def resolve_checkpoint(accelerator, output_dir: str, resume_from: str) -> str:
     return resume
 
 
+# model_config.json keys that list the classes in label order. Resumed onto data whose list differs only in names
+# or order, the weights still load and label i silently trains as another class; another count fails at load.
+CLASS_LIST_KEYS = ("category_ids", "category_names", "classes")
+
+
+def check_same_classes(checkpoint: str, model_config: dict | None) -> None:
+    """Raise ResumeError when the checkpoint's `model_config.json` lists other classes (ids, names or their
+    order) than this run's data (`model_config`); a checkpoint without the lists passes."""
+    path = os.path.join(checkpoint, "model_config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        return
+    except ValueError as e:
+        raise ResumeError(f"cannot resume from {checkpoint}: {path} is damaged ({e})") from None
+    for key in CLASS_LIST_KEYS:
+        ours, theirs = (model_config or {}).get(key), saved.get(key)
+        if ours is None or theirs is None or list(ours) == list(theirs):
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+        raise ResumeError(
+            f"cannot resume from {checkpoint}: its classes differ from this run's data ({key}: {len(theirs)} in the "
+            f"checkpoint, {len(ours)} here; first difference at label {first}: "
+            f"{theirs[first] if first < len(theirs) else 'none'!r} vs {ours[first] if first < len(ours) else 'none'!r}), "
+            "so labels would change meaning; to train on these classes start a new run with --init_from")
+
+
 def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | None, optimizer, schedule: dict,
-            steps_per_epoch: int, samples_per_step: int, total_steps: int, epochs: int, max_steps: int | None):
+            steps_per_epoch: int, samples_per_step: int, total_steps: int, epochs: int, max_steps: int | None,
+            model_config: dict | None = None):
     """Build the LR scheduler and, when `resume_from` (`--resume_from_checkpoint`: a folder or "latest") is
     given, load that checkpoint of `output_dir` (collective).
 
@@ -71,10 +101,13 @@ def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | 
     (`build_scheduler`, same args) is registered for checkpointing before `accelerator.load_state` loads the
     model, optimizer, scheduler and RNG states, then set to the moved position. `state` ends with this run's
     geometry (num_processes, steps_per_epoch, samples_per_step).
-    Returns the scheduler. Raises ResumeError when there is no checkpoint to resume or its states do not fit
-    this run.
+    `model_config` (this run's): its class lists must equal the checkpoint's (`check_same_classes`).
+    Returns the scheduler. Raises ResumeError when there is no checkpoint to resume, it was trained on other
+    classes, or its states do not fit this run.
     """
     resume = resolve_checkpoint(accelerator, output_dir, resume_from) if resume_from else None
+    if resume:
+        check_same_classes(resume, model_config)
     saved = read_train_state(resume) if resume else None
     if saved:
         state.load_state_dict(saved.state_dict())

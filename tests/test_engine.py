@@ -381,3 +381,21 @@ def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     assert lines[:2] == ["run finished in 1.5 min: 10 steps, 1 skipped",
                          "best AP 0.5000 (epoch 1, step 10), final AP 0.4500"]
     assert lines[-1] == "mean throughput 3.3 images/s (all processes)"
+
+
+def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path):
+    from detlib.resume import ResumeError, check_same_classes
+
+    (tmp_path / "model_config.json").write_text(json.dumps({"num_classes": 2, "classes": ["cat", "dog"]}))
+    check_same_classes(str(tmp_path), {"num_classes": 2, "classes": ["cat", "dog"]})  # same list: fine
+    check_same_classes(str(tmp_path), None)  # nothing to compare with
+    for other in (["dog", "cat"], ["cat", "fox"], ["cat", "dog", "fox"]):
+        with pytest.raises(ResumeError) as e:
+            check_same_classes(str(tmp_path), {"num_classes": len(other), "classes": other})
+        msg = str(e.value)
+        assert "classes differ" in msg and "--init_from" in msg and "\n" not in msg
+    with pytest.raises(ResumeError, match="first difference at label 1: 'dog' vs 'fox'"):
+        check_same_classes(str(tmp_path), {"classes": ["cat", "fox"]})
+    (tmp_path / "model_config.json").write_text(json.dumps({"category_ids": [1, 3], "category_names": ["a", "b"]}))
+    with pytest.raises(ResumeError, match="category_ids"):
+        check_same_classes(str(tmp_path), {"category_ids": [1, 2], "category_names": ["a", "b"]})
