@@ -38,7 +38,7 @@ from torchvision.transforms.v2 import functional as F
 from .anchors import INPUT_DIVISIBILITY
 from .cococheck import check_coco
 from .datacheck import DEFAULT_MAX_IMAGE_PIXELS
-from .images import IMAGE_ERRORS, load_rgb
+from .images import load_rgb, load_skipping_unreadable
 from .labels import PAD_LABEL, CategoryMap
 from .model import IMAGENET_MEAN
 from .records import CompactRecords
@@ -51,9 +51,6 @@ logger = logging.getLogger(__name__)
 PAD_VALUE_FLOAT = IMAGENET_MEAN
 # Inputs are padded to a multiple of the backbone's output stride (see detlib.anchors).
 SIZE_DIVISIBILITY = INPUT_DIVISIBILITY
-# Images tried in a row before a training sample gives up: one bad file is skipped, a run of them means the
-# folder is wrong and the run must stop with a message instead of cycling through the data set.
-MAX_UNREADABLE_IN_A_ROW = 10
 # A sample's augmentation seed is ((seed * P1 + epoch) * P2 + index): two primes above any epoch or index
 # count, so distinct (seed, epoch, index) give distinct seeds and neighbouring samples unrelated streams.
 SEED_PRIME_EPOCH, SEED_PRIME_INDEX = 1_000_003, 1_000_000_007
@@ -260,16 +257,11 @@ class CocoDetection(torch.utils.data.Dataset):
         }
 
     def __getitem__(self, index: int) -> dict:
-        for attempt in range(min(MAX_UNREADABLE_IN_A_ROW, len(self))):
-            i = (index + attempt) % len(self)
-            try:
-                return self._load(i)
-            except IMAGE_ERRORS as e:
-                logger.warning("skipping unreadable image: %s", e)
-                if not self.train:
-                    return unreadable_item(self.records[i]["id"])
-        raise RuntimeError(f"{MAX_UNREADABLE_IN_A_ROW} images in a row starting at index {index} could not be read; "
-                           "see the warnings above")
+        return load_skipping_unreadable(self._load, index, len(self), self.train, self._unreadable)
+
+    def _unreadable(self, index: int, error: Exception) -> dict:
+        logger.warning("skipping unreadable image: %s", error)
+        return unreadable_item(self.records[index]["id"])
 
 
 def unreadable_item(image_id: int) -> dict:

@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .images import IMAGE_ERRORS, check_image_file, load_rgb
+from .images import check_image_file, load_rgb, load_skipping_unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -259,16 +259,11 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         return {"image": image, "label": label, "index": index}
 
     def __getitem__(self, index: int) -> dict:
-        for attempt in range(min(10, len(self))):
-            i = (index + attempt) % len(self)
-            try:
-                return self._load(i)
-            except IMAGE_ERRORS as e:
-                if not self.train:
-                    logger.warning("unreadable image, evaluated as a black image: %s", e)
-                    return self._load_black(index)
-                logger.warning("skipping unreadable image: %s", e)
-        raise RuntimeError(f"10 images in a row starting at index {index} could not be read; see the warnings above")
+        return load_skipping_unreadable(self._load, index, len(self), self.train, self._unreadable)
+
+    def _unreadable(self, index: int, error: Exception) -> dict:
+        logger.warning("unreadable image, evaluated as a black image: %s", error)
+        return self._load_black(index)
 
     def _load_black(self, index: int) -> dict:
         black = Image.new("RGB", (64, 64))

@@ -10,10 +10,16 @@ import logging
 import os
 import warnings
 from contextlib import contextmanager
+from typing import Callable, TypeVar
 
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Images tried in a row before a training sample gives up: one bad file is skipped, a run of them means the
+# folder is wrong and the run must stop with a message instead of cycling through the data set.
+MAX_UNREADABLE_IN_A_ROW = 10
 
 # Errors that mean "this file is not a usable image", as opposed to programming errors.
 IMAGE_ERRORS = (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError)
@@ -106,3 +112,24 @@ def check_image_file(path: str | os.PathLike, full_decode: bool = True) -> str |
     except IMAGE_ERRORS as e:
         return f"not an image: {e}"
     return None
+
+
+def load_skipping_unreadable(load: Callable[[int], T], index: int, size: int, train: bool,
+                             placeholder: Callable[[int, Exception], T]) -> T:
+    """`load(index)` of a data set of `size` items, surviving files that cannot be read (`IMAGE_ERRORS`).
+
+    Training: the next index is tried, with a warning, up to `MAX_UNREADABLE_IN_A_ROW` in a row. Evaluation
+    (`train=False`), where every image must count exactly once: `placeholder(index, error)` is returned.
+    Raises:
+        RuntimeError: that many images in a row could not be read (the folder is wrong, not one file).
+    """
+    tries = min(MAX_UNREADABLE_IN_A_ROW, size)
+    for attempt in range(tries):
+        i = (index + attempt) % size
+        try:
+            return load(i)
+        except IMAGE_ERRORS as e:
+            if not train:
+                return placeholder(i, e)
+            logger.warning("skipping unreadable image: %s", e)
+    raise RuntimeError(f"{tries} images in a row starting at index {index} could not be read; see the warnings above")

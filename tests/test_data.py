@@ -242,3 +242,26 @@ def test_translation_fills_the_uncovered_area_with_the_padding_colour():
         uncovered += len(moved)
         assert all(tuple(p) == PAD_VALUE for p in moved.tolist())
     assert uncovered > 0  # the translations did uncover some area
+
+
+def test_load_skipping_unreadable_skips_in_training_stands_in_for_evaluation_and_gives_up_on_a_run():
+    from detlib.images import MAX_UNREADABLE_IN_A_ROW, load_skipping_unreadable
+
+    bad = {1, 2}
+
+    def load(i):
+        if i in bad:
+            raise OSError(f"file {i} is damaged")
+        return f"image {i}"
+
+    def placeholder(i, error):
+        return f"placeholder {i} ({error})"
+
+    assert load_skipping_unreadable(load, 1, 5, True, placeholder) == "image 3"  # the next readable one
+    assert load_skipping_unreadable(load, 4, 5, True, placeholder) == "image 4"
+    assert load_skipping_unreadable(load, 1, 5, False, placeholder) == "placeholder 1 (file 1 is damaged)"
+    bad = set(range(100))
+    with pytest.raises(RuntimeError, match="^3 images in a row starting at index 0"):
+        load_skipping_unreadable(load, 0, 3, True, placeholder)  # a small set: every image tried once
+    with pytest.raises(RuntimeError, match=f"^{MAX_UNREADABLE_IN_A_ROW} images in a row starting at index 7"):
+        load_skipping_unreadable(load, 7, 100, True, placeholder)
