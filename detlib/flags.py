@@ -64,12 +64,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings or action.required:
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
     def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS:
+        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS \
+                and not action.required:
             action = copy.copy(action)  # argparse prints no help line for a flag without help, so no default either
             action.help = "default: %(default)s"
         return super()._format_action(action)

@@ -14,6 +14,7 @@ refer to the stored pixels.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import logging
 import os
@@ -177,6 +178,28 @@ def load_classifier(weights: str) -> tuple[torch.nn.Module, dict]:
     model = build_classifier(config["model"], len(config["classes"]))
     ckpt.load_model_weights(model, weights)
     return model.eval(), config
+
+
+def prediction_parser(description: str, batch_size: int) -> tuple[argparse.ArgumentParser, dict]:
+    """The parser of a predict script with the flags every one reads (`start_prediction`, the file loop), and its
+    groups {"data", "model", "output"} for the script's own flags. Data: `--no_exif_transpose`, `--batch_size`
+    (images per process and forward pass), `--num_workers`; model: `--weights`, `--mixed_precision`, `--cpu`;
+    output: `--output_dir`. `--help` shows every default."""
+    from .flags import HelpFormatter
+
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    groups = {name: p.add_argument_group(name) for name in ("data", "model", "output")}
+    groups["data"].add_argument("--no_exif_transpose", action="store_true",
+                                help="read image files as stored instead of turning them upright by their EXIF tag")
+    groups["data"].add_argument("--batch_size", type=int, default=batch_size, help="images per process and forward pass")
+    groups["data"].add_argument("--num_workers", type=int, default=2, help="data loader workers per process")
+    groups["model"].add_argument("--weights", required=True,
+                                 help="a run folder, best/, last/, a checkpoint folder or a model.safetensors")
+    groups["model"].add_argument("--mixed_precision", choices=["no", "fp16", "bf16"],
+                                 help="precision of the forward pass (default None: the accelerate config's)")
+    groups["model"].add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
+    groups["output"].add_argument("--output_dir", required=True, help="where the predictions and predict.log go")
+    return p, groups
 
 
 def start_prediction(args):

@@ -32,26 +32,18 @@ from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
 from detlib.classification import classification_transform
-from detlib.inference import (ClassificationImageFiles, list_image_files, load_classifier, shard_batches,
+from detlib.inference import (ClassificationImageFiles, list_image_files, load_classifier, prediction_parser, shard_batches,
                               start_prediction)
 
 logger = logging.getLogger("predict_catsdogs")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("data")
+    p, groups = prediction_parser(__doc__, batch_size=64)
+    g = groups["data"]
     g.add_argument("--source", required=True, help="an image file, a folder (recursive) or a glob pattern")
-    g.add_argument("--image_size", type=int, help="default: the training size from model_config.json")
-    g.add_argument("--no_exif_transpose", action="store_true", help="read files as stored, ignoring their EXIF orientation")
-    g.add_argument("--batch_size", type=int, default=64)
-    g.add_argument("--num_workers", type=int, default=2)
-    g = p.add_argument_group("model")
-    g.add_argument("--weights", required=True, help="a run folder, best/, last/, a checkpoint folder or a model.safetensors")
-    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
-    g.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
-    g = p.add_argument_group("output")
-    g.add_argument("--output_dir", required=True)
+    g.add_argument("--image_size", type=int, help="default None: the training size from model_config.json")
+    g = groups["output"]
     g.add_argument("--topk", type=int, default=5, help="classes per image (at most the number of classes)")
     g.add_argument("--copy_to_class_folders", action="store_true", help="copy each image to OUT/by_class/<top-1 class>/")
     return p.parse_args(argv)

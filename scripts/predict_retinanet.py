@@ -39,7 +39,8 @@ from detlib.anchors import anchor_generator_from_config
 from detlib.coco_eval import detections_to_coco
 from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
-from detlib.inference import DetectionImageFiles, list_image_files, load_retinanet, shard_batches, start_prediction
+from detlib.inference import (DetectionImageFiles, list_image_files, load_retinanet, prediction_parser, shard_batches,
+                              start_prediction)
 from detlib.transforms import build_transform
 from detlib.visualize import boxes_from_coco, class_color, draw_detections, save_image, upright_image_and_boxes
 
@@ -47,30 +48,20 @@ logger = logging.getLogger("predict_retinanet")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("data")
+    # 8 images per forward pass: the training script's --per_device_eval_batch_size
+    p, groups = prediction_parser(__doc__, batch_size=8)
+    g = groups["data"]
     g.add_argument("--source", required=True, help="an image file, a folder (recursive), a glob pattern, or a COCO json")
     g.add_argument("--images", help="image folder of a COCO-json source")
-    g.add_argument("--image_size", type=int, help="default: the training size from model_config.json")
-    g.add_argument("--max_size", type=int, help="default: from model_config.json")
-    g.add_argument("--no_exif_transpose", action="store_true",
-                   help="read image files as stored instead of turning them upright by their EXIF tag")
-    g.add_argument("--batch_size", type=int, default=8, help="images per process and forward pass (8 = the "
-                   "training script's --per_device_eval_batch_size)")
-    g.add_argument("--num_workers", type=int, default=2)
-
-    g = p.add_argument_group("model")
-    g.add_argument("--weights", required=True, help="a run folder, best/, last/, a checkpoint folder or a model.safetensors")
-    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
-    g.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
+    g.add_argument("--image_size", type=int, help="resize size (default None: the training run's, from model_config.json)")
+    g.add_argument("--max_size", type=int, help="default None: from model_config.json")
 
     g = p.add_argument_group("detection")
     g.add_argument("--score_thresh", type=float, default=0.05, help="lowest score kept (the evaluation's default)")
-    g.add_argument("--nms_thresh", type=float, default=0.5)
-    g.add_argument("--detections_per_image", type=int, default=100)
+    g.add_argument("--nms_thresh", type=float, default=0.5, help="IoU of class-wise NMS")
+    g.add_argument("--detections_per_image", type=int, default=100, help="detections kept per image")
 
-    g = p.add_argument_group("output")
-    g.add_argument("--output_dir", required=True)
+    g = groups["output"]
     g.add_argument("--draw_thresh", type=float, default=0.3, help="lowest score drawn on OUT/images")
     g.add_argument("--no_images", action="store_true", help="do not write the drawn images")
     g.add_argument("--save_json_per_image", action="store_true", help="also OUT/json/<name>.json per image")
