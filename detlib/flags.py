@@ -23,6 +23,8 @@ import copy
 import difflib
 import math
 import os
+import sys
+from typing import NoReturn
 
 import yaml
 
@@ -243,3 +245,12 @@ def _flag_value(action: argparse.Action, value):
         if action.choices is not None and v not in action.choices:
             raise ValueError(f"must be one of {', '.join(map(str, action.choices))}, got {v!r}")
     return values if many else values[0]
+
+
+def stop(message: str, code: int = 2) -> NoReturn:
+    """Stop on a problem found before the run exists (before its accelerator and logging): one `error:` line on
+    stderr from the first process only (the launcher's `RANK`), so a 2-process launch does not print it twice;
+    every process exits with `code` (2: bad flags, 1: a file they name is unusable)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)

@@ -33,7 +33,6 @@ import argparse
 import csv
 import logging
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +42,7 @@ from detlib import checkpoint as ckpt
 from detlib.classification import build_classifier, classification_metrics, classification_transform
 from detlib.engine import Run
 from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
-                          run_argument_parser, show_data_defaults)
+                          run_argument_parser, show_data_defaults, stop)
 from detlib.foldercheck import check_folders_for_training
 from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
 from detlib.rundir import worker_init_fn
@@ -249,15 +248,15 @@ def main(argv=None):
             ckpt.weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
             saved = ckpt.read_model_config(args.evaluate_only) or {}
         except (FileNotFoundError, ckpt.CheckpointError) as e:
-            sys.exit(f"error: --evaluate_only: {e}")
+            stop(f"--evaluate_only: {e}", code=1)
         if args.image_size is None:
             args.image_size = saved.get("image_size")
         args.model = saved.get("model", args.model)  # rebuild the evaluated model as it was trained
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     if not synthetic and not args.val_dir:
-        sys.exit("error: --val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
+        stop("--val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
     if not synthetic and not args.train_dir and not args.evaluate_only:
-        sys.exit("error: --train_dir is required for training (or pass --evaluate_only PATH)")
+        stop("--train_dir is required for training (or pass --evaluate_only PATH)")
 
     run = Run(args, metric="val_accuracy")  # output folder checks and lock, accelerator, logging, signals
     accelerator = run.accelerator

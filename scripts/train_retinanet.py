@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import os
-import sys
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -59,7 +58,7 @@ from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
 from detlib.engine import Run
 from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
-                          run_argument_parser, show_data_defaults)
+                          run_argument_parser, show_data_defaults, stop)
 from detlib.labels import CategoryMap
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from detlib.model import RetinaNet, load_matching_weights
@@ -195,7 +194,8 @@ def resolve_data(args) -> dict[str, str]:
         if args.evaluate_only and args.val_images and args.val_annotations:
             return {"train_images": None, "train_annotations": None, "val_images": args.val_images, "val_annotations": args.val_annotations}
         if not all(explicit):
-            sys.exit("give all four of --train_images --train_annotations --val_images --val_annotations (or --data_dir)")
+            raise ValueError("give all four of --train_images --train_annotations --val_images --val_annotations "
+                             "(or --data_dir)")
         return dict(zip(["train_images", "train_annotations", "val_images", "val_annotations"], explicit))
     return make_synthetic_coco()
 
@@ -304,7 +304,7 @@ def main(argv=None):
     try:
         saved = ckpt.read_model_config(args.evaluate_only or args.init_from) if args.evaluate_only or args.init_from else None
     except ckpt.CheckpointError as e:
-        sys.exit(f"error: {flag}: {e}")
+        stop(f"{flag}: {e}", code=1)
     # How the model sees images: ours by default; an evaluated or initialising model's own settings (a converted
     # torchvision model: P6 from P5, its anchors, its resize), which every checkpoint of this run then records.
     model_settings = {"p6_input": "c5", "head_norm": "none", "resize_mode": "antialias"}

@@ -46,16 +46,34 @@ def write_image(path: Path, width: int, height: int, seed: int = 0, mode: str = 
     return path
 
 
+def launch_command(script: str, args: list[str], config: str = "cpu.yaml", launcher_args: tuple = ()) -> list[str]:
+    """`accelerate launch --config_file accelerate_configs/<config> [launcher_args] scripts/<script> <args>`."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
+            *launcher_args, str(REPO / "scripts" / script), *map(str, args)]
+
+
+def launch_env(env: dict | None = None) -> dict:
+    # 1 thread per process: the tests' launches share 2 cores (README, "Threads on a CPU")
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
+
+
 def run_script(script: str, args: list[str], config: str = "cpu.yaml", timeout: int = 600, env: dict | None = None,
                check: bool = True) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config> scripts/<script> <args>` from the repo root."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-           str(REPO / "scripts" / script), *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    """Run a script under `accelerate launch` from the repo root and wait; `check`: fail the test on a non-zero exit,
+    showing the ends of stdout and stderr."""
+    cmd = launch_command(script, args, config)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=launch_env(env))
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def start_script(script: str, args: list[str], config: str = "cpu.yaml", launcher_args: tuple = (),
+                 env: dict | None = None, stderr=subprocess.STDOUT) -> subprocess.Popen:
+    """Start a script under `accelerate launch` without waiting, in its own session (so a test can signal the
+    launcher alone, or its whole group); stderr merged into stdout unless `stderr=subprocess.PIPE`."""
+    return subprocess.Popen(launch_command(script, args, config, launcher_args), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, start_new_session=True, env=launch_env(env))
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

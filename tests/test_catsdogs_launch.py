@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import read_metrics, run_script
 from test_catsdogs import make_bad_folder, make_tiny_folder
 
 pytestmark = pytest.mark.slow
@@ -32,16 +29,12 @@ FAST = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "0", "-
 
 
 def launch(config: str, args: list[str], script: Path = SCRIPT, timeout: int = 300, env: dict | None = None):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-           str(script), *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "WANDB_SILENT": "true", **(env or {})})
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
-    return proc
+    """`run_script` with the config first, as these tests read best."""
+    return run_script(Path(script).name, args, config, timeout, env)
 
 
-def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def train_and_eval_lines(out: Path) -> tuple[list[dict], list[dict]]:
+    lines = read_metrics(out)
     return [m for m in lines if "loss" in m], [m for m in lines if "val_accuracy" in m]
 
 
@@ -63,7 +56,7 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path)
                               "--per_device_eval_batch_size", "2", "--output_dir", out, "--report_to", "wandb"],
            env={"WANDB_MODE": "offline"})
     assert_processes(out, 2)
-    train_lines, evals = read_metrics(out)
+    train_lines, evals = train_and_eval_lines(out)
     assert [m["epoch"] for m in evals] == [0, 1] and [m["num_val_samples"] for m in evals] == [5, 5]
     assert train_lines[-1]["step"] == evals[-1]["step"] == 4  # 16 images / (2 x 4) per step, 2 epochs
     trained = read_predictions(out)
@@ -86,7 +79,7 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path)
                         "--output_dir", ev, "--report_to", "none", "--num_workers", "0"])
         ev = ev / "evaluate_only"  # evaluation never writes into the folder of a run
         assert_processes(ev, n)
-        (line,) = read_metrics(ev)[1]
+        (line,) = train_and_eval_lines(ev)[1]
         assert line["num_val_samples"] == 5
         assert line["val_accuracy"] == evals[-1]["val_accuracy"]
         assert line["val_confusion_matrix"] == evals[-1]["val_confusion_matrix"]
@@ -111,7 +104,7 @@ def test_case_b24_b25_b26_b27_bad_folder_trains_and_reports_skips(tmp_path):
     for name in bad.skipped:
         assert str(bad.root / "cats" / name) in log
     assert "hidden entries are not classes: ['.ipynb_checkpoints']" in log
-    train_lines, evals = read_metrics(out)
+    train_lines, evals = train_and_eval_lines(out)
     assert [m["step"] for m in train_lines] == [1, 2]  # 16 images / 4 / 2 accumulated: the whole epoch ran
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in train_lines)
     assert evals[-1]["num_val_samples"] == 8 and len(evals[-1]["val_confusion_matrix"]) == 2
@@ -134,8 +127,8 @@ def test_case_b19_resume_continues_the_same_run(tmp_path):
     shutil.copytree(full / "checkpoints" / "epoch_0001", resumed / "checkpoints" / "epoch_0001")
     launch("cpu.yaml", [*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"])
     assert "resumed from" in (resumed / "train.log").read_text()
-    full_train, full_evals = read_metrics(full)
-    res_train, res_evals = read_metrics(resumed)
+    full_train, full_evals = train_and_eval_lines(full)
+    res_train, res_evals = train_and_eval_lines(resumed)
     assert [m["step"] for m in res_train] == [5, 6, 7, 8, 9, 10, 11, 12]
     by_step = {m["step"]: m for m in full_train}
     for m in res_train:
@@ -160,7 +153,7 @@ def test_case_b16_mixed_precision_clips_the_fp32_gradient(tmp_path):
         launch(config, [*FAST, "--train_dir", train, "--val_dir", val, "--max_steps", "1", "--epochs", "1",
                             "--max_grad_norm", "1.0", "--mixed_precision", precision, "--output_dir", out])
         assert f"mixed precision {precision}" in (out / "train.log").read_text()
-        (line,) = read_metrics(out)[0]
+        (line,) = train_and_eval_lines(out)[0]
         norms[precision] = line["grad_norm"]
         from safetensors.torch import load_file
 
@@ -281,3 +274,11 @@ def test_predict_wrong_weights_and_other_classes_are_one_line_errors(tmp_path):
                                               str(tmp_path / "p2")], check=False)
     assert_one_error_line(proc, f"error: weights in {mixed / 'model.safetensors'} do not fit this model")
     assert "size mismatch for fc.weight" in proc.stderr
+
+
+def test_a_flag_error_before_the_run_is_printed_once_by_two_processes(tmp_path):
+    proc = run_script("train_catsdogs.py", ["--train_dir", str(tmp_path), "--output_dir", str(tmp_path / "out")],
+                      "cpu_2proc.yaml", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: --val_dir is required with --train_dir (a held-out ImageFolder with the same classes)"]
+    assert proc.returncode != 0 and f'File "{REPO}' not in proc.stderr

@@ -16,7 +16,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, read_metrics, run_script, write_coco, write_image
+from conftest import REPO, read_metrics, run_script, start_script, write_coco, write_image
 from test_catsdogs import make_tiny_folder
 
 pytestmark = pytest.mark.slow
@@ -50,13 +49,6 @@ def make_detection_set(root: Path, n_train: int, n_val: int = 2) -> list[str]:
     write_coco(root / "val.json", images[n_train:], [dict(a) for a in anns if a["image_id"] not in train_ids], cats)
     return ["--train_images", str(root / "img"), "--train_annotations", str(root / "train.json"),
             "--val_images", str(root / "img"), "--val_annotations", str(root / "val.json")]
-
-
-def popen(script: str, args: list[str], config: str = "cpu.yaml", launcher_args: tuple = ()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-           *launcher_args, str(REPO / "scripts" / script), *args]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
 
 
 def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 300) -> None:
@@ -154,7 +146,7 @@ def test_kill9_mid_epoch_resume_redoes_at_most_checkpoint_steps(tmp_path):
                             "--lr_scheduler", "cosine", "--warmup_steps", "2", "--checkpoint_steps", "5"]
     full, part = tmp_path / "full", tmp_path / "part"
     run_script("train_retinanet.py", common + ["--output_dir", str(full)])
-    proc = popen("train_retinanet.py", common + ["--output_dir", str(part)])
+    proc = start_script("train_retinanet.py", common + ["--output_dir", str(part)])
     wait_for_step(part, proc, 13)
     os.killpg(proc.pid, signal.SIGKILL)  # launcher and trainer at once: nothing can save
     proc.wait()
@@ -183,7 +175,7 @@ def two_process_reference(tmp_path_factory):
 def test_sigterm_two_processes_stop_together_and_resume_exactly(two_process_reference, tmp_path):
     common, ref = two_process_reference
     out = tmp_path / "run"
-    proc = popen("train_retinanet.py", common + ["--output_dir", str(out)], config="cpu_2proc.yaml")
+    proc = start_script("train_retinanet.py", common + ["--output_dir", str(out)], config="cpu_2proc.yaml")
     wait_for_step(out, proc, 4)
     os.kill(proc.pid, signal.SIGTERM)  # to the launcher (torchrun), which forwards it to both workers
     text = proc.communicate(timeout=120)[0]
@@ -206,7 +198,7 @@ def test_sigterm_two_processes_stop_together_and_resume_exactly(two_process_refe
 def test_killed_launcher_leaves_no_training_process(tmp_path):
     data = make_detection_set(tmp_path / "d", 12)
     out = tmp_path / "run"
-    proc = popen("train_retinanet.py", data + TINY + ["--epochs", "50", "--output_dir", str(out)], config="cpu_2proc.yaml")
+    proc = start_script("train_retinanet.py", data + TINY + ["--epochs", "50", "--output_dir", str(out)], config="cpu_2proc.yaml")
     wait_for_step(out, proc, 2)
     workers = children(proc.pid)
     assert len([w for w in workers if alive(w)]) >= 2
@@ -382,7 +374,7 @@ def test_two_machines_on_loopback_equal_two_processes(two_process_reference, tmp
     common, ref = two_process_reference
     out = tmp_path / "nodes"
     port = str(free_port())
-    nodes = [popen("train_retinanet.py", common + ["--output_dir", str(out)], config="cpu_2proc.yaml",
+    nodes = [start_script("train_retinanet.py", common + ["--output_dir", str(out)], config="cpu_2proc.yaml",
                    launcher_args=("--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
                                   "--main_process_ip", "127.0.0.1", "--main_process_port", port))
              for rank in (0, 1)]
@@ -401,7 +393,7 @@ def test_sigusr1_or_first_ctrl_c_to_the_training_process_checkpoints_and_exits_7
     out = tmp_path / "run"
     common = CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "2", "--epochs", "30",
                      "--output_dir", str(out)]
-    proc = popen("train_catsdogs.py", common)
+    proc = start_script("train_catsdogs.py", common)
     wait_for_step(out, proc, 3)
     (trainer,) = [c for c in children(proc.pid) if alive(c)][:1]
     os.kill(trainer, getattr(signal, sig))
@@ -459,7 +451,7 @@ def test_ctrl_c_to_a_two_process_launch_checkpoints_once(tmp_path):
     which write one checkpoint together and stop (no KeyboardInterrupt)."""
     data = make_tiny_folder(tmp_path / "data", [16, 16])
     out = tmp_path / "run"
-    proc = popen("train_catsdogs.py", CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "2",
+    proc = start_script("train_catsdogs.py", CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "2",
                                               "--epochs", "30", "--output_dir", str(out)], config="cpu_2proc.yaml")
     wait_for_step(out, proc, 3)
     os.killpg(proc.pid, signal.SIGINT)

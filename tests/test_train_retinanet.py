@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import COCO_SUBSET, REPO, needs_coco_subset, read_metrics, run_script, write_coco, write_image
+from conftest import COCO_SUBSET, needs_coco_subset, read_metrics, run_script, start_script, write_coco, write_image
 
 pytestmark = [needs_coco_subset, pytest.mark.slow]
 
@@ -89,22 +88,16 @@ def test_one_process_run_leaves_everything_behind(coco_tiny, tmp_path):
     assert all(isinstance(p["bbox"], list) and len(p["bbox"]) == 4 for p in preds)
 
 
-def _launch(args, config, env=None):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-           str(REPO / "scripts" / "train_retinanet.py"), *args]
-    import os
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-
 def test_two_processes_two_jobs_wandb_and_exact_evaluation(coco_tiny, tmp_path):
     """B13, B15, B21, B22 in one go: two 2-process jobs at once on one machine (distinct ports chosen for
     them), one logging to wandb offline; both evaluate 5 val images with per-device batch 2 (padded to 6).
     Then evaluation-only of the same weights with 1 and 2 processes gives the identical stats."""
     a, b = tmp_path / "a", tmp_path / "b"
     common = data_args(coco_tiny) + TINY + ["--epochs", "1", "--max_steps", "2", "--eval_interval", "1"]
-    jobs = [_launch(common + ["--output_dir", str(a), "--report_to", "wandb"], "cpu_2proc.yaml", {"WANDB_MODE": "offline"}),
-            _launch(common + ["--output_dir", str(b), "--report_to", "none"], "cpu_2proc.yaml")]
+    jobs = [start_script("train_retinanet.py", common + ["--output_dir", str(a), "--report_to", "wandb"], "cpu_2proc.yaml",
+                         env={"WANDB_MODE": "offline"}, stderr=subprocess.PIPE),
+            start_script("train_retinanet.py", common + ["--output_dir", str(b), "--report_to", "none"], "cpu_2proc.yaml",
+                         stderr=subprocess.PIPE)]
     outs = [j.communicate(timeout=600) for j in jobs]
     for j, (so, se) in zip(jobs, outs):
         assert j.returncode == 0, so[-3000:] + se[-5000:]
