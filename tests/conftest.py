@@ -46,10 +46,12 @@ def write_image(path: Path, width: int, height: int, seed: int = 0, mode: str = 
     return path
 
 
-def launch_command(script: str, args: list[str], config: str = "cpu.yaml", launcher_args: tuple = ()) -> list[str]:
-    """`accelerate launch --config_file accelerate_configs/<config> [launcher_args] scripts/<script> <args>`."""
+def launch_command(script: str | Path, args: list[str], config: str = "cpu.yaml", launcher_args: tuple = ()) -> list[str]:
+    """`accelerate launch --config_file accelerate_configs/<config> [launcher_args] scripts/<script> <args>`; an
+    absolute `script` path (a probe written by a test) is launched as it is."""
+    path = Path(script) if Path(script).is_absolute() else REPO / "scripts" / script
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config),
-            *launcher_args, str(REPO / "scripts" / script), *map(str, args)]
+            *launcher_args, str(path), *map(str, args)]
 
 
 def launch_env(env: dict | None = None) -> dict:
@@ -57,7 +59,7 @@ def launch_env(env: dict | None = None) -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
 
 
-def run_script(script: str, args: list[str], config: str = "cpu.yaml", timeout: int = 600, env: dict | None = None,
+def run_script(script: str | Path, args: list[str], config: str = "cpu.yaml", timeout: int = 600, env: dict | None = None,
                check: bool = True) -> subprocess.CompletedProcess:
     """Run a script under `accelerate launch` from the repo root and wait; `check`: fail the test on a non-zero exit,
     showing the ends of stdout and stderr."""
@@ -68,7 +70,7 @@ def run_script(script: str, args: list[str], config: str = "cpu.yaml", timeout: 
     return proc
 
 
-def start_script(script: str, args: list[str], config: str = "cpu.yaml", launcher_args: tuple = (),
+def start_script(script: str | Path, args: list[str], config: str = "cpu.yaml", launcher_args: tuple = (),
                  env: dict | None = None, stderr=subprocess.STDOUT) -> subprocess.Popen:
     """Start a script under `accelerate launch` without waiting, in its own session (so a test can signal the
     launcher alone, or its whole group); stderr merged into stdout unless `stderr=subprocess.PIPE`."""

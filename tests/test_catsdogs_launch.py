@@ -30,7 +30,7 @@ FAST = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "0", "-
 
 def launch(config: str, args: list[str], script: Path = SCRIPT, timeout: int = 300, env: dict | None = None):
     """`run_script` with the config first, as these tests read best."""
-    return run_script(Path(script).name, args, config, timeout, env)
+    return run_script(script, args, config, timeout, env)
 
 
 def train_and_eval_lines(out: Path) -> tuple[list[dict], list[dict]]:
