@@ -48,6 +48,7 @@ from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_fold
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
 from detlib.synthetic import make_synthetic_image_folder
+from detlib.weights import read_model_config, weights_path
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -245,8 +246,8 @@ def main(argv=None):
     saved = None
     if args.evaluate_only:
         try:
-            ckpt.weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
-            saved = ckpt.read_model_config(args.evaluate_only) or {}
+            weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
+            saved = read_model_config(args.evaluate_only) or {}
         except (FileNotFoundError, ckpt.CheckpointError) as e:
             stop(f"--evaluate_only: {e}", code=1)
         if args.image_size is None:
