@@ -57,7 +57,7 @@ def readable_as_umask_allows(path: str) -> None:
 def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:
     """Write the unwrapped model's weights as `folder/model.safetensors` (main process; others return).
 
-    Keys carry no `module.` / `_orig_mod.` prefix because the model is unwrapped first (case B18). The file is
+    Keys carry no `module.` / `_orig_mod.` prefix because the model is unwrapped first. The file is
     written beside and renamed over the old one, with `model_config.json` and, when given, `extra` as
     `best.json` (which metric, epoch, step these weights scored).
     """

@@ -218,7 +218,7 @@ def build_dataloaders(args, paths: dict[str, str]):
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
                              "training set; nothing to learn from (use --include_crowd to train on crowd boxes)")
     # The model's classes: train's (val's categories were checked against them: same id, same name; val may list
-    # only those it uses, case C19), or those of the evaluated checkpoint.
+    # only those it uses), or those of the evaluated checkpoint.
     category_map = train_ds.category_map if train_ds is not None else None
     saved = read_model_config(args.evaluate_only) if args.evaluate_only else None
     if category_map is None and saved and saved.get("category_ids"):
@@ -265,7 +265,7 @@ def schedule_spec(args) -> dict:
 def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, run: Run, args, train_model=None) -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval.
 
-    Every process runs the whole loop and the gather (case B15); returns the stats on every process.
+    Every process runs the whole loop and the gather; returns the stats on every process.
     `train_model` (the model being trained) lets a preemption during the evaluation write a checkpoint.
     """
     accelerator = run.accelerator
