@@ -1,10 +1,9 @@
-"""Checkpoints that survive a killed run, a full disk and a damaged file; weights files that load into the bare model.
+"""Checkpoints that survive a killed run, a full disk and a damaged file (weights files: `detlib.weights`).
 
 Layout under `output_dir`:
   checkpoints/epoch_0003/       `accelerator.save_state` (model, optimizer, scheduler, GradScaler, RNG states)
   checkpoints/step_00001200/    plus `trainer_state.json` (TrainState) and `model_config.json`
-  last/model.safetensors        final weights of the unwrapped model (+ model_config.json)
-  best/model.safetensors        weights with the best validation metric (+ model_config.json, best.json)
+  last/, best/                  weights files (detlib.weights)
 
 A checkpoint is written into `<name>.tmp` and renamed when complete, so a run killed while saving never
 leaves a half-written checkpoint that `--resume_from_checkpoint latest` would pick. A save that fails (disk
@@ -22,17 +21,16 @@ import logging
 import os
 import re
 import shutil
-import struct
 import zipfile
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-from timm.models import load_state_dict as timm_load_state_dict
+
+from .weights import WEIGHT_FILES, CheckpointError, readable_as_umask_allows, verify_safetensors
 
 logger = logging.getLogger(__name__)
 
 _CKPT_RE = re.compile(r"^(epoch|step)_(\d+)$")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 
 
 @dataclass
@@ -78,10 +76,6 @@ class TrainState:
         for k, v in state.items():
             if k in names:
                 setattr(self, k, v)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (damaged, incomplete) or written (disk full); the message is one line."""
 
 
 def checkpoint_dir(output_dir: str) -> str:
@@ -142,24 +136,6 @@ def read_train_state(path: str) -> TrainState:
 
 class _NotACheckpoint(CheckpointError, FileNotFoundError):
     pass
-
-
-def verify_safetensors(path: str) -> None:
-    """Check that a .safetensors file is whole: its header parses and the tensors it lists end exactly at
-    the end of the file (a truncated copy fails). Reads the header only. Raises CheckpointError."""
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise CheckpointError(f"{path} is truncated or not a safetensors file (its header says {n} bytes, "
-                                      f"the file has {size})")
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except (struct.error, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path} is not a whole safetensors file ({e})") from None
-    if 8 + n + end != size:
-        raise CheckpointError(f"{path} is truncated or padded: {size} bytes, its header says {8 + n + end}")
 
 
 def _verify_torch_file(path: str) -> None:
@@ -280,7 +256,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         for entry in os.listdir(tmp):
-            _readable_as_umask_allows(os.path.join(tmp, entry))
+            readable_as_umask_allows(os.path.join(tmp, entry))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if total_limit and total_limit > 0:
@@ -289,16 +265,6 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
                     shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
-
-
-def _readable_as_umask_allows(path: str) -> None:
-    """Give a written file the mode every other output of the run gets (0644 under the usual umask 022):
-    safetensors writes through a private temporary file and leaves 0600, so a weights file was the one
-    output a teammate or a serving job running as another user could not read."""
-    if os.path.isfile(path):
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(path, 0o666 & ~umask)
 
 
 def _save_failure_message(output_dir: str, tmp: str, error: BaseException | None) -> str:
@@ -311,143 +277,3 @@ def _save_failure_message(output_dir: str, tmp: str, error: BaseException | None
     if _is_disk_full(error):
         return f"no space left on device while writing {tmp} ({free:.0f} MiB free{prev_size}); removed the partial folder, {kept}"
     return f"could not write checkpoint {tmp} ({type(error).__name__}: {error}); removed the partial folder, {kept}"
-
-
-def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:
-    """Write the unwrapped model's weights as `folder/model.safetensors` (main process; others return).
-
-    Keys carry no `module.` / `_orig_mod.` prefix because the model is unwrapped first (case B18). The file is
-    written beside and renamed over the old one, with `model_config.json` and, when given, `extra` as
-    `best.json` (which metric, epoch, step these weights scored).
-    """
-    path = os.path.join(folder, "model.safetensors")
-    if accelerator.is_main_process:
-        from safetensors.torch import save_file
-
-        os.makedirs(folder, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in accelerator.get_state_dict(model).items()}
-        save_file(sd, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        _readable_as_umask_allows(path)
-        for fname, obj in (("model_config.json", model_config), ("best.json", extra)):
-            if obj is not None:
-                with open(os.path.join(folder, fname), "w") as f:
-                    json.dump(obj, f, indent=1)
-    return path
-
-
-def weights_path(path: str) -> str:
-    """A weights file from a path that may be a file, a checkpoint folder or a last/ or best/ folder.
-
-    Raises:
-        FileNotFoundError: naming the path, when it holds no weights file.
-    """
-    if os.path.isfile(path):
-        return path
-    # a run's output folder: its best, else its last weights
-    for folder in (path, os.path.join(path, "best"), os.path.join(path, "last")):
-        for name in WEIGHT_FILES:
-            f = os.path.join(folder, name)
-            if os.path.isfile(f):
-                return f
-    raise FileNotFoundError(f"no model weights at {path} (expected a file, a folder with model.safetensors, "
-                            "or a run folder with best/ or last/)")
-
-
-def read_model_config(path: str) -> dict | None:
-    """model_config.json next to the weights `weights_path(path)` finds (or in their parent folder), if any.
-
-    Raises:
-        CheckpointError: when the file is there but does not parse.
-    """
-    try:
-        folder = os.path.dirname(weights_path(path))
-    except FileNotFoundError:
-        return None
-    for f in (os.path.join(folder, "model_config.json"), os.path.join(os.path.dirname(folder.rstrip("/")), "model_config.json")):
-        if os.path.isfile(f):
-            try:
-                with open(f) as fh:
-                    return json.load(fh)
-            except ValueError as e:
-                raise CheckpointError(f"{f} is damaged ({e})") from None
-    return None
-
-
-def load_model_weights(model: torch.nn.Module, path: str) -> str:
-    """Strictly load weights into the bare model, whatever wrapper prefixes the file's keys carry.
-
-    Returns the weights file read.
-    Raises:
-        FileNotFoundError: no weights at `path`.
-        CheckpointError: the file is truncated, damaged or not a weights file.
-        RuntimeError: missing or unexpected keys, or shape mismatches (the model built with other settings).
-    """
-    f = weights_path(path)
-    if f.endswith(".safetensors"):
-        verify_safetensors(f)
-    try:
-        sd = load_state_dict_file(f)
-    except (FileNotFoundError, CheckpointError):
-        raise
-    except Exception as e:  # safetensors / pickle / zip errors of a damaged or foreign file
-        raise CheckpointError(f"{f} is not a readable weights file ({type(e).__name__}: {e})") from None
-    try:
-        model.load_state_dict(sd, strict=True)
-    except RuntimeError as e:
-        details = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
-        short = "; ".join(d[:160] for d in details[:2]) + (" ..." if len(details) > 2 else "")
-        raise RuntimeError(f"weights in {f} do not fit this model (trained with another model, width or class "
-                           f"list? its model_config.json says how it was built): {short}") from None
-    return f
-
-
-def all_finite(model: torch.nn.Module) -> bool:
-    """True when every parameter and buffer of `model` is finite (one device sync)."""
-    flags = [torch.isfinite(t).all() for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
-    return bool(torch.stack(flags).all()) if flags else True
-
-
-# ---- reading weights files
-
-# Key prefixes that wrappers add: DDP's `module.` and torch.compile's `_orig_mod.`.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def _strip_wrapper_prefixes(state_dict: dict) -> dict:
-    """Remove wrapper prefixes from the keys until none is left.
-
-    timm's reader already removes each prefix once, in a fixed order that depends on the timm version; a key
-    wrapped more deeply (`module.module.`: DDP around a DDP-wrapped model) or in another order keeps the
-    rest, so this repeats until no prefix is left (what detlib did before it used timm's reader).
-    """
-    out = {}
-    for k, v in state_dict.items():
-        while k.startswith(WRAPPER_PREFIXES):
-            k = k.removeprefix("module.").removeprefix("_orig_mod.")
-        out[k] = v
-    return out
-
-
-def load_state_dict_file(path: str | os.PathLike) -> dict:
-    """Read a state dict {name: tensor on the CPU} from `.safetensors` or a torch file (`weights_only=True`).
-
-    Built on timm's reader (`timm.models.load_state_dict`): it unwraps a `{"state_dict": ...}` or
-    `{"model": ...}` container and strips the wrapper prefixes `module.` and `_orig_mod.`. `use_ema=False`:
-    a timm training checkpoint that also holds EMA weights gives its raw weights, as before.
-
-    Raises:
-        FileNotFoundError: naming the path, if it does not exist.
-        ValueError: if the file holds no state dict of tensors.
-        RuntimeError: a torch file that `weights_only=True` refuses (pickled objects other than tensors).
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):  # checked here: timm's FileNotFoundError does not name the path
-        raise FileNotFoundError(f"weights file not found: {path}")
-    try:
-        sd = timm_load_state_dict(path, use_ema=False, weights_only=True)
-    except AttributeError:  # timm's prefix cleaning calls `.items()` on what the file holds: not a dict
-        sd = None
-    if not isinstance(sd, dict) or not any(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ValueError(f"{path} does not hold a state dict of tensors")
-    return _strip_wrapper_prefixes(sd)

@@ -23,6 +23,7 @@ import torch
 from . import checkpoint as ckpt
 from .collectives import broadcast_object, min_over_processes
 from .rundir import EXIT_DIVERGED
+from .weights import all_finite, save_model_weights
 
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger("detlib.engine")
@@ -50,7 +51,7 @@ class Checkpointer:
         self.model_config: dict | None = None
 
     def _check_finite(self, model, what: str, step: int) -> None:
-        ok = min_over_processes(self.accelerator, int(ckpt.all_finite(self.accelerator.unwrap_model(model))))
+        ok = min_over_processes(self.accelerator, int(all_finite(self.accelerator.unwrap_model(model))))
         if not ok:
             self.fail(f"the model holds non-finite weights at step {step}: not writing {what}; "
                       f"the last good checkpoint is kept", EXIT_DIVERGED)
@@ -71,7 +72,7 @@ class Checkpointer:
     def save_weights(self, model, name: str, step: int, extra: dict | None = None) -> None:
         """`output_dir/name/model.safetensors` (+ model_config.json, + best.json from `extra`)."""
         self._check_finite(model, f"{name}/", step)
-        ckpt.save_model_weights(self.accelerator, model, os.path.join(self.output_dir, name), self.model_config, extra)
+        save_model_weights(self.accelerator, model, os.path.join(self.output_dir, name), self.model_config, extra)
 
     def keep_best(self, model, value: float, state: ckpt.TrainState, epoch: int) -> bool:
         """Write best/ when `value` beats `state.best_metric` and the best/ on disk; raise `state.best_metric`

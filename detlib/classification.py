@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from .checkpoint import load_state_dict_file
+from .weights import load_state_dict_file
+
 
 logger = logging.getLogger(__name__)
 

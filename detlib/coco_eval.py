@@ -2,13 +2,13 @@
 
 Each process decodes its shard of the validation set and records per-image results. `CocoEvaluator.
 gather` collects them from all processes as Python objects and de-duplicates them by image id: a
-distributed sampler pads the last shard by repeating images, and a repeated image must not count twice
-(case B13). The main process then runs COCOeval and returns the 12 standard stats by name.
+distributed sampler pads the last shard by repeating images, and a repeated image must not count twice.
+The main process then runs COCOeval and returns the 12 standard stats by name.
 
 The ground truth is the checked, normalised json of `detlib.cococheck` (a raw dict is checked here): numbers
 parsed, boxes derived, ids made integers. Annotation ids are always renumbered 1..N for COCOeval, because
 pycocotools stores matches by annotation id and takes 0 for "no match": a ground-truth box with id 0 (or a
-negative, repeated or non-integer id) could never count as found (case C01). Image ids that the check had to
+negative, repeated or non-integer id) could never count as found. Image ids that the check had to
 renumber are mapped back to the json's own (`original_id`) in `CocoEvaluator.results`.
 
 COCOeval backends: pycocotools (the reference) and faster-coco-eval (same algorithm in C++, much faster on
@@ -54,7 +54,7 @@ def format_stats(stats: dict[str, float]) -> str:
 
 
 def to_builtin(obj):
-    """Recursively turn tensors and numpy scalars / arrays into Python ints, floats and lists (case B09).
+    """Recursively turn tensors and numpy scalars / arrays into Python ints, floats and lists.
 
     `json.dump` and pycocotools' `loadRes` accept the result. Floats are converted without rounding.
     """
@@ -158,7 +158,7 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
     Returns:
         (stats, summary): the 12 stats by `STAT_NAMES` (-1 where COCO has nothing to measure, e.g. no
         small objects), and their printout (`format_stats`). With no result at all the stats are all 0.0 and a
-        warning is logged (pycocotools' loadRes cannot take an empty list, case B06).
+        warning is logged (pycocotools' loadRes cannot take an empty list).
         With `return_cocoeval=True` a third element follows: the evaluated and accumulated COCOeval object
         (its `eval["precision"]` feeds `detlib.analysis`), None when there was no result at all.
     Raises:
@@ -185,14 +185,14 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
     COCO, COCOeval, name = _coco_classes(backend)
     # The backends write into the ground truth's dicts (COCOeval's `ignore` into annotations, faster-coco-eval
     # int ids into images), never into nested values: copying the dicts keeps `gt_dataset` as it was.
-    # pycocotools >= 2.0.9 copies info and licenses in loadRes(); hand-made json often lacks them (case B11).
+    # pycocotools >= 2.0.9 copies info and licenses in loadRes(); hand-made json often lacks them.
     gt = dict(gt_dataset)
     gt.setdefault("info", {})
     gt.setdefault("licenses", [])
     for key in ("images", "categories"):
         if key in gt:
             gt[key] = [dict(d) for d in gt[key]]
-    # renumbered 1..N: see the module docstring, pycocotools takes id 0 for "no match" (case C01)
+    # renumbered 1..N: see the module docstring, pycocotools takes id 0 for "no match"
     gt["annotations"] = [dict(ann, id=k) for k, ann in enumerate(gt["annotations"], 1)]
     # Backend output is for debugging: pycocotools prints (captured here), faster-coco-eval's COCOeval logs
     # progress and its own copy of the summary at INFO (sent to DEBUG here). The caller logs `format_stats` once.

@@ -99,7 +99,7 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         report.add("error", "images", split, "no usable image is left", count=1)
 
     out = {k: v for k, v in data.items() if k not in ("images", "annotations", "categories")}
-    out.setdefault("info", {})  # pycocotools >= 2.0.9 copies these in loadRes() (case B11)
+    out.setdefault("info", {})  # pycocotools >= 2.0.9 copies these in loadRes()
     out.setdefault("licenses", [])
     out.update(images=images, annotations=annotations_out, categories=categories)
     with_boxes = len({a["image_id"] for a in annotations_out})
@@ -140,7 +140,7 @@ def check_train_val(train: CocoCheck, val: CocoCheck, train_images: str | None =
                     val_images: str | None = None) -> None:
     """Categories and files of val against train, added to `val.report`.
 
-    The model's classes are train's categories. Val may list a subset of them (only those it uses, case C19)
+    The model's classes are train's categories. Val may list a subset of them (only those it uses)
     or all; a val id with another name than in train, or a val id unknown to train that val boxes use, is an
     error that lists only the differing pairs. When consistent, val's category list becomes train's, so the
     label map and COCOeval see the same categories in both.

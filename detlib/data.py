@@ -3,8 +3,8 @@
 Annotations are read with pycocotools. On load, each annotation's COCO xywh box becomes xyxy pixels
 (the one conversion on the way in), is clipped to the image, and is dropped with a logged count and the
 annotation ids when it is degenerate: width or height <= `min_box_size` px after clipping, which also
-covers boxes entirely outside the image and negative sizes (case B02, B03). Category ids become
-contiguous labels through `CategoryMap` (case B07).
+covers boxes entirely outside the image and negative sizes. Category ids become
+contiguous labels through `CategoryMap`.
 
 Crowd annotations (`iscrowd=1`) are excluded from the training targets by default and returned as
 `crowd_boxes` instead: the loss ignores anchors inside them (`detlib.matching`). With
@@ -14,7 +14,7 @@ The annotations come checked and normalised by `detlib.cococheck` (ids, numeric 
 polygons, sizes): the training script passes the normalised dict; given a path, the data set runs the json
 part of the check itself, logs its repairs and raises ValueError with the report on errors.
 
-Images without annotations are kept: they are valid all-background samples (case B01). An image file
+Images without annotations are kept: they are valid all-background samples. An image file
 that is missing or empty is found when the data set is built and left out with a logged count; one that
 fails to decode later is, in training, replaced by the next image (logged), and in evaluation returned
 with `valid=False` so the evaluator leaves it out of AP and says so (never a silent wrong AP).

@@ -58,6 +58,7 @@ from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, check_dis
                      release_lock, write_run_status)
 from .runtime import MetricsLogger, init_trackers, log_run_setup, make_accelerator, save_config, setup_logging
 from .step_guard import StepGuard
+from .weights import load_model_weights
 
 logger = logging.getLogger("detlib.engine")
 
@@ -141,7 +142,7 @@ class Run:
     def load_weights(self, model: torch.nn.Module, path: str) -> str:
         """Load `--evaluate_only` weights into the bare model; any failure is one line and exit 1."""
         try:
-            f = ckpt.load_model_weights(model, path)
+            f = load_model_weights(model, path)
         except (FileNotFoundError, RuntimeError, ValueError) as e:
             self.fail(str(e))
         logger.info("loaded weights from %s", f)

@@ -1,7 +1,7 @@
 """Reading image files the way real data sets need: every colour mode to RGB, damaged files survived.
 
 Real folders hold grayscale, CMYK, RGBA and palette images next to RGB ones, JPEGs cut short by an
-interrupted download, zero-byte files and non-images with an image extension (shared/cases B24-B26).
+interrupted download, zero-byte files and non-images with an image extension.
 """
 
 from __future__ import annotations

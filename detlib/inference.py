@@ -23,13 +23,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from . import checkpoint as ckpt
 from .imagefolder import IMG_EXTENSIONS, is_hidden
 from .images import IMAGE_ERRORS, load_rgb
 from .data import unreadable_item
 from .labels import CategoryMap
 from .model import build_retinanet_from_config
 from .transforms import make_sample
+from .weights import load_model_weights, read_model_config, weights_path
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +124,13 @@ def load_retinanet(weights: str) -> tuple[torch.nn.Module, dict, CategoryMap]:
         FileNotFoundError: no weights, or no model_config.json next to them (names the path).
         RuntimeError: the weights do not fit the config's model.
     """
-    f = ckpt.weights_path(weights)
-    config = ckpt.read_model_config(weights)
+    f = weights_path(weights)
+    config = read_model_config(weights)
     if config is None:
         raise FileNotFoundError(f"no model_config.json next to {f} (nor in its parent folder): the model cannot be "
                                 "rebuilt; the training script writes one into best/, last/ and every checkpoint")
     model = build_retinanet_from_config(config)
-    ckpt.load_model_weights(model, weights)
+    load_model_weights(model, weights)
     return model.eval(), config, category_map_from_config(config)
 
 
@@ -171,12 +171,12 @@ def load_classifier(weights: str) -> tuple[torch.nn.Module, dict]:
     """
     from .classification import build_classifier
 
-    f = ckpt.weights_path(weights)
-    config = ckpt.read_model_config(weights)
+    f = weights_path(weights)
+    config = read_model_config(weights)
     if config is None or "classes" not in config:
         raise FileNotFoundError(f"no classifier model_config.json (with 'classes') next to {f}: the model cannot be rebuilt")
     model = build_classifier(config["model"], len(config["classes"]))
-    ckpt.load_model_weights(model, weights)
+    load_model_weights(model, weights)
     return model.eval(), config
 
 

@@ -20,7 +20,7 @@ from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from .anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
-from .checkpoint import load_state_dict_file
+from .weights import load_state_dict_file
 
 
 # ImageNet statistics of the RGB channels, for backbones pretrained on ImageNet, in pixel units [0, 255]: RetinaNet

@@ -3,7 +3,7 @@
 Logging happens on the main process only: it writes `output_dir/train.log` and the console; the other
 processes print warnings and errors only. `MetricsLogger` writes `output_dir/metrics.jsonl` (one JSON
 object per line) and forwards the same values to the trackers (wandb, tensorboard) through accelerate,
-which creates one tracker run on the main process only (case B21).
+which creates one tracker run on the main process only.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
     * On a machine without CUDA it runs on the CPU; launched with 2+ processes (e.g.
       `accelerate_configs/cpu_2proc.yaml`) that is real DDP over gloo.
     * Samplers are seedable: the shuffle order of epoch e is a function of (seed, e) on every rank, so
-      epochs differ, shards stay disjoint (case B31) and a resumed run sees the same order.
+      epochs differ, shards stay disjoint and a resumed run sees the same order.
     * `mixed_precision=None` takes the value of the accelerate config / `accelerate launch` flags.
     """
     from accelerate import Accelerator, DataLoaderConfiguration
@@ -198,7 +198,7 @@ class MetricsLogger:
 
 def check_shared_memory(num_workers: int, bytes_per_batch: int, prefetch_factor: int = 2,
                         shm_path: str = "/dev/shm") -> tuple[int, str | None]:
-    """Check that /dev/shm can hold the batches the DataLoader workers keep in flight (case B23).
+    """Check that /dev/shm can hold the batches the DataLoader workers keep in flight.
 
     Docker's default /dev/shm is 64 MB; workers pass batches through it and die with "Bus error" when it
     fills. Returns (num_workers to use, a one-line message or None). When it is too small, the workers fall

@@ -4,7 +4,7 @@ A sample is a dict {"image": tv_tensors.Image uint8 [3, H, W], "boxes": tv_tenso
 [N, 4] XYXY pixels, "labels": int64 [N], "iscrowd": bool [N]}: crowd regions travel in the same
 BoundingBoxes so they are flipped, cropped and moved exactly like the targets. After the geometric
 transforms, `SanitizeBoundingBoxes` drops boxes that became smaller than 1 px (an object cropped away),
-together with their labels and crowd flags, so an image can end with no box at all (case B30): that is a
+together with their labels and crowd flags, so an image can end with no box at all: that is a
 valid all-background sample.
 
 Augmentation levels (`--augmentation`):

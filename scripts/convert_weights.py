@@ -25,10 +25,10 @@ import sys
 
 from safetensors.torch import save_file
 
-from detlib.checkpoint import load_state_dict_file
 from detlib.model import build_retinanet_from_config
 from detlib.torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories, torchvision_model_config,
                                        torchvision_version)
+from detlib.weights import load_state_dict_file
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 import yaml
 
-from detlib import checkpoint as ckpt
 from detlib.anchors import AnchorGenerator
 from detlib.data import PAD_VALUE
 from detlib.decode import decode_detections
 from detlib.export import ExportableRetinaNet, canvas_size, compare_detections, prepare_input
 from detlib.images import IMAGE_ERRORS, load_rgb
 from detlib.inference import list_image_files, load_retinanet
+from detlib.weights import weights_path
 
 logger = logging.getLogger("export_retinanet")
 
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_config(weights: str) -> dict:
     """config.yaml of the run the weights come from (the weights' folder or up to two levels above), or {}."""
-    folder = os.path.dirname(os.path.abspath(ckpt.weights_path(weights)))
+    folder = os.path.dirname(os.path.abspath(weights_path(weights)))
     for _ in range(3):
         f = os.path.join(folder, "config.yaml")
         if os.path.isfile(f):
@@ -158,7 +158,7 @@ def main(argv=None):
             "inputs": inputs, "outputs": outputs, "pad_value": list(PAD_VALUE),
             "category_ids": category_map.category_ids, "category_names": category_map.names,
             "score_thresh": args.score_thresh, "nms_thresh": args.nms_thresh,
-            "detections_per_image": args.detections_per_image, "weights": ckpt.weights_path(args.weights)}
+            "detections_per_image": args.detections_per_image, "weights": weights_path(args.weights)}
     with open(stem + ".json", "w") as f:
         json.dump(meta, f, indent=1)
     logger.info("wrote %s (canvas %dx%d, decoding %s) and %s.json", ", ".join(files.values()), canvas, canvas, args.decode, stem)

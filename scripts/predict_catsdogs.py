@@ -30,10 +30,10 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from detlib import checkpoint as ckpt
 from detlib.classification import classification_transform
 from detlib.inference import (ClassificationImageFiles, list_image_files, load_classifier, prediction_parser, shard_batches,
                               start_prediction)
+from detlib.weights import weights_path
 
 logger = logging.getLogger("predict_catsdogs")
 
@@ -87,7 +87,7 @@ def main(argv=None):
     image_size = args.image_size or config.get("image_size") or 224
     k = max(1, min(args.topk, len(classes)))
     model.to(accelerator.device)
-    logger.info("loaded %s (%s, classes %s); %d images from %s at %d px, %d process(es)", ckpt.weights_path(args.weights),
+    logger.info("loaded %s (%s, classes %s); %d images from %s at %d px, %d process(es)", weights_path(args.weights),
                 config["model"], classes, len(paths), args.source, image_size, accelerator.num_processes)
 
     ds = ClassificationImageFiles(paths, classification_transform(image_size, train=False), not args.no_exif_transpose)

@@ -34,7 +34,6 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from detlib import checkpoint as ckpt
 from detlib.anchors import anchor_generator_from_config
 from detlib.coco_eval import detections_to_coco
 from detlib.data import CocoDetection, collate_detection
@@ -43,6 +42,7 @@ from detlib.inference import (DetectionImageFiles, list_image_files, load_retina
                               start_prediction)
 from detlib.transforms import build_transform
 from detlib.visualize import boxes_from_coco, class_color, draw_detections, save_image, upright_image_and_boxes
+from detlib.weights import weights_path
 
 logger = logging.getLogger("predict_retinanet")
 
@@ -137,7 +137,7 @@ def main(argv=None):
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
         raise SystemExit(f"error: {e}") from None
-    logger.info("loaded %s (%s, fpn_channels %d, %d classes)", ckpt.weights_path(args.weights), config["backbone"],
+    logger.info("loaded %s (%s, fpn_channels %d, %d classes)", weights_path(args.weights), config["backbone"],
                 config["fpn_channels"], len(category_map))
     image_size = args.image_size or config.get("image_size") or 600
     max_size = args.max_size if args.image_size or args.max_size else config.get("max_size")

@@ -48,6 +48,7 @@ from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_fold
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
 from detlib.synthetic import make_synthetic_image_folder
+from detlib.weights import read_model_config, weights_path
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -131,7 +132,7 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
         if empty and is_main:
             logger.warning("%s: no usable image for class(es) %s; their recall is reported as 0", scan.root, empty)
 
-    # Batches leave the workers as float32 (4 bytes per value) through /dev/shm (case B23).
+    # Batches leave the workers as float32 (4 bytes per value) through /dev/shm.
     bytes_per_batch = 4 * 3 * args.image_size ** 2 * max(args.per_device_batch_size, args.per_device_eval_batch_size)
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
@@ -155,11 +156,11 @@ SCHEDULE = {"kind": "cosine", "warmup_fraction": 0.05, "warmup_start": 0.0}
 @torch.no_grad()
 def evaluate(model, loader, run: Run, classes: list[str], train_model=None) -> tuple[dict, dict]:
     """Evaluate the val shard of every process and gather the per-image results (collective: every process
-    runs it, case B15).
+    runs it).
 
     `gather_for_metrics` drops the samples that the prepared loader repeats to even out the last batch, and
     the results are de-duplicated by data set index as well, so the numbers do not depend on the process
-    count (case B13). Returns (metrics, per-image {"index", "label", "pred", "confidence"}: [N] tensors sorted
+    count. Returns (metrics, per-image {"index", "label", "pred", "confidence"}: [N] tensors sorted
     by index), the same on every process.
     """
     accelerator = run.accelerator
@@ -245,8 +246,8 @@ def main(argv=None):
     saved = None
     if args.evaluate_only:
         try:
-            ckpt.weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
-            saved = ckpt.read_model_config(args.evaluate_only) or {}
+            weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
+            saved = read_model_config(args.evaluate_only) or {}
         except (FileNotFoundError, ckpt.CheckpointError) as e:
             stop(f"--evaluate_only: {e}", code=1)
         if args.image_size is None:

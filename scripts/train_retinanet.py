@@ -49,7 +49,6 @@ from tqdm.auto import tqdm
 from detlib import checkpoint as ckpt
 from detlib.anchors import ANCHOR_CONFIG_KEYS, INPUT_DIVISIBILITY, anchor_generator_from_config
 from detlib.analysis import per_class_ap, per_class_without_detections
-from detlib.checkpoint import load_state_dict_file
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
 from detlib.cococheck import check_coco_for_training
 from detlib.dashboard import log_evaluation_extras
@@ -67,6 +66,7 @@ from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, build_transform
+from detlib.weights import load_state_dict_file, read_model_config, weights_path
 
 logger = logging.getLogger("train_retinanet")
 
@@ -218,9 +218,9 @@ def build_dataloaders(args, paths: dict[str, str]):
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
                              "training set; nothing to learn from (use --include_crowd to train on crowd boxes)")
     # The model's classes: train's (val's categories were checked against them: same id, same name; val may list
-    # only those it uses, case C19), or those of the evaluated checkpoint.
+    # only those it uses), or those of the evaluated checkpoint.
     category_map = train_ds.category_map if train_ds is not None else None
-    saved = ckpt.read_model_config(args.evaluate_only) if args.evaluate_only else None
+    saved = read_model_config(args.evaluate_only) if args.evaluate_only else None
     if category_map is None and saved and saved.get("category_ids"):
         category_map = CategoryMap(saved["category_ids"], saved.get("category_names"))
         unknown = sorted({a["category_id"] for a in val_json["annotations"]} - set(category_map.category_ids))
@@ -265,7 +265,7 @@ def schedule_spec(args) -> dict:
 def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, run: Run, args, train_model=None) -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval.
 
-    Every process runs the whole loop and the gather (case B15); returns the stats on every process.
+    Every process runs the whole loop and the gather; returns the stats on every process.
     `train_model` (the model being trained) lets a preemption during the evaluation write a checkpoint.
     """
     accelerator = run.accelerator
@@ -302,7 +302,7 @@ def main(argv=None):
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     flag = "--evaluate_only" if args.evaluate_only else "--init_from"
     try:
-        saved = ckpt.read_model_config(args.evaluate_only or args.init_from) if args.evaluate_only or args.init_from else None
+        saved = read_model_config(args.evaluate_only or args.init_from) if args.evaluate_only or args.init_from else None
     except ckpt.CheckpointError as e:
         stop(f"{flag}: {e}", code=1)
     # How the model sees images: ours by default; an evaluated or initialising model's own settings (a converted
@@ -355,7 +355,7 @@ def main(argv=None):
         weights = run.load_weights(model, args.evaluate_only)
     elif args.init_from:
         try:
-            init_file = ckpt.weights_path(args.init_from)
+            init_file = weights_path(args.init_from)
             loaded = load_matching_weights(model, load_state_dict_file(init_file))
         except (FileNotFoundError, ValueError, RuntimeError) as e:
             run.fail(f"--init_from: {e}")

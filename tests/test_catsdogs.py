@@ -20,11 +20,11 @@ import pytest
 import torch
 from PIL import Image
 
-from detlib import checkpoint as ckpt
 from detlib.classification import (build_classifier, classification_metrics, classification_transform,
                                    load_pretrained_weights)
 from detlib.imagefolder import ImageFolderDataset, find_classes, scan_image_folder
 from detlib.synthetic import STRIPES_CLASSES, make_synthetic_image_folder
+from detlib.weights import load_model_weights
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -279,7 +279,7 @@ def test_case_b18_wrapper_prefixes_are_stripped(tmp_path):
     save_file({f"module.{k}": v.contiguous() for k, v in sd.items()}, str(tmp_path / "ddp.safetensors"))
     torch.save({f"_orig_mod.{k}": v for k, v in sd.items()}, tmp_path / "compiled.pt")
     for f in ("ddp.safetensors", "compiled.pt"):
-        for load in (lambda m: ckpt.load_model_weights(m, str(tmp_path / f)),
+        for load in (lambda m: load_model_weights(m, str(tmp_path / f)),
                      lambda m: load_pretrained_weights(m, str(tmp_path / f))):
             torch.manual_seed(1)
             dst = build_classifier("test_resnet", 2).eval()

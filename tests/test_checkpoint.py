@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from detlib import checkpoint as ckpt
-from detlib.checkpoint import load_state_dict_file
 from detlib.model import RetinaNet
+from detlib.weights import load_model_weights, load_state_dict_file
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def test_prefixed_state_dicts_load_strictly_case_b18(tmp_path, tiny_model, prefi
     else:
         torch.save({"state_dict": sd}, path)
     fresh = RetinaNet(2, "resnet18", fpn_channels=16, freeze_backbone_bn=False).eval()
-    ckpt.load_model_weights(fresh, str(path))
+    load_model_weights(fresh, str(path))
     x = torch.randint(0, 255, (1, 3, 64, 64), dtype=torch.uint8)
     with torch.no_grad():
         a, b = tiny_model(x), fresh(x)
@@ -38,9 +38,9 @@ def test_weights_of_another_model_fail_clearly(tmp_path, tiny_model):
     save_file({k: v.contiguous() for k, v in tiny_model.state_dict().items()}, str(tmp_path / "model.safetensors"))
     other = RetinaNet(2, "resnet18", fpn_channels=32, freeze_backbone_bn=False)
     with pytest.raises(RuntimeError, match="do not fit this model .*size mismatch"):
-        ckpt.load_model_weights(other, str(tmp_path))
+        load_model_weights(other, str(tmp_path))
     with pytest.raises(FileNotFoundError, match="nowhere"):
-        ckpt.load_model_weights(other, str(tmp_path / "nowhere"))
+        load_model_weights(other, str(tmp_path / "nowhere"))
 
 
 def test_backbone_weights_file_feeds_the_backbone(tmp_path):

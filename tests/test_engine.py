@@ -18,6 +18,7 @@ from conftest import REPO
 from detlib import checkpoint as ckpt
 from detlib import rundir
 from detlib.schedules import build_lr_scheduler, lr_factor, set_position
+from detlib.weights import load_model_weights
 from test_checkpoint import fake_checkpoint
 
 
@@ -89,10 +90,10 @@ def test_truncated_or_foreign_weights_are_one_line_errors(tmp_path):
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 3])
     with pytest.raises(ckpt.CheckpointError, match="cut.safetensors is truncated"):
-        ckpt.load_model_weights(model, str(tmp_path / "cut.safetensors"))
+        load_model_weights(model, str(tmp_path / "cut.safetensors"))
     (tmp_path / "notes.pt").write_text("these are not weights")
     with pytest.raises(ckpt.CheckpointError, match="notes.pt is not a readable weights file"):
-        ckpt.load_model_weights(model, str(tmp_path / "notes.pt"))
+        load_model_weights(model, str(tmp_path / "notes.pt"))
 
 
 # ---- a save that fails (disk full)

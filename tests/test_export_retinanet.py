@@ -17,6 +17,7 @@ from detlib.images import load_rgb
 from detlib.model import build_retinanet_from_config
 
 from conftest import COCO_SUBSET, needs_coco_subset, run_script
+from detlib.weights import load_model_weights
 
 pytestmark = [needs_coco_subset, pytest.mark.slow]
 ort = pytest.importorskip("onnxruntime")
@@ -79,8 +80,7 @@ def test_onnx_and_torch_export_parity_decoding_inside(weights, tmp_path):
 
     # run the exported graph as the README shows, on an image the check did not use
     model = build_retinanet_from_config(meta)
-    from detlib.checkpoint import load_model_weights
-
+    
     load_model_weights(model, str(weights))
     model.eval()
     path = str(COCO_SUBSET / "images" / sorted(p.name for p in (COCO_SUBSET / "images").iterdir())[-1])

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from detlib import classification, imagefolder, model, synthetic
-from detlib.checkpoint import load_state_dict_file
+from detlib.weights import load_state_dict_file
 
 # ---- ImageNet statistics: timm's constants, in 0-1 units (classifier) and 0-255 units (RetinaNet)
 

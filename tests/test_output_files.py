@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from detlib import checkpoint as ckpt
+from detlib.weights import load_model_weights, save_model_weights
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def test_weights_and_checkpoint_files_are_0644_under_umask_022(tmp_path, umask_0
 
     acc = Accelerator(cpu=True)
     model, opt = acc.prepare(torch.nn.Linear(3, 2), torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1))
-    weights = ckpt.save_model_weights(acc, model, str(tmp_path / "best"), model_config={"num_classes": 2})
+    weights = save_model_weights(acc, model, str(tmp_path / "best"), model_config={"num_classes": 2})
     assert _mode(weights) == 0o644
     assert _mode(tmp_path / "best" / "model_config.json") == 0o644
     folder = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=3))
@@ -34,7 +35,7 @@ def test_weights_and_checkpoint_files_are_0644_under_umask_022(tmp_path, umask_0
              if os.path.isfile(os.path.join(folder, name))}
     assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
     # the weights still load after the mode change, through the same reader as --init_from
-    loaded = ckpt.load_model_weights(torch.nn.Linear(3, 2), weights)
+    loaded = load_model_weights(torch.nn.Linear(3, 2), weights)
     assert loaded == weights or os.path.samefile(loaded, weights)
 
 
@@ -45,7 +46,7 @@ def test_a_stricter_umask_is_respected(tmp_path):
     try:
         acc = Accelerator(cpu=True)
         model = acc.prepare(torch.nn.Linear(3, 2))
-        weights = ckpt.save_model_weights(acc, model, str(tmp_path / "last"))
+        weights = save_model_weights(acc, model, str(tmp_path / "last"))
     finally:
         os.umask(old)
     assert _mode(weights) == 0o600
