@@ -8,7 +8,8 @@ the same checks.
 `--config` is timm's two-stage parse: a first parser reads only `--config`, the file's `flag: value` lines become
 the parser's defaults, and the full parse lets the command line override them. A run's own
 `OUTPUT_DIR/config.yaml` is such a file: fed back, it re-runs the run (the keys the run recorded beside its
-flags, e.g. `num_processes`, are read as what they are, a record, and not applied).
+flags, e.g. `num_processes`, are read as what they are, a record, and not applied; nor are
+`resume_from_checkpoint` and `overwrite_output_dir`, which say what to do with the folder this time).
 
 Defaults that depend on the data (the built-in synthetic set or real data) and on the optimizer are written once
 per script, as a table `{flag: (built-in data, real data)}` or `{flag: {optimizer: (built-in, real)}}`;
@@ -33,6 +34,9 @@ from .runtime import REPORT_TO
 GROUPS = ("data", "model", "optimization", "evaluation", "checkpointing", "logging")
 # Keys both scripts' `main` write to config.yaml beside the flags: what the run found, not what it was told.
 RUN_RECORD_KEYS = ("num_processes", "synthetic_data")
+# What to do with the output folder this time, not part of the recipe: a config.yaml re-run must not resume
+# or wipe a folder because the recorded run did. Given on the command line only.
+FOLDER_ACTION_KEYS = ("resume_from_checkpoint", "overwrite_output_dir")
 # detlib.engine.Run writes an evaluation-only run into OUTPUT_DIR/evaluate_only and records that folder as output_dir.
 EVALUATE_ONLY_SUBDIR = "evaluate_only"
 
@@ -87,7 +91,8 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--config", metavar="FILE.yaml",
                    help="flag: value lines used as defaults; flags on the command line override them. A run's "
-                        "OUTPUT_DIR/config.yaml re-runs it (its record keys, e.g. num_processes, are not applied); "
+                        "OUTPUT_DIR/config.yaml re-runs it (its record keys, e.g. num_processes, and --resume_from_checkpoint / "
+                        "--overwrite_output_dir are not applied from a file); "
                         "an unknown key is an error (default: none)")
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     g = groups["data"]
@@ -213,6 +218,11 @@ def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, .
     out = {}
     for key, value in cfg.items():
         if key in ignored:
+            continue
+        if key in FOLDER_ACTION_KEYS:
+            if value and os.environ.get("RANK", "0") == "0":
+                print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
+                      "command line)", file=sys.stderr, flush=True)
             continue
         if key not in flags:
             close = difflib.get_close_matches(str(key), list(flags), n=1)

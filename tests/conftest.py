@@ -78,5 +78,11 @@ def start_script(script: str | Path, args: list[str], config: str = "cpu.yaml", 
                             stderr=stderr, text=True, start_new_session=True, env=launch_env(env))
 
 
+def traceback_through_our_code(text: str) -> bool:
+    """True when `text` shows a traceback frame in detlib/ or scripts/ (a launcher's own trailer, or a virtual
+    environment inside the repo, does not count)."""
+    return any(f'File "{REPO / folder}' in text for folder in ("detlib", "scripts"))
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -71,6 +71,18 @@ def test_command_line_overrides_the_config(script, tmp_path):
     assert (args.epochs, args.seed) == (9, 7)
 
 
+def test_folder_actions_of_the_recorded_run_are_not_applied_from_a_file(script, tmp_path, capsys):
+    # a resumed run records resume_from_checkpoint: latest; its config.yaml must start fresh, not resume or wipe
+    path = tmp_path / "c.yaml"
+    path.write_text("epochs: 3\nresume_from_checkpoint: latest\noverwrite_output_dir: true\n")
+    args = resolved(script, ["--config", str(path)])
+    assert (args.epochs, args.resume_from_checkpoint, args.overwrite_output_dir) == (3, None, False)
+    err = capsys.readouterr().err
+    assert "resume_from_checkpoint: latest is not applied from a file" in err and "overwrite_output_dir" in err
+    args = resolved(script, ["--config", str(path), "--resume_from_checkpoint", "latest"])  # the command line can
+    assert args.resume_from_checkpoint == "latest"
+
+
 def test_unknown_config_key_is_a_one_line_error_naming_it(script, tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text("epoch: 3\n")
@@ -89,7 +101,7 @@ def test_config_that_is_not_a_mapping_is_a_one_line_error(script, tmp_path, caps
 @pytest.mark.parametrize("text,message", [
     ("epochs: 0\n", "epochs: must be an integer >= 1, got 0"),
     ("optimizer: adam\n", "optimizer: must be one of adamw, sgd, got 'adam'"),
-    ("overwrite_output_dir: 1\n", "overwrite_output_dir: must be true or false, got 1"),
+    ("strict_data: 1\n", "strict_data: must be true or false, got 1"),
     ("epochs: [3]\n", "epochs: must be one value, got [3]"),
     ("seed: null\n", "seed: needs a value"),
     ("epochs: [3\n", "not valid YAML"),
