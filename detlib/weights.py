@@ -47,11 +47,15 @@ def verify_safetensors(path: str) -> None:
 def readable_as_umask_allows(path: str) -> None:
     """Give a written file the mode every other output of the run gets (0644 under the usual umask 022):
     safetensors writes through a private temporary file and leaves 0600, so a weights file was the one
-    output a teammate or a serving job running as another user could not read."""
+    output a teammate or a serving job running as another user could not read. Best effort: a file system that
+    refuses chmod (some network mounts) keeps the file as written, never failing the save."""
     if os.path.isfile(path):
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(path, 0o666 & ~umask)
+        try:
+            os.chmod(path, 0o666 & ~umask)
+        except OSError:
+            pass
 
 
 def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:

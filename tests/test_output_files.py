@@ -50,3 +50,18 @@ def test_a_stricter_umask_is_respected(tmp_path):
     finally:
         os.umask(old)
     assert _mode(weights) == 0o600
+
+
+def test_a_file_system_that_refuses_chmod_still_gets_the_weights_and_the_checkpoint(tmp_path, monkeypatch):
+    from accelerate import Accelerator
+
+    def refuse(*a, **k):
+        raise PermissionError(1, "Operation not permitted")
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(torch.nn.Linear(3, 2))
+    monkeypatch.setattr(os, "chmod", refuse)
+    weights = save_model_weights(acc, model, str(tmp_path / "last"))
+    folder = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=3))
+    ckpt.verify_checkpoint(folder)
+    assert load_model_weights(torch.nn.Linear(3, 2), weights) == weights
