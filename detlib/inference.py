@@ -185,14 +185,14 @@ def prediction_parser(description: str, batch_size: int) -> tuple[argparse.Argum
     groups {"data", "model", "output"} for the script's own flags. Data: `--no_exif_transpose`, `--batch_size`
     (images per process and forward pass), `--num_workers`; model: `--weights`, `--mixed_precision`, `--cpu`;
     output: `--output_dir`. `--help` shows every default."""
-    from .flags import HelpFormatter
+    from .flags import HelpFormatter, int_at_least
 
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     groups = {name: p.add_argument_group(name) for name in ("data", "model", "output")}
     groups["data"].add_argument("--no_exif_transpose", action="store_true",
                                 help="read image files as stored instead of turning them upright by their EXIF tag")
-    groups["data"].add_argument("--batch_size", type=int, default=batch_size, help="images per process and forward pass")
-    groups["data"].add_argument("--num_workers", type=int, default=2, help="data loader workers per process")
+    groups["data"].add_argument("--batch_size", type=int_at_least(1), default=batch_size, help="images per process and forward pass")
+    groups["data"].add_argument("--num_workers", type=int_at_least(0), default=2, help="data loader workers per process")
     groups["model"].add_argument("--weights", required=True,
                                  help="a run folder, best/, last/, a checkpoint folder or a model.safetensors")
     groups["model"].add_argument("--mixed_precision", choices=["no", "fp16", "bf16"],

@@ -31,6 +31,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from detlib.classification import classification_transform
+from detlib.flags import int_at_least
 from detlib.inference import (ClassificationImageFiles, list_image_files, load_classifier, prediction_parser, shard_batches,
                               start_prediction)
 from detlib.weights import weights_path
@@ -42,9 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p, groups = prediction_parser(__doc__, batch_size=64)
     g = groups["data"]
     g.add_argument("--source", required=True, help="an image file, a folder (recursive) or a glob pattern")
-    g.add_argument("--image_size", type=int, help="default None: the training size from model_config.json")
+    g.add_argument("--image_size", type=int_at_least(16), help="default None: the training size from model_config.json")
     g = groups["output"]
-    g.add_argument("--topk", type=int, default=5, help="classes per image (at most the number of classes)")
+    g.add_argument("--topk", type=int_at_least(1), default=5, help="classes per image (at most the number of classes)")
     g.add_argument("--copy_to_class_folders", action="store_true", help="copy each image to OUT/by_class/<top-1 class>/")
     return p.parse_args(argv)
 

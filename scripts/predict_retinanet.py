@@ -38,6 +38,7 @@ from detlib.anchors import anchor_generator_from_config
 from detlib.coco_eval import detections_to_coco
 from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
+from detlib.flags import float_range, int_at_least
 from detlib.inference import (DetectionImageFiles, list_image_files, load_retinanet, prediction_parser, shard_batches,
                               start_prediction)
 from detlib.transforms import build_transform
@@ -53,16 +54,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = groups["data"]
     g.add_argument("--source", required=True, help="an image file, a folder (recursive), a glob pattern, or a COCO json")
     g.add_argument("--images", help="image folder of a COCO-json source")
-    g.add_argument("--image_size", type=int, help="resize size (default None: the training run's, from model_config.json)")
-    g.add_argument("--max_size", type=int, help="default None: from model_config.json")
+    g.add_argument("--image_size", type=int_at_least(32), help="resize size (default None: the training run's, from model_config.json)")
+    g.add_argument("--max_size", type=int_at_least(32), help="default None: from model_config.json")
 
     g = p.add_argument_group("detection")
-    g.add_argument("--score_thresh", type=float, default=0.05, help="lowest score kept (the evaluation's default)")
-    g.add_argument("--nms_thresh", type=float, default=0.5, help="IoU of class-wise NMS")
-    g.add_argument("--detections_per_image", type=int, default=100, help="detections kept per image")
+    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05, help="lowest score kept (the evaluation's default)")
+    g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5, help="IoU of class-wise NMS")
+    g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")
 
     g = groups["output"]
-    g.add_argument("--draw_thresh", type=float, default=0.3, help="lowest score drawn on OUT/images")
+    g.add_argument("--draw_thresh", type=float_range(0, 1), default=0.3, help="lowest score drawn on OUT/images")
     g.add_argument("--no_images", action="store_true", help="do not write the drawn images")
     g.add_argument("--save_json_per_image", action="store_true", help="also OUT/json/<name>.json per image")
     return p.parse_args(argv)
