@@ -215,3 +215,18 @@ def test_config_yaml_of_a_real_run_parses_back_to_its_values(name, tmp_path):
     for key, value in vars(args).items():
         if key != "config":
             assert recorded[key] == value, key
+
+
+@pytest.mark.parametrize("name,flag,value", [
+    ("predict_retinanet", "--batch_size", "0"), ("predict_retinanet", "--num_workers", "-1"),
+    ("predict_retinanet", "--score_thresh", "-1"), ("predict_retinanet", "--nms_thresh", "0"),
+    ("predict_retinanet", "--image_size", "0"), ("predict_retinanet", "--detections_per_image", "0"),
+    ("predict_retinanet", "--draw_thresh", "2"), ("predict_catsdogs", "--topk", "0"),
+    ("predict_catsdogs", "--image_size", "-1"), ("predict_catsdogs", "--batch_size", "-1"),
+])
+def test_predict_scripts_refuse_nonsense_values_in_one_line(name, flag, value, capsys):
+    script = load_script(name)
+    with pytest.raises(SystemExit) as e:
+        script.parse_args(["--weights", "w", "--source", "s", "--output_dir", "o", flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}: must be" in err and "Traceback" not in err
