@@ -37,17 +37,23 @@ def run_once(threads: str | None, steps: int, config: str) -> float:
                os.path.join(REPO, "scripts", "train_retinanet.py"), "--output_dir", out, "--max_steps", str(steps),
                "--epochs", "1", "--eval_interval", "1", "--report_to", "none", "--num_workers", "1"]
         t0 = time.perf_counter()
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        if proc.returncode != 0:  # a timing of a failed run means nothing: say why, in the run's own error line
+            errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")] or proc.stderr.splitlines()[-1:]
+            sys.exit(f"error: the run with OMP_NUM_THREADS={threads} failed (exit {proc.returncode}): "
+                     f"{errors[0] if errors else 'no message'}")
         return time.perf_counter() - t0
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--steps", type=int, default=15, help="optimizer steps per run (at least 1)")
     p.add_argument("--threads", nargs="+", default=["unset", "1", "2"], help="values of OMP_NUM_THREADS ('unset')")
     p.add_argument("--config", default="cpu.yaml", help="accelerate config in accelerate_configs/")
     p.add_argument("--busy", type=int, default=0, help="busy-loop processes to start first (a shared machine)")
     args = p.parse_args()
+    if args.steps < 1 or args.busy < 0:
+        p.error("--steps must be >= 1 and --busy >= 0")
     stop = mp.Event()
     spinners = [mp.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.busy)]
     for s in spinners:
