@@ -220,7 +220,7 @@ def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, .
         if key in ignored:
             continue
         if key in FOLDER_ACTION_KEYS:
-            if value and os.environ.get("RANK", "0") == "0":
+            if value and _first_process():
                 print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
                       "command line)", file=sys.stderr, flush=True)
             continue
@@ -261,6 +261,12 @@ def stop(message: str, code: int = 2) -> NoReturn:
     """Stop on a problem found before the run exists (before its accelerator and logging): one `error:` line on
     stderr from the first process only (the launcher's `RANK`), so a 2-process launch does not print it twice;
     every process exits with `code` (2: bad flags, 1: a file they name is unusable)."""
-    if os.environ.get("RANK", "0") == "0":
+    if _first_process():
         print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
+
+
+def _first_process() -> bool:
+    """Rank 0 of a launch (torchrun / accelerate set RANK), or a plain `python` run: the one that prints what
+    is found before the run, and its accelerator, exist."""
+    return os.environ.get("RANK", "0") == "0"
