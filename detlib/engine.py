@@ -54,8 +54,8 @@ from .checkpointer import Checkpointer, summary_lines
 from .collectives import broadcast_object, min_over_processes
 from .flags import EVALUATE_ONLY_SUBDIR
 from .resume import ResumeError, restore, run_length, set_tracker_offset
-from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, check_disk_space, prepare_output_dir,
-                     release_lock, write_run_status)
+from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
+                     release_lock, stop_dataloader_workers, write_run_status)
 from .runtime import MetricsLogger, init_trackers, log_run_setup, make_accelerator, save_config, setup_logging
 from .step_guard import StepGuard
 from .weights import load_model_weights
@@ -103,9 +103,9 @@ class Run:
                                                             args.resume_from_checkpoint, args.overwrite_output_dir)
         error = broadcast_object(self.accelerator, error)
         if error:
-            if self.accelerator.is_main_process:
-                print(f"error: {error}", file=sys.stderr, flush=True)
             self._close()
+            if self.accelerator.is_main_process:  # a folder that holds or runs another run is a refusal, not a fault
+                print(f"{'stopped' if isinstance(error, Refusal) else 'error'}: {error}", file=sys.stderr, flush=True)
             raise SystemExit(1)
         setup_logging(self.output_dir, self.accelerator.is_main_process)
         atexit.register(self._close)
@@ -117,14 +117,17 @@ class Run:
 
     # ---- start-up
     def fail(self, message: str, code: int = 1):
-        """One error line on the main process (all ranks call it together): printed to stderr and written to
-        train.log; then exit with `code`."""
+        """One line on the main process (all ranks call it together), written to train.log and printed to stderr
+        as the last thing the run prints: `error: ...`, or `stopped: ...` for an orderly stop (EXIT_PREEMPTED);
+        then exit with `code`."""
         if self.accelerator.is_main_process:
             logger.error("%s", message, extra={"console": False})
-            print(f"error: {message}", file=sys.stderr, flush=True)
             self._write_status(code, message)
-        # close the trackers now: at interpreter exit wandb's own hook would shut its service down first
+        # close the trackers (and the loaders' workers) first: their own end-of-run lines come before ours, and at
+        # interpreter exit wandb's own hook would shut its service down first
         self._close()
+        if self.accelerator.is_main_process:
+            print(f"{'stopped' if code == EXIT_PREEMPTED else 'error'}: {message}", file=sys.stderr, flush=True)
         raise SystemExit(code)
 
     def _write_status(self, code: int, message: str = "") -> None:
@@ -371,7 +374,8 @@ class Run:
         path = self.save_checkpoint(model)
         where = f"in the evaluation after epoch {self.epoch}" if batch_index is not None else f"in epoch {self.epoch}"
         self.fail(f"preempted by {name} at step {self.state.global_step} ({where}): checkpoint {path} "
-                  f"written in {time.time() - t:.1f} s; continue with --resume_from_checkpoint latest", EXIT_PREEMPTED)
+                  f"written in {time.time() - t:.1f} s; to continue, run the same command with --resume_from_checkpoint "
+                  f"latest (exit code {EXIT_PREEMPTED})", EXIT_PREEMPTED)
 
     # ---- end
     def finish(self, model=None) -> None:
@@ -394,6 +398,8 @@ class Run:
             return
         self._closed = True
         try:
+            # persistent workers would otherwise live on until interpreter exit
+            stop_dataloader_workers(self.accelerator._dataloaders)
             if self.progress is not None:
                 self.progress.close()
             self.accelerator.end_training()

@@ -32,18 +32,20 @@ class CategoryMap:
     Args:
         category_ids: the data set's category ids in any order (COCO: `[c["id"] for c in categories]`).
         names: optional names in the same order as `category_ids`.
+        sort: labels follow the sorted ids (the convention); False keeps the given order (a model's classes
+            matched by name to another data set's ids, `match_categories`).
     Raises:
         ValueError: if `category_ids` is empty or has duplicates.
     """
 
-    def __init__(self, category_ids: Iterable[int], names: Sequence[str] | None = None):
+    def __init__(self, category_ids: Iterable[int], names: Sequence[str] | None = None, sort: bool = True):
         ids = [int(c) for c in category_ids]
         if not ids:
             raise ValueError("CategoryMap needs at least one category id")
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate category ids: {sorted(ids)}")
         by_id = dict(zip(ids, names)) if names is not None else {}
-        self.category_ids: list[int] = sorted(ids)
+        self.category_ids: list[int] = sorted(ids) if sort else ids
         self.names: list[str] = [str(by_id.get(c, c)) for c in self.category_ids]
         self._to_label = {c: i for i, c in enumerate(self.category_ids)}
         self._to_id = torch.tensor(self.category_ids, dtype=torch.int64)
@@ -61,3 +63,58 @@ class CategoryMap:
     def to_category_ids(self, labels: torch.Tensor) -> torch.Tensor:
         """[N] int64 contiguous labels -> [N] int64 data-set category ids (on labels' device)."""
         return self._to_id.to(labels.device)[labels.long()]
+
+
+def _same_name(a: str, b: str) -> bool:
+    return str(a).strip().casefold() == str(b).strip().casefold()
+
+
+def match_categories(model: CategoryMap, data: CategoryMap, by_name: bool = False, model_source: str = "the model",
+                     data_source: str = "the data") -> dict[int, int | None]:
+    """Where a trained model meets a data set's categories: which data-set category each model class means.
+
+    Without `by_name` the classes are matched by category id, and an id that both sides have must carry the same
+    name on both (compared without case and outer spaces), or the labels would silently change meaning (a
+    model's "triangle" scored as the json's "car"). Ids only one side has are fine (a val json may list only the
+    categories it uses). With `by_name` each model class is matched to the data set's category of the same name,
+    whatever its id; a model class whose name the data set lacks maps to None (its detections mean nothing there).
+
+    Args:
+        model: the model's classes (from its model_config.json). data: the data set's (its json's categories).
+    Returns:
+        {model category id: data category id, or None (by_name, no category of that name)}, in the model's order.
+    Raises:
+        ValueError: ids whose names differ (without `by_name`); one line naming both sides of each pair (the
+            first five) and the flag that maps by name. With `by_name`: two data categories of one name.
+    """
+    data_names = dict(zip(data.category_ids, data.names))
+    if not by_name:
+        clash = [(c, n, data_names[c]) for c, n in zip(model.category_ids, model.names)
+                 if c in data_names and not _same_name(n, data_names[c])]
+        if clash:
+            pairs = ", ".join(f"id {c} is {m!r} in {model_source} but {d!r} in {data_source}" for c, m, d in clash[:5])
+            more = f" (and {len(clash) - 5} more)" if len(clash) > 5 else ""
+            raise ValueError(f"the model's classes are not this data set's: {pairs}{more}; pass --categories_by_name "
+                             "to match the classes by name")
+        return {c: c for c in model.category_ids}
+    by_folded: dict[str, int] = {}
+    for c, n in data_names.items():
+        key = str(n).strip().casefold()
+        if key in by_folded:
+            raise ValueError(f"{data_source}: categories {by_folded[key]} and {c} are both named {n!r}; classes cannot "
+                             "be matched by name")
+        by_folded[key] = c
+    return {c: by_folded.get(str(n).strip().casefold()) for c, n in zip(model.category_ids, model.names)}
+
+
+def describe_mapping(mapping: dict[int, int | None], model: CategoryMap) -> str | None:
+    """One line for the log when `match_categories(..., by_name=True)` moved or dropped classes, else None."""
+    names = dict(zip(model.category_ids, model.names))
+    moved = [f"{names[m]} {m}->{d}" for m, d in mapping.items() if d is not None and d != m]
+    dropped = [names[m] for m, d in mapping.items() if d is None]
+    if not moved and not dropped:
+        return None
+    parts = [f"ids mapped by name: {', '.join(moved)}"] if moved else []
+    if dropped:
+        parts.append(f"not in the data set (their detections are left out): {', '.join(dropped)}")
+    return "; ".join(parts)

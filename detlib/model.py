@@ -346,6 +346,22 @@ def load_matching_weights(model: RetinaNet, state_dict: dict, prior_prob: float 
     return report
 
 
+def reorder_class_outputs(model: RetinaNet, source_class: list[int | None], prior_prob: float = 0.01) -> None:
+    """After `load_matching_weights` from a detector of the same class count whose classes are matched by name
+    (`--init_from ... --categories_by_name`): class j of `model` takes the classification output of the loaded
+    detector's class `source_class[j]`; a class with None starts from the prior (`RetinaNetHead.reset_output`).
+    The output conv's channels are anchor-major (channel a * K + k, `RetinaNetHead.forward`)."""
+    out, k = model.cls_head.out, model.cls_head.out_per_anchor
+    weight, bias = out.weight.detach().clone(), out.bias.detach().clone()
+    model.cls_head.reset_output(prior_prob)
+    with torch.no_grad():
+        for a in range(weight.shape[0] // k):
+            for j, i in enumerate(source_class):
+                if i is not None:
+                    out.weight[a * k + j] = weight[a * k + i]
+                    out.bias[a * k + j] = bias[a * k + i]
+
+
 def build_retinanet_from_config(config: dict, freeze_backbone_bn: bool = False) -> RetinaNet:
     """The RetinaNet a model_config.json describes (`num_classes`, `backbone`, `fpn_channels`, and `p6_input` /
     `head_norm` when present: "c5" / "none" otherwise), freshly initialised, for loading trained weights into.

@@ -13,8 +13,9 @@
   exit 1 with the worker's code in its summary), hence run_status.json.
 * The disk-space check: room for the checkpoints the run keeps, best/ and last/.
 * The preemption signals only set a flag the training loop polls (`PreemptionSignals`); DataLoader workers
-  ignore them, and under a launcher each training process asks the kernel for SIGTERM when its launcher dies,
-  so no training process outlives it.
+  leave them to their training process and end with it (`worker_init_fn`, `stop_dataloader_workers`), and
+  under a launcher each training process asks the kernel for SIGTERM when its launcher dies, so no process of
+  a run outlives it.
 """
 
 from __future__ import annotations
@@ -49,13 +50,54 @@ EXIT_STATUS = {0: "finished", EXIT_DIVERGED: "diverged", EXIT_PREEMPTED: "preemp
 # A Ctrl-C may reach a process twice at once (from the terminal's process group and forwarded by a launcher):
 # only a SIGINT this many seconds or more after the first is the user's second Ctrl-C.
 SECOND_SIGINT_AFTER_S = 1.0
+# How often a DataLoader worker checks that its training process still runs (worker_init_fn).
+WORKER_PARENT_POLL_S = 0.5
 
 
 def worker_init_fn(worker_id: int) -> None:
-    """DataLoader workers ignore the preemption signals: the training process decides when to stop, and a
-    Ctrl-C to the terminal's process group must not kill the workers under it mid-save."""
-    for name in PREEMPT_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    """DataLoader workers outlive no one and die for no one but their training process.
+
+    A Ctrl-C reaches the terminal's whole process group, and SLURM / torchrun send SIGTERM (or SIGUSR1) to every
+    process of the job: a worker killed by it would make its training process raise ("DataLoader worker is
+    killed by signal") in the middle of the preemption checkpoint, or fail the next evaluation batch. So SIGINT,
+    SIGTERM and SIGUSR1 are blocked in the worker and read by one thread (`sigtimedwait`, Linux), which ends the
+    worker (exit 0) on a SIGTERM sent by its own training process (multiprocessing's exit handler and the
+    DataLoader's shutdown send exactly that) or as soon as the training process is gone (even by kill -9); the
+    others are dropped. Elsewhere (no `sigtimedwait`) only SIGINT is ignored.
+    """
+    if not hasattr(signal, "sigtimedwait"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return
+    signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
+    # blocked before any other thread exists in the worker, so every later thread (OpenMP's) inherits the mask
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    threading.Thread(target=_worker_signal_loop, args=(os.getppid(), signals), name="detlib-worker-signals",
+                     daemon=True).start()
+
+
+def _worker_signal_loop(parent: int, signals: set) -> None:
+    while True:
+        info = signal.sigtimedwait(signals, WORKER_PARENT_POLL_S)
+        if os.getppid() != parent:  # the training process is gone: nothing will read this worker's batches
+            os._exit(0)
+        if info is not None and info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)  # 0, not killed by a signal: the DataLoader's SIGCHLD check then raises nothing
+
+
+def stop_dataloader_workers(loaders) -> None:
+    """End the worker processes of `loaders` (torch DataLoaders, accelerate's prepared ones included) now: a
+    persistent loader keeps its workers until the loader itself is freed, which may be never before interpreter
+    exit. Safe to call more than once, and on loaders without workers."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            loader._iterator = None
+
+
+class Refusal(str):
+    """A start-up check's message that is a refusal (the folder holds or is running another run), not a fault:
+    printed as `stopped: ...`."""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -90,10 +132,10 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
                 os.remove(path)
                 continue
             if host not in (None, me["host"]):
-                return (f"{output_dir} is locked by a run on host {host} (pid {pid}, since {other.get('started')}); "
-                        f"if that run is dead, delete {path}"), None
-            return (f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; "
-                    "use another --output_dir"), None
+                return Refusal(f"{output_dir} is locked by a run on host {host} (pid {pid}, since {other.get('started')}); "
+                               f"if that run is dead, delete {path}"), None
+            return Refusal(f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; "
+                           "use another --output_dir"), None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         return None, note
@@ -127,8 +169,8 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
     present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))
                and (n != "checkpoints" or os.listdir(os.path.join(out, n)))]
     if present and not evaluate_only and not resume and not overwrite:
-        return (f"{out} holds another run ({', '.join(present)}); to continue it pass --resume_from_checkpoint "
-                "latest, to keep it choose a new --output_dir, to replace it pass --overwrite_output_dir"), notes, False
+        return Refusal(f"{out} holds another run ({', '.join(present)}); to continue it pass --resume_from_checkpoint "
+                       "latest, to keep it choose a new --output_dir, to replace it pass --overwrite_output_dir"), notes, False
     error, note = acquire_lock(out)
     if error:
         return error, notes, False

@@ -41,6 +41,7 @@ from detlib.decode import decode_detections
 from detlib.flags import float_range, int_at_least
 from detlib.inference import (DetectionImageFiles, list_image_files, load_retinanet, prediction_parser, shard_batches,
                               start_prediction)
+from detlib.labels import describe_mapping, match_categories
 from detlib.transforms import build_transform
 from detlib.visualize import boxes_from_coco, class_color, draw_detections, save_image, upright_image_and_boxes
 from detlib.weights import weights_path
@@ -54,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = groups["data"]
     g.add_argument("--source", required=True, help="an image file, a folder (recursive), a glob pattern, or a COCO json")
     g.add_argument("--images", help="image folder of a COCO-json source")
+    g.add_argument("--categories_by_name", action="store_true", help="a COCO-json source whose category ids name other "
+                   "classes than the model's: match the classes by name and write the json's ids (default: such a "
+                   "json is refused)")
     g.add_argument("--image_size", type=int_at_least(32), help="resize size (default None: the training run's, from model_config.json)")
     g.add_argument("--max_size", type=int_at_least(32), help="default None: from model_config.json")
 
@@ -153,7 +157,20 @@ def main(argv=None):
     except (FileNotFoundError, ValueError) as e:
         logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
         raise SystemExit(f"error: {e}") from None
-    if "category_names" not in config:
+    # A json's category ids must mean the model's classes: matched by id and name (or by name, with the flag).
+    to_output_id = category_map.to_category_ids(torch.arange(len(category_map)))  # label -> id written; -1: left out
+    if isinstance(ds, CocoDetection) and "category_names" in config:
+        try:
+            mapping = match_categories(category_map, ds.category_map, args.categories_by_name,
+                                       weights_path(args.weights), args.source)
+        except ValueError as e:
+            logger.error("%s", e, extra={"console": False})
+            raise SystemExit(f"error: {e}") from None
+        if (line := describe_mapping(mapping, category_map)) and accelerator.is_main_process:
+            logger.info("--categories_by_name: %s", line)
+        to_output_id = torch.tensor([-1 if mapping[c] is None else mapping[c] for c in category_map.category_ids])
+        names = {mapping[c]: n for c, n in names.items() if mapping[c] is not None}
+    elif "category_names" not in config:
         if isinstance(ds, CocoDetection) and ds.category_map.category_ids == category_map.category_ids:
             names = dict(zip(ds.category_map.category_ids, ds.category_map.names))
         elif accelerator.is_main_process:
@@ -182,7 +199,9 @@ def main(argv=None):
             if not bool(batch["valid"][i]):
                 failed.append(index)
                 continue
-            res = detections_to_coco(d["boxes"], d["scores"], category_map.to_category_ids(d["labels"]), image_id)
+            ids = to_output_id.to(d["labels"].device)[d["labels"].long()]
+            keep = ids >= 0
+            res = detections_to_coco(d["boxes"][keep], d["scores"][keep], ids[keep], image_id)
             if coco_ids is None:
                 for r in res:
                     r["file_name"] = rel_names[index]

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = groups["model"]
     g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
     g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is reset)")
+    g.add_argument("--classes_by_name", action="store_true", help="--weights of a classifier trained on the same number "
+                   "of classes under other names or in another order: match its outputs to this data's classes by "
+                   "name (default: refused)")
     g.add_argument("--pretrained", action="store_true", help="ImageNet weights from torchvision / timm (online)")
 
     g = groups["data"]
@@ -240,6 +243,30 @@ def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, w
                 stats["num_val_samples"], stats["val_accuracy"], stats["val_loss"], per_class, stats["val_confusion_matrix"])
 
 
+def match_classifier_classes(run: Run, model, weights: str, classes: list[str], by_name: bool) -> None:
+    """--weights of one of our classifiers with as many classes as this data: its outputs keep their meaning. The
+    same names in the same order load as they are; otherwise the run stops in one line naming both sides, or with
+    `by_name` each output row moves to the class of its name (a class the weights lack keeps its fresh row)."""
+    try:
+        theirs = (read_model_config(weights) or {}).get("classes")
+    except ckpt.CheckpointError as e:
+        run.fail(f"--weights: {e}")
+    if not theirs or len(theirs) != len(classes) or list(theirs) == list(classes):
+        return  # another class count: build_classifier left the output layer fresh
+    if not by_name:
+        pairs = ", ".join(f"output {i} is {a!r} in {weights} but {b!r} here" for i, (a, b) in enumerate(zip(theirs, classes))
+                          if a != b)
+        run.fail(f"--weights: the classifier's classes are not this data's: {pairs}; pass --classes_by_name to match "
+                 "them by name")
+    head = model.get_classifier() if hasattr(model, "get_classifier") else model.fc
+    weight, bias = head.weight.detach().clone(), head.bias.detach().clone()
+    with torch.no_grad():
+        for j, name in enumerate(classes):  # a class the weights lack starts from zero (no preference)
+            head.weight[j], head.bias[j] = ((weight[theirs.index(name)], bias[theirs.index(name)]) if name in theirs
+                                            else (torch.zeros_like(weight[j]), torch.zeros_like(bias[j])))
+    logger.info("--classes_by_name: outputs of %s moved to this data's order %s (they were %s)", weights, classes, theirs)
+
+
 def main(argv=None):
     args = parse_args(argv)
     synthetic = not (args.train_dir or args.val_dir)
@@ -290,6 +317,8 @@ def main(argv=None):
         run.fail(str(e))
     if args.evaluate_only:
         weights = run.load_weights(model, args.evaluate_only)
+    elif args.weights:
+        match_classifier_classes(run, model, args.weights, classes, args.classes_by_name)
     logger.info("%s: %.2fM parameters, %d classes %s", args.model, sum(p.numel() for p in model.parameters()) / 1e6,
                 len(classes), classes)
 

@@ -58,9 +58,9 @@ from detlib.decode import decode_detections
 from detlib.engine import Run
 from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
                           run_argument_parser, show_data_defaults, stop)
-from detlib.labels import CategoryMap
+from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
-from detlib.model import RetinaNet, load_matching_weights
+from detlib.model import RetinaNet, load_matching_weights, reorder_class_outputs
 from detlib.rundir import worker_init_fn
 from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "a run folder, best/, last/ or a weights file): every tensor whose name and shape fit; the class "
                    "output is re-initialised when the class count differs. Its model_config.json's backbone, width, "
                    "P6 input, anchors and resize are used unless --backbone / --fpn_channels / --image_size say otherwise")
+    g.add_argument("--categories_by_name", action="store_true", help="--evaluate_only / --init_from a model whose "
+                   "category ids name other classes than this data set's: match the classes by name (default: refused)")
     g.add_argument("--freeze_at", type=int, choices=range(6), metavar="{0..5}", help="freeze the backbone's stem (1) and first stages (2-5; "
                    "detectron2's FREEZE_AT) (default: 2 with pretrained weights, 0 from scratch)")
     g.add_argument("--backbone_bn", default="auto", choices=["auto", "frozen", "train"],
@@ -200,6 +202,18 @@ def resolve_data(args) -> dict[str, str]:
     return make_synthetic_coco()
 
 
+def evaluation_categories(model: CategoryMap, val_json: dict, by_name: bool, model_source: str, data_source: str) -> CategoryMap:
+    """The evaluated model's classes with the val json's ids (`detlib.labels.match_categories`: ValueError when
+    ids name other classes, unless `by_name`); a class the json lacks gets an id the json does not use."""
+    data = CategoryMap([c["id"] for c in val_json["categories"]], [c.get("name", c["id"]) for c in val_json["categories"]])
+    mapping = match_categories(model, data, by_name, model_source, data_source)
+    if line := describe_mapping(mapping, model):
+        logger.info("--categories_by_name: %s", line)
+    spare = iter(range(max(data.category_ids) + 1, max(data.category_ids) + 1 + len(model)))
+    return CategoryMap([mapping[c] if mapping[c] is not None else next(spare) for c in model.category_ids], model.names,
+                       sort=False)
+
+
 def build_dataloaders(args, paths: dict[str, str]):
     """The training and validation data sets and loaders (unprepared), on the json files as the data check
     repaired them (it stops the run on errors; report in output_dir/data_report.json)."""
@@ -223,6 +237,9 @@ def build_dataloaders(args, paths: dict[str, str]):
     saved = read_model_config(args.evaluate_only) if args.evaluate_only else None
     if category_map is None and saved and saved.get("category_ids"):
         category_map = CategoryMap(saved["category_ids"], saved.get("category_names"))
+        if saved.get("category_names"):  # the json's ids must mean the model's classes (or be matched by name)
+            category_map = evaluation_categories(category_map, val_json, args.categories_by_name, args.evaluate_only,
+                                                 paths["val_annotations"])
         unknown = sorted({a["category_id"] for a in val_json["annotations"]} - set(category_map.category_ids))
         if unknown:
             raise ValueError(f"{paths['val_annotations']}: category ids {unknown} have val boxes but are not classes of "
@@ -361,6 +378,18 @@ def main(argv=None):
             run.fail(f"--init_from: {e}")
         if not loaded["loaded"]:
             run.fail(f"--init_from: no tensor of {init_file} fits this model ({args.backbone}, fpn_channels {args.fpn_channels})")
+        if not loaded["reinitialised"] and saved and saved.get("category_names"):  # its class output is kept
+            source = CategoryMap(saved["category_ids"], saved["category_names"])
+            try:
+                mapping = match_categories(source, category_map, args.categories_by_name, init_file, paths["train_annotations"])
+            except ValueError as e:
+                run.fail(f"--init_from: {e}")
+            if args.categories_by_name:
+                index = {c: i for i, c in enumerate(source.category_ids)}
+                by_data_id = {d: index[m] for m, d in mapping.items() if d is not None}
+                reorder_class_outputs(model, [by_data_id.get(c) for c in category_map.category_ids])
+                if line := describe_mapping(mapping, source):
+                    logger.info("--init_from --categories_by_name: %s", line)
         named = [k for k in loaded["skipped"] if not k.endswith("num_batches_tracked")]  # a frozen BatchNorm has none
         logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s%s); not in the file, kept as "
                     "initialised: %d%s", init_file, len(loaded["loaded"]),

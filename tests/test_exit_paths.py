@@ -1,0 +1,336 @@
+"""Every run ends: each exit path of both training scripts and both predict scripts, launched as users launch them
+(DataLoader workers on: the cats/dogs loaders keep theirs alive between epochs, RetinaNet's do not), 1 and 2
+processes, under a timeout that makes a hang a failure.
+
+Each launch checks the exit code, `run_status.json`, and that no process of the run is left: every process seen
+under the launcher (training processes, DataLoader workers) and every process group they were in is gone within
+seconds of the launcher's exit. The seconds from the last output to the end of the last process are printed
+(`pytest -s`) as `exit path ...: N.N s`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import launch_command, launch_env, traceback_through_our_code, write_coco, write_image
+
+pytestmark = pytest.mark.slow
+
+WORKERS = ["--num_workers", "2"]  # the default is 4, capped at the core count: 2 on this machine, and in CI
+HANG_S = 150  # a launch that has not returned by then hangs
+CATS = ["--model", "test_resnet", "--image_size", "32", "--log_interval", "1", "--report_to", "none", *WORKERS]
+DETECT = ["--backbone", "resnet18", "--image_size", "64", "--fpn_channels", "16", "--per_device_batch_size", "2",
+          "--per_device_eval_batch_size", "1", "--log_interval", "1", "--report_to", "none", *WORKERS]
+
+
+def process_table() -> dict[int, tuple[int, int, str]]:
+    """{pid: (parent pid, process group, state)} of every process, from /proc."""
+    table = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                table[int(d)] = (int(fields[1]), int(fields[2]), fields[0])
+            except (OSError, IndexError, ValueError):
+                pass
+    return table
+
+
+class Launch:
+    """A script under `accelerate launch`, in its own session, its output read as it comes (with the time of each
+    chunk) and its process tree sampled every 0.1 s, so a test can wait for a marker, signal it, and check that
+    the whole tree is gone at the end."""
+
+    def __init__(self, script: str, args: list, config: str | None = "cpu.yaml"):
+        repo = Path(__file__).resolve().parents[1]
+        command = (launch_command(script, args, config) if config else  # None: `python scripts/...`, no launcher
+                   [sys.executable, str(repo / "scripts" / script), *map(str, args)])
+        self.proc = subprocess.Popen(command, cwd=repo,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=launch_env({"PYTHONUNBUFFERED": "1"}))
+        self.output, self.last_output = b"", time.time()
+        self.seen: dict[int, int] = {}  # pid -> process group, of every process seen under the launcher
+        self._readers = [threading.Thread(target=self._read, daemon=True), threading.Thread(target=self._watch, daemon=True)]
+        for t in self._readers:
+            t.start()
+
+    def _read(self) -> None:
+        fd = self.proc.stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            self.output += chunk
+            self.last_output = time.time()
+
+    def _watch(self) -> None:
+        while self.proc.poll() is None:
+            table = process_table()
+            frontier = [self.proc.pid]
+            while frontier:
+                p = frontier.pop()
+                for c, (pp, pg, state) in table.items():
+                    if pp == p and state != "Z":
+                        self.seen[c] = pg
+                        frontier.append(c)
+            time.sleep(0.1)
+
+    @property
+    def text(self) -> str:
+        return self.output.decode(errors="replace")
+
+    def trainers(self) -> list[int]:
+        """The training processes (the launcher's children that run the script)."""
+        table = process_table()
+        return [c for c, (pp, _, state) in table.items() if pp == self.proc.pid and state != "Z"]
+
+    def wait_for(self, marker: str, timeout: float = HANG_S) -> None:
+        t0 = time.time()
+        while marker.encode() not in self.output:
+            if self.proc.poll() is not None or time.time() - t0 > timeout:
+                self.kill()
+                raise AssertionError(f"no {marker!r} before the run ended or {timeout} s:\n{self.text[-3000:]}")
+            time.sleep(0.05)
+
+    def wait_for_step(self, out: Path, step: int, timeout: float = HANG_S) -> None:
+        """Until metrics.jsonl holds a train line of `step`."""
+        t0 = time.time()
+        while True:
+            try:
+                lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+                if any(m.get("step", 0) >= step and "loss" in m for m in lines):
+                    return
+            except (OSError, ValueError):
+                pass
+            if self.proc.poll() is not None or time.time() - t0 > timeout:
+                self.kill()
+                raise AssertionError(f"no step {step} before the run ended or {timeout} s:\n{self.text[-3000:]}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        for pg in {self.proc.pid, *self.seen.values()}:
+            try:
+                os.killpg(pg, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def finish(self, label: str, timeout: float = HANG_S) -> tuple[int, float]:
+        """Wait for the launcher and then for every process of the run. Returns (launcher's exit code, seconds
+        from the last output to the end of the last process); a hang kills the tree and fails the test."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            left = self.alive()
+            self.kill()
+            raise AssertionError(f"{label}: the launcher did not return within {timeout} s (still running: {left})\n"
+                                 f"{self.text[-3000:]}") from None
+        t0 = time.time()
+        while self.alive() and time.time() - t0 < 20:
+            time.sleep(0.05)
+        left = self.alive()
+        self.kill()
+        assert not left, f"{label}: processes of the run left after the launcher returned: {left}"
+        for t in self._readers:
+            t.join(timeout=5)
+        seconds = time.time() - self.last_output if not left else float("inf")
+        print(f"exit path {label}: exit code {code}, last process gone {seconds:.1f} s after the last output")
+        return code, seconds
+
+    def alive(self) -> list[int]:
+        """Processes of the run still running: those seen under the launcher, and any in their process groups."""
+        groups = {self.proc.pid, *self.seen.values()}
+        table = process_table()
+        return sorted(p for p, (_, pg, state) in table.items() if state != "Z" and (pg in groups or p in self.seen))
+
+
+def status(out: Path) -> dict:
+    return json.loads((out / "run_status.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def cats_data(tmp_path_factory) -> list[str]:
+    from test_catsdogs import make_tiny_folder
+
+    root = tmp_path_factory.mktemp("cats")
+    train = make_tiny_folder(root / "train", [16, 16])
+    val = make_tiny_folder(root / "val", [24, 24], seed=1)
+    return ["--train_dir", str(train), "--val_dir", str(val)]
+
+
+@pytest.fixture(scope="module")
+def detection_data(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("det")
+    images, anns = [], []
+    for i in range(40):
+        write_image(root / "img" / f"{i}.png", 64, 64, seed=i)
+        images.append({"id": i + 1, "file_name": f"{i}.png", "width": 64, "height": 64})
+        anns.append({"image_id": i + 1, "category_id": 1 + i % 2, "bbox": [4 + i % 9, 6, 30, 24 + i % 5]})
+    cats = [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}]
+    write_coco(root / "train.json", images[:16], anns[:16], cats)
+    write_coco(root / "val.json", images[16:], anns[16:], cats)
+    return ["--train_images", str(root / "img"), "--train_annotations", str(root / "train.json"),
+            "--val_images", str(root / "img"), "--val_annotations", str(root / "val.json")]
+
+
+def data_and_flags(script: str, cats_data, detection_data) -> tuple[list[str], list[str]]:
+    return (cats_data, CATS) if script == "train_catsdogs.py" else (detection_data, DETECT)
+
+
+# ---- the ends of a run: normal end, --max_steps, --evaluate_only, then predict on what it wrote
+
+@pytest.mark.parametrize("script,config", [("train_catsdogs.py", "cpu.yaml"), ("train_catsdogs.py", "cpu_2proc.yaml"),
+                                           ("train_retinanet.py", "cpu.yaml"), ("train_retinanet.py", "cpu_2proc.yaml")])
+def test_normal_end_max_steps_and_evaluate_only_return_to_the_shell(script, config, cats_data, detection_data, tmp_path):
+    data, flags = data_and_flags(script, cats_data, detection_data)
+    out = tmp_path / "run"
+    run = Launch(script, data + flags + ["--epochs", "1", "--output_dir", out], config)
+    code, _ = run.finish(f"{script} {config} normal end")
+    assert code == 0 and status(out)["status"] == "finished", run.text[-3000:]
+    part = tmp_path / "part"
+    run = Launch(script, data + flags + ["--epochs", "3", "--max_steps", "3", "--output_dir", part], config)
+    code, _ = run.finish(f"{script} {config} --max_steps mid-epoch")
+    assert code == 0 and status(part)["global_step"] == 3, run.text[-3000:]
+    run = Launch(script, data + flags + ["--evaluate_only", out / "best", "--output_dir", tmp_path / "eval"], config)
+    code, _ = run.finish(f"{script} {config} --evaluate_only")
+    assert code == 0 and (tmp_path / "eval" / "evaluate_only" / "metrics.jsonl").is_file(), run.text[-3000:]
+    if config == "cpu_2proc.yaml":
+        return
+    predict = script.replace("train_", "predict_")
+    source = data[data.index("--val_dir") + 1] if "--val_dir" in data else data[data.index("--val_images") + 1]
+    run = Launch(predict, ["--weights", out / "best", "--source", source, *WORKERS, "--output_dir", tmp_path / "pred"])
+    code, _ = run.finish(f"{predict} normal end")
+    assert code == 0, run.text[-3000:]
+    run = Launch(predict, ["--weights", tmp_path / "missing", "--source", source, *WORKERS, "--output_dir", tmp_path / "p2"])
+    code, _ = run.finish(f"{predict} error at start")
+    assert code != 0 and not traceback_through_our_code(run.text), run.text[-3000:]
+
+
+# ---- stops: preemption mid-epoch and mid-evaluation, the launcher killed, divergence, errors
+
+@pytest.mark.parametrize("script,config", [("train_catsdogs.py", "cpu_2proc.yaml"), ("train_retinanet.py", "cpu.yaml")])
+def test_sigterm_to_the_launcher_mid_epoch(script, config, cats_data, detection_data, tmp_path):
+    data, flags = data_and_flags(script, cats_data, detection_data)
+    out = tmp_path / "run"
+    run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--output_dir", out], config)
+    run.wait_for_step(out, 3)
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code, _ = run.finish(f"{script} {config} SIGTERM mid-epoch")
+    st = status(out)
+    assert st["status"] == "preempted" and "in epoch" in st["message"], st
+    assert code != 0
+
+
+@pytest.mark.parametrize("script,config", [("train_catsdogs.py", "cpu.yaml"), ("train_retinanet.py", "cpu_2proc.yaml")])
+def test_ctrl_c_mid_evaluation(script, config, cats_data, detection_data, tmp_path):
+    data, flags = data_and_flags(script, cats_data, detection_data)
+    out = tmp_path / "run"
+    run = Launch(script, data + flags + ["--epochs", "50", "--per_device_eval_batch_size", "1", "--output_dir", out], config)
+    run.wait_for("eval:")  # the evaluation's progress bar
+    os.killpg(run.proc.pid, signal.SIGINT)  # as a terminal sends it: the launcher's whole group
+    code, _ = run.finish(f"{script} {config} Ctrl-C mid-evaluation")
+    st = status(out)
+    assert st["status"] == "preempted" and "in the evaluation" in st["message"], st
+    assert code != 0 and "KeyboardInterrupt" not in run.text.split("preempted by")[-1]
+
+
+@pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
+def test_ctrl_c_without_a_launcher_ends_with_our_line(script, cats_data, detection_data, tmp_path):
+    """`python scripts/...` (1 process, no launcher, as the README's 1-process commands run): Ctrl-C ends with our
+    own `stopped: ...` line as the last thing printed, saying what to type next, and exit code 75."""
+    data, flags = data_and_flags(script, cats_data, detection_data)
+    out = tmp_path / "run"
+    run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--output_dir", out], None)
+    run.wait_for_step(out, 3)
+    os.killpg(run.proc.pid, signal.SIGINT)
+    code, _ = run.finish(f"{script} no launcher, Ctrl-C mid-epoch")
+    last = [ln for ln in run.text.replace("\r", "\n").splitlines() if ln.strip()][-1]
+    assert code == 75 and last.startswith("stopped: preempted by SIGINT at step"), run.text[-2000:]
+    assert "run the same command with --resume_from_checkpoint latest" in last and status(out)["status"] == "preempted"
+
+
+@pytest.mark.parametrize("script,config", [("train_catsdogs.py", "cpu.yaml"), ("train_retinanet.py", "cpu_2proc.yaml")])
+def test_kill9_of_the_launcher(script, config, cats_data, detection_data, tmp_path):
+    data, flags = data_and_flags(script, cats_data, detection_data)
+    out = tmp_path / "run"
+    run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--output_dir", out], config)
+    run.wait_for_step(out, 3)
+    trainers = run.trainers()
+    assert len(trainers) == (2 if config == "cpu_2proc.yaml" else 1)
+    run.proc.kill()  # the launcher alone: the training processes get SIGTERM from the kernel
+    run.finish(f"{script} {config} kill -9 of the launcher")
+    assert status(out)["status"] == "preempted"
+
+
+@pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
+def test_divergence_stop(script, cats_data, detection_data, tmp_path):
+    data, flags = data_and_flags(script, cats_data, detection_data)
+    out = tmp_path / "run"
+    run = Launch(script, data + flags + ["--epochs", "3", "--optimizer", "sgd", "--lr", "100", "--max_grad_norm", "0", "--per_device_batch_size", "2",
+                                         "--max_nonfinite_steps", "2", "--output_dir", out], "cpu_2proc.yaml")
+    code, _ = run.finish(f"{script} divergence")
+    assert status(out)["status"] == "diverged" and code != 0, run.text[-3000:]
+
+
+@pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
+def test_errors_at_start_and_mid_run(script, cats_data, detection_data, tmp_path):
+    data, flags = data_and_flags(script, cats_data, detection_data)
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)  # an error at start: the folder holds another run
+    (out / "checkpoints" / "epoch_0001").mkdir()
+    run = Launch(script, data + flags + ["--epochs", "1", "--output_dir", out], "cpu_2proc.yaml")
+    code, _ = run.finish(f"{script} error at start (a folder of another run)")
+    assert code != 0 and "holds another run" in run.text and not traceback_through_our_code(run.text)
+    mid = tmp_path / "mid"
+    run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--checkpoint_steps", "6",
+                                         "--output_dir", mid], "cpu.yaml")
+    run.wait_for_step(mid, 2)
+    (mid / "checkpoints").rmdir()  # an error mid-run: the checkpoint folder is now a file
+    (mid / "checkpoints").write_text("not a folder")
+    code, _ = run.finish(f"{script} error mid-run (checkpoint save fails)")
+    assert code != 0 and status(mid)["status"] == "failed", run.text[-3000:]
+
+
+def test_worker_ends_with_its_training_process_and_survives_a_stray_sigterm(tmp_path):
+    """The worker rule itself (detlib.rundir.worker_init_fn), in a plain Python process: a SIGTERM from outside
+    leaves a worker serving, the interpreter's exit ends it at once (it hung here forever before), and a worker
+    whose training process is killed with -9 ends within a second or so."""
+    code = """
+import os, signal, subprocess, sys, time, torch
+from detlib.rundir import worker_init_fn
+ds = list(range(1000))
+loader = torch.utils.data.DataLoader(ds, batch_size=1, num_workers=2, persistent_workers=True, worker_init_fn=worker_init_fn)
+it = iter(loader)
+[next(it) for _ in range(8)]  # both workers have served batches: past their worker_init_fn
+workers = [w.pid for w in it._workers]
+print("workers", *workers, flush=True)
+for name in ("TERM", "INT", "USR1"):  # from another process, as SLURM or a terminal sends them
+    subprocess.run(["kill", "-" + name, *map(str, workers)], check=True)
+time.sleep(1.0)
+assert [next(it) for _ in range(10)], "batches after the stray signals"
+print("served", flush=True)
+if sys.argv[1] == "kill9":
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    for mode in ("exit", "kill9"):
+        proc = subprocess.Popen([sys.executable, "-c", code, mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=launch_env({"PYTHONPATH": str(Path(__file__).resolve().parents[1])}))
+        try:
+            out = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"{mode}: the process did not exit (its DataLoader workers hold it)") from None
+        assert "served" in out, out
+        workers = [int(w) for w in out.split("workers")[1].split("\n")[0].split()]
+        t0 = time.time()
+        while any(process_table().get(w, (0, 0, "Z"))[2] != "Z" for w in workers) and time.time() - t0 < 10:
+            time.sleep(0.1)
+        left = [w for w in workers if process_table().get(w, (0, 0, "Z"))[2] != "Z"]
+        assert not left, f"{mode}: workers {left} outlived their training process"
+        print(f"{mode}: workers gone {time.time() - t0:.1f} s after their training process")
