@@ -108,7 +108,7 @@ class Run:
                 print(f"{'stopped' if isinstance(error, Refusal) else 'error'}: {error}", file=sys.stderr, flush=True)
             raise SystemExit(1)
         setup_logging(self.output_dir, self.accelerator.is_main_process)
-        atexit.register(self._close)
+        atexit.register(self._close_at_exit)
         self.signals.install()
         log_run_setup(self.accelerator)
         for note in notes:
@@ -131,6 +131,7 @@ class Run:
         raise SystemExit(code)
 
     def _write_status(self, code: int, message: str = "") -> None:
+        self._status_written = True
         write_run_status(self.output_dir, code, message, global_step=self.state.global_step, epoch=self.state.epoch)
 
     def save_config(self, config: dict, model_config: dict) -> None:
@@ -391,6 +392,16 @@ class Run:
             logger.info("summary:\n  %s", "\n  ".join(lines))
         if self.accelerator.is_main_process and not self.evaluate_only:
             self._write_status(0)
+        self._close()
+
+    _status_written = False
+
+    def _close_at_exit(self) -> None:
+        """Interpreter exit: a run that ended by an exception of no line of ours (its traceback is above) still
+        records how it ended, then closes."""
+        if not self._closed and not self._status_written and self.accelerator.is_main_process:
+            error = getattr(sys, "last_value", None)  # set by the interpreter for an uncaught exception
+            self._write_status(1, f"unhandled {type(error).__name__}: {error}" if error else "ended without finishing")
         self._close()
 
     def _close(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -65,11 +66,12 @@ def worker_init_fn(worker_id: int) -> None:
     DataLoader's shutdown send exactly that) or as soon as the training process is gone (even by kill -9); the
     others are dropped. Elsewhere (no `sigtimedwait`) only SIGINT is ignored.
     """
+    signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
     if not hasattr(signal, "sigtimedwait"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # blocked by WorkerProcess.start
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return
-    signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
-    # blocked before any other thread exists in the worker, so every later thread (OpenMP's) inherits the mask
+    # blocked since the fork (WorkerProcess), so every later thread (OpenMP's) inherits the mask
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     threading.Thread(target=_worker_signal_loop, args=(os.getppid(), signals), name="detlib-worker-signals",
                      daemon=True).start()
@@ -82,6 +84,31 @@ def _worker_signal_loop(parent: int, signals: set) -> None:
             os._exit(0)
         if info is not None and info.si_signo == signal.SIGTERM and info.si_pid == parent:
             os._exit(0)  # 0, not killed by a signal: the DataLoader's SIGCHLD check then raises nothing
+
+
+class WorkerProcess(multiprocessing.get_context().Process):
+    """A DataLoader worker process started with the preemption signals blocked, so that a Ctrl-C or SIGTERM
+    arriving between the fork and `worker_init_fn` waits for the worker's own handling instead of killing it."""
+
+    def start(self):
+        signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _WorkerContext(type(multiprocessing.get_context())):
+    Process = WorkerProcess
+
+
+def worker_loader_kwargs(num_workers: int) -> dict:
+    """The DataLoader arguments of a training script's loaders with `num_workers` workers: `worker_init_fn` and
+    a multiprocessing context whose workers start with the preemption signals blocked (none for 0 workers)."""
+    if num_workers == 0:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers, "worker_init_fn": worker_init_fn, "multiprocessing_context": _WorkerContext()}
 
 
 def stop_dataloader_workers(loaders) -> None:

@@ -45,7 +45,7 @@ from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_
                           run_argument_parser, show_data_defaults, stop)
 from detlib.foldercheck import check_folders_for_training
 from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
-from detlib.rundir import worker_init_fn
+from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
 from detlib.synthetic import make_synthetic_image_folder
 from detlib.weights import read_model_config, weights_path
@@ -140,8 +140,7 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
     if msg:
         logger.warning(msg)
-    common = dict(num_workers=workers, pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0,
-                  worker_init_fn=worker_init_fn)
+    common = dict(pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0, **worker_loader_kwargs(workers))
     val_ds = ImageFolderDataset(scans["val"], classification_transform(args.image_size, train=False), train=False)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.per_device_eval_batch_size, shuffle=False, **common)
     train_ds = train_loader = None

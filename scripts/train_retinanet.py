@@ -61,7 +61,7 @@ from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_
 from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from detlib.model import RetinaNet, load_matching_weights, reorder_class_outputs
-from detlib.rundir import worker_init_fn
+from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
 from detlib.synthetic import make_synthetic_coco
@@ -255,8 +255,7 @@ def build_dataloaders(args, paths: dict[str, str]):
         logger.warning(msg)
     # Workers are not persistent: each epoch's workers get a fresh copy of the data set with its epoch set
     # (the augmentation stream, see CocoDetection.set_epoch).
-    common = dict(num_workers=workers, collate_fn=collate_detection, pin_memory=torch.cuda.is_available(),
-                  worker_init_fn=worker_init_fn)
+    common = dict(collate_fn=collate_detection, pin_memory=torch.cuda.is_available(), **worker_loader_kwargs(workers))
     train_loader = None
     if train_ds is not None:
         drop_last = len(train_ds) >= args.per_device_batch_size

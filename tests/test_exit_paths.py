@@ -235,9 +235,10 @@ def test_ctrl_c_mid_evaluation(script, config, cats_data, detection_data, tmp_pa
     run.wait_for("eval:")  # the evaluation's progress bar
     os.killpg(run.proc.pid, signal.SIGINT)  # as a terminal sends it: the launcher's whole group
     code, _ = run.finish(f"{script} {config} Ctrl-C mid-evaluation")
+    assert (out / "run_status.json").is_file(), run.text[-4000:]
     st = status(out)
     assert st["status"] == "preempted" and "in the evaluation" in st["message"], st
-    assert code != 0 and "KeyboardInterrupt" not in run.text.split("preempted by")[-1]
+    assert code != 0 and not traceback_through_our_code(run.text), run.text[-3000:]
 
 
 @pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
@@ -272,7 +273,7 @@ def test_kill9_of_the_launcher(script, config, cats_data, detection_data, tmp_pa
 def test_divergence_stop(script, cats_data, detection_data, tmp_path):
     data, flags = data_and_flags(script, cats_data, detection_data)
     out = tmp_path / "run"
-    run = Launch(script, data + flags + ["--epochs", "3", "--optimizer", "sgd", "--lr", "100", "--max_grad_norm", "0", "--per_device_batch_size", "2",
+    run = Launch(script, data + flags + ["--epochs", "3", "--optimizer", "sgd", "--lr", "1e30", "--max_grad_norm", "0", "--per_device_batch_size", "2",
                                          "--max_nonfinite_steps", "2", "--output_dir", out], "cpu_2proc.yaml")
     code, _ = run.finish(f"{script} divergence")
     assert status(out)["status"] == "diverged" and code != 0, run.text[-3000:]
@@ -291,21 +292,22 @@ def test_errors_at_start_and_mid_run(script, cats_data, detection_data, tmp_path
     run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--checkpoint_steps", "6",
                                          "--output_dir", mid], "cpu.yaml")
     run.wait_for_step(mid, 2)
-    (mid / "checkpoints").rmdir()  # an error mid-run: the checkpoint folder is now a file
+    if (mid / "checkpoints").is_dir():  # an error mid-run: the checkpoint folder is now a file
+        (mid / "checkpoints").rmdir()
     (mid / "checkpoints").write_text("not a folder")
     code, _ = run.finish(f"{script} error mid-run (checkpoint save fails)")
     assert code != 0 and status(mid)["status"] == "failed", run.text[-3000:]
 
 
 def test_worker_ends_with_its_training_process_and_survives_a_stray_sigterm(tmp_path):
-    """The worker rule itself (detlib.rundir.worker_init_fn), in a plain Python process: a SIGTERM from outside
+    """The worker rule itself (detlib.rundir.worker_loader_kwargs), in a plain Python process: a SIGTERM from outside
     leaves a worker serving, the interpreter's exit ends it at once (it hung here forever before), and a worker
     whose training process is killed with -9 ends within a second or so."""
     code = """
 import os, signal, subprocess, sys, time, torch
-from detlib.rundir import worker_init_fn
+from detlib.rundir import worker_loader_kwargs
 ds = list(range(1000))
-loader = torch.utils.data.DataLoader(ds, batch_size=1, num_workers=2, persistent_workers=True, worker_init_fn=worker_init_fn)
+loader = torch.utils.data.DataLoader(ds, batch_size=1, persistent_workers=True, **worker_loader_kwargs(2))
 it = iter(loader)
 [next(it) for _ in range(8)]  # both workers have served batches: past their worker_init_fn
 workers = [w.pid for w in it._workers]
