@@ -11,26 +11,43 @@ full) removes its `.tmp` folder and raises `CheckpointSaveError`; the older chec
 complete checkpoints beyond `total_limit` are removed only after the new one is in place, so the newest
 complete one is never removed. `latest` verifies each candidate (`verify_checkpoint`), newest first, and
 skips a damaged one with a warning that says what is wrong.
+
+Nothing read from a checkpoint folder runs code (folders are shared on clusters and downloaded from colleagues):
+the state files are torch pickles, and every one is read with `torch.load(weights_only=True)`, which accepts
+tensors and plain values only (plus numpy's RNG state, `RNG_STATE_GLOBALS`); the verification reads each one
+so, and `load_checkpoint` makes accelerate's `load_state` do the same (`weights_only_loads`). A file that
+names any other global (a planted `__reduce__` calling os.system) is refused before any of it runs.
 """
 
 from __future__ import annotations
 
+import codecs
 import errno
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
+import warnings
 import zipfile
 from dataclasses import asdict, dataclass, field, fields
 
+import numpy as np
 import torch
 
-from .weights import WEIGHT_FILES, CheckpointError, readable_as_umask_allows, verify_safetensors
+from .weights import (WEIGHT_FILES, CheckpointError, readable_as_umask_allows, refusal_reason, verify_safetensors,
+                      weights_only_loads)
 
 logger = logging.getLogger(__name__)
 
 _CKPT_RE = re.compile(r"^(epoch|step)_(\d+)$")
+
+# What `np.random.get_state()` pickles to in accelerate's random_states_*.pkl (a uint32 ndarray, its dtype, bytes
+# through codecs.encode): data, not code, so weights_only=True may build it (accelerate's own reader allows the
+# same). Every other state file is tensors and plain values, which weights_only=True reads without a list.
+RNG_STATE_GLOBALS = [getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct, np.ndarray, np.dtype,
+                     type(np.dtype(np.uint32)), codecs.encode]
 
 
 @dataclass
@@ -138,25 +155,61 @@ class _NotACheckpoint(CheckpointError, FileNotFoundError):
     pass
 
 
-def _verify_torch_file(path: str) -> None:
-    """torch.save files are zip archives: check every member's CRC; other pickles must load."""
+def _refusal(path: str, e: pickle.UnpicklingError) -> str:
+    """One line for a pickle that weights_only=True refused, with torch's reason (the global it names)."""
+    return (f"{path} holds pickled objects other than tensors and plain values ({refusal_reason(e)}): refused, "
+            "nothing in it was run")
+
+
+def read_state_file(path: str):
+    """Read a torch state file (optimizer.bin, scheduler, GradScaler, sampler, RNG, custom_checkpoint_*.pkl)
+    without running code: `torch.load(weights_only=True)`, numpy's RNG state allowed (`RNG_STATE_GLOBALS`);
+    a zip archive is memory-mapped, so its tensors are not read.
+
+    Raises:
+        CheckpointError: one line naming the file: it holds other pickled objects (refused before anything in
+        it runs), or it does not load (truncated, damaged, not a torch file).
+    """
     try:
-        if zipfile.is_zipfile(path):
+        zipped = zipfile.is_zipfile(path)
+        if zipped:
             with zipfile.ZipFile(path) as z:
                 bad = z.testzip()
             if bad is not None:
                 raise ValueError(f"member {bad} fails its CRC")
-        else:
-            torch.load(path, map_location="cpu", weights_only=False)
+        with warnings.catch_warnings(), torch.serialization.safe_globals(RNG_STATE_GLOBALS):
+            warnings.simplefilter("ignore")  # torch warns about the pickle protocol of a foreign file
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(_refusal(path, e)) from None
     except Exception as e:  # any failure to read means the file cannot be resumed from
         raise CheckpointError(f"{path} does not load ({type(e).__name__}: {e})") from None
+
+
+def load_checkpoint(accelerator, path: str) -> None:
+    """`accelerator.load_state(path)` (collective) with every state file read by `weights_only=True`
+    (`weights_only_loads`): the model from model.safetensors, the optimizer, the registered objects and the
+    RNG states; nothing in the folder runs code, even a file changed after `verify_checkpoint` passed it.
+
+    Raises:
+        CheckpointError: a state file holds pickled objects other than tensors and plain values (one line).
+        RuntimeError, KeyError, ValueError: accelerate's and torch's, for states that do not fit this run.
+    """
+    try:
+        with weights_only_loads():
+            accelerator.load_state(path)
+    except pickle.UnpicklingError as e:
+        verify_checkpoint(path)  # names the refused file (changed after the verification passed the folder)
+        raise CheckpointError(_refusal(f"a state file of {path}", e)) from None
 
 
 def verify_checkpoint(path: str) -> None:
     """Check that a checkpoint folder can be resumed from, without loading it into a model.
 
-    Checks: trainer_state.json parses; a model weights file is there; every .safetensors file is whole;
-    every other state file (optimizer, scheduler, GradScaler, sampler, RNG) reads back.
+    Checks: every .json file parses (trainer_state.json with a global step); a model weights file is there;
+    every .safetensors file is whole; every other state file (optimizer, scheduler, GradScaler, sampler, RNG,
+    registered objects) reads back with `read_state_file`, so without unpickling anything but tensors and
+    plain values. Other files are never read by a resume and are not checked.
     Raises:
         CheckpointError: one line naming the file and what is wrong with it.
     """
@@ -166,14 +219,21 @@ def verify_checkpoint(path: str) -> None:
         raise CheckpointError(f"{path} holds no model weights ({' / '.join(WEIGHT_FILES)})")
     for name in sorted(names):
         f = os.path.join(path, name)
-        if not os.path.isfile(f) or name.endswith(".json"):
+        if not os.path.isfile(f):
+            continue
+        if name.endswith(".json"):
+            try:
+                with open(f) as fh:
+                    json.load(fh)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{f} is damaged ({type(e).__name__}: {e})") from None
             continue
         if os.path.getsize(f) == 0:
             raise CheckpointError(f"{f} is empty")
         if name.endswith(".safetensors"):
             verify_safetensors(f)
         elif name.endswith((".bin", ".pt", ".pth", ".pkl")):
-            _verify_torch_file(f)
+            read_state_file(f)
 
 
 def resolve_resume(output_dir: str, resume: str | None) -> str | None:

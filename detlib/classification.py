@@ -7,12 +7,14 @@ The data (ImageFolder scan and data set) is `detlib.imagefolder`; the built-in s
 from __future__ import annotations
 
 import logging
+import os
+import pickle
 
 import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from .weights import load_state_dict_file
+from .weights import load_state_dict_file, refusal_reason, weights_only_loads
 
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,13 @@ def build_classifier(name: str, num_classes: int, pretrained: bool = False, weig
         import torchvision
 
         try:
-            model = torchvision.models.resnet18(weights="IMAGENET1K_V1" if pretrained else None)
+            with weights_only_loads():  # torch.hub reads its cached file with weights_only=False by default
+                model = torchvision.models.resnet18(weights="IMAGENET1K_V1" if pretrained else None)
+        except pickle.UnpicklingError as e:
+            cache = os.path.join(torch.hub.get_dir(), "checkpoints")
+            raise RuntimeError(f"the cached torchvision weights of {name!r} in {cache} hold pickled objects other "
+                               f"than tensors ({refusal_reason(e)}): refused, nothing in them was run; delete the file to "
+                               "download it again, or pass --weights PATH") from None
         except Exception as e:  # urllib / hub errors of many kinds when offline
             raise RuntimeError(_offline_message(name, "torchvision", e)) from e
         model.fc = nn.Linear(model.fc.in_features, num_classes)

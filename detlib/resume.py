@@ -19,7 +19,7 @@ import os
 import torch
 from accelerate import PartialState
 
-from .checkpoint import CheckpointError, TrainState, read_train_state, resolve_resume
+from .checkpoint import CheckpointError, TrainState, load_checkpoint, read_train_state, resolve_resume
 from .collectives import broadcast_object
 from .schedules import SCHEDULES, build_lr_scheduler, lr_factor, set_position
 
@@ -98,12 +98,14 @@ def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | 
     given, load that checkpoint of `output_dir` (collective).
 
     The counters are read into `state` and moved to this run's geometry (`convert_position`); the scheduler
-    (`build_scheduler`, same args) is registered for checkpointing before `accelerator.load_state` loads the
-    model, optimizer, scheduler and RNG states, then set to the moved position. `state` ends with this run's
+    (`build_scheduler`, same args) is registered for checkpointing before `load_checkpoint` loads the
+    model, optimizer, scheduler and RNG states (`accelerator.load_state`, reading nothing but tensors and plain
+    values), then set to the moved position. `state` ends with this run's
     geometry (num_processes, steps_per_epoch, samples_per_step).
     `model_config` (this run's): its class lists must equal the checkpoint's (`check_same_classes`).
     Returns the scheduler. Raises ResumeError when there is no checkpoint to resume, it was trained on other
-    classes, or its states do not fit this run.
+    classes, a state file holds pickled objects other than tensors and plain values, or its states do not fit
+    this run.
     """
     resume = resolve_checkpoint(accelerator, output_dir, resume_from) if resume_from else None
     if resume:
@@ -118,7 +120,9 @@ def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | 
     accelerator.register_for_checkpointing(scheduler)
     if resume:
         try:
-            accelerator.load_state(resume)
+            load_checkpoint(accelerator, resume)
+        except CheckpointError as e:  # a pickle with code in it, planted after the verification passed the folder
+            raise ResumeError(f"--resume_from_checkpoint: {e}") from None
         except (RuntimeError, KeyError, ValueError) as e:  # a checkpoint of another model or optimizer
             first = str(e).strip().splitlines()
             raise ResumeError(f"cannot resume from {resume}: it does not fit this run (another --backbone, width, "

@@ -12,14 +12,18 @@ it without importing each other's model code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import struct
+import warnings
 
 import torch
 from timm.models import load_state_dict as timm_load_state_dict
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
+_TORCH_FORCE = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 
 
 class CheckpointError(RuntimeError):
@@ -56,6 +60,34 @@ def readable_as_umask_allows(path: str) -> None:
             os.chmod(path, 0o666 & ~umask)
         except OSError:
             pass
+
+
+def refusal_reason(e: Exception) -> str:
+    """torch's reason for refusing a pickle under `weights_only=True`, in one line (e.g. "Trying to load
+    unsupported GLOBAL posix.system whose module posix is blocked."), without its advice to load it unsafely."""
+    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith(boilerplate)),
+                type(e).__name__)
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """Within the block, every `torch.load` reads with `weights_only=True` (tensors and plain values, never
+    code), even one that asks for `weights_only=False`: accelerate 1.15's `load_state` does for the registered
+    objects (custom_checkpoint_*.pkl), torch.hub's `load_state_dict_from_url` by default (torchvision's
+    pretrained weights). torch's own switch, the environment variable TORCH_FORCE_WEIGHTS_ONLY_LOAD; a
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD of the user's is set aside meanwhile. A refused file raises
+    `pickle.UnpicklingError`."""
+    saved = {k: os.environ.pop(k, None) for k in _TORCH_FORCE}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:
@@ -184,15 +216,23 @@ def load_state_dict_file(path: str | os.PathLike) -> dict:
     Raises:
         FileNotFoundError: naming the path, if it does not exist.
         ValueError: if the file holds no state dict of tensors.
-        RuntimeError: a torch file that `weights_only=True` refuses (pickled objects other than tensors).
+        CheckpointError (a RuntimeError): a torch file that `weights_only=True` refuses (pickled objects other
+            than tensors and plain values, such as code planted with `__reduce__`); nothing in it runs.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):  # checked here: timm's FileNotFoundError does not name the path
         raise FileNotFoundError(f"weights file not found: {path}")
     try:
-        sd = timm_load_state_dict(path, use_ema=False, weights_only=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")  # a foreign pickle: refused below
+            sd = timm_load_state_dict(path, use_ema=False, weights_only=True)
     except AttributeError:  # timm's prefix cleaning calls `.items()` on what the file holds: not a dict
         sd = None
+    except RuntimeError as e:  # timm's, raised from torch's refusal, with advice to load the file unsafely
+        if not isinstance(e.__cause__, pickle.UnpicklingError):
+            raise
+        raise CheckpointError(f"{path} holds pickled objects other than tensors and plain values "
+                              f"({refusal_reason(e.__cause__)}): refused, nothing in it was run") from None
     if not isinstance(sd, dict) or not any(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"{path} does not hold a state dict of tensors")
     return _strip_wrapper_prefixes(sd)

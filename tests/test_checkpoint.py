@@ -1,7 +1,13 @@
-"""Weights files and checkpoints: wrapper prefixes (B18), model_config, TrainState, latest resolution."""
+"""Weights files and checkpoints: wrapper prefixes (B18), model_config, TrainState, latest resolution, and that
+nothing read from a checkpoint folder or a weights file runs code (a planted pickle)."""
 
 import json
+import os
+import pickle
+import random
+import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -89,3 +95,141 @@ def test_load_state_dict_file_rejects_non_state_dicts(tmp_path):
     torch.save([1, 2, 3], tmp_path / "x.pt")
     with pytest.raises(ValueError, match="state dict"):
         load_state_dict_file(tmp_path / "x.pt")
+
+
+# ---- nothing read from a checkpoint folder or a weights file runs code
+
+class Payload:
+    """What a planted state file holds: unpickling it runs `touch MARKER` (os.system through `__reduce__`)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant(path, marker, fmt: str) -> None:
+    """Overwrite `path` with a payload: a torch.save zip archive (what accelerate writes) or a bare pickle."""
+    obj = {"state": Payload(marker), "param_groups": [], "w": torch.zeros(1)}
+    if fmt == "torch":
+        torch.save(obj, path)
+    else:
+        path.write_bytes(pickle.dumps(obj))
+
+
+def accelerate_state(folder):
+    """A real `accelerator.save_state` folder of a run (model, SGD momentum, a registered LR scheduler and EMA
+    loss normaliser, RNG states) plus trainer_state.json and model_config.json; returns the live objects."""
+    from accelerate import Accelerator
+
+    from detlib.loss import EmaLossNormalizer
+
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = acc.prepare(model, opt)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    norm = EmaLossNormalizer()
+    acc.register_for_checkpointing(sched, norm)
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    norm(torch.tensor(7.0))
+    acc.save_state(str(folder))
+    (folder / "trainer_state.json").write_text(json.dumps({"epoch": 1, "global_step": 1}))
+    (folder / "model_config.json").write_text(json.dumps({"classes": ["a", "b"]}))
+    return acc, model, opt, sched, norm
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("state") / "epoch_0001"
+    accelerate_state(folder)
+    return folder
+
+
+# Every kind of file a checkpoint folder holds: what save_state wrote above, and what it writes in other setups
+# (a prepared scheduler, fp16's GradScaler, a seedable sampler, a stateful loader, torch weights, a 2nd process).
+PLANTED = ["model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl",
+           "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin", "scaler.pt", "sampler.bin",
+           "dl_state_dict.bin", "pytorch_model.bin", "trainer_state.json", "model_config.json"]
+
+
+@pytest.mark.parametrize("fmt", ["torch", "pickle"])
+@pytest.mark.parametrize("name", PLANTED)
+def test_planted_pickle_payload_never_runs(tmp_path, saved_run, name, fmt, caplog):
+    root = tmp_path / "checkpoints"
+    older = shutil.copytree(saved_run, root / "epoch_0001")
+    ckpt.verify_checkpoint(str(older))  # a real accelerate checkpoint reads back without unpickling code
+    newest = shutil.copytree(saved_run, root / "step_00000012")
+    marker = tmp_path / "MARKER"
+    plant(newest / name, marker, fmt)
+    os.utime(older, (1e9, 1e9))  # written before the planted one
+    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(older)  # falls back, saying why
+    (warned,) = [r.getMessage() for r in caplog.records if "skipping damaged checkpoint" in r.getMessage()]
+    assert f"step_00000012/{name}" in warned and "\n" not in warned
+    if name.endswith((".bin", ".pt", ".pkl")):
+        assert "holds pickled objects other than tensors and plain values" in warned and "refused" in warned
+    with pytest.raises(ckpt.CheckpointError, match=f"step_00000012/{name}"):  # named explicitly: one line
+        ckpt.resolve_resume(str(tmp_path), str(newest))
+    assert not marker.exists()
+
+
+def test_load_checkpoint_restores_exactly_and_refuses_a_payload_planted_after_the_verification(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # a user's setting is set aside, then restored
+    folder = tmp_path / "step_00000001"
+    acc, model, opt, sched, norm = accelerate_state(folder)
+    saved = ({k: v.clone() for k, v in model.state_dict().items()}, sched.state_dict(), norm.value,
+             opt.state_dict()["state"][0]["momentum_buffer"].clone())
+    draws = (torch.rand(3), np.random.rand(3), random.random())
+    model(torch.ones(4, 3)).sum().backward()  # the run goes on
+    opt.step()
+    sched.step()
+    norm(torch.tensor(50.0))
+    ckpt.load_checkpoint(acc, str(folder))
+    assert all(torch.equal(v, saved[0][k]) for k, v in model.state_dict().items())
+    assert sched.state_dict() == saved[1] and norm.value == saved[2]
+    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], saved[3])
+    again = (torch.rand(3), np.random.rand(3), random.random())  # the RNG states were restored too
+    assert torch.equal(again[0], draws[0]) and np.array_equal(again[1], draws[1]) and again[2] == draws[2]
+    assert os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1" and "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+
+    marker = tmp_path / "MARKER"
+    plant(folder / "custom_checkpoint_0.pkl", marker, "torch")  # after verify_checkpoint passed the folder
+    with pytest.raises(ckpt.CheckpointError, match="custom_checkpoint_0.pkl holds pickled objects .*refused"):
+        ckpt.load_checkpoint(acc, str(folder))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("fmt", ["torch", "pickle"])
+@pytest.mark.parametrize("name", ["model.pt", "model.pth", "pytorch_model.bin", "resnet18.pth"])
+def test_planted_pickle_in_a_weights_file_never_runs(tmp_path, tiny_model, name, fmt):
+    """--init_from / --weights / --evaluate_only / --backbone_weights files: read with weights_only=True."""
+    marker = tmp_path / "MARKER"
+    plant(tmp_path / name, marker, fmt)
+    for given in (tmp_path / name, tmp_path):  # the file, or the folder that holds it
+        if given == tmp_path and name == "resnet18.pth":
+            continue  # not a name a folder is searched for
+        with pytest.raises(ckpt.CheckpointError, match=f"{name} holds pickled objects other than .*refused"):
+            load_model_weights(tiny_model, str(given))
+    with pytest.raises(RuntimeError, match="refused, nothing in it was run"):
+        load_state_dict_file(tmp_path / name)
+    assert not marker.exists()
+
+
+def test_planted_pickle_in_the_torchvision_cache_never_runs(tmp_path, monkeypatch):
+    """torch.hub reads a cached download with weights_only=False by default; the classifier's resnet18 does not."""
+    from torchvision.models import ResNet18_Weights
+
+    from detlib.classification import build_classifier
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached = tmp_path / "torch" / "hub" / "checkpoints" / os.path.basename(ResNet18_Weights.IMAGENET1K_V1.url)
+    cached.parent.mkdir(parents=True)
+    marker = tmp_path / "MARKER"
+    plant(cached, marker, "torch")
+    with pytest.raises(RuntimeError, match="cached torchvision weights of 'resnet18' .* refused") as e:
+        build_classifier("resnet18", 2, pretrained=True)
+    assert "\n" not in str(e.value) and not marker.exists()

@@ -240,6 +240,32 @@ def test_case_c07_resume_skips_a_damaged_newest_checkpoint(tmp_path, damage):
     assert f"error: --resume_from_checkpoint: {f} is truncated" in proc.stderr
 
 
+def test_planted_pickle_payload_never_runs_on_resume(tmp_path):
+    """A checkpoint folder from someone else: a custom_checkpoint_0.pkl (the registered LR scheduler) whose
+    `__reduce__` calls os.system. Named explicitly it is one error line; `latest` falls back to the older
+    checkpoint, saying why; the command never runs. (Every kind of state file: tests/test_checkpoint.py.)"""
+    from test_checkpoint import plant
+
+    from detlib.checkpoint import list_checkpoints
+
+    data = make_tiny_folder(tmp_path / "data", [4, 4])
+    out, marker = tmp_path / "run", tmp_path / "MARKER"
+    common = CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "4",
+                     "--checkpoint_steps", "1", "--output_dir", str(out)]
+    run_script("train_catsdogs.py", common + ["--max_steps", "2"])
+    older, planted = map(Path, list_checkpoints(str(out)))  # step_00000001, then epoch_0001 (the end of epoch 0)
+    plant(planted / "custom_checkpoint_0.pkl", marker, "torch")
+    proc = run_script("train_catsdogs.py", common + ["--max_steps", "3", "--resume_from_checkpoint", str(planted)],
+                      check=False)
+    assert proc.returncode != 0 and not traceback_through_our_code(proc.stderr) and not marker.exists()
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith(f"error: --resume_from_checkpoint: {planted}/custom_checkpoint_0.pkl holds pickled")
+    proc = run_script("train_catsdogs.py", common + ["--max_steps", "3", "--resume_from_checkpoint", "latest"])
+    assert (f"skipping damaged checkpoint {planted.name}: {planted}/custom_checkpoint_0.pkl holds pickled objects "
+            "other than tensors and plain values (Trying to load unsupported GLOBAL posix.system") in proc.stdout
+    assert f"resumed from {older}: epoch 0, step 1 in epoch" in proc.stdout and not marker.exists()
+
+
 def test_evaluate_only_on_truncated_or_foreign_weights_is_one_line(tmp_path):
     data = make_detection_set(tmp_path / "d", 2)
     bad = tmp_path / "model.safetensors"
@@ -429,7 +455,7 @@ def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_p
     assert len(list((out / "samples" / "epoch_0001").glob("*.jpg"))) == 2
     assert "summary:" in proc.stdout and "best AP" in proc.stdout
     # AdamW's two groups: no weight decay on norms and biases, 0.01 on the rest
-    opt = torch.load(out / "checkpoints" / "epoch_0002" / "optimizer.bin", weights_only=False)
+    opt = torch.load(out / "checkpoints" / "epoch_0002" / "optimizer.bin", weights_only=True)
     assert sorted(g["weight_decay"] for g in opt["param_groups"]) == [0.0, 0.01]
 
     acc = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent),
