@@ -97,6 +97,11 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
                    "for each)", [f"{cat['id']} {cat['name']!r}" for cat in categories if cat["id"] not in used])
     if not images:
         report.add("error", "images", split, "no usable image is left", count=1)
+    elif split == "val" and not any(not a["iscrowd"] for a in annotations_out):
+        # COCOeval scores a category only where it has ground truth: with none, every stat is -1
+        report.add("error", "boxes", split, "no (non-crowd) box to evaluate against: AP is undefined (COCO reports "
+                   "-1) and best/ could never be chosen; annotate val images (scripts/predict_retinanet.py runs on "
+                   "unlabelled ones)", count=1)
 
     out = {k: v for k, v in data.items() if k not in ("images", "annotations", "categories")}
     out.setdefault("info", {})  # pycocotools >= 2.0.9 copies these in loadRes()
@@ -158,6 +163,15 @@ def check_train_val(train: CocoCheck, val: CocoCheck, train_images: str | None =
                "predict them)", [f"{i} {vc[i]!r} ({used[i]} boxes)" for i in unknown if used[i]])
     report.add("warning", "categories", split, "val lists categories unknown to train that no val box uses: ignored",
                [f"{i} {vc[i]!r}" for i in unknown if not used[i]])
+    trained = {a["category_id"] for a in train.dataset["annotations"]}  # crowd ones too (--include_crowd)
+    evaluated = Counter(a["category_id"] for a in val.dataset["annotations"] if not a["iscrowd"])
+    untrained = [f"{i} {tc[i]!r} ({n} boxes)" for i, n in sorted(evaluated.items()) if i in tc and i not in trained]
+    if untrained and len(untrained) == len([i for i in evaluated if i in tc]):
+        report.add("error", "categories", split, "no val box is of a category that has training boxes: AP is 0 "
+                   "whatever the model learns", untrained)
+    else:
+        report.add("warning", "categories", split, "val boxes of categories without any training box (their AP "
+                   "will be 0)", untrained)
     if not conflicts and not any(used[i] for i in unknown):
         val.dataset["categories"] = [dict(c) for c in train.dataset["categories"]]
         if vc.keys() != tc.keys():

@@ -5,6 +5,8 @@ what the scans found, across classes and across train / val:
 
 - class folders: train and val must have the same class names (else the label indices differ: error, listing
   only the differing names); a class without a usable image is an error in train, a warning in val;
+- a metric that cannot mean anything: train with one class (error: a classifier needs at least 2), val without
+  a usable image (error: no accuracy), val with images of one class only (warning: always predicting it scores 1.0);
 - hidden entries (`.ipynb_checkpoints`, `.DS_Store`, `__MACOSX`) are never classes: listed as a warning;
 - unreadable files are left out (repair, with the reason);
 - one file in two classes, either the same bytes (a copy) or the same path reached twice (a symlink), has two
@@ -101,8 +103,17 @@ def check_folder_scans(scans: dict[str, FolderScan], report: DataReport | None =
         empty = [c for c, n in zip(scan.classes, counts) if n == 0]
         if split == "train":
             add("error", "classes without a usable image (a class needs training images)", empty)
+            if len(scan.classes) < 2:  # softmax over one class: loss 0 and accuracy 1.0 whatever the weights
+                report.add("error", "categories", split, "a classifier needs at least 2 classes (one class folder "
+                           "cannot be wrong: loss 0, accuracy 1.0, nothing learned)", scan.classes)
         else:
             add("warning", "classes without a usable image (their recall is reported as 0)", empty)
+            with_images = [c for c, n in zip(scan.classes, counts) if n]
+            if not kept:
+                add("error", "no usable image: the accuracy cannot be computed", count=1)
+            elif len(with_images) == 1 and len(scan.classes) > 1:
+                add("warning", "images of one class only: a model that always predicts it scores accuracy 1.0, so "
+                    "the accuracy (and best/) says little", with_images)
         report.summaries[split] = {"root": scan.root, "images": len(kept),
                                    "classes": ", ".join(f"{c} {n}" for c, n in zip(scan.classes, counts)),
                                    "ignored files": len(scan.ignored)}
