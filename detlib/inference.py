@@ -34,18 +34,37 @@ from .weights import load_model_weights, read_model_config, weights_path
 logger = logging.getLogger(__name__)
 
 
-def list_image_files(source: str) -> tuple[str, list[str]]:
+def list_image_files(source: str, exclude: tuple[str, ...] = ()) -> tuple[str, list[str]]:
     """The image files of `source` and the folder their names are relative to.
 
     Args:
         source: an existing file (taken whatever its extension), a folder (every file with an image extension
             below it, hidden files and folders skipped), or a glob pattern (`**` recurses; every match that is
             a file).
+        exclude: folders whose files are left out: a predict script's per-input output folders (OUT/images ...),
+            so with the output folder inside the source the drawn images and copies of an earlier run are
+            neither read again as inputs nor written over; how many is logged.
     Returns:
         (root, sorted absolute paths); `os.path.relpath(path, root)` names each file in the outputs.
     Raises:
-        FileNotFoundError: nothing matches (names the source).
+        FileNotFoundError: nothing matches (names the source), or everything that matches lies in `exclude`.
     """
+    root, found = _list_image_files(source)
+    below = tuple(os.path.realpath(f) + os.sep for f in exclude)
+    if below:
+        kept = [p for p in found if not os.path.realpath(p).startswith(below)]
+        if not kept:
+            raise FileNotFoundError(f"every image file of {source} lies in an output folder of this prediction "
+                                    f"({', '.join(exclude)}; the outputs of an earlier one?): choose an --output_dir "
+                                    "outside the source")
+        if len(kept) < len(found):
+            logger.info("left out %d files of %s that lie in this prediction's output folders %s (outputs of an earlier "
+                        "prediction)", len(found) - len(kept), source, ", ".join(exclude))
+        found = kept
+    return root, found
+
+
+def _list_image_files(source: str) -> tuple[str, list[str]]:
     if os.path.isfile(source):
         path = os.path.abspath(source)
         return os.path.dirname(path), [path]
@@ -64,6 +83,50 @@ def list_image_files(source: str) -> tuple[str, list[str]]:
         raise FileNotFoundError(f"no file matches {source} (not a file, a folder or a glob pattern that matches)")
     root = os.path.commonpath([os.path.dirname(p) for p in found])
     return root, found
+
+
+def output_names(names: list[str], keep_extension: bool = False) -> list[str]:
+    """One distinct output name per input, for the files a script writes per input (drawn image, json, copy).
+
+    Args:
+        names: the inputs' names relative to their root (`list_image_files`), distinct.
+        keep_extension: False: the name without its extension (`photos/a.jpg` -> `photos/a`; the caller adds its
+            own, `.jpg` for a drawn image, `.json`), except for inputs whose name without extension another input
+            shares (`a.jpg`, `a.png`, `a.JPG`): those keep their whole name (`a.jpg`, `a.png`, `a.JPG`, drawn as
+            `a.png.jpg` ...). True: the whole name (a copy of the file).
+    Returns:
+        the names in input order, distinct ignoring case (so a case-insensitive file system cannot merge two
+        either), each inside the output folder (a `..` part becomes `__`, an absolute name is made relative); a
+        clash left after that (the input `a.png.jpg` beside `a.png` and `a.jpg`) gets `~2`, `~3` ... (before the
+        extension with `keep_extension`), the first input in order keeping the plain name. A function of
+        `names` only, so every process computes the same names.
+    """
+    def inside(name: str) -> str:
+        parts = [p for p in name.replace(os.sep, "/").split("/") if p not in ("", ".")]
+        return "/".join("__" if p == ".." else p for p in parts) or "_"
+
+    names = [inside(n) for n in names]
+    if keep_extension:
+        preferred = names
+    else:
+        stems = [os.path.splitext(n)[0] for n in names]
+        count: dict[str, int] = {}
+        for s in stems:
+            count[s.casefold()] = count.get(s.casefold(), 0) + 1
+        preferred = [s if count[s.casefold()] == 1 else n for s, n in zip(stems, names)]
+    wanted = {p.casefold() for p in preferred}
+    used: set[str] = set()
+    out = []
+    for p in preferred:
+        name, k = p, 1
+        root, ext = os.path.splitext(p) if keep_extension else (p, "")
+        # taken by an earlier input, or (for a renamed one) another input's own name
+        while name.casefold() in used or (name != p and name.casefold() in wanted):
+            k += 1
+            name = f"{root}~{k}{ext}"
+        used.add(name.casefold())
+        out.append(name)
+    return out
 
 
 def shard_batches(num_items: int, batch_size: int, rank: int, world_size: int) -> list[list[int]]:
@@ -200,6 +263,21 @@ def prediction_parser(description: str, batch_size: int) -> tuple[argparse.Argum
     groups["model"].add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     groups["output"].add_argument("--output_dir", required=True, help="where the predictions and predict.log go")
     return p, groups
+
+
+def earlier_outputs(output_dir: str, folders: tuple[str, ...]) -> str | None:
+    """A warning line when `output_dir`'s per-input folders (`images`, `json`, `by_class`) already hold files (an
+    earlier prediction): files of the same name are replaced, the others stay. None when they are empty."""
+    counts = {}
+    for name in folders:
+        n = sum(len(files) for _, _, files in os.walk(os.path.join(output_dir, name)))
+        if n:
+            counts[name] = n
+    if not counts:
+        return None
+    held = ", ".join(f"{n} in {name}/" for name, n in counts.items())
+    return (f"{output_dir} already holds the outputs of an earlier prediction ({held}): files of the same name are "
+            "replaced, the others stay; use a new --output_dir for a set of this run's files only")
 
 
 def start_prediction(args):

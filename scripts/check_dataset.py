@@ -52,6 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("give --annotations (COCO) or --image_folder (ImageFolder)")
     if args.annotations and not args.images and not args.skip_image_check:
         p.error("--images DIR is needed to check the image files (or pass --skip_image_check)")
+    # each output file its own, never an input: the repaired val json must not replace the train one, nor the original
+    files = [(f"--{k}", v) for k in ("annotations", "val_annotations", "write_fixed", "write_fixed_val", "report_json")
+             if (v := getattr(args, k))]
+    for i, (flag, path) in enumerate(files):
+        for other, earlier in files[:i]:
+            if os.path.realpath(path) == os.path.realpath(earlier) and flag.startswith(("--write", "--report")):
+                p.error(f"{flag} {path} is the file of {other} too: one would replace the other; give each its own file")
     return args
 
 

@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 
 from detlib.classification import classification_transform
 from detlib.flags import int_at_least
-from detlib.inference import (ClassificationImageFiles, list_image_files, load_classifier, prediction_parser, shard_batches,
-                              start_prediction)
+from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_image_files, load_classifier, output_names,
+                              prediction_parser, shard_batches, start_prediction)
 from detlib.weights import weights_path
 
 logger = logging.getLogger("predict_catsdogs")
@@ -80,7 +80,7 @@ def main(argv=None):
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
     try:
         model, config = load_classifier(args.weights)
-        root, paths = list_image_files(args.source)
+        root, paths = list_image_files(args.source, exclude=(os.path.join(args.output_dir, "by_class"),))
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
         raise SystemExit(f"error: {e}") from None
@@ -91,6 +91,12 @@ def main(argv=None):
     logger.info("loaded %s (%s, classes %s); %d images from %s at %d px, %d process(es)", weights_path(args.weights),
                 config["model"], classes, len(paths), args.source, image_size, accelerator.num_processes)
 
+    # the copies' names: distinct ignoring case too (a.jpg and A.jpg are one file on some file systems)
+    copy_names = output_names([os.path.relpath(p, root) for p in paths], keep_extension=True)
+    if args.copy_to_class_folders and accelerator.is_main_process:
+        held = earlier_outputs(args.output_dir, ("by_class",))
+        if held:
+            logger.warning("%s", held)
     ds = ClassificationImageFiles(paths, classification_transform(image_size, train=False), not args.no_exif_transpose)
     batches = shard_batches(len(ds), args.batch_size, accelerator.process_index, accelerator.num_processes)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, num_workers=min(args.num_workers, os.cpu_count() or 1))
@@ -106,7 +112,7 @@ def main(argv=None):
                 continue
             rows[index] = [(classes[c], p) for c, p in zip(idx[i].tolist(), prob[i].tolist())]
             if args.copy_to_class_folders:
-                dst = os.path.join(args.output_dir, "by_class", rows[index][0][0], os.path.relpath(paths[index], root))
+                dst = os.path.join(args.output_dir, "by_class", rows[index][0][0], copy_names[index])
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 shutil.copy2(paths[index], dst)
 

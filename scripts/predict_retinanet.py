@@ -19,7 +19,9 @@ Several processes (each takes its share of the batches; results merged, no image
 Writes OUT/predictions.json (COCO results: image_id, category_id, bbox [x, y, w, h] pixels of the original
 image, score; plus file_name when the source is not a COCO json), OUT/images/<name>.jpg with the detections
 scoring >= --draw_thresh drawn, OUT/json/<name>.json with --save_json_per_image, OUT/skipped.txt listing
-unreadable images, and a summary line of detections per class.
+unreadable images, and a summary line of detections per class. <name> is the input's path below the source
+without its extension; inputs that would share one (a.jpg, a.png) keep the whole name (a.jpg.jpg, a.png.jpg),
+so no input's files replace another's.
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ from detlib.coco_eval import detections_to_coco
 from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
 from detlib.flags import float_range, int_at_least
-from detlib.inference import (DetectionImageFiles, list_image_files, load_retinanet, prediction_parser, shard_batches,
-                              start_prediction)
+from detlib.inference import (DetectionImageFiles, earlier_outputs, list_image_files, load_retinanet, output_names,
+                              prediction_parser, shard_batches, start_prediction)
 from detlib.labels import describe_mapping, match_categories
 from detlib.transforms import build_transform
 from detlib.visualize import boxes_from_coco, class_color, draw_detections, save_image, upright_image_and_boxes
 from detlib.weights import weights_path
 
 logger = logging.getLogger("predict_retinanet")
+# OUT/<folder>/<name>: the files written per input (never read as inputs, see list_image_files)
+PER_INPUT_FOLDERS = ("images", "json")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,7 +86,7 @@ def build_dataset(args, transform):
         ds = CocoDetection(args.images, args.source, transform, train=False)
         names = [os.path.relpath(r["path"], args.images) for r in ds.records]
         return ds, names, [r["id"] for r in ds.records], False, list(ds.missing_images)
-    root, paths = list_image_files(args.source)
+    root, paths = list_image_files(args.source, exclude=tuple(os.path.join(args.output_dir, f) for f in PER_INPUT_FOLDERS))
     ds = DetectionImageFiles(paths, transform, exif_transpose=not args.no_exif_transpose)
     return ds, [os.path.relpath(p, root) for p in paths], None, not args.no_exif_transpose, []
 
@@ -112,10 +116,11 @@ def ds_path(ds, index: int) -> str:
 
 
 def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dict], exif_applied: bool,
-                        names: dict[int, str], size: tuple[int, int] | None = None) -> None:
-    """OUT/images/<name>.jpg (detections >= --draw_thresh on the upright image) and, with --save_json_per_image,
-    OUT/json/<name>.json; written by the process that predicted the image."""
-    stem = os.path.splitext(name)[0]
+                        names: dict[int, str], size: tuple[int, int] | None = None, out_name: str | None = None) -> None:
+    """OUT/images/<out_name>.jpg (detections >= --draw_thresh on the upright image) and, with --save_json_per_image,
+    OUT/json/<out_name>.json; written by the process that predicted the image. `out_name`: the input's own in
+    `output_names` (default: `name` without its extension)."""
+    stem = out_name or os.path.splitext(name)[0]
     if not args.no_images:
         shown = [r for r in res if r["score"] >= args.draw_thresh]
         image, boxes = upright_image_and_boxes(path, boxes_from_coco([r["bbox"] for r in shown]), exif_applied, size)
@@ -175,6 +180,16 @@ def main(argv=None):
             names = dict(zip(ds.category_map.category_ids, ds.category_map.names))
         elif accelerator.is_main_process:
             logger.warning("model_config.json has no category_names: classes are named by their category ids")
+    out_names = output_names(rel_names)  # one per input: a.jpg, a.png and a.jpeg never write over each other
+    if accelerator.is_main_process:
+        renamed = [(n, o) for n, o in zip(rel_names, out_names) if o != os.path.splitext(n)[0]]
+        if renamed and not (args.no_images and not args.save_json_per_image):
+            logger.info("%d inputs share their name without extension with another: their outputs (<name>.jpg, "
+                        "<name>.json) keep the whole name, e.g. %s", len(renamed),
+                        ", ".join(f"{n} -> {o}" for n, o in renamed[:3]))
+        held = earlier_outputs(args.output_dir, PER_INPUT_FOLDERS)
+        if held:
+            logger.warning("%s", held)
     batches = shard_batches(len(ds), args.batch_size, accelerator.process_index, accelerator.num_processes)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate_detection,
                                          num_workers=min(args.num_workers, os.cpu_count() or 1))
@@ -207,7 +222,8 @@ def main(argv=None):
                     r["file_name"] = rel_names[index]
             per_image[index] = res
             size = ds.records[index]["size"] if isinstance(ds, CocoDetection) else None  # the json's, boxes refer to it
-            write_image_outputs(args, ds_path(ds, index), image_id, rel_names[index], res, exif_applied, names, size)
+            write_image_outputs(args, ds_path(ds, index), image_id, rel_names[index], res, exif_applied, names, size,
+                                out_name=out_names[index])
 
     # ---- merge (every process's share, by index: no image twice) and write
     shards = gather_object([(per_image, failed)])
