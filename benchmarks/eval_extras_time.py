@@ -50,7 +50,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--score_thresh", type=float, default=0.05)
     p.add_argument("--output_dir", help="run folder for the extras (default: a temporary one)")
-    p.add_argument("--sample_format", default="jpg", choices=["jpg", "png"])
+    p.add_argument("--sample_format", default="png", choices=["jpg", "png"], help="file format of the drawn samples")
     p.add_argument("--out", default="benchmarks/eval_extras_time.json")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -34,6 +34,8 @@ MAX_DETS_LAST = -1
 # Index of IoU 0.5 in params.iouThrs (0.50:0.05:0.95).
 IOU50 = 0
 BACKGROUND_NAME = "background"
+# Class names in the plots, in points (at 100 dpi: 12.5 px): readable at 3 classes and at 80, the figure grows
+LABEL_FONTSIZE = 9
 
 
 def _category_names(coco_eval) -> list[str]:
@@ -227,9 +229,8 @@ def _write_json(obj, path: str) -> str:
 
 def plot_pr_curves(curves: dict, path: str, num_extremes: int = 3) -> str:
     """PNG of the PR curves of `pr_curves`: the mean over all classes, and the `num_extremes` classes with
-    the lowest and the highest AP50 (by the area under their curve). Returns `path`."""
-    fig = _figure(6.4, 4.8)
-    ax = fig.add_subplot()
+    the lowest and the highest AP50 (by the area under their curve), the legend beside the plot (as wide as
+    its longest entry needs). Returns `path`."""
     recall = curves["recall"]
     ranked = sorted(curves["per_class"].items(), key=lambda kv: float(np.mean(kv[1])))
     if len(ranked) <= 2 * num_extremes:  # few classes: all of them, no worst / best split
@@ -237,20 +238,32 @@ def plot_pr_curves(curves: dict, path: str, num_extremes: int = 3) -> str:
     else:
         shown = [(name, p, "-", ", best") for name, p in ranked[-num_extremes:][::-1]]
         shown += [(name, p, "--", ", worst") for name, p in ranked[:num_extremes]]
-    for name, p, ls, tag in shown:
-        ax.plot(recall, p, lw=1.2, ls=ls, label=f"{name} (AP50 {np.mean(p):.2f}{tag})")
-    ax.plot(recall, curves["all"], color="black", lw=2.5, label=f"all {len(curves['per_class'])} classes "
-            f"(AP50 {np.mean(curves['all']):.3f})")
+    labels = [f"{name} (AP50 {np.mean(p):.2f}{tag})" for name, p, _, tag in shown]
+    labels.append(f"all {len(curves['per_class'])} classes (AP50 {np.mean(curves['all']):.3f})")
+    left, plot_w, legend_w, plot_h = 0.8, 6.0, _text_inches(labels, LABEL_FONTSIZE) + 0.8, 4.0
+    W, H = left + plot_w + legend_w, plot_h + 0.9
+    fig = _figure(W, H, margins=(left / W, 0.6 / H, (left + plot_w) / W, 1 - 0.3 / H))
+    ax = fig.add_subplot()
+    for (name, p, ls, tag), label in zip(shown, labels):
+        ax.plot(recall, p, lw=1.2, ls=ls, label=label)
+    ax.plot(recall, curves["all"], color="black", lw=2.5, label=labels[-1])
     ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1), ylim=(0, 1.02),
            title=f"precision-recall at IoU {curves['iou']:.2f}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=LABEL_FONTSIZE, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     return _save(fig, path)
 
 
-def plot_confusion_matrix(cm: dict, path: str, max_classes: int = 30) -> str:
-    """PNG heat map of `detection_confusion_matrix` (counts). Only classes that occur as
-    ground truth or prediction are shown, the `max_classes` most frequent of them, plus background."""
+def _text_inches(texts: Iterable[str], fontsize: float) -> float:
+    """Width in inches that the longest of `texts` takes at `fontsize` points in DejaVu Sans (about 0.6 em
+    per character: an estimate that errs wide, so names are never cut)."""
+    return max((len(t) for t in texts), default=0) * 0.6 * fontsize / 72
+
+
+def plot_confusion_matrix(cm: dict, path: str, max_classes: int = 80) -> str:
+    """PNG heat map of `detection_confusion_matrix` (counts). Only classes that occur as ground truth or
+    prediction are shown, the `max_classes` most frequent of them, plus background. The figure grows with the
+    number of classes shown (cells of 0.3 in, names at LABEL_FONTSIZE pt), so 3 classes and 80 read alike."""
     m = np.asarray(cm["matrix"])
     K = m.shape[0] - 1
     used = m[:K].sum(1) + m[:, :K].sum(0)
@@ -259,38 +272,64 @@ def plot_confusion_matrix(cm: dict, path: str, max_classes: int = 30) -> str:
     sub = m[np.ix_(keep, keep)]
     names = [cm["names"][i] for i in keep]
     n = len(keep)
-    side = min(14.0, 3.0 + 0.3 * n)
-    m = 1.3 / side  # room for the class names
-    fig = _figure(side + 1.2, side, margins=(m * side / (side + 1.2), m, 0.98, 1 - 0.7 / side), dpi=80)
-    ax = fig.add_subplot()
-    im = ax.imshow(np.where(sub > 0, sub, np.nan), cmap="Blues", vmin=0, vmax=max(1, sub.max()))
+    cell = 0.3 if n > 12 else 0.6  # inches
+    names_in = _text_inches(names, LABEL_FONTSIZE) + 0.55  # tick labels + axis label
+    grid = max(cell * n, 2.0)
+    left, bottom, top, right = names_in, names_in, 0.9, 1.0  # right: the colour bar
+    fig = _figure(left + grid + right, bottom + grid + top, dpi=100)
+    W, H = left + grid + right, bottom + grid + top
+    ax = fig.add_axes((left / W, bottom / H, grid / W, grid / H))
+    im = ax.imshow(np.where(sub > 0, sub, np.nan), cmap="Blues", vmin=0, vmax=max(1, sub.max()), aspect="auto")
+    big = sub.max()
     for i in range(n):
         for j in range(n):
             if sub[i, j]:
-                ax.text(j, i, str(sub[i, j]), ha="center", va="center", fontsize=7 if n > 15 else 9,
-                        color="white" if sub[i, j] > 0.6 * sub.max() else "black")
-    ax.set_xticks(range(n), names, rotation=90, fontsize=7)
-    ax.set_yticks(range(n), names, fontsize=7)
-    ax.set(xlabel="predicted", ylabel="ground truth")
-    ax.set_title(f"detections with score >= {cm['score_thresh']:g}\nmatched to ground truth at IoU >= {cm['iou_thresh']:g}",
-                 fontsize=9)
-    fig.colorbar(im, ax=ax, shrink=0.6)
+                ax.text(j, i, str(sub[i, j]), ha="center", va="center", fontsize=8 if n > 12 else 11,
+                        color="white" if sub[i, j] > 0.6 * big else "black")
+    ax.set_xticks(range(n), names, rotation=90, fontsize=LABEL_FONTSIZE)
+    ax.set_yticks(range(n), names, fontsize=LABEL_FONTSIZE)
+    ax.set_xticks(np.arange(n + 1) - 0.5, minor=True)
+    ax.set_yticks(np.arange(n + 1) - 0.5, minor=True)
+    ax.grid(which="minor", color="0.88", lw=0.5)  # cell borders: a row can be followed across 80 columns
+    ax.tick_params(which="minor", length=0)
+    ax.set_xlabel("predicted", fontsize=10)
+    ax.set_ylabel("ground truth", fontsize=10)
+    ax.set_title(f"detections with score >= {cm['score_thresh']:g}\nmatched to ground truth at IoU >= "
+                 f"{cm['iou_thresh']:g}" + (f"\n{n - 1} of {K} classes (those that occur)" if n - 1 < K else ""),
+                 fontsize=10)
+    cax = fig.add_axes(((left + grid + 0.25) / W, bottom / H, 0.2 / W, grid / H))
+    fig.colorbar(im, cax=cax)
+    cax.tick_params(labelsize=9)
     return _save(fig, path)
 
 
 def plot_per_class_ap(per_class: dict[str, dict[str, float]], path: str) -> str:
-    """PNG bar chart of per-class AP and AP50, classes sorted by AP."""
+    """PNG bar chart of per-class AP and AP50, one row per class sorted by AP (the best on top), each row with
+    its numbers and ground-truth count. The figure is 0.32 in per class tall, and as wide as the longest
+    name needs at LABEL_FONTSIZE pt, so 3 classes and 80 read alike."""
     items = sorted(per_class.items(), key=lambda kv: kv[1]["AP"])
     n = max(1, len(items))
-    height = min(20.0, 1.5 + 0.16 * n)
-    fig = _figure(6.4, height, margins=(0.25, 0.9 / height, 0.97, 1 - 0.45 / height), dpi=80)
-    ax = fig.add_subplot()
+    names_in = _text_inches([k for k, _ in items], LABEL_FONTSIZE) + 0.15
+    numbers_in = _text_inches(["AP 0.000  AP50 0.000  gt 00000"], LABEL_FONTSIZE) + 0.15
+    plot_w, plot_h = 4.5, 0.32 * n
+    top, bottom = 0.75, 0.6
+    W, H = names_in + plot_w + numbers_in, top + plot_h + bottom
+    fig = _figure(W, H, dpi=100)
+    ax = fig.add_axes((names_in / W, bottom / H, plot_w / W, plot_h / H))
     y = np.arange(len(items))
-    ax.barh(y + 0.2, [v["AP50"] for _, v in items], height=0.4, label="AP50", color="tab:orange")
-    ax.barh(y - 0.2, [v["AP"] for _, v in items], height=0.4, label="AP", color="tab:blue")
-    ax.set_yticks(y, [k for k, _ in items], fontsize=6)
-    ax.set(xlim=(0, 1), xlabel="average precision", title="per-class AP (classes with ground truth)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.barh(y + 0.2, [v["AP50"] for _, v in items], height=0.4, label="AP50 (IoU 0.5)", color="tab:orange")
+    ax.barh(y - 0.2, [v["AP"] for _, v in items], height=0.4, label="AP (IoU 0.50:0.95)", color="tab:blue")
+    ax.set_yticks(y, [k for k, _ in items], fontsize=LABEL_FONTSIZE)
+    ax.set_ylim(-0.6, len(items) - 0.4)
+    for i, (_, v) in enumerate(items):
+        ax.text(1.02, i, f"AP {v['AP']:.3f}  AP50 {v['AP50']:.3f}  gt {v['num_gt']}", transform=ax.get_yaxis_transform(),
+                va="center", fontsize=LABEL_FONTSIZE, family="DejaVu Sans Mono")
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("average precision", fontsize=10)
+    ax.tick_params(axis="x", labelsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(f"per-class AP ({len(per_class)} classes with ground truth)", fontsize=11, pad=26)
+    ax.legend(fontsize=9, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, frameon=False, borderaxespad=0.2)
     return _save(fig, path)
 
 
@@ -375,5 +414,5 @@ def plot_training_curves(metrics_path: str, path: str, losses: tuple[str, ...] =
     for ax in (ax_l, ax_a):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=LABEL_FONTSIZE)
     return _save(fig, path)

@@ -38,7 +38,7 @@ def _tracker(accelerator, name: str):
 def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step: int, coco_gt: dict,
                           results: list[dict], coco_eval, image_dir: str, num_log_images: int = 16,
                           display_thresh: float = 0.3, confusion_score_thresh: float = 0.25, seed: int = 0,
-                          category_names: dict[int, str] | None = None, sample_format: str = "jpg") -> dict | None:
+                          category_names: dict[int, str] | None = None, sample_format: str = "png") -> dict | None:
     """Per-class AP table, plots and sample images of one evaluation, to files and every tracker.
 
     Call on every process after `CocoEvaluator.evaluate()`; only the main process works (no collective),
@@ -55,7 +55,7 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
         display_thresh: lowest score drawn on the sample images (the wandb UI can still filter above it).
         confusion_score_thresh: lowest score counted in the confusion matrix.
         category_names: {category id: name}; default the json's names.
-        sample_format: "jpg" (fast, the default) or "png" for the files under samples/.
+        sample_format: "png" (the default: sharp lines and text) or "jpg" for the files under samples/.
     Returns:
         (main process) {category name: {"AP", "AP50", "num_gt"}} for the classes with ground truth, the
         object to put into the evaluation line of metrics.jsonl; None on the other processes.

@@ -9,8 +9,10 @@ Orientation: detlib reads COCO images as stored (boxes in COCO json refer to the
 is turned upright the way viewers do (`PIL.ImageOps.exif_transpose`) and the boxes are mapped with it
 (`exif_transpose_boxes`): what a user sees is the image as a viewer shows it, boxes on the right objects.
 
-Drawing uses `torchvision.utils.draw_bounding_boxes`; labels use matplotlib's DejaVu Sans (installed with
-matplotlib), since PIL's built-in bitmap font cannot be scaled to a readable size.
+Drawing: PIL's ImageDraw, labels in matplotlib's DejaVu Sans (installed with matplotlib). A drawn sample
+(`draw_sample`) is resized up to SAMPLE_DISPLAY_SIZE px, so labels are legible on the built-in 160 px images,
+and each label sits on a tag outside its box, never over the object; ground truth is dashed, detections solid,
+each line over a dark outline (visible on any colour). Samples are written as PNG: JPEG blurs thin lines and text.
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ from __future__ import annotations
 import colorsys
 import functools
 import io
+import math
 import os
 import random
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
-from PIL import Image
-from torchvision.utils import draw_bounding_boxes
+from PIL import Image, ImageDraw, ImageFont
 
 from .box_ops import box_xywh_to_xyxy
 from .images import load_rgb
@@ -35,7 +37,16 @@ EXIF_ORIENTATION_TAG = 0x0112
 _EXIF_METHODS = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
                  5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
                  8: Image.Transpose.ROTATE_90}
-GT_COLOR = (0, 255, 0)
+# Drawing: a ground-truth box is dashed white over a solid black line, a detection a solid line of its class
+# colour over a black one, so both show on any image (a white or green line alone vanishes on a white or green
+# object); a label is black or white (whichever reads) on a tag of the class colour.
+GT_COLOR = (255, 255, 255)
+OUTLINE_COLOR = (0, 0, 0)
+LEGEND_DETECTION_COLOR = (255, 200, 0)
+BAND_COLOR = (40, 40, 40)
+# Drawn samples are resized (never shrunk) so their longer side is at least this many pixels: the built-in
+# 160 px images would show 13 px labels over their shapes.
+SAMPLE_DISPLAY_SIZE = 640
 
 
 def select_sample_ids(image_ids: Iterable[int], num: int, seed: int = 0) -> list[int]:
@@ -130,11 +141,9 @@ def boxes_from_coco(xywh: Sequence[Sequence[float]]) -> torch.Tensor:
 
 
 def class_color(category_id: int) -> tuple[int, int, int]:
-    """A fixed, saturated colour per category id (golden-ratio hues), never the ground truth's green."""
+    """A fixed, saturated colour per category id (golden-ratio hues)."""
     h = (int(category_id) * 0.618033988749895) % 1.0
-    if 0.22 < h < 0.42:  # keep clear of GT_COLOR
-        h = (h + 0.3) % 1.0
-    r, g, b = colorsys.hsv_to_rgb(h, 0.9, 1.0)
+    r, g, b = colorsys.hsv_to_rgb(h, 0.85, 1.0)
     return int(r * 255), int(g * 255), int(b * 255)
 
 
@@ -144,32 +153,169 @@ def _font_path() -> str | None:
         from matplotlib import font_manager
 
         return font_manager.findfont("DejaVu Sans", fallback_to_default=True)
-    except Exception:  # no matplotlib: PIL's small built-in font
+    except Exception:  # no matplotlib: PIL's built-in font
         return None
+
+
+@functools.lru_cache(maxsize=8)
+def _font(size: int):
+    path = _font_path()
+    try:
+        return ImageFont.truetype(path, size) if path else ImageFont.load_default(size)
+    except OSError:
+        return ImageFont.load_default(size)
+
+
+def _style(side: int) -> tuple[int, int]:
+    """(line width, font size) in pixels for an image whose longer side is `side` pixels."""
+    return max(2, round(side / 320)), max(13, round(side / 40))
+
+
+def _dashes(p: tuple[float, float], q: tuple[float, float], dash: float, gap: float):
+    """The dashes of the segment p -> q, as (start, end) point pairs."""
+    length = math.hypot(q[0] - p[0], q[1] - p[1])
+    if length == 0:
+        return
+    ux, uy = (q[0] - p[0]) / length, (q[1] - p[1]) / length
+    t = 0.0
+    while t < length:
+        e = min(t + dash, length)
+        yield (p[0] + ux * t, p[1] + uy * t), (p[0] + ux * e, p[1] + uy * e)
+        t = e + gap
+
+
+def _draw_box(draw, box, color, width: int, dashed: bool) -> None:
+    """A box as a bright line over a dark outline 1 px wider on each side, so it shows on any image: solid in
+    `color` (a detection) or dashed white (ground truth, its outline solid black)."""
+    x1, y1, x2, y2 = (round(float(v)) for v in box)  # whole pixels: the line starts at round(x1)
+    draw.rectangle((x1 - 1, y1 - 1, x2 + 1, y2 + 1), outline=OUTLINE_COLOR, width=width + 2)
+    if not dashed:
+        draw.rectangle((x1, y1, x2, y2), outline=color, width=width)
+        return
+    inset = width / 2  # PIL draws a rectangle's outline inside it; the dashes follow the same line
+    corners = [(x1 + inset, y1 + inset), (x2 - inset, y1 + inset), (x2 - inset, y2 - inset), (x1 + inset, y2 - inset)]
+    for p, q in zip(corners, corners[1:] + corners[:1]):
+        for a, b in _dashes(p, q, dash=4 * width, gap=3 * width):
+            draw.line((a, b), fill=color, width=width)
+
+
+def _text_size(draw, text: str, font) -> tuple[int, int]:
+    x1, y1, x2, y2 = draw.textbbox((0, 0), text, font=font)
+    return int(math.ceil(x2)), int(math.ceil(y2))
+
+
+def _draw_label(draw, box, text: str, color, font, pad: int, image_w: int, image_h: int, top: int = 0) -> None:
+    """The label on a filled tag just above the box, outside it (below the box when there is no room above it,
+    inside its top edge only when neither fits), kept within the image width."""
+    tw, th = _text_size(draw, text, font)
+    w, h = tw + 2 * pad, th + 2 * pad
+    x1, y1, x2, y2 = (float(v) for v in box)
+    if y1 - 1 - h >= top:
+        ty = y1 - 1 - h
+    elif y2 + 1 + h <= image_h:
+        ty = y2 + 1
+    else:
+        ty = max(top, y1)
+    tx = min(max(0.0, x1 - 1), max(0.0, image_w - w))
+    draw.rectangle((tx, ty, tx + w, ty + h), fill=color, outline=OUTLINE_COLOR, width=1)
+    luminance = 0.299 * color[0] + 0.587 * color[1] + 0.114 * color[2]  # ITU-R BT.601
+    draw.text((tx + pad, ty + pad), text, fill=(0, 0, 0) if luminance > 140 else (255, 255, 255), font=font)
+
+
+def _draw_all(pil: Image.Image, boxes: torch.Tensor, labels: Sequence[str], colors: Sequence[tuple[int, int, int]],
+              gt_boxes: torch.Tensor | None, width: int, font, top: int = 0, image_h: int | None = None) -> None:
+    draw = ImageDraw.Draw(pil)
+    for b in (gt_boxes.tolist() if gt_boxes is not None else []):
+        _draw_box(draw, b, GT_COLOR, width, dashed=True)
+    order = list(range(len(boxes)))[::-1]  # the highest score (first) drawn last, on top
+    for i in order:
+        _draw_box(draw, boxes[i].tolist(), colors[i], width, dashed=False)
+    pad = max(1, font.size // 6) if hasattr(font, "size") else 2
+    for i in order:  # tags after every box: no line crosses a label
+        _draw_label(draw, boxes[i].tolist(), labels[i], colors[i], font, pad, pil.width,
+                    image_h if image_h is not None else pil.height, top)
 
 
 def draw_detections(image: torch.Tensor, boxes: torch.Tensor, labels: Sequence[str], colors: Sequence[tuple[int, int, int]],
                     gt_boxes: torch.Tensor | None = None) -> torch.Tensor:
-    """Draw ground-truth boxes (thin, green, unlabelled) and then detections (class colour, with their label).
+    """Draw ground-truth boxes (dashed white on black, unlabelled) and detections (solid, class colour on black,
+    each with its label on a tag outside the box) on the image, at its own size (predict's output).
 
     Args:
         image: [3, H, W] uint8 RGB.
-        boxes: [N, 4] float xyxy pixels of `image`; labels: N strings ("person 0.87"); colors: N RGB tuples.
+        boxes: [N, 4] float xyxy pixels of `image`, highest score first; labels: N strings ("person 0.87");
+            colors: N RGB tuples.
         gt_boxes: [G, 4] float xyxy pixels, or None.
     Returns:
         [3, H, W] uint8, a new tensor.
     """
-    side = max(image.shape[-2:])
-    width = max(1, round(side / 320))
-    font = _font_path()
-    out = image
-    if gt_boxes is not None and len(gt_boxes):
-        out = draw_bounding_boxes(out, gt_boxes.float(), colors=GT_COLOR, width=width)
-    if len(boxes):
-        out = draw_bounding_boxes(out, boxes.float(), labels=list(labels), colors=list(colors), width=width + 1,
-                                  font=font, font_size=max(10, round(side / 45)) if font else None,
-                                  label_colors="black", fill_labels=True)
-    return out
+    pil = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
+    width, font_size = _style(max(pil.size))
+    _draw_all(pil, boxes.float(), labels, colors, gt_boxes, width, _font(font_size))
+    return torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
+
+
+def sample_layout(height: int, width: int) -> dict:
+    """Where an image of height x width pixels lands in its drawn sample (`draw_sample`).
+
+    Returns:
+        {"scale": float >= 1, the image is resized by it (its longer side to at least SAMPLE_DISPLAY_SIZE px);
+         "top": px of the band above the image (room for the labels of boxes at its top edge);
+         "bottom": px of the legend band below it; "font_size", "line_width": px;
+         "size": (height, width) of the drawn sample}.
+    A box (x1, y1, x2, y2) of the image is drawn at (x1 * scale, y1 * scale + top, ...).
+    """
+    scale = max(1.0, SAMPLE_DISPLAY_SIZE / max(height, width))
+    h, w = round(height * scale), round(width * scale)
+    line, font = _style(max(h, w))
+    band = font + 2 * max(1, font // 6) + 4
+    return {"scale": scale, "top": band, "bottom": band, "font_size": font, "line_width": line,
+            "size": (h + 2 * band, w)}
+
+
+def draw_sample(image: torch.Tensor, boxes: torch.Tensor, labels: Sequence[str], colors: Sequence[tuple[int, int, int]],
+                gt_boxes: torch.Tensor | None = None, legend: str | None = None) -> torch.Tensor:
+    """A sample image for a person to look at: resized so its longer side is at least SAMPLE_DISPLAY_SIZE
+    pixels (160 px shapes become legible), with a band above it for the labels of boxes at its top edge and a
+    legend band below (dashed: ground truth, solid: detections). Boxes and labels are drawn as
+    `draw_detections` draws them; `sample_layout` says where the image lands.
+
+    Args:
+        image: [3, H, W] uint8 RGB; boxes, labels, colors, gt_boxes: as `draw_detections`, in pixels of `image`.
+        legend: the text after the two line samples in the legend band (e.g. "detections with score >= 0.30").
+    Returns:
+        [3, H', W'] uint8 with (H', W') = sample_layout(H, W)["size"].
+    """
+    lay = sample_layout(*image.shape[-2:])
+    h, w = lay["size"][0] - lay["top"] - lay["bottom"], lay["size"][1]
+    pil = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
+    if lay["scale"] > 1:
+        pil = pil.resize((w, h), Image.Resampling.LANCZOS)
+    canvas = Image.new("RGB", (w, lay["size"][0]), BAND_COLOR)
+    canvas.paste(pil, (0, lay["top"]))
+    s, top = lay["scale"], lay["top"]
+
+    def place(b: torch.Tensor | None) -> torch.Tensor | None:
+        if b is None:
+            return None
+        return b.float().reshape(-1, 4) * s + torch.tensor([0.0, top, 0.0, top])
+
+    font = _font(lay["font_size"])
+    _draw_all(canvas, place(boxes), labels, colors, place(gt_boxes), lay["line_width"], font, top=0,
+              image_h=top + h)
+    _draw_legend(canvas, top + h, lay["bottom"], lay["line_width"], font, legend)
+    return torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1)
+
+
+def _draw_legend(canvas: Image.Image, y0: int, band: int, width: int, font, legend: str | None) -> None:
+    draw = ImageDraw.Draw(canvas)
+    x, cy = 6, y0 + band / 2
+    seg = 5 * width + 20
+    for text, dashed, color in (("ground truth", True, GT_COLOR), (legend or "detections", False, LEGEND_DETECTION_COLOR)):
+        _draw_box(draw, (x, cy - band / 4, x + seg, cy + band / 4), color, width, dashed)
+        x += seg + 6
+        draw.text((x, cy), text, fill=(255, 255, 255), font=font, anchor="lm")
+        x += _text_size(draw, text, font)[0] + 18
 
 
 def sample_detections(coco_gt: dict, results: list[dict], image_dir: str, image_ids: Sequence[int],
@@ -185,7 +331,7 @@ def sample_detections(coco_gt: dict, results: list[dict], image_dir: str, image_
         display_thresh: detections with a lower score are not drawn.
     Returns:
         one dict per readable image, in `image_ids` order: {"image_id", "file_name", "image": [3, H, W] uint8
-        upright undrawn, "drawn": [3, H, W] uint8, "boxes": [N, 4] float32 xyxy upright pixels, "scores": [N],
+        upright undrawn, "drawn": [3, H', W'] uint8 (`draw_sample`: resized up, with label and legend bands), "boxes": [N, 4] float32 xyxy upright pixels, "scores": [N],
         "category_ids": [N] int64, "gt_boxes": [G, 4], "gt_category_ids": [G] int64, "gt_crowd": [G] bool}.
         Unreadable images are left out.
     """
@@ -220,7 +366,8 @@ def sample_detections(coco_gt: dict, results: list[dict], image_dir: str, image_
         g = gts[int(iid)]
         gt_boxes = exif_transpose_boxes(boxes_from_coco([a["bbox"] for a in g]), orientation, W, H)
         labels = [f"{names.get(int(c), c)} {s:.2f}" for c, s in zip(cats.tolist(), scores.tolist())]
-        drawn = draw_detections(image, boxes, labels, [class_color(c) for c in cats.tolist()], gt_boxes)
+        drawn = draw_sample(image, boxes, labels, [class_color(c) for c in cats.tolist()], gt_boxes,
+                            legend=f"detections, score >= {display_thresh:.2f}")
         out.append({"image_id": int(iid), "file_name": info["file_name"], "image": image, "drawn": drawn,
                     "boxes": boxes, "scores": scores, "category_ids": cats, "gt_boxes": gt_boxes,
                     "gt_category_ids": torch.tensor([int(a["category_id"]) for a in g], dtype=torch.int64),
@@ -231,9 +378,9 @@ def sample_detections(coco_gt: dict, results: list[dict], image_dir: str, image_
 def save_image(image: torch.Tensor, path: str, quality: int = 90) -> bytes:
     """Write a [3, H, W] uint8 RGB tensor as JPEG (.jpg / .jpeg) or PNG (any other suffix).
 
-    JPEG is the default for drawn photos: it encodes a 640x480 image in ~1 ms, PNG takes ~40 ms, which over
-    16 images and two trackers would be most of the logging time. Returns the encoded bytes (TensorBoard
-    takes them as they are, see `detlib.dashboard`).
+    PNG (zlib level 1) for drawn samples: JPEG blurs 2 px lines and small text; PNG costs ~10-40 ms more per
+    640 px image (16 samples: under a second per evaluation). Returns the encoded bytes (TensorBoard takes
+    them as they are, see `detlib.dashboard`).
     """
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     buf = io.BytesIO()
@@ -248,7 +395,7 @@ def save_image(image: torch.Tensor, path: str, quality: int = 90) -> bytes:
     return data
 
 
-def save_samples(samples: list[dict], folder: str, ext: str = "jpg") -> list[bytes]:
+def save_samples(samples: list[dict], folder: str, ext: str = "png") -> list[bytes]:
     """Save each sample's drawn image as `folder/<image id, 12 digits>.<ext>`. Returns the encoded files."""
     return [save_image(s["drawn"], os.path.join(folder, f"{s['image_id']:012d}.{ext}")) for s in samples]
 

@@ -167,3 +167,36 @@ def test_evaluation_plots_and_training_curves_written(tmp_path):
     png = plot_training_curves(str(metrics), str(tmp_path / "plots" / "training_curves.png"))
     assert png and (tmp_path / "plots" / "training_curves.png").stat().st_size > 5000
     assert plot_training_curves(str(tmp_path / "missing.jsonl"), str(tmp_path / "x.png")) is None
+
+
+def _png(path) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("L"))
+
+
+@pytest.mark.parametrize("num_classes", [3, 80])
+def test_per_class_and_confusion_plots_readable_at_3_and_80_classes(tmp_path, num_classes):
+    """The figures grow with the class count (at 100 dpi a 9 pt name is 12.5 px; the rows are 32 px / cells 30
+    px apart) and are wide enough for the longest name: nothing is drawn at the image's border, where a name
+    that does not fit would be cut. At 80 classes the old fixed-width figures cut names and set them at 6 px."""
+    from detlib.analysis import LABEL_FONTSIZE, plot_confusion_matrix, plot_per_class_ap
+
+    assert LABEL_FONTSIZE >= 9
+    names = [f"class {i}" if i % 7 else f"class {i} with a rather long custom category name" for i in range(num_classes)]
+    per_class = {n: {"AP": i / num_classes, "AP50": min(1.0, 1.5 * i / num_classes), "num_gt": 3 + i}
+                 for i, n in enumerate(names)}
+    ap = _png(plot_per_class_ap(per_class, str(tmp_path / "per_class_ap.png")))
+    K = num_classes
+    m = np.zeros((K + 1, K + 1), dtype=int)
+    m[np.arange(K), np.arange(K)] = 5
+    m[np.arange(K), K] = 1
+    m[K, np.arange(K)] = 2
+    cm = _png(plot_confusion_matrix({"names": names + ["background"], "matrix": m.tolist(), "score_thresh": 0.25,
+                                     "iou_thresh": 0.5}, str(tmp_path / "confusion_matrix.png")))
+    assert ap.shape[0] >= 0.32 * 100 * num_classes and cm.shape[0] >= 0.3 * 100 * (num_classes + 1)
+    if num_classes == 3:
+        assert ap.shape[0] < 300  # a 3-class chart is not a poster
+    for img in (ap, cm):
+        border = np.concatenate([img[:3].ravel(), img[-3:].ravel(), img[:, :3].ravel(), img[:, -3:].ravel()])
+        assert border.min() == 255, "something is drawn at the border: a cut name"

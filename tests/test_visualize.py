@@ -12,7 +12,8 @@ import torch
 from PIL import Image, ImageOps
 
 from detlib.coco_eval import evaluate_coco
-from detlib.visualize import class_color, exif_transpose_boxes, sample_detections, select_sample_ids
+from detlib.visualize import (GT_COLOR, OUTLINE_COLOR, SAMPLE_DISPLAY_SIZE, class_color, exif_transpose_boxes,
+                              sample_detections, sample_layout, select_sample_ids)
 
 from conftest import COCO_SUBSET, REPO, needs_coco_subset
 
@@ -85,7 +86,47 @@ def test_sample_drawn_upright_with_boxes_on_the_objects(tmp_path):
     assert s["boxes"].tolist() == [[10.0, 10.0, 35.0, 25.0]] and s["gt_boxes"].tolist() == [[10.0, 10.0, 35.0, 25.0]]
     assert s["scores"].tolist() == pytest.approx([0.9])
     assert int(s["image"][0, 20, 20]) == 255  # the red object is inside the upright box
-    assert (s["drawn"] != s["image"]).any()
+    assert tuple(s["drawn"].shape[-2:]) == sample_layout(60, 40)["size"]
+
+
+def _rgb(drawn: torch.Tensor) -> np.ndarray:
+    return drawn.permute(1, 2, 0).numpy().astype(int)
+
+
+def test_sample_of_a_small_image_drawn_large_with_labels_outside_and_boxes_visible_on_green(tmp_path):
+    """A 160 px built-in-sized image with a green square: the drawn sample is 640 px, the detection's label
+    sits on a tag above the box (the object's pixels keep their colour), and both boxes stay visible on the
+    green: the ground truth dashed white over black, the detection in its class colour over black."""
+    (tmp_path / "img").mkdir()
+    arr = np.full((160, 160, 3), 90, dtype=np.uint8)
+    arr[40:120, 40:120] = (0, 255, 0)  # a green square, as the built-in set draws them
+    Image.fromarray(arr).save(tmp_path / "img" / "a.png")
+    gt = {"images": [{"id": 1, "file_name": "a.png", "width": 160, "height": 160}],
+          "annotations": [{"id": 1, "image_id": 1, "category_id": 2, "bbox": [40, 40, 80, 80], "iscrowd": 0}],
+          "categories": [{"id": 2, "name": "square"}]}
+    res = [{"image_id": 1, "category_id": 2, "bbox": [44, 44, 72, 72], "score": 0.87}]
+    (s,) = sample_detections(gt, res, str(tmp_path / "img"), [1])
+    lay = sample_layout(160, 160)
+    assert lay["scale"] == SAMPLE_DISPLAY_SIZE / 160 and lay["font_size"] >= 16
+    drawn = _rgb(s["drawn"])
+    assert drawn.shape[:2] == lay["size"] == (640 + lay["top"] + lay["bottom"], 640)
+    k, top = lay["scale"], lay["top"]
+    # inside the detection, away from its edges, the green object is as it was: no label over it
+    x1, y1, x2, y2 = (round(v * k) for v in (44, 44, 116, 116))
+    inner = drawn[y1 + top + 8:y2 + top - 8, x1 + 8:x2 - 8]
+    assert (np.abs(inner - np.array([0, 255, 0])) <= 2).all()
+    # the label tag (class colour) sits just above the box, over the grey background
+    tag = drawn[y1 + top - lay["font_size"]:y1 + top - 3, x1 + 2:x1 + 20]
+    assert (np.abs(tag - np.array(class_color(2))).max(-1) <= 2).mean() > 0.5
+    # the detection's left edge: its class colour with a black line on the green side
+    row = drawn[(y1 + y2) // 2 + top, x1 - 2:x1 + lay["line_width"] + 2]
+    colors = {tuple(c) for c in row.tolist()}
+    assert class_color(2) in colors and OUTLINE_COLOR in colors
+    # the ground truth's top edge, on the green square: white dashes and black between them
+    gx1, gy1, gx2 = round(40 * k), round(40 * k) + top, round(120 * k)
+    edge = drawn[gy1:gy1 + lay["line_width"] + 2, gx1 + 20:gx2 - 20].reshape(-1, 3)
+    edge_colors = {tuple(c) for c in edge.tolist()}
+    assert GT_COLOR in edge_colors and OUTLINE_COLOR in edge_colors
 
 
 @needs_coco_subset
@@ -135,12 +176,16 @@ def test_log_evaluation_extras_wandb_offline_and_tensorboard_read_back(tmp_path,
     assert (out / "plots" / "training_curves.png").is_file()
     ids = select_sample_ids(keep, 4)
     drawn = sorted(p.name for p in (out / "samples" / "epoch_0000").iterdir())
-    assert drawn == [f"{i:012d}.jpg" for i in ids]
-    # a detection is drawn in its class colour on the left edge of the box it found (JPEG-blurred)
+    assert drawn == [f"{i:012d}.png" for i in ids]
+    # a detection is drawn in its class colour on the left edge of the box it found (PNG: exact colours)
     a = next(a for a in gt["annotations"] if a["image_id"] == ids[0] and a["bbox"][3] > 20 and a["category_id"] != 1)
-    x, y, w, h = (int(round(v)) for v in a["bbox"])
-    px = np.asarray(Image.open(out / "samples" / "epoch_0000" / f"{ids[0]:012d}.jpg"))[y + h // 2, x].astype(int)
-    assert np.abs(px - np.array(class_color(a["category_id"]))).max() < 60, px
+    info = next(im for im in gt["images"] if im["id"] == ids[0])
+    lay = sample_layout(info["height"], info["width"])
+    x, y, w, h = (v * lay["scale"] for v in a["bbox"])
+    sample = np.asarray(Image.open(out / "samples" / "epoch_0000" / f"{ids[0]:012d}.png"))
+    assert sample.shape[:2] == lay["size"]
+    row = sample[round(y + h / 2) + lay["top"], round(x) - 1:round(x) + lay["line_width"] + 1].astype(int).tolist()
+    assert [tuple(c) for c in row] == [OUTLINE_COLOR] + [class_color(a["category_id"])] * lay["line_width"] + [OUTLINE_COLOR]
 
     # wandb offline run: the sample images with their boxes, and the per-class table
     (run_dir,) = (out / "wandb").glob("offline-run-*")
@@ -171,8 +216,7 @@ def test_log_evaluation_extras_wandb_offline_and_tensorboard_read_back(tmp_path,
     assert acc_tb.Scalars("per_class/AP50/person")[0].step == 2
     assert f"samples/{ids[0]}" in tags["images"] and "plots/pr_curve" in tags["images"]
     img = acc_tb.Images(f"samples/{ids[0]}")[0]
-    info = next(im for im in gt["images"] if im["id"] == ids[0])
-    assert (img.height, img.width) == (info["height"], info["width"]) and img.encoded_image_string[:2] == b"\xff\xd8"
+    assert (img.height, img.width) == lay["size"] and img.encoded_image_string[:8] == b"\x89PNG\r\n\x1a\n"
     assert "per_class/table/text_summary" in tags["tensors"]
 
 
