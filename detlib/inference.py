@@ -289,3 +289,27 @@ def start_prediction(args):
     accelerator = make_accelerator(args.mixed_precision, 1, "none", args.output_dir, cpu=args.cpu)
     setup_logging(args.output_dir, accelerator.is_main_process, filename="predict.log")
     return accelerator
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached a predict script (`run_prediction`)."""
+
+
+def run_prediction(main) -> None:
+    """A predict script's entry point: Ctrl-C or SIGTERM stops it with one `stopped:` line as the last thing printed
+    (no traceback) and exit code 130 (SIGINT) / 143 (SIGTERM); the files written per image so far stay, the
+    merged outputs (predictions.json / .csv) are written only by a run that ends."""
+    import signal
+    import sys
+
+    def interrupt(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+    try:
+        main()
+    except Interrupted as e:
+        print(f"stopped: {e} before the end; the per-image outputs written so far are kept, the merged ones were not "
+              "written: run the same command again", file=sys.stderr, flush=True)
+        raise SystemExit(130 if str(e) == "SIGINT" else 143) from None

@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 from detlib.classification import classification_transform
 from detlib.flags import int_at_least
 from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_image_files, load_classifier, output_names,
-                              prediction_parser, shard_batches, start_prediction)
+                              prediction_parser, run_prediction, shard_batches, start_prediction)
+from detlib.rundir import worker_loader_kwargs
 from detlib.weights import weights_path
 
 logger = logging.getLogger("predict_catsdogs")
@@ -99,7 +100,8 @@ def main(argv=None):
             logger.warning("%s", held)
     ds = ClassificationImageFiles(paths, classification_transform(image_size, train=False), not args.no_exif_transpose)
     batches = shard_batches(len(ds), args.batch_size, accelerator.process_index, accelerator.num_processes)
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, num_workers=min(args.num_workers, os.cpu_count() or 1))
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=batches,
+                                         **worker_loader_kwargs(min(args.num_workers, os.cpu_count() or 1)))
     rows: dict[int, list[tuple[str, float]]] = {}
     failed: list[int] = []
     for batch in tqdm(loader, desc="predict", disable=not accelerator.is_local_main_process):
@@ -127,4 +129,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_prediction(main)

@@ -42,8 +42,9 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
 from detlib.flags import float_range, int_at_least
 from detlib.inference import (DetectionImageFiles, earlier_outputs, list_image_files, load_retinanet, output_names,
-                              prediction_parser, shard_batches, start_prediction)
+                              prediction_parser, run_prediction, shard_batches, start_prediction)
 from detlib.labels import describe_mapping, match_categories
+from detlib.rundir import worker_loader_kwargs
 from detlib.transforms import build_transform
 from detlib.visualize import boxes_from_coco, class_color, draw_detections, save_image, upright_image_and_boxes
 from detlib.weights import weights_path
@@ -192,7 +193,7 @@ def main(argv=None):
             logger.warning("%s", held)
     batches = shard_batches(len(ds), args.batch_size, accelerator.process_index, accelerator.num_processes)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate_detection,
-                                         num_workers=min(args.num_workers, os.cpu_count() or 1))
+                                         **worker_loader_kwargs(min(args.num_workers, os.cpu_count() or 1)))
     logger.info("%d images from %s at %d px (max %s), %d process(es), batch size %d", len(ds), args.source, image_size,
                 max_size, accelerator.num_processes, args.batch_size)
 
@@ -237,4 +238,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_prediction(main)

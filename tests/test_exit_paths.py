@@ -212,6 +212,40 @@ def test_normal_end_max_steps_and_evaluate_only_return_to_the_shell(script, conf
     assert code != 0 and not traceback_through_our_code(run.text), run.text[-3000:]
 
 
+@pytest.mark.parametrize("script", ["predict_catsdogs.py", "predict_retinanet.py"])
+def test_ctrl_c_to_a_prediction(script, tmp_path):
+    """Ctrl-C while a predict script runs (with workers): one `stopped:` line last, no traceback, exit 130."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from test_catsdogs import make_tiny_folder
+
+    weights = tmp_path / "best"
+    weights.mkdir()
+    if script == "predict_catsdogs.py":
+        from detlib.classification import build_classifier
+
+        model, config = build_classifier("test_resnet", 2), {"model": "test_resnet", "num_classes": 2,
+                                                              "classes": ["horizontal", "vertical"], "image_size": 32}
+    else:
+        from detlib.model import RetinaNet
+
+        model, config = RetinaNet(2, "resnet18", fpn_channels=16), {"num_classes": 2, "backbone": "resnet18",
+                                                                    "fpn_channels": 16, "image_size": 64}
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights / "model.safetensors")
+    (weights / "model_config.json").write_text(json.dumps(config))
+    source = make_tiny_folder(tmp_path / "images", [300, 300], size=64)
+    run = Launch(script, ["--weights", weights, "--source", source, "--batch_size", "1", *WORKERS,
+                          "--output_dir", tmp_path / "out"], None)
+    run.wait_for("predict:")
+    time.sleep(1.0)
+    os.killpg(run.proc.pid, signal.SIGINT)
+    code, _ = run.finish(f"{script} Ctrl-C")
+    last = [ln for ln in run.text.replace("\r", "\n").splitlines() if ln.strip()][-1]
+    assert code == 130 and last.startswith("stopped: SIGINT before the end"), run.text[-2000:]
+    assert "Traceback" not in run.text, run.text[-2000:]
+
+
 # ---- stops: preemption mid-epoch and mid-evaluation, the launcher killed, divergence, errors
 
 @pytest.mark.parametrize("script,config", [("train_catsdogs.py", "cpu_2proc.yaml"), ("train_retinanet.py", "cpu.yaml")])
