@@ -66,9 +66,9 @@ def build_classifier(name: str, num_classes: int, pretrained: bool = False, weig
                 model = torchvision.models.resnet18(weights="IMAGENET1K_V1" if pretrained else None)
         except pickle.UnpicklingError as e:
             cache = os.path.join(torch.hub.get_dir(), "checkpoints")
-            raise RuntimeError(f"the cached torchvision weights of {name!r} in {cache} hold pickled objects other "
-                               f"than tensors ({refusal_reason(e)}): refused, nothing in them was run; delete the file to "
-                               "download it again, or pass --weights PATH") from None
+            raise RuntimeError(f"the cached torchvision weights of {name!r} in {cache} hold pickled objects "
+                               f"other than tensors ({refusal_reason(e)}): refused, nothing in them was run; delete "
+                               "the file to download it again, or pass --weights PATH") from None
         except Exception as e:  # urllib / hub errors of many kinds when offline
             raise RuntimeError(_offline_message(name, "torchvision", e)) from e
         model.fc = nn.Linear(model.fc.in_features, num_classes)
