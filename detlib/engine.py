@@ -380,8 +380,10 @@ class Run:
 
     # ---- end
     def finish(self, model=None) -> None:
-        """Write last/ (training), print the end-of-run summary, close the trackers and the lock."""
+        """Write last/ (training), close the trackers and the lock, then print the end-of-run summary (after the
+        trackers' own end-of-run lines, so the summary is the last thing the run prints)."""
         st = self.state
+        lines = None
         if model is not None and not self.evaluate_only:
             self.checkpointer.save_weights(model, "last", st.global_step)
             elapsed = time.time() - self.t_start
@@ -389,10 +391,11 @@ class Run:
             final = self.last_stats[self.metric] if self.last_stats else None
             lines = summary_lines(self.output_dir, self.metrics.path, self.metric, elapsed, st.global_step,
                                   st.skipped_steps, st.best_metric, best, final, self.images_seen)
-            logger.info("summary:\n  %s", "\n  ".join(lines))
         if self.accelerator.is_main_process and not self.evaluate_only:
             self._write_status(0)
         self._close()
+        if lines:
+            logger.info("summary:\n  %s", "\n  ".join(lines))
 
     _status_written = False
 
