@@ -27,10 +27,12 @@ from test_catsdogs import make_tiny_folder
 
 pytestmark = pytest.mark.slow
 
+# DataLoader workers on, as users run (2: the default 4 capped at this machine's cores): every exit path and resume
+# below runs through worker processes (the cats/dogs ones persistent)
 TINY = ["--backbone", "resnet18", "--image_size", "64", "--fpn_channels", "16", "--per_device_batch_size", "2",
-        "--per_device_eval_batch_size", "4", "--num_workers", "0", "--log_interval", "1", "--report_to", "none",
+        "--per_device_eval_batch_size", "4", "--num_workers", "2", "--log_interval", "1", "--report_to", "none",
         "--eval_interval", "100"]
-CATS = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "0", "--log_interval", "1", "--report_to", "none"]
+CATS = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "2", "--log_interval", "1", "--report_to", "none"]
 
 
 def make_detection_set(root: Path, n_train: int, n_val: int = 2) -> list[str]:
