@@ -350,7 +350,8 @@ class Run:
     def save_checkpoint(self, model) -> str:
         """Write a checkpoint of everything a resume needs (collective). Non-finite weights are never written;
         a failed save (disk full) stops the run with one line, keeping the older checkpoints."""
-        return self.checkpointer.save_checkpoint(model, self.state, self._epoch_sums)
+        optimizer = getattr(self, "optimizer", None)  # sizes the checkpoint for the message of a failed save
+        return self.checkpointer.save_checkpoint(model, self.state, self._epoch_sums, optimizer)
 
     # ---- preemption
     def poll_preemption(self, model=None, batch_index: int | None = None) -> None:

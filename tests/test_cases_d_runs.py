@@ -117,3 +117,171 @@ def test_case_d03_detection_val_sets_whose_ap_is_undefined_or_trivially_zero(tmp
     assert report.ok
     (w,) = [f for f in report.findings if "without any training box" in f.message]
     assert w.level == "warning" and w.examples == ["2 'dog' (1 boxes)"]
+
+
+# ---- D21: a failed save names its cause
+
+UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 361600 vs 361488"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (root only; skipped where mount is not allowed), unmounted after the test."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path, leave_free: int) -> None:
+    """Fill the file system of `disk` from outside the run, leaving `leave_free` bytes."""
+    free = shutil.disk_usage(disk).free
+    with open(disk / "filler.bin", "wb") as f:
+        f.write(b"\1" * max(0, free - leave_free))
+
+
+def trained_accelerator():
+    import torch
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(256, 256)  # 263,168 bytes of weights; AdamW keeps two more of them
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    return acc, model, opt
+
+
+@pytest.mark.parametrize("leave_free", [100_000, 400_000], ids=["weights_file_fails", "optimizer_file_fails"])
+def test_case_d21_disk_filling_during_a_checkpoint_save_says_no_space(small_disk, leave_free):
+    from detlib import checkpoint as ckpt
+    from detlib.rundir import checkpoint_bytes
+    from detlib.weights import CheckpointError
+
+    acc, model, opt = trained_accelerator()
+    out = small_disk / "run"
+    state = ckpt.TrainState(epoch=1, global_step=1)
+    first = ckpt.save_checkpoint(acc, str(out), state, total_limit=1)
+    needed = ckpt.folder_size(first)  # what the message compares with when the run gives no estimate
+    assert needed > checkpoint_bytes(model, opt)[1]
+    fill(small_disk, leave_free)  # 100 kB: model.safetensors (safetensors' "os error 28") fails;
+    state.epoch, state.global_step = 2, 2  # 400 kB: it fits, then torch's optimizer.bin fails with "unexpected pos"
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save_checkpoint(acc, str(out), state, total_limit=1)
+    msg = str(e.value)
+    tmp = out / "checkpoints" / "epoch_0002.tmp"
+    assert msg.startswith(f"could not write checkpoint {tmp}: no space left on device (")
+    assert f"MiB free in {out / 'checkpoints'}, ~" in msg and "MiB needed);" in msg and "epoch_0001 is kept" in msg
+    assert "\n" not in msg
+    assert "inline_container" not in msg and "unexpected pos" not in msg
+    free_mib = float(msg.split("(")[1].split(" MiB free")[0])
+    assert free_mib * 2**20 < needed  # it says how much is missing
+    assert sorted(os.listdir(out / "checkpoints")) == ["epoch_0001"]  # no partial folder; the previous one kept
+    ckpt.verify_checkpoint(first)
+
+
+def test_case_d21_weights_on_a_full_disk_keep_the_old_file(small_disk):
+    from detlib.weights import CheckpointError, load_state_dict_file, save_model_weights
+
+    acc, model, _ = trained_accelerator()
+    best = small_disk / "run" / "best"
+    save_model_weights(acc, model, str(best))
+    before = load_state_dict_file(best / "model.safetensors")
+    fill(small_disk, 50_000)
+    with pytest.raises(CheckpointError) as e:
+        save_model_weights(acc, model, str(best))
+    assert str(e.value).startswith(f"could not write {best / 'model.safetensors'}: no space left on device (")
+    assert f"MiB free in {best}, ~0.25 MiB needed)" in str(e.value)
+    assert sorted(os.listdir(best)) == ["model.safetensors"]  # no .tmp left, the old file intact
+    after = load_state_dict_file(best / "model.safetensors")
+    assert all((before[k] == after[k]).all() for k in before)
+
+
+def test_case_d21_zip_writer_error_without_errno_is_read_from_the_disk(tmp_path, monkeypatch):
+    """Where no tmpfs can be mounted: torch's "unexpected pos" names no cause; the free space decides."""
+    from collections import namedtuple
+
+    from detlib import checkpoint as ckpt
+    from detlib import weights
+    from detlib.weights import CheckpointError
+
+    acc, model, opt = trained_accelerator()
+    first = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=1))
+
+    def short_write(folder, *a, **k):
+        with open(os.path.join(folder, "optimizer.bin"), "wb") as f:
+            f.write(b"\0" * 1000)
+        raise RuntimeError(UNEXPECTED_POS)
+
+    monkeypatch.setattr(acc, "save_state", short_write)
+    usage = namedtuple("usage", "total used free")
+    for free, expect in [(200_000, f"no space left on device (0.19 MiB free in {tmp_path}/checkpoints, ~1.00 MiB needed)"),
+                         (50 * 2**30, "the file system took only part of a write (" + UNEXPECTED_POS)]:
+        monkeypatch.setattr(weights.shutil, "disk_usage", lambda _, f=free: usage(0, 0, f))
+        with pytest.raises(CheckpointError) as e:
+            ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=2, global_step=2), needed_bytes=2**20)
+        assert expect in str(e.value) and "epoch_0001 is kept" in str(e.value)
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch_0001"]
+    ckpt.verify_checkpoint(first)
+
+
+def test_case_d21_other_causes_are_named(tmp_path, monkeypatch):
+    import errno
+
+    from detlib import checkpoint as ckpt
+    from detlib.checkpointer import Checkpointer
+    from detlib.weights import CheckpointError
+
+    acc, model, _ = trained_accelerator()
+    state = ckpt.TrainState(epoch=1, global_step=1)
+    # checkpoints/ a symlink whose target is missing (a scratch disk not mounted), or a file
+    dangling = tmp_path / "dangling"
+    dangling.mkdir()
+    (dangling / "checkpoints").symlink_to(tmp_path / "not_mounted" / "ckpts")
+    with pytest.raises(CheckpointError, match=rf"^could not write checkpoint {dangling}/checkpoints/epoch_0001.tmp: "
+                       rf"{dangling}/checkpoints is a symlink to {tmp_path}/not_mounted/ckpts, which does not exist; "):
+        ckpt.save_checkpoint(acc, str(dangling), state)
+    a_file = tmp_path / "a_file"
+    a_file.mkdir()
+    (a_file / "checkpoints").write_text("not a folder")
+    with pytest.raises(CheckpointError, match=rf"{a_file}/checkpoints is a file, not a folder; removed the partial "
+                       "folder, no earlier checkpoint exists$"):
+        ckpt.save_checkpoint(acc, str(a_file), state)
+
+    # permission and a read-only file system (root may write anywhere: the writer's errors are simulated)
+    for error, expect in [(PermissionError(errno.EACCES, "Permission denied"), rf"permission denied: {tmp_path}/ro/checkpoints "
+                           rf"\(owner uid {os.getuid()}, mode [0-7]+\) is not writable by uid {os.getuid()}"),
+                          (OSError(errno.EROFS, "Read-only file system"), rf"{tmp_path}/ro/checkpoints is on a read-only file system")]:
+        (tmp_path / "ro").mkdir(exist_ok=True)
+
+        def refuse(folder, *a, e=error, **k):
+            raise e
+
+        monkeypatch.setattr(acc, "save_state", refuse)
+        with pytest.raises(CheckpointError, match=expect):
+            ckpt.save_checkpoint(acc, str(tmp_path / "ro"), state)
+    monkeypatch.undo()
+
+    # best/ that is a file: the run stops with one line through its fail (every process)
+    run_dir = tmp_path / "run"
+    (run_dir / "best").parent.mkdir()
+    (run_dir / "best").write_text("")
+    stops = []
+
+    def fail(message, code=1):
+        stops.append(message)
+        raise SystemExit(code)
+
+    checkpointer = Checkpointer(acc, str(run_dir), "AP", 1, fail)
+    with pytest.raises(SystemExit):
+        checkpointer.keep_best(model, 0.5, state, 0)
+    assert stops == [f"could not write {run_dir}/best/model.safetensors: {run_dir}/best is a file, not a folder; "
+                     f"the checkpoints in {run_dir}/checkpoints are kept"]
