@@ -56,7 +56,8 @@ from .flags import EVALUATE_ONLY_SUBDIR
 from .resume import ResumeError, restore, run_length, set_tracker_offset
 from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, check_disk_space, prepare_output_dir,
                      release_lock, write_run_status)
-from .runtime import MetricsLogger, init_trackers, log_run_setup, make_accelerator, save_config, setup_logging
+from .runtime import (MetricsLogger, TrackerError, finish_trackers, init_trackers, log_run_setup, make_accelerator,
+                      save_config, setup_logging)
 from .step_guard import StepGuard
 from .weights import load_model_weights
 
@@ -149,8 +150,16 @@ class Run:
         return f
 
     def init_trackers(self) -> None:
-        self.state.run_id = init_trackers(self.accelerator, self.args.project, self.config, self.output_dir,
-                                          self.state.run_id, self.args.run_name)
+        """Start the trackers (collective); one that cannot start stops the run with one line (`fail`)."""
+        error = None
+        try:
+            self.state.run_id = init_trackers(self.accelerator, self.args.project, self.config, self.output_dir,
+                                              self.state.run_id, self.args.run_name, self.args.report_to)
+        except TrackerError as e:  # main process only: the others learn it below
+            error = str(e)
+        error = broadcast_object(self.accelerator, error)
+        if error:
+            self.fail(error)
 
     # ---- training set-up
     def start_training(self, model, optimizer, train_loader, schedule: dict):
@@ -397,6 +406,7 @@ class Run:
         try:
             if self.progress is not None:
                 self.progress.close()
+            finish_trackers(self.accelerator, self.output_dir)  # a tracker failing to close: one warning
             self.accelerator.end_training()
         finally:
             self.signals.restore()

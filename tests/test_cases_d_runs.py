@@ -285,3 +285,100 @@ def test_case_d21_other_causes_are_named(tmp_path, monkeypatch):
         checkpointer.keep_best(model, 0.5, state, 0)
     assert stops == [f"could not write {run_dir}/best/model.safetensors: {run_dir}/best is a file, not a folder; "
                      f"the checkpoints in {run_dir}/checkpoints are kept"]
+
+
+# ---- D12: a tracker that cannot start (or close) is one line, and run_status.json says so
+
+def wandb_env(tmp_path: Path, **env) -> dict:
+    """No wandb key anywhere (a fresh HOME and wandb config folder, no WANDB_API_KEY), the built-in data where the
+    other tests have it, and short wandb timeouts."""
+    from detlib.synthetic import cache_root
+
+    home = tmp_path / "home"
+    (home / ".config" / "wandb").mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    return {**base, "HOME": str(home), "WANDB_CONFIG_DIR": str(home / ".config" / "wandb"), "DETLIB_CACHE": cache_root(),
+            "WANDB_INIT_TIMEOUT": "5", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
+
+
+def launch_quiet(args: list, env: dict, timeout: int = 240):
+    """The catsdogs script under `accelerate launch --quiet` (no launcher traceback after an error line)."""
+    import subprocess
+
+    from conftest import launch_command
+
+    cmd = launch_command("train_catsdogs.py", [*args], launcher_args=("--quiet",))
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+TRACKER_RUN = ["--max_steps", "1", "--image_size", "16", "--num_workers", "0", "--per_device_batch_size", "8",
+               "--per_device_eval_batch_size", "50"]
+
+
+@pytest.mark.parametrize("variant", ["no_key", "key_no_network"])
+def test_case_d12_wandb_online_without_key_or_network_is_one_line_and_a_run_status(tmp_path, variant):
+    env = {"WANDB_MODE": "online"}
+    if variant == "key_no_network":  # a closed port on this machine: refused at once, nothing leaves it
+        env.update(WANDB_API_KEY="0123456789abcdef0123456789abcdef01234567", WANDB_BASE_URL="http://127.0.0.1:9")
+    out = tmp_path / "run"
+    proc = launch_quiet([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out], wandb_env(tmp_path, **env))
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    assert "Traceback" not in text and "has no attribute 'run'" not in text
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith("error: --report_to wandb: wandb could not start a run (WANDB_MODE=online): ")
+    if variant == "no_key":
+        assert "No API key configured" in line and "log in (`wandb login`, or set WANDB_API_KEY)" in line
+    else:
+        assert "connection refused" in line and "check the network and the wandb host (http://127.0.0.1:9)" in line
+    assert f"WANDB_MODE=offline (upload later with `wandb sync {out}/wandb/offline-run-*`), or pass --report_to none" in line
+    status = json.loads((out / "run_status.json").read_text())
+    assert status["status"] == "failed" and status["message"] == line.removeprefix("error: ")
+    assert status["global_step"] == 0 and not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("mode", ["disabled"])  # offline: test_case_b13_b21_... (test_catsdogs_launch.py)
+def test_case_d12_wandb_disabled_and_offline_keep_working(tmp_path, mode):
+    out = tmp_path / "run"
+    proc = launch_quiet([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out], wandb_env(tmp_path, WANDB_MODE=mode))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr and not error_lines(proc.stderr)
+    assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+    assert len(list((out / "wandb").glob("offline-run-*"))) == (mode == "offline")
+
+
+def test_case_d12_tensorboard_that_cannot_start_or_close(tmp_path, monkeypatch, capsys):
+    """In one process: a tracker whose start raises stops the run in one line before the first step; one whose
+    close raises at the end is a warning, and the run still finishes."""
+    from accelerate.tracking import TensorBoardTracker
+
+    script = load_script("train_catsdogs")
+    args = [*TRACKER_RUN, "--report_to", "tensorboard", "--verify_images", "header"]
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", self.logging_dir_param)
+
+    monkeypatch.setattr(TensorBoardTracker, "start", refuse)
+    out = tmp_path / "start"
+    with pytest.raises(SystemExit) as e:
+        script.main([*args, "--output_dir", str(out)])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    (line,) = error_lines(err)
+    assert line.startswith(f"error: --report_to tensorboard: tensorboard could not start (permission denied: {out} ")
+    assert line.endswith("); fix that, or pass --report_to none") and "Traceback" not in err
+    assert json.loads((out / "run_status.json").read_text())["status"] == "failed"
+    monkeypatch.undo()
+
+    def lost(self):
+        raise ConnectionError("upload of the event file failed")
+
+    monkeypatch.setattr(TensorBoardTracker, "finish", lost)
+    out = tmp_path / "close"
+    script.main([*args, "--output_dir", str(out)])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err and not error_lines(captured.err)
+    assert (f"the tensorboard tracker did not close cleanly (ConnectionError: upload of the event file failed); the "
+            f"run's own files in {out} are complete") in (out / "train.log").read_text()
+    assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+    assert (out / "last" / "model.safetensors").is_file() and list((out / "tensorboard").rglob("events.out.*"))
