@@ -53,6 +53,7 @@ from . import checkpoint as ckpt
 from .checkpointer import Checkpointer, summary_lines
 from .collectives import broadcast_object, min_over_processes
 from .flags import EVALUATE_ONLY_SUBDIR
+from .logtext import shorten_lists
 from .resume import ResumeError, restore, run_length, set_tracker_offset
 from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, check_disk_space, prepare_output_dir,
                      release_lock, write_run_status)
@@ -138,7 +139,7 @@ class Run:
         if self.accelerator.is_main_process:
             save_config(config, self.output_dir)
             logger.info("config (also in %s):\n%s", os.path.join(self.output_dir, "config.yaml"),
-                        yaml.safe_dump(config, sort_keys=False).rstrip())
+                        yaml.safe_dump(shorten_lists(config), sort_keys=False).rstrip())
 
     def load_weights(self, model: torch.nn.Module, path: str) -> str:
         """Load `--evaluate_only` weights into the bare model; any failure is one line and exit 1."""

@@ -119,6 +119,122 @@ def test_case_d03_detection_val_sets_whose_ap_is_undefined_or_trivially_zero(tmp
     assert w.level == "warning" and w.examples == ["2 'dog' (1 boxes)"]
 
 
+# ---- D04: log lines of bounded length whatever the number of classes
+
+MAX_LINE = 600  # characters of a console / train.log line (paths of the test's tmp folder included)
+
+
+def long_lines(text: str) -> list[str]:
+    return [f"{len(line)}: {line[:200]}" for line in text.splitlines() if len(line) > MAX_LINE]
+
+
+@needs_catsdogs
+def test_case_d04_300_classes_keep_console_and_train_log_readable(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    images = sorted((CATSDOGS / "train").glob("*/*.jpg"))[:300]
+    assert len(images) == 300
+    data = tmp_path / "data"
+    for i, p in enumerate(images):
+        image_folder(data, {f"class_{i:03d}": [p]})
+    out = tmp_path / "run"
+    load_script("train_catsdogs").main([*FAST, "--model", "test_resnet", "--image_size", "32", "--train_dir", str(data),
+                                        "--val_dir", str(data), "--output_dir", str(out), "--report_to", "tensorboard"])
+    console = capsys.readouterr()
+    log = (out / "train.log").read_text()
+    for text in (log, console.out, console.err):
+        assert not long_lines(text), long_lines(text)
+    assert len(log) < 20_000  # was 278,822 characters on one line
+    (line,) = [ln for ln in log.splitlines() if " eval on 300 images" in ln]
+    assert "300 classes, mean precision " in line and "lowest recall (images): class_" in line and "; highest: " in line
+    assert line.endswith(f"per class and confusion matrix in {out}/plots/epoch_0000")
+    assert "class_000, class_001, class_002, class_003, class_004, class_005, class_006, class_007, ... (300 in all)" in log
+    assert "- (300 items in all)\n" in log  # the config's class list in the log; config.yaml keeps all 300
+    assert (out / "config.yaml").read_text().count("\n- class_") == 300
+
+    # the full detail in files: 300 classes, the 300 x 300 matrix; they agree with predictions_val.csv
+    per_class = json.loads((out / "plots" / "epoch_0000" / "per_class.json").read_text())
+    cm = json.loads((out / "plots" / "epoch_0000" / "confusion_matrix.json").read_text())
+    assert len(per_class) == 300 and cm["names"] == sorted(per_class) and len(cm["matrix"]) == 300
+    assert all(len(row) == 300 for row in cm["matrix"]) and sum(map(sum, cm["matrix"])) == 300
+    import csv
+
+    with open(out / "predictions_val.csv") as f:
+        rows = list(csv.DictReader(f))
+    right = sum(r["label"] == r["pred"] for r in rows)
+    assert sum(cm["matrix"][i][i] for i in range(300)) == right
+    assert sum(v["recall"] for v in per_class.values()) == pytest.approx(right)  # 1 image per class
+    (ev,) = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_accuracy" in m]
+    assert ev["val_mean_recall"] == pytest.approx(right / 300) and ev["val_accuracy"] == pytest.approx(right / 300)
+    assert not [k for k in ev if k.startswith(("val_precision_", "val_recall_", "val_confusion"))]
+    assert (out / "plots" / "epoch_0000" / "confusion_matrix.png").is_file()
+
+    # tensorboard: the table as text and the matrix as an image, not 600 per-class scalars
+    acc = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent),
+                           size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert {"val_accuracy", "val_mean_precision", "val_mean_recall"} <= set(tags["scalars"])
+    assert not [t for t in tags["scalars"] if t.startswith(("val_precision_", "val_recall_"))]
+    assert "plots/confusion_matrix" in tags["images"]
+    (text,) = [t for t in tags["tensors"] if t.startswith("per_class/table")]
+    table = acc.Tensors(text)[0].tensor_proto.string_val[0].decode()
+    assert table.count("\n| class_") == 300
+
+
+def test_case_d04_per_class_tables_and_lists_have_a_bounded_size():
+    from detlib.analysis import format_per_class
+    from detlib.classification import per_class_summary, per_class_table
+    from detlib.logtext import class_counts, short_list
+
+    long = "a-class-name-that-a-converter-made-from-a-whole-sentence-of-the-label-tool " * 3
+    for k in (3, 80, 1000):
+        per_class = {f"{long}{i}": {"AP": i / k, "AP50": min(1.0, 2 * i / k), "num_gt": i} for i in range(k)}
+        table = format_per_class(per_class, full_table="run/plots/epoch_0004/per_class_ap.json").splitlines()
+        assert len(table) <= 14 and max(map(len, table)) <= 120
+        if k > 12:
+            assert table[1].split()[1:] == ["0.000", "0.000", "0"]  # the worst first, the best last
+            assert table[-1].split()[1:] == [f"{(k - 1) / k:.3f}", "1.000", str(k - 1)]
+            assert table[7] == (f"... {k - 12} classes between (mean AP {sum(range(6, k - 6)) / (k - 12) / k:.3f}); "
+                                f"all {k}: run/plots/epoch_0004/per_class_ap.json")
+        names = [f"{long}{i}" for i in range(k)]
+        confusion = [[int(i == j) * (i % 3) for j in range(k)] for i in range(k)]
+        summary = per_class_summary(per_class_table(names, confusion), confusion)
+        assert len(summary) <= 400
+        assert len(short_list(names)) <= 400 and len(class_counts(names, list(range(k)))) <= 400
+    cats = per_class_table(["cat", "dog"], [[3, 1], [0, 4]])
+    assert cats["cat"] == {"precision": 1.0, "recall": 0.75, "f1": pytest.approx(6 / 7), "support": 4, "predicted": 3}
+    assert per_class_summary(cats, [[3, 1], [0, 4]]) == ("cat: P 1.000 R 0.750, dog: P 0.800 R 1.000; confusion (rows "
+                                                         "true) [[3, 1], [0, 4]]")
+
+
+def test_case_d04_detector_per_class_table_at_90_classes_is_bounded_and_in_a_file(tmp_path, caplog):
+    """The detector's evaluation extras with 90 classes (COCO-like): a bounded table in the log, all in the json."""
+    from accelerate import Accelerator
+
+    from detlib.coco_eval import CocoEvaluator
+    from detlib.dashboard import log_evaluation_extras
+
+    write_image(tmp_path / "img" / "1.png", 400, 400)
+    cats = [{"id": c, "name": f"category number {c} of a long-named taxonomy {'x' * 30}"} for c in range(1, 91)]
+    anns = [{"id": c, "image_id": 1, "category_id": c, "bbox": [4 * (c % 10) * 10, 40 * (c // 10), 30, 30], "area": 900,
+             "iscrowd": 0} for c in range(1, 91)]
+    gt = {"images": [{"id": 1, "file_name": "1.png", "width": 400, "height": 400}], "annotations": anns, "categories": cats}
+    ev = CocoEvaluator(gt, backend="pycocotools")
+    ev.add(1, [{"image_id": 1, "category_id": a["category_id"], "bbox": a["bbox"], "score": 0.9} for a in anns[::2]])
+    ev.evaluate()
+    caplog.set_level("INFO", logger="detlib.dashboard")
+    per_class = log_evaluation_extras(Accelerator(cpu=True), str(tmp_path / "run"), 4, 40, gt, ev.results, ev.coco_eval,
+                                      str(tmp_path / "img"), num_log_images=0)
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("per-class AP at step 40")]
+    lines = record.getMessage().splitlines()
+    assert len(lines) <= 16 and max(map(len, lines)) <= 200
+    full = tmp_path / "run" / "plots" / "epoch_0004" / "per_class_ap.json"
+    assert lines[8] == f"... 78 classes between (mean AP 0.500); all 90: {full}"
+    assert len(json.loads(full.read_text())) == 90 == len(per_class)
+    assert sum(v["AP"] for v in per_class.values()) == pytest.approx(45)
+
+
 # ---- D21: a failed save names its cause
 
 UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 361600 vs 361488"
