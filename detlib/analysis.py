@@ -25,6 +25,7 @@ import torch
 from torchvision.ops import box_iou
 
 from .box_ops import box_ioa, box_xywh_to_xyxy
+from .logtext import EXTREMES, NAME_CHARS, short_name
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +99,29 @@ def _num_gt(coco_eval) -> dict[int, int]:
     return counts
 
 
-def format_per_class(per_class: dict[str, dict[str, float]]) -> str:
-    """A text table (one row per class, sorted by AP, the worst first) for train.log."""
+def format_per_class(per_class: dict[str, dict[str, float]], max_rows: int = 4 * EXTREMES,
+                     full_table: str | None = None) -> str:
+    """A text table for train.log, sorted by AP, the worst first: every class up to `max_rows` classes, beyond
+    that the `2 * EXTREMES` worst and best with a line saying how many are left out and where the whole
+    table is (`full_table`, e.g. plots/epoch_NNNN/per_class_ap.json). At most `max_rows + 2` lines whatever the
+    number of classes, rows of ~64 characters (names cut to `logtext.NAME_CHARS`)."""
     if not per_class:
         return "(no class with ground truth)"
-    width = max(12, max(len(n) for n in per_class))
+    width = min(NAME_CHARS, max(12, max(len(n) for n in per_class)))
+    ranked = sorted(per_class.items(), key=lambda kv: kv[1]["AP"])
     lines = [f"{'class':<{width}} {'AP':>6} {'AP50':>6} {'#gt':>5}"]
-    for name, v in sorted(per_class.items(), key=lambda kv: kv[1]["AP"]):
-        lines.append(f"{name:<{width}} {v['AP']:6.3f} {v['AP50']:6.3f} {v['num_gt']:5d}")
-    return "\n".join(lines)
+
+    def row(name, v):
+        return f"{short_name(name, width):<{width}} {v['AP']:6.3f} {v['AP50']:6.3f} {v['num_gt']:5d}"
+
+    if len(ranked) <= max_rows:
+        return "\n".join(lines + [row(*kv) for kv in ranked])
+    k = 2 * EXTREMES
+    lines += [row(*kv) for kv in ranked[:k]]
+    mean = float(np.mean([v["AP"] for _, v in ranked[k:-k]]))
+    lines.append(f"... {len(ranked) - 2 * k} classes between (mean AP {mean:.3f})"
+                 + (f"; all {len(ranked)}: {full_table}" if full_table else ""))
+    return "\n".join(lines + [row(*kv) for kv in ranked[-k:]])
 
 
 def pr_curves(coco_eval, iou_index: int = IOU50) -> dict:
@@ -269,9 +284,29 @@ def plot_confusion_matrix(cm: dict, path: str, max_classes: int = 80) -> str:
     used = m[:K].sum(1) + m[:, :K].sum(0)
     keep = [i for i in np.argsort(-used, kind="stable")[:max_classes] if used[i] > 0]
     keep = sorted(keep) + [K]
-    sub = m[np.ix_(keep, keep)]
-    names = [cm["names"][i] for i in keep]
-    n = len(keep)
+    title = (f"detections with score >= {cm['score_thresh']:g}\nmatched to ground truth at IoU >= {cm['iou_thresh']:g}"
+             + (f"\n{len(keep) - 1} of {K} classes (those that occur)" if len(keep) - 1 < K else ""))
+    return _plot_matrix(m[np.ix_(keep, keep)], [cm["names"][i] for i in keep], title, path)
+
+
+def plot_class_confusion(names: list[str], matrix: list[list[int]], path: str, max_classes: int = 30) -> str:
+    """PNG heat map of a classifier's confusion matrix ([K, K] counts, rows = true class): all classes up to
+    `max_classes`, beyond that the `max_classes` with the most errors (off-diagonal counts in their row and
+    column; the title says how many of how many are shown). Returns `path`."""
+    m = np.asarray(matrix, dtype=np.int64).reshape(len(names), len(names))
+    keep = list(range(len(names)))
+    title = "classifier confusion (rows: true class)"
+    if len(names) > max_classes:
+        errors = m.sum(0) + m.sum(1) - 2 * np.diag(m)
+        keep = sorted(np.argsort(-errors, kind="stable")[:max_classes].tolist())
+        title += f"\nthe {max_classes} of {len(names)} classes with the most errors"
+    return _plot_matrix(m[np.ix_(keep, keep)], [short_name(names[i], 24) for i in keep], title, path)
+
+
+def _plot_matrix(sub: np.ndarray, names: list[str], title: str, path: str) -> str:
+    """A [n, n] count matrix as a PNG heat map that grows with n (cells of 0.3 in beyond 12 classes, names at
+    LABEL_FONTSIZE pt), rows = ground truth. Returns `path`."""
+    n = len(names)
     cell = 0.3 if n > 12 else 0.6  # inches
     names_in = _text_inches(names, LABEL_FONTSIZE) + 0.55  # tick labels + axis label
     grid = max(cell * n, 2.0)
@@ -294,9 +329,7 @@ def plot_confusion_matrix(cm: dict, path: str, max_classes: int = 80) -> str:
     ax.tick_params(which="minor", length=0)
     ax.set_xlabel("predicted", fontsize=10)
     ax.set_ylabel("ground truth", fontsize=10)
-    ax.set_title(f"detections with score >= {cm['score_thresh']:g}\nmatched to ground truth at IoU >= "
-                 f"{cm['iou_thresh']:g}" + (f"\n{n - 1} of {K} classes (those that occur)" if n - 1 < K else ""),
-                 fontsize=10)
+    ax.set_title(title, fontsize=10)
     cax = fig.add_axes(((left + grid + 0.25) / W, bottom / H, 0.2 / W, grid / H))
     fig.colorbar(im, cax=cax)
     cax.tick_params(labelsize=9)

@@ -22,7 +22,6 @@ names any other global (a planted `__reduce__` calling os.system) is refused bef
 from __future__ import annotations
 
 import codecs
-import errno
 import json
 import logging
 import os
@@ -36,8 +35,8 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-from .weights import (WEIGHT_FILES, CheckpointError, readable_as_umask_allows, refusal_reason, verify_safetensors,
-                      weights_only_loads)
+from .weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, describe_write_failure, readable_as_umask_allows,
+                      refusal_reason, verify_safetensors, weights_only_loads)
 
 logger = logging.getLogger(__name__)
 
@@ -274,21 +273,18 @@ def folder_size(path: str) -> int:
     return total
 
 
-def _is_disk_full(e: BaseException) -> bool:
-    text = str(e).lower()
-    return getattr(e, "errno", None) == errno.ENOSPC or "no space left" in text or "file write failed" in text
-
-
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit: int | None = None,
-                    model_config: dict | None = None) -> str:
+                    model_config: dict | None = None, needed_bytes: int | None = None) -> str:
     """Save the full training state atomically. Collective: call on every process.
 
     Writes `<name>.tmp`, then renames it; then removes the oldest checkpoints beyond `total_limit` (0 or
     None: keep all). Returns the checkpoint folder, named after the epoch at an epoch boundary, else after
-    the global step.
+    the global step. `needed_bytes`: the expected size of a checkpoint (for the message of a failed save;
+    default: the previous checkpoint's size).
     Raises:
-        CheckpointError: on every process when any process failed to write (disk full: says so, with the
-        free space and the size of the previous checkpoint); the partial folder is removed, older
+        CheckpointError: on every process when any process failed to write, naming the cause
+        (`describe_write_failure`: no space left with the free and the needed space, permission, a symlink
+        whose target is missing, a file where a folder has to be); the partial folder is removed, older
         checkpoints are kept.
     """
     name = f"epoch_{state.epoch:04d}" if state.step_in_epoch == 0 else f"step_{state.global_step:08d}"
@@ -297,7 +293,10 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
     error = None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp, exist_ok=True)
+        try:
+            os.makedirs(tmp, exist_ok=True)
+        except OSError as e:  # save_state below fails the same way on every rank, so the ranks stay together
+            error = e
     accelerator.wait_for_everyone()
     try:
         accelerator.save_state(tmp)  # every rank writes its RNG state; the main rank the rest
@@ -306,13 +305,13 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
                 if obj is not None:
                     with open(os.path.join(tmp, fname), "w") as f:
                         json.dump(obj, f, indent=1)
-    except (OSError, RuntimeError) as e:
-        error = e
+    except WRITE_ERRORS as e:
+        error = error or e
     failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")
     if float(failed) > 0:
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(_save_failure_message(output_dir, tmp, error))
+        raise CheckpointError(_save_failure_message(output_dir, tmp, error, needed_bytes))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         for entry in os.listdir(tmp):
@@ -327,13 +326,11 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
     return final
 
 
-def _save_failure_message(output_dir: str, tmp: str, error: BaseException | None) -> str:
+def _save_failure_message(output_dir: str, tmp: str, error: BaseException | None, needed_bytes: int | None) -> str:
     previous = list_checkpoints(output_dir)
     kept = f"the previous checkpoint {previous[-1]} is kept" if previous else "no earlier checkpoint exists"
     if error is None:
         return f"another process failed to write checkpoint {tmp}; {kept}"
-    free = shutil.disk_usage(output_dir).free / 2**20
-    prev_size = f", the previous checkpoint takes {folder_size(previous[-1]) / 2**20:.0f} MiB" if previous else ""
-    if _is_disk_full(error):
-        return f"no space left on device while writing {tmp} ({free:.0f} MiB free{prev_size}); removed the partial folder, {kept}"
-    return f"could not write checkpoint {tmp} ({type(error).__name__}: {error}); removed the partial folder, {kept}"
+    needed = max(needed_bytes or 0, folder_size(previous[-1]) if previous else 0) or None
+    cause = describe_write_failure(error, tmp, needed)
+    return f"could not write checkpoint {tmp}: {cause}; removed the partial folder, {kept}"

@@ -22,8 +22,8 @@ import torch
 
 from . import checkpoint as ckpt
 from .collectives import broadcast_object, min_over_processes
-from .rundir import EXIT_DIVERGED
-from .weights import all_finite, save_model_weights
+from .rundir import EXIT_DIVERGED, checkpoint_bytes
+from .weights import CheckpointError, all_finite, save_model_weights
 
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger("detlib.engine")
@@ -56,23 +56,34 @@ class Checkpointer:
             self.fail(f"the model holds non-finite weights at step {step}: not writing {what}; "
                       f"the last good checkpoint is kept", EXIT_DIVERGED)
 
-    def save_checkpoint(self, model, state: ckpt.TrainState, epoch_sums: torch.Tensor) -> str:
+    def save_checkpoint(self, model, state: ckpt.TrainState, epoch_sums: torch.Tensor, optimizer=None) -> str:
         """Write a checkpoint of everything a resume needs; `epoch_sums` ([2] float64: this process's loss sum
-        over images, image count) are summed over processes into `state` first. Returns its folder."""
+        over images, image count) are summed over processes into `state` first. Returns its folder.
+        `optimizer` sizes the checkpoint for the message of a failed save."""
         self._check_finite(model, "a checkpoint", state.global_step)
         state.epoch_loss_sum, state.epoch_images = self.accelerator.reduce(epoch_sums, reduction="sum").tolist()
+        needed = checkpoint_bytes(model, optimizer)[1] if optimizer is not None else None
         t = time.time()
         try:
-            path = ckpt.save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config)
+            path = ckpt.save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config,
+                                        needed_bytes=needed)
         except ckpt.CheckpointError as e:
             self.fail(str(e), 1)
         logger.info("saved checkpoint %s (%.1f s)", path, time.time() - t)
         return path
 
     def save_weights(self, model, name: str, step: int, extra: dict | None = None) -> None:
-        """`output_dir/name/model.safetensors` (+ model_config.json, + best.json from `extra`)."""
+        """`output_dir/name/model.safetensors` (+ model_config.json, + best.json from `extra`); a failed write
+        stops the run on every process with one line naming the file and the cause (the old file is kept)."""
         self._check_finite(model, f"{name}/", step)
-        save_model_weights(self.accelerator, model, os.path.join(self.output_dir, name), self.model_config, extra)
+        error = None
+        try:
+            save_model_weights(self.accelerator, model, os.path.join(self.output_dir, name), self.model_config, extra)
+        except CheckpointError as e:  # main process only: the others learn it below
+            error = f"{e}; the checkpoints in {ckpt.checkpoint_dir(self.output_dir)} are kept"
+        error = broadcast_object(self.accelerator, error)
+        if error:
+            self.fail(error, 1)
 
     def keep_best(self, model, value: float, state: ckpt.TrainState, epoch: int) -> bool:
         """Write best/ when `value` beats `state.best_metric` and the best/ on disk; raise `state.best_metric`

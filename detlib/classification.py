@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
+from .logtext import EXTREMES, short_name
 from .weights import load_state_dict_file, refusal_reason, weights_only_loads
 
 
@@ -150,3 +151,45 @@ def classification_metrics(preds: torch.Tensor, labels: torch.Tensor, num_classe
         "precision": (tp / predicted.clamp(min=1)).tolist(),
         "recall": (tp / actual.clamp(min=1)).tolist(),
     }
+
+
+# Up to this many classes the per-class precision / recall are scalars of metrics.jsonl and the trackers (a chart
+# each) and the confusion matrix is in metrics.jsonl; with more they are in the evaluation's files only (and the
+# trackers' tables), so a line of metrics.jsonl does not grow with K squared.
+PER_CLASS_SCALARS = 20
+# Up to this many classes the evaluation line of the log holds every class and the confusion matrix.
+PER_CLASS_INLINE = 4
+
+
+def per_class_table(classes: list[str], confusion: list[list[int]]) -> dict[str, dict]:
+    """Per-class numbers from a confusion matrix ([K][K] counts, row = true class, column = predicted).
+
+    Returns:
+        {class: {"precision", "recall", "f1": floats, "support": true images, "predicted": images predicted as
+        it}} in class-index order; a class never predicted (or without images) gets precision (recall) 0.0, as
+        in `classification_metrics`.
+    """
+    m = torch.tensor(confusion, dtype=torch.float64).reshape(len(classes), len(classes))
+    tp, predicted, support = m.diag(), m.sum(0), m.sum(1)
+    precision, recall = tp / predicted.clamp(min=1), tp / support.clamp(min=1)
+    f1 = 2 * precision * recall / (precision + recall).clamp(min=1e-12)
+    return {c: {"precision": float(precision[k]), "recall": float(recall[k]), "f1": float(f1[k]),
+                "support": int(support[k]), "predicted": int(predicted[k])} for k, c in enumerate(classes)}
+
+
+def per_class_summary(per_class: dict[str, dict], confusion: list[list[int]]) -> str:
+    """The per-class part of the evaluation's log line, of bounded length whatever the number of classes:
+    every class and the confusion matrix up to `PER_CLASS_INLINE` classes; beyond, the macro means and the
+    `EXTREMES` classes with the lowest and the highest recall (ties by name), names cut by `short_name`."""
+    if len(per_class) <= PER_CLASS_INLINE:
+        return ", ".join(f"{short_name(c)}: P {v['precision']:.3f} R {v['recall']:.3f}" for c, v in per_class.items()) \
+            + f"; confusion (rows true) {confusion}"
+    ranked = sorted(per_class.items(), key=lambda kv: (kv[1]["recall"], kv[0]))
+    mean_p = sum(v["precision"] for v in per_class.values()) / len(per_class)
+    mean_r = sum(v["recall"] for v in per_class.values()) / len(per_class)
+
+    def name(kv):
+        return f"{short_name(kv[0])} {kv[1]['recall']:.3f} ({kv[1]['support']})"
+
+    return (f"{len(per_class)} classes, mean precision {mean_p:.3f}, mean recall {mean_r:.3f}; lowest recall (images): "
+            f"{', '.join(map(name, ranked[:EXTREMES]))}; highest: {', '.join(map(name, ranked[::-1][:EXTREMES]))}")

@@ -15,6 +15,11 @@ and, for the trackers the Accelerator was built with:
                samples/<image id> (drawn images, one tag per image so the step slider scrubs epochs), plots/*
 
 Everything is logged at the training step of the evaluation, the step the stats were logged with.
+
+`log_classification_extras` does the same for the classifier: `plots/epoch_NNNN/per_class.json`,
+`confusion_matrix.{json,png}` (the full K x K matrix in the json; the PNG shows up to 30 classes, those with the
+most errors), wandb `val_per_class` (table) and `plots/confusion_matrix`, tensorboard `per_class/table` (text) and
+`plots/confusion_matrix`. The log line only summarises them (detlib.classification.per_class_summary).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
                                             confusion_score_thresh=confusion_score_thresh, image_ids=evaluated)
     per_class = plots["per_class"]
     logger.info("per-class AP at step %d (%d classes with ground truth):\n%s", step, len(per_class),
-                analysis.format_per_class(per_class))
+                analysis.format_per_class(per_class, full_table=plots["files"].get("per_class_ap_json")))
     curves = analysis.plot_training_curves(os.path.join(output_dir, "metrics.jsonl"),
                                            os.path.join(plots_dir, "training_curves.png"))
     if curves:
@@ -128,3 +133,46 @@ def _tb_encoded_image(writer, tag: str, data: bytes, height: int, width: int, st
 
     image = Summary.Image(height=int(height), width=int(width), colorspace=3, encoded_image_string=data)
     writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+
+
+# wandb logs at most this many rows of a table (wandb.Table.MAX_ROWS; it truncates beyond with a warning)
+WANDB_TABLE_ROWS = 10_000
+TENSORBOARD_TEXT_ROWS = 1_000
+
+
+def log_classification_extras(accelerator, output_dir: str, epoch: int | None, step: int, classes: list[str],
+                              confusion: list[list[int]], per_class: dict[str, dict]) -> dict:
+    """A classifier evaluation's per-class numbers and confusion matrix, to files and every tracker.
+
+    Call on the main process (not collective). `per_class`: `classification.per_class_table(classes, confusion)`;
+    `confusion`: [K][K] counts, rows = true class. Tables go worst recall first; wandb gets at most
+    `WANDB_TABLE_ROWS` rows, tensorboard's text `TENSORBOARD_TEXT_ROWS` (the json files have every class).
+    Returns {"folder": the evaluation's folder, "files": {name: path}}.
+    """
+    folder = os.path.join(output_dir, "plots", "final" if epoch is None else f"epoch_{int(epoch):04d}")
+    files = {"per_class_json": analysis._write_json(per_class, os.path.join(folder, "per_class.json")),
+             "confusion_matrix_json": analysis._write_json({"names": list(classes), "matrix": confusion},
+                                                           os.path.join(folder, "confusion_matrix.json")),
+             "confusion_matrix": analysis.plot_class_confusion(classes, confusion,
+                                                               os.path.join(folder, "confusion_matrix.png"))}
+    ranked = sorted(per_class.items(), key=lambda kv: (kv[1]["recall"], kv[0]))
+    columns = ["class", "precision", "recall", "f1", "support", "predicted"]
+    rows = [[c, v["precision"], v["recall"], v["f1"], v["support"], v["predicted"]] for c, v in ranked]
+    run = _tracker(accelerator, "wandb")
+    if run is not None:
+        import wandb
+
+        run.log({"val_per_class": wandb.Table(columns=columns, data=rows[:WANDB_TABLE_ROWS]),
+                 "plots/confusion_matrix": wandb.Image(files["confusion_matrix"])}, step=step)
+    writer = _tracker(accelerator, "tensorboard")
+    if writer is not None:
+        shown = rows[:TENSORBOARD_TEXT_ROWS]
+        note = f"\n\n{len(rows) - len(shown)} more classes in {files['per_class_json']}" if len(rows) > len(shown) else ""
+        writer.add_text("per_class/table", "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n" + "\n".join(
+            f"| {c} | {p:.4f} | {r:.4f} | {f:.4f} | {n} | {k} |" for c, p, r, f, n, k in shown) + note, step)
+        with open(files["confusion_matrix"], "rb") as f:
+            data = f.read()
+        _tb_encoded_image(writer, "plots/confusion_matrix", data, *visualize.image_size(files["confusion_matrix"]), step)
+        writer.flush()
+    return {"folder": folder, "files": files}
+

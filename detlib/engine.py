@@ -53,10 +53,12 @@ from . import checkpoint as ckpt
 from .checkpointer import Checkpointer, summary_lines
 from .collectives import broadcast_object, min_over_processes
 from .flags import EVALUATE_ONLY_SUBDIR
+from .logtext import shorten_lists
 from .resume import ResumeError, restore, run_length, set_tracker_offset
 from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
                      release_lock, stop_dataloader_workers, write_run_status)
-from .runtime import MetricsLogger, init_trackers, log_run_setup, make_accelerator, save_config, setup_logging
+from .runtime import (MetricsLogger, TrackerError, finish_trackers, init_trackers, log_run_setup, make_accelerator,
+                      save_config, setup_logging)
 from .step_guard import StepGuard
 from .weights import load_model_weights
 
@@ -141,7 +143,7 @@ class Run:
         if self.accelerator.is_main_process:
             save_config(config, self.output_dir)
             logger.info("config (also in %s):\n%s", os.path.join(self.output_dir, "config.yaml"),
-                        yaml.safe_dump(config, sort_keys=False).rstrip())
+                        yaml.safe_dump(shorten_lists(config), sort_keys=False).rstrip())
 
     def load_weights(self, model: torch.nn.Module, path: str) -> str:
         """Load `--evaluate_only` weights into the bare model; any failure is one line and exit 1."""
@@ -153,8 +155,16 @@ class Run:
         return f
 
     def init_trackers(self) -> None:
-        self.state.run_id = init_trackers(self.accelerator, self.args.project, self.config, self.output_dir,
-                                          self.state.run_id, self.args.run_name)
+        """Start the trackers (collective); one that cannot start stops the run with one line (`fail`)."""
+        error = None
+        try:
+            self.state.run_id = init_trackers(self.accelerator, self.args.project, self.config, self.output_dir,
+                                              self.state.run_id, self.args.run_name, self.args.report_to)
+        except TrackerError as e:  # main process only: the others learn it below
+            error = str(e)
+        error = broadcast_object(self.accelerator, error)
+        if error:
+            self.fail(error)
 
     # ---- training set-up
     def start_training(self, model, optimizer, train_loader, schedule: dict):
@@ -354,7 +364,8 @@ class Run:
     def save_checkpoint(self, model) -> str:
         """Write a checkpoint of everything a resume needs (collective). Non-finite weights are never written;
         a failed save (disk full) stops the run with one line, keeping the older checkpoints."""
-        return self.checkpointer.save_checkpoint(model, self.state, self._epoch_sums)
+        optimizer = getattr(self, "optimizer", None)  # sizes the checkpoint for the message of a failed save
+        return self.checkpointer.save_checkpoint(model, self.state, self._epoch_sums, optimizer)
 
     # ---- preemption
     def poll_preemption(self, model=None, batch_index: int | None = None) -> None:
@@ -416,6 +427,7 @@ class Run:
             stop_dataloader_workers(self.accelerator._dataloaders)
             if self.progress is not None:
                 self.progress.close()
+            finish_trackers(self.accelerator, self.output_dir)  # a tracker failing to close: one warning
             self.accelerator.end_training()
         finally:
             self.signals.restore()

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from .imagefolder import FolderScan
 from .datacheck import DataReport, publish_report
+from .logtext import COUNT_ITEMS, class_counts
 
 
 def _digest(path: str) -> str | None:
@@ -115,7 +116,8 @@ def check_folder_scans(scans: dict[str, FolderScan], report: DataReport | None =
                 add("warning", "images of one class only: a model that always predicts it scores accuracy 1.0, so "
                     "the accuracy (and best/) says little", with_images)
         report.summaries[split] = {"root": scan.root, "images": len(kept),
-                                   "classes": ", ".join(f"{c} {n}" for c, n in zip(scan.classes, counts)),
+                                   "classes": class_counts(scan.classes, counts) if len(counts) <= COUNT_ITEMS
+                                   else f"{len(counts)} ({class_counts(scan.classes, counts)})",
                                    "ignored files": len(scan.ignored)}
         out[split] = scan
     if "train" in out and "val" in out:

@@ -31,6 +31,7 @@ from PIL import Image
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .images import check_image_file, load_rgb, load_skipping_unreadable
+from .logtext import LIST_ITEMS, class_counts, short_list
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +71,15 @@ def check_same_classes(train_classes: list[str], val_classes: list[str], train_r
         return
     only_train = sorted(set(train_classes) - set(val_classes))
     only_val = sorted(set(val_classes) - set(train_classes))
+    lists = (f" (train classes {train_classes}, val classes {val_classes})" if len(train_classes) + len(val_classes) <= 16
+             else f" ({len(train_classes)} train classes, {len(val_classes)} val classes)")
     raise ValueError(f"class folders differ between {train_root} and {val_root}, so a label index would mean "
-                     f"different classes: only in train {only_train}, only in val {only_val} "
-                     f"(train classes {train_classes}, val classes {val_classes})")
+                     f"different classes: only in train {_names(only_train)}, only in val {_names(only_val)}" + lists)
+
+
+def _names(names: list[str]) -> str:
+    """A list of names for a message: as Python writes it when short, else cut (detlib.logtext)."""
+    return str(names) if len(names) <= LIST_ITEMS else f"[{short_list(names)}]"
 
 
 @dataclass
@@ -101,7 +108,7 @@ class FolderScan:
 
     def report(self, name: str, max_paths: int = 5) -> list[tuple[int, str]]:
         """Log lines as (logging level, message): the counts, then what was skipped or ignored."""
-        counts = ", ".join(f"{c} {n}" for c, n in zip(self.classes, self.class_counts()))
+        counts = class_counts(self.classes, self.class_counts())
         lines = [(logging.INFO, f"{name}: {len(self.samples)} images in {len(self.classes)} classes ({counts}) "
                                 f"from {self.root}")]
         if self.skipped:
@@ -113,7 +120,7 @@ class FolderScan:
             lines.append((logging.INFO, f"{name}: ignored {len(self.ignored)} hidden or non-image files, "
                                         f"e.g. {self.ignored[:max_paths]}"))
         if self.hidden:
-            lines.append((logging.INFO, f"{name}: hidden entries are not classes: {self.hidden}"))
+            lines.append((logging.INFO, f"{name}: hidden entries are not classes: {_names(self.hidden)}"))
         return lines
 
 

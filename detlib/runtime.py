@@ -85,6 +85,10 @@ def resolve_trackers(report_to: str) -> list[str]:
             logger.warning("--report_to %s: the %s package is not installed (pip install %s); not logging to it",
                            report_to, module, module)
             continue
+        except Exception as e:  # an installed package that fails to import (a protobuf or numpy version clash)
+            logger.warning("--report_to %s: the %s package does not import (%s: %s); not logging to it", report_to,
+                           module, type(e).__name__, _one_line(e))
+            continue
         if name == "wandb" and "WANDB_MODE" not in os.environ and not wandb_has_credentials():
             os.environ["WANDB_MODE"] = "offline"
         out.append(name)
@@ -102,19 +106,82 @@ def wandb_has_credentials() -> bool:
         return False
 
 
-def init_trackers(accelerator, project: str, config: dict, output_dir: str, run_id: str | None, run_name: str | None = None) -> str:
+class TrackerError(RuntimeError):
+    """A tracker that cannot start; the message is one line that says what to do."""
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(error).split())
+    return text[:limit] + (" ..." if len(text) > limit else "")
+
+
+def _start_failure(name: str, error: BaseException, report_to: str | None, output_dir: str, logging_dir: str) -> str:
+    """The one line for a tracker `name` whose start raised `error`: what happened and the ways on."""
+    flag = f"--report_to {report_to}" if report_to else "the tracker"
+    offline = f"log offline with WANDB_MODE=offline (upload later with `wandb sync {output_dir}/wandb/offline-run-*`)"
+    text = f"{type(error).__name__}: {_one_line(error).rstrip('.')}"
+    if name == "wandb":
+        mode = os.environ.get("WANDB_MODE", "online")
+        low = text.lower()
+        if "api key" in low or "api_key" in low or "authenticat" in low or "401" in low:
+            todo = f"log in (`wandb login`, or set WANDB_API_KEY), or {offline}"
+        elif any(w in low for w in ("connect", "timed out", "timeout", "deadline", "resolve", "network", "unreachable")):
+            host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+            todo = f"check the network and the wandb host ({host}), or {offline}"
+        else:
+            todo = offline
+        return f"{flag}: wandb could not start a run (WANDB_MODE={mode}): {text}; {todo}, or pass --report_to none"
+    if name == "tensorboard" and isinstance(error, OSError):
+        from .weights import describe_write_failure
+
+        text = describe_write_failure(error, logging_dir)
+    return f"{flag}: {name} could not start ({text}); fix that, or pass --report_to none"
+
+
+def init_trackers(accelerator, project: str, config: dict, output_dir: str, run_id: str | None, run_name: str | None = None,
+                  report_to: str | None = None) -> str:
     """Start the tracker runs (main process only, done by accelerate) and return the wandb run id.
 
     The run id is kept in the checkpoints, so a resumed training continues the same wandb run.
+    Raises:
+        TrackerError: (main process) a tracker did not start (no credentials, no network, a folder it cannot
+        write): one line naming the tracker, the error and what to do (`report_to` names the flag in it). The
+        trackers that did start are closed again and none is left registered, so the end of the run does not
+        fail a second time on a half-started tracker.
     """
     run_id = run_id or uuid.uuid4().hex[:12]
     name = run_name or os.path.basename(os.path.abspath(output_dir))
     init_kwargs = {"wandb": {"id": run_id, "resume": "allow", "dir": output_dir, "name": name}}
-    accelerator.init_trackers(project, config=flat_config(config), init_kwargs=init_kwargs)
+    try:
+        accelerator.init_trackers(project, config=flat_config(config), init_kwargs=init_kwargs)
+    except Exception as e:  # wandb raises UsageError, CommError, timeouts ...; tensorboard OSError
+        started = [t for t in accelerator.trackers if getattr(t, "run", None) or getattr(t, "writer", None)]
+        failed = next((t.name for t in accelerator.trackers if t not in started), "a tracker")
+        for t in started:
+            try:
+                t.finish()
+            except Exception:  # closing what started is a courtesy; the start failure is the message
+                pass
+        accelerator.trackers.clear()
+        raise TrackerError(_start_failure(failed, e, report_to, output_dir, accelerator.logging_dir)) from None
     if accelerator.is_main_process and os.environ.get("WANDB_MODE") == "offline" and any(
             getattr(t, "name", "") == "wandb" for t in accelerator.trackers):
         logger.info("wandb: no credentials found, logging offline under %s/wandb (upload later with `wandb sync`)", output_dir)
     return run_id
+
+
+def finish_trackers(accelerator, output_dir: str) -> None:
+    """Close every tracker run (main process; a no-op elsewhere). One that fails to close (network gone at the
+    end, a full disk under its folder) is one warning line, not a traceback at exit: everything the run wrote to
+    `output_dir` is complete. The trackers are unregistered, so `accelerator.end_training()` closes none again."""
+    for tracker in list(accelerator.trackers):
+        try:
+            tracker.finish()
+        except Exception as e:
+            where = f"; its local copy is in {output_dir}/wandb (`wandb sync` uploads it)" if tracker.name == "wandb" else ""
+            logger.warning("the %s tracker did not close cleanly (%s: %s); the run's own files in %s are complete%s",
+                           tracker.name, type(e).__name__, _one_line(e), output_dir, where)
+    accelerator.trackers.clear()
 
 
 def flat_config(config: dict) -> dict:

@@ -13,13 +13,17 @@ it without importing each other's model code.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
+import re
+import shutil
 import struct
 import warnings
 
 import torch
+from safetensors import SafetensorError
 from timm.models import load_state_dict as timm_load_state_dict
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
@@ -28,6 +32,89 @@ _TORCH_FORCE = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LO
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (damaged, incomplete) or written (disk full); the message is one line."""
+
+
+# What a failed write raises: the OS's OSError, torch's zip writer a RuntimeError ("unexpected pos",
+# "file write failed") that has lost the errno, safetensors a SafetensorError ("I/O error: ... (os error 28)").
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+_SHORT_WRITE = ("unexpected pos", "file write failed", "pytorchstreamwriter failed")
+_ERRNO_TEXT = re.compile(r"os error (\d+)|\[errno (\d+)\]", re.IGNORECASE)
+_ERRNO_WORDS = (("no space left", errno.ENOSPC), ("quota", errno.EDQUOT), ("permission denied", errno.EACCES),
+                ("read-only file system", errno.EROFS))
+
+
+def _errno_of(error: BaseException) -> int | None:
+    code = getattr(error, "errno", None)
+    if isinstance(code, int):
+        return code
+    text = str(error)
+    m = _ERRNO_TEXT.search(text)
+    if m:
+        return int(m.group(1) or m.group(2))
+    return next((code for words, code in _ERRNO_WORDS if words in text.lower()), None)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n < 10 * 2**20 else f"{n / 2**20:.0f} MiB"
+
+
+def _not_a_folder(folder: str) -> tuple[str | None, str]:
+    """(what stops `folder` from being a folder, or None; its deepest existing ancestor), from the root down:
+    a symlink whose target is missing, or a file where a folder has to be."""
+    parts, p = [], os.path.abspath(folder)
+    while True:
+        parts.append(p)
+        if os.path.dirname(p) == p:
+            break
+        p = os.path.dirname(p)
+    existing = parts[-1]
+    for p in reversed(parts):
+        if os.path.islink(p) and not os.path.exists(p):
+            return f"{p} is a symlink to {os.readlink(p)}, which does not exist", existing
+        if not os.path.lexists(p):
+            break
+        if not os.path.isdir(p):
+            return f"{p} is a file, not a folder", existing
+        existing = p
+    return None, existing
+
+
+def describe_write_failure(error: BaseException, folder: str, needed_bytes: int | None = None) -> str:
+    """Why writing into `folder` failed, in words: the cause, never only the writer's own text.
+
+    Checked in this order: a path that cannot be a folder (a symlink whose target is missing, a file where a
+    folder has to be); the errno (also when it survives only as text, "os error 28"): no space left (with the
+    space free now and `needed_bytes`, the size of what was being written), disk quota, permission (owner and
+    mode), read-only file system. torch's zip writer reports a short write as "unexpected pos" without an errno:
+    no space left when less than `needed_bytes` is free, otherwise a short write that names the free space.
+    Call it after removing what the failed write left, so the free space is what a retry would find.
+    Returns: one line without the path of the file (the caller names it).
+    """
+    problem, existing = _not_a_folder(folder)
+    if problem:
+        return problem
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        free = None
+    space = (f"{_mib(free)} free in {existing}" if free is not None else f"free space in {existing} unknown") + (
+        f", ~{_mib(needed_bytes)} needed" if needed_bytes else "")
+    code = _errno_of(error)
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    short_write = code is None and any(k in text.lower() for k in _SHORT_WRITE)
+    if code == errno.ENOSPC or (short_write and needed_bytes and free is not None and free < needed_bytes):
+        return f"no space left on device ({space})"
+    if code == errno.EDQUOT:
+        return f"disk quota exceeded ({space} on the disk, less under the quota: `quota -s` shows it)"
+    if code in (errno.EACCES, errno.EPERM):
+        st = os.stat(existing)
+        return (f"permission denied: {existing} (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}) is not writable "
+                f"by uid {os.getuid()}")
+    if code == errno.EROFS:
+        return f"{existing} is on a read-only file system"
+    if short_write:
+        return f"the file system took only part of a write ({text}; {space}): full, over a quota, or failing"
+    return f"{type(error).__name__}: {text}"
 
 
 def verify_safetensors(path: str) -> None:
@@ -96,20 +183,29 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
     Keys carry no `module.` / `_orig_mod.` prefix because the model is unwrapped first. The file is
     written beside and renamed over the old one, with `model_config.json` and, when given, `extra` as
     `best.json` (which metric, epoch, step these weights scored).
+    Raises:
+        CheckpointError: the write failed (main process): one line with the file and the cause
+        (`describe_write_failure`); the half-written file is removed, the old one is kept.
     """
     path = os.path.join(folder, "model.safetensors")
     if accelerator.is_main_process:
         from safetensors.torch import save_file
 
-        os.makedirs(folder, exist_ok=True)
         sd = {k: v.detach().contiguous().cpu() for k, v in accelerator.get_state_dict(model).items()}
-        save_file(sd, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        readable_as_umask_allows(path)
-        for fname, obj in (("model_config.json", model_config), ("best.json", extra)):
-            if obj is not None:
-                with open(os.path.join(folder, fname), "w") as f:
-                    json.dump(obj, f, indent=1)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            save_file(sd, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            readable_as_umask_allows(path)
+            for fname, obj in (("model_config.json", model_config), ("best.json", extra)):
+                if obj is not None:
+                    with open(os.path.join(folder, fname), "w") as f:
+                        json.dump(obj, f, indent=1)
+        except WRITE_ERRORS as e:
+            if os.path.isfile(path + ".tmp"):
+                os.remove(path + ".tmp")
+            needed = sum(t.numel() * t.element_size() for t in sd.values())
+            raise CheckpointError(f"could not write {path}: {describe_write_failure(e, folder, needed)}") from None
     return path
 
 

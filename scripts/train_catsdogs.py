@@ -39,12 +39,15 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.classification import build_classifier, classification_metrics, classification_transform
+from detlib.classification import (PER_CLASS_SCALARS, build_classifier, classification_metrics,
+                                   classification_transform, per_class_summary, per_class_table)
+from detlib.dashboard import log_classification_extras
 from detlib.engine import Run
 from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
                           run_argument_parser, show_data_defaults, stop)
 from detlib.foldercheck import check_folders_for_training
 from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
+from detlib.logtext import short_list
 from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
 from detlib.synthetic import make_synthetic_image_folder
@@ -131,9 +134,11 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
                 logger.log(level, line)
         empty = [c for c, n in zip(scan.classes, scan.class_counts()) if n == 0]
         if empty and name == "train":
-            raise ValueError(f"{scan.root}: no usable image for class(es) {empty}; a class needs training images")
+            raise ValueError(f"{scan.root}: no usable image for class(es) {short_list(empty)}; a class needs "
+                             "training images")
         if empty and is_main:
-            logger.warning("%s: no usable image for class(es) %s; their recall is reported as 0", scan.root, empty)
+            logger.warning("%s: no usable image for class(es) %s; their recall is reported as 0", scan.root,
+                           short_list(empty))
 
     # Batches leave the workers as float32 (4 bytes per value) through /dev/shm.
     bytes_per_batch = 4 * 3 * args.image_size ** 2 * max(args.per_device_batch_size, args.per_device_eval_batch_size)
@@ -163,7 +168,9 @@ def evaluate(model, loader, run: Run, classes: list[str], train_model=None) -> t
     `gather_for_metrics` drops the samples that the prepared loader repeats to even out the last batch, and
     the results are de-duplicated by data set index as well, so the numbers do not depend on the process
     count. Returns (metrics, per-image {"index", "label", "pred", "confidence"}: [N] tensors sorted
-    by index), the same on every process.
+    by index), the same on every process. Metrics: val_accuracy, val_loss, num_val_samples, the macro means
+    val_mean_precision / val_mean_recall, and up to PER_CLASS_SCALARS classes val_precision_<class>,
+    val_recall_<class> and val_confusion_matrix (beyond, they are in the evaluation's files only: report_evaluation).
     """
     accelerator = run.accelerator
     model.eval()
@@ -184,11 +191,13 @@ def evaluate(model, loader, run: Run, classes: list[str], train_model=None) -> t
         logger.warning("evaluation gathered %d repeated samples; counted once", int((~keep).sum()))
         index, label, pred, conf, loss = (t[keep] for t in (index, label, pred, conf, loss))
     m = classification_metrics(pred, label, len(classes))
-    stats = {"val_accuracy": m["accuracy"], "val_loss": float(loss.double().mean()), "num_val_samples": int(index.numel())}
-    for c, prec, rec in zip(classes, m["precision"], m["recall"]):
-        stats[f"val_precision_{c}"] = prec
-        stats[f"val_recall_{c}"] = rec
-    stats["val_confusion_matrix"] = m["confusion"]
+    stats = {"val_accuracy": m["accuracy"], "val_loss": float(loss.double().mean()), "num_val_samples": int(index.numel()),
+             "val_mean_precision": sum(m["precision"]) / len(classes), "val_mean_recall": sum(m["recall"]) / len(classes)}
+    if len(classes) <= PER_CLASS_SCALARS:
+        for c, prec, rec in zip(classes, m["precision"], m["recall"]):
+            stats[f"val_precision_{c}"] = prec
+            stats[f"val_recall_{c}"] = rec
+        stats["val_confusion_matrix"] = m["confusion"]
     model.train()
     return stats, {"index": index, "label": label, "pred": pred, "confidence": conf}
 
@@ -204,8 +213,14 @@ def write_predictions(path: str, val_ds, preds: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
+# wandb's confusion-matrix chart is a table of K x K rows, of which wandb keeps 10,000: a true chart up to 100 classes
+# (beyond, the PNG of detlib.dashboard.log_classification_extras shows the classes with the most errors).
+WANDB_CONFUSION_CLASSES = 100
+
+
 def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int) -> None:
-    """wandb (main process): the confusion matrix and a table of the first misclassified val images."""
+    """wandb (main process): the confusion matrix (up to WANDB_CONFUSION_CLASSES classes) and a table of the
+    first misclassified val images."""
     if not any(getattr(t, "name", "") == "wandb" for t in accelerator.trackers):
         return
     import wandb
@@ -222,24 +237,34 @@ def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int)
         img.thumbnail((128, 128))
         table.add_data(wandb.Image(img), path, val_ds.classes[labels[k]], val_ds.classes[predicted[k]],
                        float(preds["confidence"][k]))
-    run.log({"val_confusion_matrix": wandb.plot.confusion_matrix(y_true=labels, preds=predicted,
-                                                                 class_names=list(val_ds.classes)),
-             "val_misclassified": table}, step=step)
+    log = {"val_misclassified": table}
+    if len(val_ds.classes) <= WANDB_CONFUSION_CLASSES:
+        log["val_confusion_matrix"] = wandb.plot.confusion_matrix(y_true=labels, preds=predicted,
+                                                                  class_names=list(val_ds.classes))
+    run.log(log, step=step)
 
 
 def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, weights: str | None = None) -> None:
-    """Log the evaluation (metrics.jsonl, trackers, best/), write predictions_val.csv and the wandb extras."""
-    accelerator, epoch, step = run.accelerator, run.epoch if not weights else None, run.state.global_step
+    """Log the evaluation (metrics.jsonl, trackers, best/), write predictions_val.csv, the per-class files
+    (plots/epoch_NNNN/: per_class.json, confusion_matrix.json / .png, also to the trackers) and the wandb
+    extras; one log line of bounded length summarises it whatever the number of classes."""
+    accelerator, epoch = run.accelerator, run.epoch if not weights else None
+    step = (run.state.global_step if not weights else 0) + run.metrics.step_offset  # the trackers' step
     if weights:  # evaluation only: record which weights were scored
         run.metrics.log({"epoch": None, "step": 0, **stats, "weights": os.path.abspath(weights)}, step=0)
     else:
         run.report_evaluation(stats, model)
+    m = classification_metrics(preds["pred"], preds["label"], len(val_ds.classes))
+    per_class = per_class_table(val_ds.classes, m["confusion"])
+    where = ""
     if accelerator.is_main_process:
         write_predictions(os.path.join(args.output_dir, "predictions_val.csv"), val_ds, preds)
+        extras = log_classification_extras(accelerator, args.output_dir, epoch, step, val_ds.classes, m["confusion"],
+                                           per_class)
         log_wandb_extras(accelerator, val_ds, preds, step, args.num_misclassified)
-    per_class = " ".join(f"{c}: P {stats[f'val_precision_{c}']:.3f} R {stats[f'val_recall_{c}']:.3f}" for c in val_ds.classes)
-    logger.info("epoch %s eval on %d images: accuracy %.4f, loss %.4f; %s; confusion (rows true) %s", epoch,
-                stats["num_val_samples"], stats["val_accuracy"], stats["val_loss"], per_class, stats["val_confusion_matrix"])
+        where = f"; per class and confusion matrix in {extras['folder']}"
+    logger.info("epoch %s eval on %d images: accuracy %.4f, loss %.4f; %s%s", epoch, stats["num_val_samples"],
+                stats["val_accuracy"], stats["val_loss"], per_class_summary(per_class, m["confusion"]), where)
 
 
 def match_classifier_classes(run: Run, model, weights: str, classes: list[str], by_name: bool) -> None:
@@ -308,7 +333,13 @@ def main(argv=None):
     # ---- model
     model_config = {"model": args.model, "num_classes": len(classes), "classes": classes, "image_size": args.image_size}
     if saved and saved.get("classes") not in (None, classes):
-        run.fail(f"{args.evaluate_only} was trained on classes {saved['classes']}, but {dirs['val_dir']} has {classes}")
+        theirs = saved["classes"]
+        if max(len(theirs), len(classes)) <= 8:
+            run.fail(f"{args.evaluate_only} was trained on classes {theirs}, but {dirs['val_dir']} has {classes}")
+        run.fail(f"{args.evaluate_only} was trained on {len(theirs)} classes, {dirs['val_dir']} has {len(classes)}: "
+                 f"only in the model: {short_list(sorted(set(theirs) - set(classes))) or 'none'}; only in the folder: "
+                 f"{short_list(sorted(set(classes) - set(theirs))) or 'none'}"
+                 + ("; the same names in another order" if sorted(theirs) == sorted(classes) else ""))
     try:
         model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
                                  weights=None if args.evaluate_only else args.weights)
@@ -318,8 +349,8 @@ def main(argv=None):
         weights = run.load_weights(model, args.evaluate_only)
     elif args.weights:
         match_classifier_classes(run, model, args.weights, classes, args.classes_by_name)
-    logger.info("%s: %.2fM parameters, %d classes %s", args.model, sum(p.numel() for p in model.parameters()) / 1e6,
-                len(classes), classes)
+    logger.info("%s: %.2fM parameters, %d classes (%s)", args.model, sum(p.numel() for p in model.parameters()) / 1e6,
+                len(classes), short_list(classes))
 
     config = dict(vars(args))
     config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,

@@ -117,3 +117,384 @@ def test_case_d03_detection_val_sets_whose_ap_is_undefined_or_trivially_zero(tmp
     assert report.ok
     (w,) = [f for f in report.findings if "without any training box" in f.message]
     assert w.level == "warning" and w.examples == ["2 'dog' (1 boxes)"]
+
+
+# ---- D04: log lines of bounded length whatever the number of classes
+
+MAX_LINE = 600  # characters of a console / train.log line (paths of the test's tmp folder included)
+
+
+def long_lines(text: str) -> list[str]:
+    return [f"{len(line)}: {line[:200]}" for line in text.splitlines() if len(line) > MAX_LINE]
+
+
+@needs_catsdogs
+def test_case_d04_300_classes_keep_console_and_train_log_readable(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    images = sorted((CATSDOGS / "train").glob("*/*.jpg"))[:300]
+    assert len(images) == 300
+    data = tmp_path / "data"
+    for i, p in enumerate(images):
+        image_folder(data, {f"class_{i:03d}": [p]})
+    out = tmp_path / "run"
+    load_script("train_catsdogs").main([*FAST, "--model", "test_resnet", "--image_size", "32", "--train_dir", str(data),
+                                        "--val_dir", str(data), "--output_dir", str(out), "--report_to", "tensorboard"])
+    console = capsys.readouterr()
+    log = (out / "train.log").read_text()
+    for text in (log, console.out, console.err):
+        assert not long_lines(text), long_lines(text)
+    assert len(log) < 20_000  # was 278,822 characters on one line
+    (line,) = [ln for ln in log.splitlines() if " eval on 300 images" in ln]
+    assert "300 classes, mean precision " in line and "lowest recall (images): class_" in line and "; highest: " in line
+    assert line.endswith(f"per class and confusion matrix in {out}/plots/epoch_0000")
+    assert "class_000, class_001, class_002, class_003, class_004, class_005, class_006, class_007, ... (300 in all)" in log
+    assert "- (300 items in all)\n" in log  # the config's class list in the log; config.yaml keeps all 300
+    assert (out / "config.yaml").read_text().count("\n- class_") == 300
+
+    # the full detail in files: 300 classes, the 300 x 300 matrix; they agree with predictions_val.csv
+    per_class = json.loads((out / "plots" / "epoch_0000" / "per_class.json").read_text())
+    cm = json.loads((out / "plots" / "epoch_0000" / "confusion_matrix.json").read_text())
+    assert len(per_class) == 300 and cm["names"] == sorted(per_class) and len(cm["matrix"]) == 300
+    assert all(len(row) == 300 for row in cm["matrix"]) and sum(map(sum, cm["matrix"])) == 300
+    import csv
+
+    with open(out / "predictions_val.csv") as f:
+        rows = list(csv.DictReader(f))
+    right = sum(r["label"] == r["pred"] for r in rows)
+    assert sum(cm["matrix"][i][i] for i in range(300)) == right
+    assert sum(v["recall"] for v in per_class.values()) == pytest.approx(right)  # 1 image per class
+    (ev,) = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_accuracy" in m]
+    assert ev["val_mean_recall"] == pytest.approx(right / 300) and ev["val_accuracy"] == pytest.approx(right / 300)
+    assert not [k for k in ev if k.startswith(("val_precision_", "val_recall_", "val_confusion"))]
+    assert (out / "plots" / "epoch_0000" / "confusion_matrix.png").is_file()
+
+    # tensorboard: the table as text and the matrix as an image, not 600 per-class scalars
+    acc = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent),
+                           size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert {"val_accuracy", "val_mean_precision", "val_mean_recall"} <= set(tags["scalars"])
+    assert not [t for t in tags["scalars"] if t.startswith(("val_precision_", "val_recall_"))]
+    assert "plots/confusion_matrix" in tags["images"]
+    (text,) = [t for t in tags["tensors"] if t.startswith("per_class/table")]
+    table = acc.Tensors(text)[0].tensor_proto.string_val[0].decode()
+    assert table.count("\n| class_") == 300
+
+
+def test_case_d04_per_class_tables_and_lists_have_a_bounded_size():
+    from detlib.analysis import format_per_class
+    from detlib.classification import per_class_summary, per_class_table
+    from detlib.logtext import class_counts, short_list
+
+    long = "a-class-name-that-a-converter-made-from-a-whole-sentence-of-the-label-tool " * 3
+    for k in (3, 80, 1000):
+        per_class = {f"{long}{i}": {"AP": i / k, "AP50": min(1.0, 2 * i / k), "num_gt": i} for i in range(k)}
+        table = format_per_class(per_class, full_table="run/plots/epoch_0004/per_class_ap.json").splitlines()
+        assert len(table) <= 14 and max(map(len, table)) <= 120
+        if k > 12:
+            assert table[1].split()[1:] == ["0.000", "0.000", "0"]  # the worst first, the best last
+            assert table[-1].split()[1:] == [f"{(k - 1) / k:.3f}", "1.000", str(k - 1)]
+            assert table[7] == (f"... {k - 12} classes between (mean AP {sum(range(6, k - 6)) / (k - 12) / k:.3f}); "
+                                f"all {k}: run/plots/epoch_0004/per_class_ap.json")
+        names = [f"{long}{i}" for i in range(k)]
+        confusion = [[int(i == j) * (i % 3) for j in range(k)] for i in range(k)]
+        summary = per_class_summary(per_class_table(names, confusion), confusion)
+        assert len(summary) <= 400
+        assert len(short_list(names)) <= 400 and len(class_counts(names, list(range(k)))) <= 400
+    cats = per_class_table(["cat", "dog"], [[3, 1], [0, 4]])
+    assert cats["cat"] == {"precision": 1.0, "recall": 0.75, "f1": pytest.approx(6 / 7), "support": 4, "predicted": 3}
+    assert per_class_summary(cats, [[3, 1], [0, 4]]) == ("cat: P 1.000 R 0.750, dog: P 0.800 R 1.000; confusion (rows "
+                                                         "true) [[3, 1], [0, 4]]")
+
+
+def test_case_d04_detector_per_class_table_at_90_classes_is_bounded_and_in_a_file(tmp_path, caplog):
+    """The detector's evaluation extras with 90 classes (COCO-like): a bounded table in the log, all in the json."""
+    from accelerate import Accelerator
+
+    from detlib.coco_eval import CocoEvaluator
+    from detlib.dashboard import log_evaluation_extras
+
+    write_image(tmp_path / "img" / "1.png", 400, 400)
+    cats = [{"id": c, "name": f"category number {c} of a long-named taxonomy {'x' * 30}"} for c in range(1, 91)]
+    anns = [{"id": c, "image_id": 1, "category_id": c, "bbox": [4 * (c % 10) * 10, 40 * (c // 10), 30, 30], "area": 900,
+             "iscrowd": 0} for c in range(1, 91)]
+    gt = {"images": [{"id": 1, "file_name": "1.png", "width": 400, "height": 400}], "annotations": anns, "categories": cats}
+    ev = CocoEvaluator(gt, backend="pycocotools")
+    ev.add(1, [{"image_id": 1, "category_id": a["category_id"], "bbox": a["bbox"], "score": 0.9} for a in anns[::2]])
+    ev.evaluate()
+    caplog.set_level("INFO", logger="detlib.dashboard")
+    per_class = log_evaluation_extras(Accelerator(cpu=True), str(tmp_path / "run"), 4, 40, gt, ev.results, ev.coco_eval,
+                                      str(tmp_path / "img"), num_log_images=0)
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("per-class AP at step 40")]
+    lines = record.getMessage().splitlines()
+    assert len(lines) <= 16 and max(map(len, lines)) <= 200
+    full = tmp_path / "run" / "plots" / "epoch_0004" / "per_class_ap.json"
+    assert lines[8] == f"... 78 classes between (mean AP 0.500); all 90: {full}"
+    assert len(json.loads(full.read_text())) == 90 == len(per_class)
+    assert sum(v["AP"] for v in per_class.values()) == pytest.approx(45)
+
+
+# ---- D21: a failed save names its cause
+
+UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 361600 vs 361488"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (root only; skipped where mount is not allowed), unmounted after the test."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path, leave_free: int) -> None:
+    """Fill the file system of `disk` from outside the run, leaving `leave_free` bytes."""
+    free = shutil.disk_usage(disk).free
+    with open(disk / "filler.bin", "wb") as f:
+        f.write(b"\1" * max(0, free - leave_free))
+
+
+def trained_accelerator():
+    import torch
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(256, 256)  # 263,168 bytes of weights; AdamW keeps two more of them
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    return acc, model, opt
+
+
+@pytest.mark.parametrize("leave_free", [100_000, 400_000], ids=["weights_file_fails", "optimizer_file_fails"])
+def test_case_d21_disk_filling_during_a_checkpoint_save_says_no_space(small_disk, leave_free):
+    from detlib import checkpoint as ckpt
+    from detlib.rundir import checkpoint_bytes
+    from detlib.weights import CheckpointError
+
+    acc, model, opt = trained_accelerator()
+    out = small_disk / "run"
+    state = ckpt.TrainState(epoch=1, global_step=1)
+    first = ckpt.save_checkpoint(acc, str(out), state, total_limit=1)
+    needed = ckpt.folder_size(first)  # what the message compares with when the run gives no estimate
+    assert needed > checkpoint_bytes(model, opt)[1]
+    fill(small_disk, leave_free)  # 100 kB: model.safetensors (safetensors' "os error 28") fails;
+    state.epoch, state.global_step = 2, 2  # 400 kB: it fits, then torch's optimizer.bin fails with "unexpected pos"
+    with pytest.raises(CheckpointError) as e:
+        ckpt.save_checkpoint(acc, str(out), state, total_limit=1)
+    msg = str(e.value)
+    tmp = out / "checkpoints" / "epoch_0002.tmp"
+    assert msg.startswith(f"could not write checkpoint {tmp}: no space left on device (")
+    assert f"MiB free in {out / 'checkpoints'}, ~" in msg and "MiB needed);" in msg and "epoch_0001 is kept" in msg
+    assert "\n" not in msg
+    assert "inline_container" not in msg and "unexpected pos" not in msg
+    free_mib = float(msg.split("(")[1].split(" MiB free")[0])
+    assert free_mib * 2**20 < needed  # it says how much is missing
+    assert sorted(os.listdir(out / "checkpoints")) == ["epoch_0001"]  # no partial folder; the previous one kept
+    ckpt.verify_checkpoint(first)
+
+
+def test_case_d21_weights_on_a_full_disk_keep_the_old_file(small_disk):
+    from detlib.weights import CheckpointError, load_state_dict_file, save_model_weights
+
+    acc, model, _ = trained_accelerator()
+    best = small_disk / "run" / "best"
+    save_model_weights(acc, model, str(best))
+    before = load_state_dict_file(best / "model.safetensors")
+    fill(small_disk, 50_000)
+    with pytest.raises(CheckpointError) as e:
+        save_model_weights(acc, model, str(best))
+    assert str(e.value).startswith(f"could not write {best / 'model.safetensors'}: no space left on device (")
+    assert f"MiB free in {best}, ~0.25 MiB needed)" in str(e.value)
+    assert sorted(os.listdir(best)) == ["model.safetensors"]  # no .tmp left, the old file intact
+    after = load_state_dict_file(best / "model.safetensors")
+    assert all((before[k] == after[k]).all() for k in before)
+
+
+def test_case_d21_zip_writer_error_without_errno_is_read_from_the_disk(tmp_path, monkeypatch):
+    """Where no tmpfs can be mounted: torch's "unexpected pos" names no cause; the free space decides."""
+    from collections import namedtuple
+
+    from detlib import checkpoint as ckpt
+    from detlib import weights
+    from detlib.weights import CheckpointError
+
+    acc, model, opt = trained_accelerator()
+    first = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=1))
+
+    def short_write(folder, *a, **k):
+        with open(os.path.join(folder, "optimizer.bin"), "wb") as f:
+            f.write(b"\0" * 1000)
+        raise RuntimeError(UNEXPECTED_POS)
+
+    monkeypatch.setattr(acc, "save_state", short_write)
+    usage = namedtuple("usage", "total used free")
+    for free, expect in [(200_000, f"no space left on device (0.19 MiB free in {tmp_path}/checkpoints, ~1.00 MiB needed)"),
+                         (50 * 2**30, "the file system took only part of a write (" + UNEXPECTED_POS)]:
+        monkeypatch.setattr(weights.shutil, "disk_usage", lambda _, f=free: usage(0, 0, f))
+        with pytest.raises(CheckpointError) as e:
+            ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=2, global_step=2), needed_bytes=2**20)
+        assert expect in str(e.value) and "epoch_0001 is kept" in str(e.value)
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch_0001"]
+    ckpt.verify_checkpoint(first)
+
+
+def test_case_d21_other_causes_are_named(tmp_path, monkeypatch):
+    import errno
+
+    from detlib import checkpoint as ckpt
+    from detlib.checkpointer import Checkpointer
+    from detlib.weights import CheckpointError
+
+    acc, model, _ = trained_accelerator()
+    state = ckpt.TrainState(epoch=1, global_step=1)
+    # checkpoints/ a symlink whose target is missing (a scratch disk not mounted), or a file
+    dangling = tmp_path / "dangling"
+    dangling.mkdir()
+    (dangling / "checkpoints").symlink_to(tmp_path / "not_mounted" / "ckpts")
+    with pytest.raises(CheckpointError, match=rf"^could not write checkpoint {dangling}/checkpoints/epoch_0001.tmp: "
+                       rf"{dangling}/checkpoints is a symlink to {tmp_path}/not_mounted/ckpts, which does not exist; "):
+        ckpt.save_checkpoint(acc, str(dangling), state)
+    a_file = tmp_path / "a_file"
+    a_file.mkdir()
+    (a_file / "checkpoints").write_text("not a folder")
+    with pytest.raises(CheckpointError, match=rf"{a_file}/checkpoints is a file, not a folder; removed the partial "
+                       "folder, no earlier checkpoint exists$"):
+        ckpt.save_checkpoint(acc, str(a_file), state)
+
+    # permission and a read-only file system (root may write anywhere: the writer's errors are simulated)
+    for error, expect in [(PermissionError(errno.EACCES, "Permission denied"), rf"permission denied: {tmp_path}/ro/checkpoints "
+                           rf"\(owner uid {os.getuid()}, mode [0-7]+\) is not writable by uid {os.getuid()}"),
+                          (OSError(errno.EROFS, "Read-only file system"), rf"{tmp_path}/ro/checkpoints is on a read-only file system")]:
+        (tmp_path / "ro").mkdir(exist_ok=True)
+
+        def refuse(folder, *a, e=error, **k):
+            raise e
+
+        monkeypatch.setattr(acc, "save_state", refuse)
+        with pytest.raises(CheckpointError, match=expect):
+            ckpt.save_checkpoint(acc, str(tmp_path / "ro"), state)
+    monkeypatch.undo()
+
+    # best/ that is a file: the run stops with one line through its fail (every process)
+    run_dir = tmp_path / "run"
+    (run_dir / "best").parent.mkdir()
+    (run_dir / "best").write_text("")
+    stops = []
+
+    def fail(message, code=1):
+        stops.append(message)
+        raise SystemExit(code)
+
+    checkpointer = Checkpointer(acc, str(run_dir), "AP", 1, fail)
+    with pytest.raises(SystemExit):
+        checkpointer.keep_best(model, 0.5, state, 0)
+    assert stops == [f"could not write {run_dir}/best/model.safetensors: {run_dir}/best is a file, not a folder; "
+                     f"the checkpoints in {run_dir}/checkpoints are kept"]
+
+
+# ---- D12: a tracker that cannot start (or close) is one line, and run_status.json says so
+
+def wandb_env(tmp_path: Path, **env) -> dict:
+    """No wandb key anywhere (a fresh HOME and wandb config folder, no WANDB_API_KEY), the built-in data where the
+    other tests have it, and short wandb timeouts."""
+    from detlib.synthetic import cache_root
+
+    home = tmp_path / "home"
+    (home / ".config" / "wandb").mkdir(parents=True, exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    return {**base, "HOME": str(home), "WANDB_CONFIG_DIR": str(home / ".config" / "wandb"), "DETLIB_CACHE": cache_root(),
+            "WANDB_INIT_TIMEOUT": "5", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
+
+
+def launch_quiet(args: list, env: dict, timeout: int = 240):
+    """The catsdogs script under `accelerate launch --quiet` (no launcher traceback after an error line)."""
+    import subprocess
+
+    from conftest import launch_command
+
+    cmd = launch_command("train_catsdogs.py", [*args], launcher_args=("--quiet",))
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+TRACKER_RUN = ["--max_steps", "1", "--image_size", "16", "--num_workers", "0", "--per_device_batch_size", "8",
+               "--per_device_eval_batch_size", "50"]
+
+
+@pytest.mark.parametrize("variant", ["no_key", "key_no_network"])
+def test_case_d12_wandb_online_without_key_or_network_is_one_line_and_a_run_status(tmp_path, variant):
+    env = {"WANDB_MODE": "online"}
+    if variant == "key_no_network":  # a closed port on this machine: refused at once, nothing leaves it
+        env.update(WANDB_API_KEY="0123456789abcdef0123456789abcdef01234567", WANDB_BASE_URL="http://127.0.0.1:9")
+    out = tmp_path / "run"
+    proc = launch_quiet([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out], wandb_env(tmp_path, **env))
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    assert "Traceback" not in text and "has no attribute 'run'" not in text
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith("error: --report_to wandb: wandb could not start a run (WANDB_MODE=online): ")
+    if variant == "no_key":
+        assert "No API key configured" in line and "log in (`wandb login`, or set WANDB_API_KEY)" in line
+    else:
+        assert "connection refused" in line and "check the network and the wandb host (http://127.0.0.1:9)" in line
+    assert f"WANDB_MODE=offline (upload later with `wandb sync {out}/wandb/offline-run-*`), or pass --report_to none" in line
+    status = json.loads((out / "run_status.json").read_text())
+    assert status["status"] == "failed" and status["message"] == line.removeprefix("error: ")
+    assert status["global_step"] == 0 and not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("mode", ["disabled"])  # offline: test_case_b13_b21_... (test_catsdogs_launch.py)
+def test_case_d12_wandb_disabled_and_offline_keep_working(tmp_path, mode):
+    out = tmp_path / "run"
+    proc = launch_quiet([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out], wandb_env(tmp_path, WANDB_MODE=mode))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr and not error_lines(proc.stderr)
+    assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+    assert len(list((out / "wandb").glob("offline-run-*"))) == (mode == "offline")
+
+
+def test_case_d12_tensorboard_that_cannot_start_or_close(tmp_path, monkeypatch, capsys):
+    """In one process: a tracker whose start raises stops the run in one line before the first step; one whose
+    close raises at the end is a warning, and the run still finishes."""
+    from accelerate.tracking import TensorBoardTracker
+
+    script = load_script("train_catsdogs")
+    args = [*TRACKER_RUN, "--report_to", "tensorboard", "--verify_images", "header"]
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", self.logging_dir_param)
+
+    monkeypatch.setattr(TensorBoardTracker, "start", refuse)
+    out = tmp_path / "start"
+    with pytest.raises(SystemExit) as e:
+        script.main([*args, "--output_dir", str(out)])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    (line,) = error_lines(err)
+    assert line.startswith(f"error: --report_to tensorboard: tensorboard could not start (permission denied: {out} ")
+    assert line.endswith("); fix that, or pass --report_to none") and "Traceback" not in err
+    assert json.loads((out / "run_status.json").read_text())["status"] == "failed"
+    monkeypatch.undo()
+
+    def lost(self):
+        raise ConnectionError("upload of the event file failed")
+
+    monkeypatch.setattr(TensorBoardTracker, "finish", lost)
+    out = tmp_path / "close"
+    script.main([*args, "--output_dir", str(out)])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err and not error_lines(captured.err)
+    assert (f"the tensorboard tracker did not close cleanly (ConnectionError: upload of the event file failed); the "
+            f"run's own files in {out} are complete") in (out / "train.log").read_text()
+    assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
+    assert (out / "last" / "model.safetensors").is_file() and list((out / "tensorboard").rglob("events.out.*"))

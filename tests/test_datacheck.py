@@ -581,12 +581,14 @@ def test_retinanet_two_processes_train_and_evaluate_on_the_repaired_json(tmp_pat
                       config="cpu_2proc.yaml")
     assert "2 process(es)" in proc.stdout and "COCO evaluation on 2 images" in proc.stdout
     report = json.loads((out / "data_report.json").read_text())
-    assert report["ok"] and report["counts"] == {"error": 0, "repair": 6, "warning": 1}
+    assert report["ok"] and report["counts"] == {"error": 0, "repair": 6, "warning": 2}
     found = {(f["split"], f["message"].split(":")[0]): f["count"] for f in report["findings"]}
     assert found[("train", "bbox missing or not 4 finite numbers")] == 15
     assert found[("val", "bbox / area / iscrowd given as numeric strings")] == 16
     assert "consistent with train's 80" in report["summaries"]["val"]["categories"]
-    assert proc.stdout.count("data check: 0 errors, 6 repairs, 1 warnings") == 1  # one block, main process
+    # 4 of the val categories have no box in the 4 training images: their AP can only be 0
+    assert found[("val", "val boxes of categories without any training box (their AP will be 0)")] == 4
+    assert proc.stdout.count("data check: 0 errors, 6 repairs, 2 warnings") == 1  # one block, main process
     ev = [m for m in read_metrics(out) if "AP" in m]
     assert len(ev) == 1 and all(math.isfinite(ev[0][k]) for k in ("AP", "AP50", "AR100"))
     assert (out / "checkpoints" / "epoch_0001").is_dir()

@@ -215,7 +215,6 @@ def test_normal_end_max_steps_and_evaluate_only_return_to_the_shell(script, conf
 @pytest.mark.parametrize("script", ["predict_catsdogs.py", "predict_retinanet.py"])
 def test_ctrl_c_to_a_prediction(script, tmp_path):
     """Ctrl-C while a predict script runs (with workers): one `stopped:` line last, no traceback, exit 130."""
-    torch = pytest.importorskip("torch")
     from safetensors.torch import save_file
 
     from test_catsdogs import make_tiny_folder

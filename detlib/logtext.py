@@ -1,0 +1,51 @@
+"""Log lines that stay short whatever the data's size: class lists, per-class counts and per-class tables.
+
+A line of the console or train.log must not grow with the number of classes or images (300 classes once made
+one evaluation line of 277,322 characters). What grows goes to a file (the evaluation's per-class json / csv,
+config.yaml, data_report.json); the log gets a count, the extremes and the file's path. Class names are cut to
+`NAME_CHARS` characters in the log (never in files).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+NAME_CHARS = 40  # of a class name in a log line
+LIST_ITEMS = 8  # items of a list written out in a log line
+EXTREMES = 3  # worst / best classes named in a summary
+COUNT_ITEMS = 10  # classes whose image counts are all written out
+
+
+def short_name(name, limit: int = NAME_CHARS) -> str:
+    """`name` as text, cut to `limit` characters (an ellipsis marks the cut)."""
+    text = str(name)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def short_list(items: Iterable, limit: int = LIST_ITEMS) -> str:
+    """"a, b, c" for up to `limit` items; "a, b, ... (300 in all)" beyond (names cut by `short_name`)."""
+    items = list(items)
+    shown = ", ".join(short_name(i) for i in items[:limit])
+    return shown if len(items) <= limit else f"{shown}, ... ({len(items)} in all)"
+
+
+def class_counts(classes: Sequence[str], counts: Sequence[int], limit: int = COUNT_ITEMS) -> str:
+    """Images per class: "cat 6, dog 0" for up to `limit` classes; beyond, the range and the classes with the
+    fewest and the most images: "1 to 4 images each; fewest: a 1, b 1, c 1; most: x 4, y 4, z 3"."""
+    pairs = list(zip(classes, counts))
+    if len(pairs) <= limit:
+        return ", ".join(f"{short_name(c)} {n}" for c, n in pairs)
+    ranked = sorted(pairs, key=lambda p: (p[1], str(p[0])))
+    fewest = ", ".join(f"{short_name(c)} {n}" for c, n in ranked[:EXTREMES])
+    most = ", ".join(f"{short_name(c)} {n}" for c, n in sorted(pairs, key=lambda p: (-p[1], str(p[0])))[:EXTREMES])
+    return f"{ranked[0][1]} to {ranked[-1][1]} images each; fewest: {fewest}; most: {most}"
+
+
+def shorten_lists(obj, limit: int = 20):
+    """A copy of a config-like dict for the log: every list longer than `limit` becomes its first items and a
+    note of its length (the file beside keeps the whole list)."""
+    if isinstance(obj, dict):
+        return {k: shorten_lists(v, limit) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and len(obj) > limit:
+        return [*obj[:LIST_ITEMS], f"({len(obj)} items in all)"]
+    return obj
