@@ -275,7 +275,7 @@ def main(argv=None):
     except ValueError as e:
         stop(f"--model: {e}" if not args.evaluate_only else f"model of {args.evaluate_only}: {e}")
     if args.weights and not args.evaluate_only and not os.path.isfile(args.weights):
-        stop(f"--weights {args.weights}: no such file", code=1)
+        stop(f"weights file not found: {args.weights} (--weights)", code=1)
     if not synthetic and not args.val_dir:
         stop("--val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
     if not synthetic and not args.train_dir and not args.evaluate_only:

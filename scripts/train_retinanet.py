@@ -344,7 +344,7 @@ def main(argv=None):
         stop(f"--backbone: {e}" if "backbone" in given and not args.evaluate_only else
              f"backbone {args.backbone!r} (from {source or 'the default'}): {e}")
     if args.backbone_weights and not args.evaluate_only and not os.path.isfile(args.backbone_weights):
-        stop(f"--backbone_weights {args.backbone_weights}: no such file", code=1)
+        stop(f"weights file not found: {args.backbone_weights} (--backbone_weights)", code=1)
 
     run = Run(args, metric="AP")  # output folder checks and lock, accelerator, logging, preemption signals
     accelerator = run.accelerator

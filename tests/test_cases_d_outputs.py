@@ -411,11 +411,12 @@ def test_case_d19_backbone_that_cannot_work_is_one_line_before_the_data_check(ba
 def test_case_d19_other_values_checkable_without_data(tmp_path, capsys):
     retinanet, catsdogs = load_script("train_retinanet"), load_script("train_catsdogs")
     cases = [(retinanet, ["--backbone", "convnext_tiny", "--freeze_at", "5"], "--freeze_at 5: timm model 'convnext_tiny' has 4"),
-             (retinanet, ["--backbone", "resnet18", "--backbone_weights", str(tmp_path / "none.safetensors")], "no such file"),
+             (retinanet, ["--backbone", "resnet18", "--backbone_weights", str(tmp_path / "none.safetensors")],
+              "weights file not found: "),
              (retinanet, ["--evaluate_only", str(tmp_path / "none")], "--evaluate_only: no model weights at"),
              (catsdogs, ["--model", "resnet_does_not_exist"], "error: --model: 'resnet_does_not_exist' is not a timm model name"),
              (catsdogs, ["--model", "vit_tiny_patch16_224", "--image_size", "64"], "'vit_tiny_patch16_224' at --image_size 64"),
-             (catsdogs, ["--weights", str(tmp_path / "none.pth")], "--weights")]
+             (catsdogs, ["--weights", str(tmp_path / "none.pth")], "error: weights file not found: ")]
     for script, argv, message in cases:
         out = tmp_path / "out"
         data = ["--data_dir", str(tmp_path / "no_data")] if script is retinanet else \
