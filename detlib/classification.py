@@ -43,6 +43,37 @@ def classification_transform(image_size: int, train: bool):
 TORCHVISION_MODELS = ("resnet18",)
 
 
+def check_classifier(name: str, image_size: int | None = None) -> None:
+    """Check before the data is scanned that `name` is a classifier `build_classifier` can build and that it takes
+    `image_size` x `image_size` inputs (a ViT fixed at 224 does not take 64). Nothing is downloaded and no weights
+    are allocated (a timm model is built and run on the meta device; see `detlib.model.meta_forward_problem`).
+
+    Raises:
+        ValueError: one line: not a model name (with close timm names), or the input size the model refuses.
+    """
+    import timm
+
+    from .model import meta_forward_problem, unknown_timm_model
+
+    problem = unknown_timm_model(name, extra=TORCHVISION_MODELS)
+    if problem:
+        raise ValueError(problem + "; 'resnet18' is torchvision's")
+    if name in TORCHVISION_MODELS or not image_size:
+        return
+
+    def build(device: str):
+        with torch.device(device):
+            return timm.create_model(name, pretrained=False, num_classes=2)
+
+    try:
+        model = build("meta")
+    except Exception:  # a model that cannot be built on the meta device: the real build decides
+        return
+    problem = meta_forward_problem(model, [(image_size, image_size)], lambda: build("cpu"))
+    if problem:
+        raise ValueError(f"{name!r} at --image_size {image_size}: {problem}")
+
+
 def build_classifier(name: str, num_classes: int, pretrained: bool = False, weights: str | None = None) -> nn.Module:
     """An image classifier with `num_classes` outputs.
 

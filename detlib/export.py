@@ -116,34 +116,84 @@ def prepare_input(image: torch.Tensor, image_size: int, max_size: int | None, ca
             "scale": torch.tensor(sample["scale"], dtype=torch.float32)}
 
 
-def compare_detections(ref: tuple, got: tuple) -> dict:
-    """Pair two detection lists of one image and measure their differences.
+def head_candidates(cls_logits: torch.Tensor, box_deltas: torch.Tensor, anchors: torch.Tensor, image_size: torch.Tensor,
+                    scale: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Every detection the decoding could return for one image, from PyTorch's raw head outputs: (boxes [A, 4]
+    float32 xyxy pixels of the original image, decoded, clipped and scaled as the graph does; scores [A, K]
+    float32 sigmoid). `compare_detections` checks a detection paired only by a tied score against them.
 
-    Each reference detection is paired with the unpaired detection of `got` of the same label whose box is
-    nearest (largest absolute coordinate difference), so detections whose scores tie within rounding may come
-    in another order without counting as a difference; one left unpaired is a difference.
+    Args:
+        cls_logits: [1, A, K]; box_deltas: [1, A, 4]; anchors: [A, 4] of the canvas; image_size: [2] (h, w) of
+        the resized image; scale: [2] (sy, sx), as `prepare_input` gives them.
+    """
+    boxes = clip_boxes_to_image(box_coder.decode(box_deltas[0].float(), anchors), image_size[0], image_size[1])
+    boxes = boxes / torch.stack((scale[1], scale[0], scale[1], scale[0]))
+    return boxes.numpy(), cls_logits[0].float().sigmoid().numpy()
 
+
+def compare_detections(ref: tuple, got: tuple, box_atol: float = 0.01, score_atol: float = 1e-5,
+                       candidates: tuple[np.ndarray, np.ndarray] | None = None, score_thresh: float | None = None) -> dict:
+    """Pair two detection lists of one image (the PyTorch reference and an export) and measure their differences.
+
+    1. Each reference detection is paired with the unpaired detection of `got` of the same label whose box is
+       nearest (largest absolute coordinate difference); the pair counts when that box is within `box_atol` px
+       and the score within `score_atol`.
+    2. Scores tied within `score_atol` make the order, and at the cut-offs (per-level top-k, NMS, the detection
+       cap) the choice between equally scored candidates, a matter of rounding; so the detections left over on
+       both sides are paired by score rank, and a pair whose scores are within `score_atol` counts as paired by
+       a tie when the export's detection is one the reference could have returned: `candidates`
+       (`head_candidates`) holds an anchor with that label, a score within `score_atol` and a box within
+       `box_atol`. A detection left over within `score_atol` of `score_thresh` (on either side of the threshold
+       by rounding) counts the same way. Without `candidates` nothing counts by a tie.
     Args:
         ref, got: (boxes [N, 4] xyxy pixels, scores [N], labels [N]) as numpy arrays or tensors.
     Returns:
-        {"num_detections": [N_ref, N_got], "num_paired": int, "labels_equal": all paired and N equal,
-         "max_abs_box_px": float, "max_abs_score": float} (inf when a detection is unpaired).
+        {"num_detections": [N_ref, N_got], "num_paired": pairs within the tolerance, "num_tie_paired": pairs by
+         tied scores (and detections at the threshold), "num_unexplained": detections of either side left,
+         "labels_equal": every detection paired one way or the other, "max_abs_box_px", "max_abs_score": over the
+         pairs within the tolerance (inf when a detection is unexplained)}.
     """
     rb, rs, rl = (np.asarray(a) for a in ref)
     gb, gs, gl = (np.asarray(a) for a in got)
     used = np.zeros(len(gl), dtype=bool)
-    box_d, score_d = 0.0, 0.0
-    paired = 0
+    ref_left = []
+    box_d, score_d, paired = 0.0, 0.0, 0
     for i in range(len(rl)):
         cand = np.nonzero((gl == rl[i]) & ~used)[0]
-        if not len(cand):
-            continue
-        d = np.abs(gb[cand] - rb[i]).max(axis=1)
-        j = cand[int(np.argmin(d))]
-        used[j] = True
-        paired += 1
-        box_d = max(box_d, float(d.min()))
-        score_d = max(score_d, float(abs(gs[j] - rs[i])))
-    complete = paired == len(rl) == len(gl)
-    return {"num_detections": [int(len(rl)), int(len(gl))], "num_paired": paired, "labels_equal": bool(complete),
-            "max_abs_box_px": box_d if complete else float("inf"), "max_abs_score": score_d if complete else float("inf")}
+        if len(cand):
+            d = np.abs(gb[cand] - rb[i]).max(axis=1)
+            j = cand[int(np.argmin(d))]
+            if d.min() <= box_atol and abs(float(gs[j]) - float(rs[i])) <= score_atol:
+                used[j] = True
+                paired += 1
+                box_d, score_d = max(box_d, float(d.min())), max(score_d, float(abs(gs[j] - rs[i])))
+                continue
+        ref_left.append(i)
+    got_left = [j for j in range(len(gl)) if not used[j]]
+
+    def reference_could_return(j: int) -> bool:
+        boxes, scores = candidates
+        near = np.abs(scores[:, int(gl[j])] - float(gs[j])) <= score_atol
+        return bool(near.any() and (np.abs(boxes[near] - gb[j]).max(axis=1) <= box_atol).any())
+
+    ties, unexplained = 0, len(ref_left) + len(got_left)
+    if candidates is not None and (ref_left or got_left):
+        def at_thresh(score) -> bool:
+            return score_thresh is not None and abs(float(score) - score_thresh) <= score_atol
+
+        r_order = sorted(ref_left, key=lambda i: -float(rs[i]))
+        g_order = sorted(got_left, key=lambda j: -float(gs[j]))
+        rest_r, rest_g = r_order[len(g_order):], g_order[len(r_order):]
+        for i, j in zip(r_order, g_order):
+            if abs(float(rs[i]) - float(gs[j])) <= score_atol and reference_could_return(j):
+                ties += 1
+            else:
+                rest_r.append(i)
+                rest_g.append(j)
+        excused = [i for i in rest_r if at_thresh(rs[i])] + [j for j in rest_g if at_thresh(gs[j]) and reference_could_return(j)]
+        ties += len(excused)
+        unexplained = len(rest_r) + len(rest_g) - len(excused)
+    ok = unexplained == 0
+    return {"num_detections": [int(len(rl)), int(len(gl))], "num_paired": paired, "num_tie_paired": int(ties),
+            "num_unexplained": int(unexplained), "labels_equal": bool(ok),
+            "max_abs_box_px": box_d if ok else float("inf"), "max_abs_score": score_d if ok else float("inf")}

@@ -29,7 +29,7 @@ from .data import unreadable_item
 from .labels import CategoryMap
 from .model import build_retinanet_from_config
 from .transforms import make_sample
-from .weights import load_model_weights, read_model_config, weights_path
+from .weights import REQUIRED, complete_model_config, load_model_weights, read_model_config, weights_path
 
 logger = logging.getLogger(__name__)
 
@@ -174,12 +174,14 @@ class DetectionImageFiles(torch.utils.data.Dataset):
                 "crowd_boxes": empty, "image_id": index, "scale": sample.get("scale", (1.0, 1.0)), "valid": True}
 
 
-def load_retinanet(weights: str) -> tuple[torch.nn.Module, dict, CategoryMap]:
+def load_retinanet(weights: str, notes: list[str] | None = None) -> tuple[torch.nn.Module, dict, CategoryMap]:
     """Rebuild a trained RetinaNet from its weights and model_config.json, in eval mode on the CPU.
 
     Args:
         weights: a run folder (its best/, else last/), best/ or last/, a checkpoint folder, or a weights file
             with model_config.json beside it or in its parent folder.
+        notes: when given, the line saying which model keys an old model_config.json lacked and where they
+            were found (the run's config.yaml; `complete_model_config`) is appended to it.
     Returns:
         (model, model_config, CategoryMap of the config's `category_ids` and `category_names`; a config
         without names, written before names were stored, names each class by its id).
@@ -192,9 +194,28 @@ def load_retinanet(weights: str) -> tuple[torch.nn.Module, dict, CategoryMap]:
     if config is None:
         raise FileNotFoundError(f"no model_config.json next to {f} (nor in its parent folder): the model cannot be "
                                 "rebuilt; the training script writes one into best/, last/ and every checkpoint")
+    config, note = complete_model_config(config, weights, {k: REQUIRED for k in ("num_classes", "backbone", "fpn_channels")})
+    if note and notes is not None:
+        notes.append(note)
     model = build_retinanet_from_config(config)
     load_model_weights(model, weights)
     return model.eval(), config, category_map_from_config(config)
+
+
+def retinanet_input_size(config: dict, weights: str, image_size: int | None = None, max_size: int | None = None,
+                         default: int = 600) -> tuple[int, int | None, str | None]:
+    """The resize of a trained RetinaNet (`build_transform(image_size, "none", max_size)`): `image_size` / `max_size`
+    (the --image_size / --max_size flags) when given, else the model's own from its model_config.json.
+
+    A model_config.json of an older version without them is completed from the run's config.yaml (the size the
+    model was trained at), else with `default` and no cap (`complete_model_config`), and the third value is the
+    line that says so (None when nothing was missing). Returns (image_size, max_size, line)."""
+    if image_size:
+        return image_size, max_size, None
+    keys = {"image_size": default} if max_size else {"image_size": default, "max_size": None}
+    config, note = complete_model_config(config, weights, keys,
+                                         hint="pass --image_size (and --max_size) with the size the model was trained at")
+    return int(config["image_size"]), max_size or config.get("max_size"), note
 
 
 def category_map_from_config(config: dict) -> CategoryMap:
@@ -225,9 +246,11 @@ class ClassificationImageFiles(DetectionImageFiles):
         return {"image": self.transform(img), "index": index, "valid": valid}
 
 
-def load_classifier(weights: str) -> tuple[torch.nn.Module, dict]:
+def load_classifier(weights: str, notes: list[str] | None = None) -> tuple[torch.nn.Module, dict]:
     """Rebuild a trained classifier from its weights and model_config.json (`model`, `classes`), eval mode.
 
+    A config without `model` (hand-written, or an older version's) is completed from the run's config.yaml, else
+    with the training script's default (resnet18); the line saying so is appended to `notes`, when given.
     Raises:
         FileNotFoundError: no weights or no model_config.json (names the path).
         RuntimeError: the weights do not fit the config's model.
@@ -238,6 +261,9 @@ def load_classifier(weights: str) -> tuple[torch.nn.Module, dict]:
     config = read_model_config(weights)
     if config is None or "classes" not in config:
         raise FileNotFoundError(f"no classifier model_config.json (with 'classes') next to {f}: the model cannot be rebuilt")
+    config, note = complete_model_config(config, weights, {"model": "resnet18"})
+    if note and notes is not None:
+        notes.append(note)
     model = build_classifier(config["model"], len(config["classes"]))
     load_model_weights(model, weights)
     return model.eval(), config

@@ -19,7 +19,7 @@ from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from .anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
+from .anchors import DEFAULT_NUM_ANCHORS, INPUT_DIVISIBILITY, anchor_generator_from_config
 from .weights import load_state_dict_file
 
 
@@ -137,6 +137,81 @@ def build_backbone(name: str, pretrained: bool = False, weights_path: str | None
                 f"e.g. {result.missing_keys[:5]}"
             )
     return backbone
+
+
+def unknown_timm_model(name: str, extra: tuple[str, ...] = ()) -> str | None:
+    """None when `name` is a timm model name (or one of `extra`), else the one-line reason with close names."""
+    if name in extra or timm.is_model(name):
+        return None
+    from .flags import close_names
+
+    close = close_names(name, [*extra, *timm.list_models()])
+    return f"{name!r} is not a timm model name" + (f" (close names: {', '.join(close)})" if close else
+                                                  " (`timm.list_models('*pattern*')` lists them)")
+
+
+def meta_forward_problem(model: nn.Module, shapes: list[tuple[int, int]], build_on_cpu) -> str | None:
+    """Run `model` (built on the meta device: no weights allocated) in eval mode on [1, 3, H, W] inputs of each
+    shape; None when every shape goes through, else the model's own message for the first that does not. A failure
+    on the meta device alone (an op without a meta kernel) is checked again on a CPU copy (`build_on_cpu()`), so
+    only a real refusal is reported."""
+    def first_failure(m: nn.Module, device: str) -> str | None:
+        m.eval()
+        for h, w in shapes:
+            try:
+                with torch.no_grad():
+                    m(torch.zeros(1, 3, h, w, device=device))
+            except Exception as e:  # a model's own size checks are asserts, shape errors, value errors
+                return f"{h}x{w} inputs fail in the model ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+        return None
+
+    if first_failure(model, "meta") is None:
+        return None
+    return first_failure(build_on_cpu(), "cpu")
+
+
+def check_backbone(name: str, image_sizes: tuple[int, ...] = (), freeze_at: int | None = None) -> None:
+    """Check before the data check and the model build that timm model `name` can be RetinaNet's backbone.
+
+    Nothing is downloaded and no weights are allocated: the `features_only` model is built on the meta device
+    (`pretrained=False`), its `feature_info` read, and it is run there on the padded input sizes.
+    Args:
+        image_sizes: longest input sides in pixels (the training size, `--train_scales`, `--max_size`); each is
+            rounded up to a multiple of 32 (the padding) and run as a square and as a half-height input, so a
+            backbone fixed at one input size (a Swin or CoaT at 224) fails here, not in the first step.
+        freeze_at: `--freeze_at`: at most the backbone's number of feature parts.
+    Raises:
+        ValueError: one line: not a timm name (with close names), no stride 8 / 16 / 32 features (with the
+            strides it has), an input size the model refuses (its message), `freeze_at` beyond its parts.
+    """
+    problem = unknown_timm_model(name)
+    if problem:
+        raise ValueError(problem)
+
+    def build(device: str):
+        with torch.device(device):
+            return timm.create_model(name, pretrained=False, features_only=True)
+
+    try:
+        backbone = build("meta")
+    except Exception:  # a model that cannot be built on the meta device: the real build decides
+        return
+    reductions = backbone.feature_info.reduction()
+    missing = [r for r in BACKBONE_REDUCTIONS if r not in reductions]
+    if missing:
+        raise ValueError(f"timm model {name!r} gives features at strides {reductions}; RetinaNet's FPN needs strides 8, "
+                         "16 and 32 (a CNN or a hierarchical backbone: resnet50, convnext_tiny, efficientnet_b3, "
+                         "regnety_016; a plain ViT has one stride)")
+    parts = len(backbone.feature_info.module_name())
+    if freeze_at is not None and freeze_at > parts:
+        raise ValueError(f"--freeze_at {freeze_at}: timm model {name!r} has {parts} feature parts (0..{parts})")
+    shapes = []
+    for size in image_sizes:
+        s = int(math.ceil(size / INPUT_DIVISIBILITY) * INPUT_DIVISIBILITY)
+        shapes += [(s, s), (max(INPUT_DIVISIBILITY, s // 2 // INPUT_DIVISIBILITY * INPUT_DIVISIBILITY), s)]
+    problem = meta_forward_problem(backbone, list(dict.fromkeys(shapes)), lambda: build("cpu"))
+    if problem:
+        raise ValueError(f"timm model {name!r} as a backbone: {problem}")
 
 
 class _FoldedFrozenBatchNorm2d(FrozenBatchNorm2d):

@@ -117,7 +117,12 @@ def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | 
     num_processes = accelerator.num_processes
     moved = convert_position(state, saved, num_processes, samples_per_step, steps_per_epoch) if saved else False
     scheduler = build_scheduler(optimizer, schedule, state, saved, total_steps, steps_per_epoch, epochs, max_steps)
+    if saved and saved.schedule and saved.schedule.get("kind") not in (None, schedule["kind"]):
+        raise ResumeError(f"cannot resume from {resume} with --lr_scheduler {schedule['kind']}: its run used "
+                          f"{saved.schedule['kind']}, whose state does not carry over; resume with --lr_scheduler "
+                          f"{saved.schedule['kind']}, or start a new run from its weights with --init_from")
     accelerator.register_for_checkpointing(scheduler)
+    asked = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if resume:
         try:
             load_checkpoint(accelerator, resume)
@@ -128,6 +133,8 @@ def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | 
             raise ResumeError(f"cannot resume from {resume}: it does not fit this run (another --backbone, width, "
                               f"class list or optimizer?): {first[0][:200] if first else type(e).__name__}"
                               + (f"; {first[1].strip()[:200]}" if len(first) > 1 else "")) from None
+        for line in replaced_by_checkpoint(asked, optimizer.param_groups, saved.schedule if saved else None, resume):
+            logger.warning("%s", line)
         if moved and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             set_position(scheduler, state.global_step)
         logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", resume, state.epoch,
@@ -135,6 +142,47 @@ def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | 
     state.num_processes, state.steps_per_epoch = num_processes, steps_per_epoch
     state.samples_per_step = samples_per_step
     return scheduler
+
+
+# Optimizer settings (param-group keys) that a checkpoint's optimizer state brings back over this run's flags.
+RECIPE_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight_decay", "momentum": "--momentum"}
+
+
+def replaced_by_checkpoint(asked: list[dict], loaded: list[dict], saved_schedule: dict | None, checkpoint: str) -> list[str]:
+    """The flags of this run whose values a resumed checkpoint's optimizer state replaced, one line each (flag,
+    value asked for, value used): a resume continues the checkpoint's recipe, and another --lr is said, not
+    silently dropped.
+
+    Args:
+        asked: this run's param groups (without "params") before the checkpoint was loaded.
+        loaded: the param groups after `accelerator.load_state`.
+        saved_schedule: the checkpoint's `TrainState.schedule`; a plateau run's base LR is its `base_lrs` (the
+            groups' `lr` has its drops in it; a checkpoint written before base_lrs was recorded is not compared).
+    Raises:
+        ResumeError: this run's optimizer has settings the checkpoint's lacks (another --optimizer: SGD's momentum
+            against AdamW's betas), which would fail at the first step.
+    """
+    lacking = set(asked[0]) - set(loaded[0]) - {"initial_lr"} if asked and loaded else set()
+    if lacking:
+        raise ResumeError(f"cannot resume from {checkpoint}: its optimizer is another one than this run's (its state "
+                          f"has no {', '.join(sorted(lacking))}: another --optimizer?); resume with the checkpoint's "
+                          "optimizer, or start a new run from its weights with --init_from")
+    lines = []
+    base = (saved_schedule or {}).get("base_lrs")
+    for key, flag in RECIPE_FLAGS.items():
+        for i, (a, g) in enumerate(zip(asked, loaded)):
+            if key == "initial_lr":  # the base LR: the scheduler's, else (plateau) the recorded one
+                ours = a.get("initial_lr", a.get("lr"))
+                theirs = g["initial_lr"] if "initial_lr" in g else (base[i] if base and i < len(base) else None)
+            else:
+                ours, theirs = a.get(key), g.get(key)
+            if not isinstance(ours, (int, float)) or not isinstance(theirs, (int, float)) or ours == theirs:
+                continue
+            lines.append(f"{flag} {ours:g} is not used: the resumed checkpoint's optimizer state brings back its run's "
+                         f"{theirs:g} (a resume continues that recipe; to train with another, start a new run with "
+                         f"--init_from {checkpoint})")
+            break  # one line per flag
+    return lines
 
 
 def convert_position(state: TrainState, saved: TrainState, num_processes: int, samples_per_step: int,
@@ -184,7 +232,9 @@ def build_scheduler(optimizer, schedule: dict, state: TrainState, saved: TrainSt
     """
     kind = schedule["kind"]
     if kind == "plateau":
-        state.schedule = {"kind": kind}
+        # the base LR, which the groups' lr loses at the first drop: a resume compares --lr with it
+        base = (saved.schedule or {}).get("base_lrs") if saved else None
+        state.schedule = {"kind": kind, "base_lrs": base or [g["lr"] for g in optimizer.param_groups]}
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=PLATEAU_FACTOR,
                                                           patience=schedule.get("plateau_patience", 3))
     if kind not in SCHEDULES:

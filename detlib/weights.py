@@ -247,6 +247,86 @@ def read_model_config(path: str) -> dict | None:
     return None
 
 
+def run_config_of(path: str) -> tuple[dict, str | None]:
+    """The `config.yaml` of the run the weights `weights_path(path)` finds come from: in their folder or up to two
+    levels above (RUN/best/, RUN/checkpoints/epoch_0003/), and its path; ({}, None) when there is none or it does
+    not parse."""
+    import yaml
+
+    try:
+        folder = os.path.dirname(os.path.abspath(weights_path(path)))
+    except FileNotFoundError:
+        return {}, None
+    for _ in range(3):
+        f = os.path.join(folder, "config.yaml")
+        if os.path.isfile(f):
+            try:
+                with open(f) as fh:
+                    cfg = yaml.safe_load(fh)
+            except (OSError, yaml.YAMLError):
+                return {}, None
+            return (cfg, f) if isinstance(cfg, dict) else ({}, None)
+        folder = os.path.dirname(folder)
+    return {}, None
+
+
+# Keys of model_config.json that name the model; a run config.yaml that disagrees on one is another model's.
+MODEL_IDENTITY_KEYS = ("num_classes", "backbone", "fpn_channels", "model")
+
+
+REQUIRED = object()  # a key of complete_model_config without a default
+
+
+def complete_model_config(config: dict, path: str, keys: dict, hint: str = "") -> tuple[dict, str | None]:
+    """Fill in the keys of `keys` that a model_config.json lacks (written before they existed, or by hand), never
+    silently: from the run's config.yaml (`run_config_of`) when it is there and describes this model (the
+    `MODEL_IDENTITY_KEYS` both hold agree), else with the default `keys` gives.
+
+    Args:
+        config: the model_config.json's contents.
+        path: what `weights_path` takes (the run, best/, a checkpoint, a file).
+        keys: {key: default}; `REQUIRED` for a key without a default (left missing when the run's config.yaml
+            does not have it either: the caller refuses).
+        hint: appended to the line when a default is used (e.g. which flag to pass).
+    Returns:
+        (a completed copy, the one line that says what was missing and what is used; None when nothing was
+        missing).
+    """
+    missing = [k for k in keys if k not in config]
+    if not missing:
+        return config, None
+    run, run_file = run_config_of(path)
+    if run and any(k in config and k in run and run[k] != config[k] for k in MODEL_IDENTITY_KEYS):
+        run, run_file = {}, None  # a config.yaml of another model beside copied weights
+    # a None in config.yaml is a value only for a key whose default is None (max_size: no cap)
+    found = {k: run[k] for k in missing if k in run and (run[k] is not None or keys[k] is None)}
+    defaults = {k: keys[k] for k in missing if k not in found and keys[k] is not REQUIRED}
+    unknown = [k for k in missing if k not in found and k not in defaults]
+    out = {**config, **found, **defaults}
+    used = []
+    if found:
+        used.append(", ".join(f"{k} {v}" for k, v in found.items()) + f" from the run's {run_file}")
+    if defaults:
+        used.append(", ".join(f"{k} {v}" for k, v in defaults.items()) + " (recorded nowhere: the defaults"
+                    + (f"; {hint}" if hint else "") + ")")
+    if unknown:
+        used.append(f"nothing for {', '.join(unknown)} (no run config.yaml of this model holds it)")
+    f = model_config_file(path) or "model_config.json"
+    return out, f"{f} has no {', '.join(missing)} (written by an older version?): using {'; '.join(used)}"
+
+
+def model_config_file(path: str) -> str | None:
+    """The model_config.json `read_model_config` reads for `path`, or None."""
+    try:
+        folder = os.path.dirname(weights_path(path))
+    except FileNotFoundError:
+        return None
+    for f in (os.path.join(folder, "model_config.json"), os.path.join(os.path.dirname(folder.rstrip("/")), "model_config.json")):
+        if os.path.isfile(f):
+            return f
+    return None
+
+
 def load_model_weights(model: torch.nn.Module, path: str) -> str:
     """Strictly load weights into the bare model, whatever wrapper prefixes the file's keys carry.
 

@@ -14,6 +14,10 @@ detlib/export.py for its inputs and outputs, and README "Export" for running it 
 FILE.onnx it writes FILE.json (canvas, sizes, class ids and names, thresholds, input / output names) and
 FILE.parity.json (the check's numbers). The check fails loudly (exit 1) when an image's detections differ
 beyond the tolerance: labels not identical, a box more than --box_atol px off or a score more than --score_atol.
+Detections whose scores tie within --score_atol (an early model's, all near the prior) may come in another order or,
+at a cut-off, be another of the tied candidates: those are paired by score when the export's is one PyTorch's head
+outputs give. The verdict says how many detections were compared, and a check that compared none (both find nothing
+above --score_thresh) is no pass: exit 1, with what to do.
 """
 
 from __future__ import annotations
@@ -27,61 +31,85 @@ import warnings
 
 import numpy as np
 import torch
-import yaml
 
 from detlib.anchors import AnchorGenerator
 from detlib.data import PAD_VALUE
 from detlib.decode import decode_detections
-from detlib.export import ExportableRetinaNet, canvas_size, compare_detections, prepare_input
+from detlib.export import ExportableRetinaNet, canvas_size, compare_detections, head_candidates, prepare_input
+from detlib.flags import float_range, int_at_least
 from detlib.images import IMAGE_ERRORS, load_rgb
-from detlib.inference import list_image_files, load_retinanet
-from detlib.weights import weights_path
+from detlib.inference import list_image_files, load_retinanet, retinanet_input_size
+from detlib.weights import run_config_of, weights_path
 
 logger = logging.getLogger("export_retinanet")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--weights", required=True, help="a run folder, best/, last/, a checkpoint folder or a model.safetensors")
-    g.add_argument("--image_size", type=int, help="default: the training size from model_config.json")
-    g.add_argument("--max_size", type=int, help="default: from model_config.json")
+    g.add_argument("--image_size", type=int_at_least(32), help="default: the training size from model_config.json")
+    g.add_argument("--max_size", type=int_at_least(32), help="default: from model_config.json")
     g = p.add_argument_group("export")
     g.add_argument("--output", required=True, help="FILE.onnx (a .pt2 program goes beside it with --format pt2/both)")
     g.add_argument("--format", default="onnx", choices=["onnx", "pt2", "both"])
     g.add_argument("--decode", default="inside", choices=["inside", "outside"],
                    help="inside: the graph returns boxes / scores / labels; outside: the raw head outputs")
-    g.add_argument("--opset", type=int, default=18)
-    g.add_argument("--score_thresh", type=float, default=0.05)
-    g.add_argument("--nms_thresh", type=float, default=0.5)
-    g.add_argument("--detections_per_image", type=int, default=100)
+    g.add_argument("--opset", type=int_at_least(7), default=18)
+    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05)
+    g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5)
+    g.add_argument("--detections_per_image", type=int_at_least(1), default=100)
     g = p.add_argument_group("parity check")
     g.add_argument("--check_source", help="images for the check (default: the run's val set, from its config.yaml)")
     g.add_argument("--check_images", help="image folder of a COCO-json --check_source")
-    g.add_argument("--num_check_images", type=int, default=3)
-    g.add_argument("--box_atol", type=float, default=0.01, help="largest box coordinate difference allowed, pixels")
-    g.add_argument("--score_atol", type=float, default=1e-5)
-    g.add_argument("--logit_atol", type=float, default=1e-3, help="decode outside: largest head output difference")
-    return p.parse_args(argv)
+    g.add_argument("--num_check_images", type=int_at_least(1), default=3)
+    g.add_argument("--box_atol", type=float_range(0), default=0.01, help="largest box coordinate difference allowed, pixels")
+    g.add_argument("--score_atol", type=float_range(0), default=1e-5)
+    g.add_argument("--logit_atol", type=float_range(0), default=1e-3, help="decode outside: largest head output difference")
+    return p
 
 
-def run_config(weights: str) -> dict:
-    """config.yaml of the run the weights come from (the weights' folder or up to two levels above), or {}."""
-    folder = os.path.dirname(os.path.abspath(weights_path(weights)))
-    for _ in range(3):
-        f = os.path.join(folder, "config.yaml")
-        if os.path.isfile(f):
-            with open(f) as fh:
-                return yaml.safe_load(fh) or {}
-        folder = os.path.dirname(folder)
-    return {}
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.max_size is not None and args.image_size is not None and args.max_size < args.image_size:
+        p.error(f"--max_size {args.max_size} is smaller than --image_size {args.image_size} (the shorter side)")
+    written = output_files(args)
+    for i, (kind, path) in enumerate(written.items()):
+        for other, earlier in list(written.items())[:i]:
+            if os.path.abspath(path) == os.path.abspath(earlier):
+                p.error(f"--output {args.output}: the {kind} file would be {path}, the {other} file too (one would "
+                        "replace the other); name it FILE.onnx")
+    return args
+
+
+def output_files(args) -> dict[str, str]:
+    """{kind: path} of every file the export writes: FILE.onnx as --output, FILE.pt2, FILE.json, FILE.parity.json."""
+    stem = os.path.splitext(args.output)[0]
+    files = {"onnx": args.output} if args.format in ("onnx", "both") else {}
+    if args.format in ("pt2", "both"):
+        files["pt2"] = stem + ".pt2"
+    return {**files, "metadata": stem + ".json", "parity": stem + ".parity.json"}
+
+
+def ignored_flags(args, defaults: dict) -> list[str]:
+    """One line per flag given that this export does not use (said, not silently dropped)."""
+    changed = {k for k, v in defaults.items() if getattr(args, k, v) != v}
+    unused = {"opset": args.format == "pt2" and "--format pt2 writes no ONNX graph",
+              "logit_atol": args.decode == "inside" and "--decode inside compares detections (--box_atol, --score_atol)",
+              "box_atol": args.decode == "outside" and "--decode outside compares the raw head outputs (--logit_atol)",
+              "score_atol": args.decode == "outside" and "--decode outside compares the raw head outputs (--logit_atol)"}
+    out = [f"--{k} {getattr(args, k)} is not used: {why}" for k, why in unused.items() if why and k in changed]
+    if args.check_images and not (args.check_source and args.check_source.lower().endswith(".json")):
+        out.append(f"--check_images {args.check_images} is not used: it is the image folder of a COCO-json --check_source")
+    return out
 
 
 def check_image_paths(args) -> list[str]:
     """The first --num_check_images readable images of the check source (sorted by name / image id)."""
     source, image_dir = args.check_source, args.check_images
     if not source:
-        cfg = run_config(args.weights)
+        cfg, _ = run_config_of(args.weights)
         source, image_dir = cfg.get("data_val_annotations"), cfg.get("data_val_images")
         if not source:
             return []
@@ -103,12 +131,16 @@ def check_image_paths(args) -> list[str]:
     return readable
 
 
-def compare(ref: tuple, got: tuple, decode: str) -> dict:
-    """Differences between the PyTorch reference and an export on one image (see `compare_detections`)."""
-    if decode == "outside":  # raw head outputs
+def compare(ref: tuple, got: tuple, args, candidates=None) -> dict:
+    """Differences between the PyTorch reference and an export on one image (see `compare_detections`), with
+    `num_compared`: the detections (decode inside) or head output values (outside) the verdict rests on."""
+    if args.decode == "outside":  # raw head outputs
         ref, got = [np.asarray(r) for r in ref], [np.asarray(g) for g in got]
-        return {"max_abs_cls_logits": float(np.abs(ref[0] - got[0]).max()), "max_abs_box_deltas": float(np.abs(ref[1] - got[1]).max())}
-    return compare_detections(ref, got)
+        return {"max_abs_cls_logits": float(np.abs(ref[0] - got[0]).max()), "max_abs_box_deltas": float(np.abs(ref[1] - got[1]).max()),
+                "num_compared": int(ref[0].size + ref[1].size)}
+    d = compare_detections(ref, got, box_atol=args.box_atol, score_atol=args.score_atol, candidates=candidates,
+                           score_thresh=args.score_thresh)
+    return {**d, "num_compared": d["num_paired"] + d["num_tie_paired"]}
 
 
 def passes(d: dict, args) -> bool:
@@ -117,12 +149,36 @@ def passes(d: dict, args) -> bool:
     return d["labels_equal"] and d["max_abs_box_px"] <= args.box_atol and d["max_abs_score"] <= args.score_atol
 
 
+def verdict(report: list[dict], args) -> tuple[str, str]:
+    """("pass" | "fail" | "no verdict", the line that says what was compared)."""
+    n_images = len({r["image"] for r in report})
+    compared = sum(r["num_compared"] for r in report)
+    failed = [f"{r['format']} {r['image']}" for r in report if not r["pass"]]
+    if args.decode == "outside":
+        worst = max(max(r["max_abs_cls_logits"], r["max_abs_box_deltas"]) for r in report)
+        what = (f"raw head outputs compared on {n_images} images ({compared} values of cls_logits and box_deltas), "
+                f"largest difference {worst:.3g} (tolerance {args.logit_atol:g})")
+    else:
+        ties = sum(r["num_tie_paired"] for r in report)
+        what = (f"{compared} detections compared on {n_images} images ({compared - ties} paired within {args.box_atol:g} "
+                f"px and score {args.score_atol:g}, {ties} paired by scores tied within {args.score_atol:g}, each one "
+                f"PyTorch's head outputs give)")
+    if failed:
+        return "fail", f"{what}; beyond the tolerance on {', '.join(failed[:4])}{' ...' if len(failed) > 4 else ''}"
+    if compared == 0:
+        return "no verdict", (f"0 detections compared on {n_images} images: PyTorch and the export find none above "
+                              f"--score_thresh {args.score_thresh:g} (an early model?), so nothing shows they agree; check "
+                              "with --score_thresh 0, or --decode outside (the raw head outputs)")
+    return "pass", what
+
+
 @torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    notes: list[str] = []  # what an old model_config.json lacked, flags this export does not use: one line each
     try:
-        model, config, category_map = load_retinanet(args.weights)
+        model, config, category_map = load_retinanet(args.weights, notes)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         raise SystemExit(f"error: {e}") from None
     # the exported graph has detlib's anchors and resize built in; a converted torchvision model's would differ
@@ -131,8 +187,9 @@ def main(argv=None):
     if foreign:
         raise SystemExit(f"error: {args.weights}: exporting a model with torchvision's settings ({', '.join(foreign)} in "
                          "model_config.json) is not supported yet; evaluate or predict it with the scripts")
-    image_size = args.image_size or config.get("image_size") or 600
-    max_size = args.max_size if args.image_size or args.max_size else config.get("max_size")
+    image_size, max_size, note = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
+    for line in filter(None, [*notes, note, *ignored_flags(args, {a.dest: a.default for a in build_parser()._actions})]):
+        logger.warning("%s", line)
     canvas = canvas_size(image_size, max_size)
     wrapped = ExportableRetinaNet(model, canvas, decode=args.decode == "inside", score_thresh=args.score_thresh,
                                   nms_thresh=args.nms_thresh, max_detections=args.detections_per_image).eval()
@@ -150,11 +207,20 @@ def main(argv=None):
                               opset_version=args.opset, dynamo=True, verbose=False,
                               external_data=False)  # one self-contained file (models under 2 GB)
         files["onnx"] = args.output
+        import onnx
+
+        written = max((o.version for o in onnx.load(args.output, load_external_data=False).opset_import
+                       if o.domain in ("", "ai.onnx")), default=None)
+        if written != args.opset:  # the exporter keeps its own opset when it cannot convert to the one asked for
+            logger.warning("--opset %d could not be honoured: the exporter wrote opset %s (its version conversion "
+                           "does not reach %d; the graph works with runtimes that support %s)", args.opset, written,
+                           args.opset, written)
     if args.format in ("pt2", "both"):
         program = torch.export.export(wrapped, example)
         torch.export.save(program, stem + ".pt2")
         files["pt2"] = stem + ".pt2"
     meta = {**config, "canvas": canvas, "image_size": image_size, "max_size": max_size, "decode": args.decode,
+            "opset": written if "onnx" in files else None,
             "inputs": inputs, "outputs": outputs, "pad_value": list(PAD_VALUE),
             "category_ids": category_map.category_ids, "category_names": category_map.names,
             "score_thresh": args.score_thresh, "nms_thresh": args.nms_thresh,
@@ -178,31 +244,38 @@ def main(argv=None):
         loaded = torch.export.load(files["pt2"]).module()
         runners["pt2"] = lambda x: [t.numpy() for t in loaded(*(x[k] for k in inputs))]
     anchors, counts = AnchorGenerator()(canvas, canvas)
-    report, ok = [], True
+    report = []
     for path in paths:
         pil, _ = load_rgb(path)
         x = prepare_input(torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1), image_size, max_size, canvas)
         out = model(x["images"])
+        candidates = None
         if args.decode == "inside":
             d = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, x["image_size"][None],
                                   x["scale"][None], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
                                   max_detections=args.detections_per_image)
             ref = (d.boxes.numpy(), d.scores.numpy(), d.labels.numpy())
+            # what PyTorch could return for this image: detections tied in score are checked against it
+            candidates = head_candidates(out["cls_logits"], out["box_deltas"], anchors, x["image_size"], x["scale"])
         else:
             ref = (out["cls_logits"].numpy(), out["box_deltas"].numpy())
         for name, run in runners.items():
-            diff = {"image": os.path.basename(path), "format": name, **compare(ref, run(x), args.decode)}
+            diff = {"image": os.path.basename(path), "format": name, **compare(ref, run(x), args, candidates)}
             diff["pass"] = passes(diff, args)
-            ok &= diff["pass"]
             report.append(diff)
             logger.info("parity %s %s: %s", name, diff["image"], json.dumps({k: v for k, v in diff.items() if k not in ("image", "format")}))
     tolerance = ({"logits": args.logit_atol} if args.decode == "outside" else {"box_px": args.box_atol, "score": args.score_atol})
+    outcome, line = verdict(report, args)
     with open(stem + ".parity.json", "w") as f:
-        json.dump({"tolerance": tolerance, "images": report, "pass": ok}, f, indent=1)
-    if not ok:
-        logger.error("export differs from PyTorch beyond the tolerance %s; see %s.parity.json", tolerance, stem)
+        json.dump({"tolerance": tolerance, "images": report, "num_compared": sum(r["num_compared"] for r in report),
+                   "verdict": outcome, "summary": line, "pass": outcome == "pass"}, f, indent=1)
+    if outcome == "fail":
+        logger.error("parity: export differs from PyTorch beyond the tolerance: %s; see %s.parity.json", line, stem)
         sys.exit(1)
-    logger.info("parity on %d images: pass (tolerance %s)", len(paths), tolerance)
+    if outcome == "no verdict":
+        logger.error("parity: no verdict: %s (the exported files are written; %s.parity.json)", line, stem)
+        sys.exit(1)
+    logger.info("parity on %d images: pass: %s", len(paths), line)
     return {"files": files, "parity": report}
 
 

@@ -35,7 +35,7 @@ from detlib.flags import int_at_least
 from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_image_files, load_classifier, output_names,
                               prediction_parser, run_prediction, shard_batches, start_prediction)
 from detlib.rundir import worker_loader_kwargs
-from detlib.weights import weights_path
+from detlib.weights import complete_model_config, weights_path
 
 logger = logging.getLogger("predict_catsdogs")
 
@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--source", required=True, help="an image file, a folder (recursive) or a glob pattern")
     g.add_argument("--image_size", type=int_at_least(16), help="default None: the training size from model_config.json")
     g = groups["output"]
-    g.add_argument("--topk", type=int_at_least(1), default=5, help="classes per image (at most the number of classes)")
+    g.add_argument("--topk", type=int_at_least(1), help="classes per image (default: 5, at most the number of classes)")
     g.add_argument("--copy_to_class_folders", action="store_true", help="copy each image to OUT/by_class/<top-1 class>/")
     return p.parse_args(argv)
 
@@ -79,15 +79,25 @@ def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int,
 def main(argv=None):
     args = parse_args(argv)
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
+    notes: list[str] = []
     try:
-        model, config = load_classifier(args.weights)
+        model, config = load_classifier(args.weights, notes)
         root, paths = list_image_files(args.source, exclude=(os.path.join(args.output_dir, "by_class"),))
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
         raise SystemExit(f"error: {e}") from None
     classes = config["classes"]
-    image_size = args.image_size or config.get("image_size") or 224
-    k = max(1, min(args.topk, len(classes)))
+    if args.image_size is None:  # the training size; an old model_config.json without it is completed, never silently
+        config, note = complete_model_config(config, args.weights, {"image_size": 224},
+                                             hint="pass --image_size with the size the model was trained at")
+        notes.append(note)
+    image_size = args.image_size or config["image_size"]
+    k = min(args.topk or 5, len(classes))
+    if args.topk and k < args.topk:  # asked for more than there are: said, not silently cut
+        notes.append(f"--topk {args.topk}: the model has {len(classes)} classes, so {k} per image")
+    for note in filter(None, notes):
+        if accelerator.is_main_process:
+            logger.warning("%s", note)
     model.to(accelerator.device)
     logger.info("loaded %s (%s, classes %s); %d images from %s at %d px, %d process(es)", weights_path(args.weights),
                 config["model"], classes, len(paths), args.source, image_size, accelerator.num_processes)

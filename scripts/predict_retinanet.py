@@ -42,7 +42,7 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
 from detlib.flags import float_range, int_at_least
 from detlib.inference import (DetectionImageFiles, earlier_outputs, list_image_files, load_retinanet, output_names,
-                              prediction_parser, run_prediction, shard_batches, start_prediction)
+                              prediction_parser, retinanet_input_size, run_prediction, shard_batches, start_prediction)
 from detlib.labels import describe_mapping, match_categories
 from detlib.rundir import worker_loader_kwargs
 from detlib.transforms import build_transform
@@ -52,6 +52,7 @@ from detlib.weights import weights_path
 logger = logging.getLogger("predict_retinanet")
 # OUT/<folder>/<name>: the files written per input (never read as inputs, see list_image_files)
 PER_INPUT_FOLDERS = ("images", "json")
+DRAW_THRESH = 0.3  # --draw_thresh's default
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")
 
     g = groups["output"]
-    g.add_argument("--draw_thresh", type=float_range(0, 1), default=0.3, help="lowest score drawn on OUT/images")
+    g.add_argument("--draw_thresh", type=float_range(0, 1), default=DRAW_THRESH, help="lowest score drawn on OUT/images")
     g.add_argument("--no_images", action="store_true", help="do not write the drawn images")
     g.add_argument("--save_json_per_image", action="store_true", help="also OUT/json/<name>.json per image")
     return p.parse_args(argv)
@@ -112,6 +113,20 @@ def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, s
     return results
 
 
+def ignored_flags(args, coco_source: bool) -> list[str]:
+    """One line per flag given that this run does not use (so it is said, not silently dropped)."""
+    out = []
+    if args.images and not coco_source:
+        out.append(f"--images {args.images} is not used: it is the image folder of a COCO-json --source, and --source "
+                   f"{args.source} is not one")
+    if args.no_exif_transpose and coco_source:
+        out.append("--no_exif_transpose changes nothing here: a COCO-json source is always read as stored (its boxes "
+                   "refer to the stored pixels)")
+    if args.no_images and args.draw_thresh != DRAW_THRESH:
+        out.append(f"--draw_thresh {args.draw_thresh} is not used: --no_images draws nothing")
+    return out
+
+
 def ds_path(ds, index: int) -> str:
     return ds.records[index]["path"] if isinstance(ds, CocoDetection) else ds.paths[index]
 
@@ -143,15 +158,20 @@ def main(argv=None):
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
 
     # ---- model (rebuilt from model_config.json, class names included)
+    notes: list[str] = []  # what an old model_config.json lacked, flags this run cannot honour: one line each
     try:
-        model, config, category_map = load_retinanet(args.weights)
+        model, config, category_map = load_retinanet(args.weights, notes)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
         raise SystemExit(f"error: {e}") from None
     logger.info("loaded %s (%s, fpn_channels %d, %d classes)", weights_path(args.weights), config["backbone"],
                 config["fpn_channels"], len(category_map))
-    image_size = args.image_size or config.get("image_size") or 600
-    max_size = args.max_size if args.image_size or args.max_size else config.get("max_size")
+    image_size, max_size, note = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
+    coco_source = args.source.lower().endswith(".json") and os.path.isfile(args.source)
+    notes += [note, *ignored_flags(args, coco_source)]
+    if accelerator.is_main_process:
+        for line in filter(None, notes):
+            logger.warning("%s", line)
     model.to(accelerator.device)
     anchor_gen = anchor_generator_from_config(config)  # a converted model's anchor convention, else ours
     names = dict(zip(category_map.category_ids, category_map.names))

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.classification import (PER_CLASS_SCALARS, build_classifier, classification_metrics,
+from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
                                    classification_transform, per_class_summary, per_class_table)
 from detlib.dashboard import log_classification_extras
 from detlib.engine import Run
@@ -51,7 +51,7 @@ from detlib.logtext import short_list
 from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
 from detlib.synthetic import make_synthetic_image_folder
-from detlib.weights import read_model_config, weights_path
+from detlib.weights import complete_model_config, read_model_config, weights_path
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -70,12 +70,13 @@ RUN_DEFAULTS = {"output_dir": "outputs/catsdogs", "project": "detlib-catsdogs", 
                 "per_device_eval_batch_size": 64, "max_grad_norm": 1.0}
 # What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
 RECORD_KEYS = ("classes", "num_val_images", "num_train_images", "data_train_dir", "data_val_dir")
+DEFAULT_MODEL = "resnet18"  # --model's default, resolved in main (None: not given)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["model"]
-    g.add_argument("--model", default="resnet18", help="resnet18 (torchvision) or a timm model name")
+    g.add_argument("--model", help=f"{DEFAULT_MODEL} (torchvision) or a timm model name (default: {DEFAULT_MODEL})")
     g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is reset)")
     g.add_argument("--classes_by_name", action="store_true", help="--weights of a classifier trained on the same number "
                    "of classes under other names or in another order: match its outputs to this data's classes by "
@@ -295,16 +296,37 @@ def main(argv=None):
     args = parse_args(argv)
     synthetic = not (args.train_dir or args.val_dir)
     saved = None
+    notes = []  # what an old model_config.json lacked and flags this run cannot honour: one line each, in train.log
+    model_given, size_given = args.model is not None, args.image_size is not None
+    args.model = args.model or DEFAULT_MODEL
+    resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     if args.evaluate_only:
         try:
             weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
             saved = read_model_config(args.evaluate_only) or {}
         except (FileNotFoundError, ckpt.CheckpointError) as e:
             stop(f"--evaluate_only: {e}", code=1)
-        if args.image_size is None:
-            args.image_size = saved.get("image_size")
-        args.model = saved.get("model", args.model)  # rebuild the evaluated model as it was trained
-    resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
+        # rebuild the evaluated model as it was trained, at its size; an old model_config.json without them: the
+        # run's config.yaml, else the defaults, said in one line
+        keys = {"model": args.model, **({} if size_given else {"image_size": args.image_size})}
+        saved, note = complete_model_config(saved, args.evaluate_only, keys, hint="" if size_given else
+                                            "pass --image_size with the size the model was trained at")
+        notes.append(note)
+        if model_given and args.model != saved["model"]:
+            notes.append(f"--model {args.model} is not used: --evaluate_only rebuilds the model its model_config.json "
+                         f"describes ({saved['model']})")
+        args.model = saved["model"]
+        if not size_given:
+            args.image_size = saved["image_size"]
+        notes += [f"--{k} is not used: --evaluate_only loads the weights it names" for k in ("weights", "pretrained")
+                  if getattr(args, k)]
+    # values checkable without data, before the folders are scanned and the model is built: one line, exit 2
+    try:
+        check_classifier(args.model, args.image_size)
+    except ValueError as e:
+        stop(f"--model: {e}" if not args.evaluate_only else f"model of {args.evaluate_only}: {e}")
+    if args.weights and not args.evaluate_only and not os.path.isfile(args.weights):
+        stop(f"weights file not found: {args.weights} (--weights)", code=1)
     if not synthetic and not args.val_dir:
         stop("--val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
     if not synthetic and not args.train_dir and not args.evaluate_only:
@@ -312,6 +334,9 @@ def main(argv=None):
 
     run = Run(args, metric="val_accuracy")  # output folder checks and lock, accelerator, logging, signals
     accelerator = run.accelerator
+    if accelerator.is_main_process:
+        for line in filter(None, notes):
+            logger.warning("%s", line)
 
     # ---- data
     with accelerator.main_process_first():  # the main process generates / checks the files, the others reuse it

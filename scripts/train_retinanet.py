@@ -60,13 +60,13 @@ from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_
                           run_argument_parser, show_data_defaults, stop)
 from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
-from detlib.model import RetinaNet, load_matching_weights, reorder_class_outputs
+from detlib.model import RetinaNet, check_backbone, load_matching_weights, reorder_class_outputs
 from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, build_transform
-from detlib.weights import load_state_dict_file, read_model_config, weights_path
+from detlib.weights import complete_model_config, load_state_dict_file, read_model_config, weights_path
 
 logger = logging.getLogger("train_retinanet")
 
@@ -317,24 +317,56 @@ def main(argv=None):
     given = {k for k in vars(args) if getattr(args, k) is not None}  # what the user passed (flags or --config)
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     flag = "--evaluate_only" if args.evaluate_only else "--init_from"
+    source = args.evaluate_only or args.init_from
     try:
-        saved = read_model_config(args.evaluate_only or args.init_from) if args.evaluate_only or args.init_from else None
-    except ckpt.CheckpointError as e:
+        if source:
+            weights_path(source)  # a wrong path stops here, before the data check
+        saved = read_model_config(source) if source else None
+    except (FileNotFoundError, ckpt.CheckpointError) as e:
         stop(f"{flag}: {e}", code=1)
+    notes = []  # what an old model_config.json lacked and flags this run cannot honour: one line each, in train.log
     # How the model sees images: ours by default; an evaluated or initialising model's own settings (a converted
     # torchvision model: P6 from P5, its anchors, its resize), which every checkpoint of this run then records.
     model_settings = {"p6_input": "c5", "head_norm": "none", "resize_mode": "antialias"}
     if saved:  # rebuild the evaluated model as it was trained, and evaluate at its size unless told otherwise
+        # an older model_config.json without its size (or width): the run's config.yaml, else said in one line
+        keys = {k: getattr(args, k) for k in ("backbone", "fpn_channels") if args.evaluate_only or k not in given}
+        if "image_size" not in given:
+            keys.update({k: getattr(args, k) for k in ("image_size", "max_size") if k not in given})
+        saved, note = complete_model_config(saved, source, keys, hint="pass --image_size (and --max_size) with the "
+                                            "size the model was trained at" if "image_size" in keys else "")
+        notes.append(note)
         model_settings.update({k: saved[k] for k in (*model_settings, *ANCHOR_CONFIG_KEYS) if saved.get(k) is not None})
         for k in ("backbone", "fpn_channels"):
-            if args.evaluate_only or k not in given:
+            if k in saved and (args.evaluate_only or k not in given):
+                if k in given and getattr(args, k) != saved[k]:
+                    notes.append(f"--{k} {getattr(args, k)} is not used: --evaluate_only rebuilds the model its "
+                                 f"model_config.json describes ({k} {saved[k]})")
                 setattr(args, k, saved[k])
-        if "image_size" not in given and saved.get("image_size"):
-            args.image_size, args.max_size = saved["image_size"], saved.get("max_size")
+        if "image_size" not in given:
+            args.image_size = saved["image_size"]
+            if "max_size" not in given:
+                args.max_size = saved.get("max_size")
+    if args.evaluate_only:
+        notes += [f"--{k} is not used: --evaluate_only loads the weights it names" for k in
+                  ("backbone_weights", "pretrained_backbone", "init_from") if getattr(args, k)]
     args.resize_mode = model_settings["resize_mode"]  # read by build_dataloaders
+
+    # ---- values checkable without data, before the data check and the model build: one line, exit 2
+    try:
+        check_backbone(args.backbone, image_sizes=(args.max_size,) if args.max_size else
+                       (args.image_size, *(args.train_scales or ())), freeze_at=args.freeze_at)
+    except ValueError as e:
+        stop(f"--backbone: {e}" if "backbone" in given and not args.evaluate_only else
+             f"backbone {args.backbone!r} (from {source or 'the default'}): {e}")
+    if args.backbone_weights and not args.evaluate_only and not os.path.isfile(args.backbone_weights):
+        stop(f"weights file not found: {args.backbone_weights} (--backbone_weights)", code=1)
 
     run = Run(args, metric="AP")  # output folder checks and lock, accelerator, logging, preemption signals
     accelerator = run.accelerator
+    if accelerator.is_main_process:
+        for line in filter(None, notes):
+            logger.warning("%s", line)
     if synthetic and not args.evaluate_only:
         logger.info("no data given: training on the built-in synthetic shapes data set (%s, %d px, fpn_channels %d, "
                     "lr %g, %d epochs); pass --data_dir for COCO", args.backbone, args.image_size, args.fpn_channels,
@@ -362,11 +394,14 @@ def main(argv=None):
     if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
         logger.info("backbone from scratch (no --backbone_weights): its BatchNorm is trained, not frozen")
     anchor_gen = anchor_generator_from_config(model_config)
-    model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
-                      pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
-                      backbone_weights=None if args.evaluate_only else args.backbone_weights,
-                      freeze_backbone_bn=freeze_bn, freeze_at=args.freeze_at, p6_input=model_settings["p6_input"],
-                      head_norm=model_settings["head_norm"], num_anchors=anchor_gen.num_anchors_per_location)
+    try:
+        model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
+                          pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
+                          backbone_weights=None if args.evaluate_only else args.backbone_weights,
+                          freeze_backbone_bn=freeze_bn, freeze_at=args.freeze_at, p6_input=model_settings["p6_input"],
+                          head_norm=model_settings["head_norm"], num_anchors=anchor_gen.num_anchors_per_location)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # backbone weights that do not fit, offline download
+        run.fail(str(e))
     if args.evaluate_only:
         weights = run.load_weights(model, args.evaluate_only)
     elif args.init_from:

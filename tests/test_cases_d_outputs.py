@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -154,3 +156,305 @@ def test_case_d01_check_dataset_outputs_never_replace_each_other_or_an_input(tmp
                                "--skip_image_check", *argv])
         err = capsys.readouterr().err
         assert e.value.code == 2 and "one would replace the other" in err and "Traceback" not in err
+
+
+# ---- D16: a parity verdict that means something
+
+def test_compare_detections_pairs_tied_scores_only_with_a_box_the_reference_gives():
+    from detlib.export import compare_detections
+
+    a, b, c, far = [0, 0, 10, 10], [20, 20, 30, 30], [40, 40, 50, 50], [60, 60, 70, 70]
+    ref = (np.array([a, b], np.float32), np.array([0.5, 0.5], np.float32), np.array([1, 1]))
+    # the export chose c instead of b: tied with it (within 1e-5) and one of the candidates PyTorch's outputs give
+    got = (np.array([a, c], np.float32), np.array([0.5, 0.500001], np.float32), np.array([1, 1]))
+    boxes = np.array([a, b, c], np.float32)
+    scores = np.zeros((3, 2), np.float32)
+    scores[:, 1] = [0.5, 0.5, 0.500001]
+    d = compare_detections(ref, got, candidates=(boxes, scores))
+    assert d["num_paired"] == 1 and d["num_tie_paired"] == 1 and d["num_unexplained"] == 0 and d["labels_equal"]
+    # without the reference's candidates, or with a box no anchor gives, the swap is a difference
+    assert compare_detections(ref, got)["num_unexplained"] == 2
+    bad = (np.array([a, far], np.float32), got[1], got[2])
+    d = compare_detections(ref, bad, candidates=(boxes, scores))
+    assert d["num_unexplained"] == 2 and not d["labels_equal"] and d["max_abs_box_px"] == float("inf")
+    # a score off by more than the tolerance is never a tie
+    off = (got[0], np.array([0.5, 0.6], np.float32), got[2])
+    scores[2, 1] = 0.6
+    assert compare_detections(ref, off, candidates=(boxes, scores))["num_unexplained"] == 2
+
+
+@pytest.fixture(scope="module")
+def early_model(tmp_path_factory):
+    """A RetinaNet as it is at the start of training: every score at the prior 0.01, tied within 1e-7 over all
+    anchors and classes (below the default --score_thresh 0.05)."""
+    cats = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())["categories"]
+    config = {"num_classes": len(cats), "backbone": "resnet18", "fpn_channels": 16, "image_size": 128, "max_size": None,
+              "category_ids": [c["id"] for c in cats], "category_names": [c["name"] for c in cats]}
+    return save_retinanet(tmp_path_factory.mktemp("early") / "best", config)
+
+
+def _export(weights, out, *extra):
+    return load_script("export_retinanet").main(
+        ["--weights", str(weights), "--output", str(out), "--check_source",
+         str(COCO_SUBSET / "annotations" / "instances_val.json"), "--check_images", str(COCO_SUBSET / "images"), *extra])
+
+
+@needs_coco_subset
+@pytest.mark.slow
+def test_case_d16_parity_with_no_detection_compared_is_no_pass(early_model, tmp_path, caplog):
+    with pytest.raises(SystemExit) as e:
+        _export(early_model, tmp_path / "m.onnx", "--opset", "11")
+    assert e.value.code == 1
+    parity = json.loads((tmp_path / "m.parity.json").read_text())
+    assert parity["verdict"] == "no verdict" and not parity["pass"] and parity["num_compared"] == 0
+    assert all(r["num_detections"] == [0, 0] for r in parity["images"])
+    line = [r.getMessage() for r in caplog.records if "no verdict" in r.getMessage()]
+    assert len(line) == 1 and "0 detections compared on 3 images" in line[0] and "--score_thresh 0" in line[0]
+    assert (tmp_path / "m.onnx").is_file()  # the export itself is kept
+    # an export option the exporter cannot honour is said, and the file records what it is
+    opset = [r.getMessage() for r in caplog.records if "--opset 11" in r.getMessage()]
+    meta = json.loads((tmp_path / "m.json").read_text())
+    assert len(opset) == 1 and f"wrote opset {meta['opset']}" in opset[0] and meta["opset"] != 11
+
+
+@needs_coco_subset
+@pytest.mark.slow
+def test_case_d16_scores_tied_within_the_tolerance_are_paired_not_failed(early_model, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    result = _export(early_model, tmp_path / "m.onnx", "--score_thresh", "0", "--format", "both")
+    parity = json.loads((tmp_path / "m.parity.json").read_text())
+    assert parity["pass"] and parity["verdict"] == "pass" and parity["num_compared"] == 600  # 3 images x 100 x 2 formats
+    assert sum(r["num_tie_paired"] for r in parity["images"]) > 0
+    assert all(r["num_unexplained"] == 0 for r in result["parity"])
+    line = [r.getMessage() for r in caplog.records if "parity on 3 images: pass" in r.getMessage()]
+    assert len(line) == 1 and "600 detections compared" in line[0] and "paired by scores tied within 1e-05" in line[0]
+
+
+def test_export_flags_it_does_not_use_are_said(tmp_path, capsys):
+    script = load_script("export_retinanet")
+    defaults = {a.dest: a.default for a in script.build_parser()._actions}
+    args = script.parse_args(["--weights", "w", "--output", str(tmp_path / "m.onnx"), "--format", "pt2", "--opset", "17",
+                              "--logit_atol", "0.1", "--check_images", "imgs"])
+    lines = script.ignored_flags(args, defaults)
+    assert any(x.startswith("--opset 17 is not used: --format pt2") for x in lines)
+    assert any(x.startswith("--logit_atol 0.1 is not used: --decode inside") for x in lines)
+    assert any(x.startswith("--check_images imgs is not used") for x in lines)
+    assert script.ignored_flags(script.parse_args(["--weights", "w", "--output", "m.onnx"]), defaults) == []
+    # nonsense values and an --output whose files would replace each other: one line at start
+    for argv in (["--num_check_images", "0"], ["--score_thresh", "2"], ["--opset", "0"], ["--output", str(tmp_path / "m.json")]):
+        with pytest.raises(SystemExit) as e:
+            script.parse_args(["--weights", "w", "--output", str(tmp_path / "m.onnx"), *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and ": error: " in err.strip().splitlines()[-1] and "Traceback" not in err, err
+
+
+# ---- D17: nothing the model depends on is filled in silently
+
+OLD_KEYS = ("num_classes", "backbone", "fpn_channels", "category_ids")  # a model_config.json written before image_size
+
+
+def old_copy(best, folder):
+    """A copy of best/ whose model_config.json holds only OLD_KEYS."""
+    shutil.copytree(best, folder)
+    cfg = json.loads((folder / "model_config.json").read_text())
+    (folder / "model_config.json").write_text(json.dumps({k: cfg[k] for k in OLD_KEYS}))
+    return folder
+
+
+@needs_coco_subset
+def test_case_d17_old_model_config_takes_the_runs_training_size_or_says_what_it_uses(tiny_retinanet, tmp_path, capsys):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    shutil.copy(coco_photos(1)[0], photos / "p.jpg")
+    script = load_script("predict_retinanet")
+    # inside its run folder: the run's config.yaml knows the training size (64 here, today's default is 600)
+    run = tmp_path / "run"
+    old_copy(tiny_retinanet, run / "best")
+    (run / "config.yaml").write_text("backbone: resnet18\nfpn_channels: 8\nimage_size: 64\nmax_size: null\nnum_classes: 3\n")
+    script.main(["--weights", str(run / "best"), "--source", str(photos), "--output_dir", str(tmp_path / "o1"), "--cpu",
+                 "--num_workers", "0"])
+    out = capsys.readouterr().out
+    assert "has no image_size, max_size (written by an older version?): using image_size 64, max_size None from the " \
+           f"run's {run / 'config.yaml'}" in out and "1 images from" in out and "at 64 px" in out
+    # a copy of best/ alone: the default is used, and said, with the flag that would say otherwise
+    alone = old_copy(tiny_retinanet, tmp_path / "copy")
+    script.main(["--weights", str(alone), "--source", str(photos), "--output_dir", str(tmp_path / "o2"), "--cpu",
+                 "--num_workers", "0"])
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if "has no image_size" in x]
+    assert len(line) == 1 and "WARNING" in line[0] and "using image_size 600, max_size None (recorded nowhere" in line[0]
+    assert "pass --image_size" in line[0] and "at 600 px" in out
+    # a config.yaml of another model beside the copy is not taken for this one's
+    (tmp_path / "config.yaml").write_text("backbone: resnet50\nimage_size: 800\n")
+    script.main(["--weights", str(alone), "--source", str(photos), "--output_dir", str(tmp_path / "o3"), "--cpu",
+                 "--num_workers", "0"])
+    assert "at 600 px" in capsys.readouterr().out
+    # given --image_size: used, nothing to say
+    script.main(["--weights", str(alone), "--source", str(photos), "--output_dir", str(tmp_path / "o4"), "--cpu",
+                 "--num_workers", "0", "--image_size", "96"])
+    out = capsys.readouterr().out
+    assert "at 96 px" in out and "has no image_size" not in out
+
+
+@needs_coco_subset
+def test_case_d17_evaluate_only_uses_the_training_size_and_says_which_flags_it_replaces(tiny_retinanet, tmp_path, capsys):
+    run = tmp_path / "run"
+    old_copy(tiny_retinanet, run / "best")
+    (run / "config.yaml").write_text("backbone: resnet18\nfpn_channels: 8\nimage_size: 64\nmax_size: null\n")
+    val = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())
+    val["images"] = sorted(val["images"], key=lambda im: im["id"])[:2]
+    ids = {im["id"] for im in val["images"]}
+    val["annotations"] = [a for a in val["annotations"] if a["image_id"] in ids]
+    keep = {1, 2, 3}  # the tiny model's 3 category ids
+    val["categories"] = [c for c in val["categories"] if c["id"] in keep]
+    val["annotations"] = [a for a in val["annotations"] if a["category_id"] in keep]
+    (tmp_path / "val.json").write_text(json.dumps(val))
+    out = tmp_path / "ev"
+    load_script("train_retinanet").main([f"--val_images={COCO_SUBSET / 'images'}", f"--val_annotations={tmp_path / 'val.json'}",
+                                         "--evaluate_only", str(run / "best"), "--backbone", "resnet50", "--fpn_channels", "256",
+                                         "--output_dir", str(out), "--report_to", "none", "--num_workers", "0",
+                                         "--per_device_eval_batch_size", "2", "--num_log_images", "0"])
+    log = (out / "evaluate_only" / "train.log").read_text()
+    assert "using image_size 64, max_size None from the run's" in log
+    assert "--backbone resnet50 is not used: --evaluate_only rebuilds the model its model_config.json describes " \
+           "(backbone resnet18)" in log
+    assert "--fpn_channels 256 is not used" in log and "(fpn_channels 8)" in log
+    import yaml
+
+    cfg = yaml.safe_load((out / "evaluate_only" / "config.yaml").read_text())
+    assert cfg["image_size"] == 64 and cfg["backbone"] == "resnet18"
+
+
+def test_complete_model_config_by_hand(tmp_path):
+    from detlib.weights import REQUIRED, complete_model_config
+
+    best = tmp_path / "run" / "best"
+    best.mkdir(parents=True)
+    (best / "model.safetensors").write_bytes(b"")
+    (best / "model_config.json").write_text("{}")
+    cfg = {"num_classes": 2, "backbone": "resnet18"}
+    assert complete_model_config({**cfg, "image_size": 128}, str(best), {"image_size": 600}) == ({**cfg, "image_size": 128}, None)
+    out, line = complete_model_config(cfg, str(best), {"image_size": 600, "max_size": None, "fpn_channels": REQUIRED})
+    assert out == {**cfg, "image_size": 600, "max_size": None} and "nothing for fpn_channels" in line
+    (tmp_path / "run" / "config.yaml").write_text("backbone: resnet18\nimage_size: 128\nmax_size: null\nfpn_channels: 32\n")
+    out, line = complete_model_config(cfg, str(best), {"image_size": 600, "max_size": None, "fpn_channels": REQUIRED})
+    assert out == {**cfg, "image_size": 128, "max_size": None, "fpn_channels": 32} and "from the run's" in line
+    (tmp_path / "run" / "config.yaml").write_text("backbone: resnet50\nimage_size: 128\n")  # another model's
+    assert complete_model_config(cfg, str(best), {"image_size": 600})[0]["image_size"] == 600
+
+
+@needs_catsdogs
+def test_case_d17_classifier_old_config_and_topk_beyond_the_classes_are_said(tmp_path, capsys):
+    from detlib.classification import build_classifier
+
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    torch.manual_seed(0)
+    save_file({k: v.contiguous() for k, v in build_classifier("resnet18", 2).state_dict().items()},
+              str(run / "best" / "model.safetensors"))
+    (run / "best" / "model_config.json").write_text(json.dumps({"classes": ["cat", "dog"]}))  # no model, no image_size
+    (run / "config.yaml").write_text("model: resnet18\nimage_size: 48\n")
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    shutil.copy(sorted((CATSDOGS / "val" / "cat").iterdir())[0], photos / "c.jpg")
+    load_script("predict_catsdogs").main(["--weights", str(run / "best"), "--source", str(photos), "--output_dir",
+                                          str(tmp_path / "o"), "--topk", "5", "--cpu", "--num_workers", "0"])
+    out = capsys.readouterr().out
+    assert "has no model (written by an older version?): using model resnet18 from the run's" in out
+    assert "has no image_size (written by an older version?): using image_size 48 from the run's" in out and "at 48 px" in out
+    assert "--topk 5: the model has 2 classes, so 2 per image" in out
+    rows = json.loads((tmp_path / "o" / "predictions.json").read_text())
+    assert len(rows[0]["topk"]) == 2
+
+
+def test_resume_says_which_flags_the_checkpoint_replaces_and_refuses_another_optimizer():
+    from detlib.resume import ResumeError, replaced_by_checkpoint
+
+    asked = [{"lr": 1e-5, "initial_lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999)},
+             {"lr": 1e-5, "initial_lr": 1e-3, "weight_decay": 0.05, "betas": (0.9, 0.999)}]
+    loaded = [{**g, "initial_lr": 1e-4, "weight_decay": w} for g, w in zip(asked, (0.0, 0.01))]
+    lines = replaced_by_checkpoint(asked, loaded, None, "out/checkpoints/epoch_0002")
+    assert lines == ["--lr 0.001 is not used: the resumed checkpoint's optimizer state brings back its run's 0.0001 (a "
+                     "resume continues that recipe; to train with another, start a new run with --init_from "
+                     "out/checkpoints/epoch_0002)",
+                     "--weight_decay 0.05 is not used: the resumed checkpoint's optimizer state brings back its run's 0.01 "
+                     "(a resume continues that recipe; to train with another, start a new run with --init_from "
+                     "out/checkpoints/epoch_0002)"]
+    assert replaced_by_checkpoint(asked, [dict(g) for g in asked], None, "c") == []
+    # plateau: no initial_lr; the recorded base LR is compared, not the dropped current one
+    plateau = [{"lr": 1e-3, "weight_decay": 0.0}]
+    assert replaced_by_checkpoint(plateau, [{"lr": 1e-5, "weight_decay": 0.0}], {"kind": "plateau", "base_lrs": [1e-3]}, "c") == []
+    assert replaced_by_checkpoint(plateau, [{"lr": 1e-5, "weight_decay": 0.0}], {"kind": "plateau", "base_lrs": [1e-4]},
+                                  "c")[0].startswith("--lr 0.001 is not used")
+    sgd = [{"lr": 0.01, "momentum": 0.9, "dampening": 0, "nesterov": True, "weight_decay": 0.0}]
+    with pytest.raises(ResumeError, match="another --optimizer"):
+        replaced_by_checkpoint(sgd, loaded[:1], None, "c")
+
+
+# ---- D19: bad choices stop before the work
+
+@pytest.mark.parametrize("backbone,message", [
+    ("vit_tiny_patch16_224", "gives features at strides [16, 16, 16]; RetinaNet's FPN needs strides 8, 16 and 32"),
+    ("resnet_does_not_exist", "'resnet_does_not_exist' is not a timm model name (close names: resnet"),
+    ("swin_tiny_patch4_window7_224", "inputs fail in the model (AssertionError: Input height"),
+])
+def test_case_d19_backbone_that_cannot_work_is_one_line_before_the_data_check(backbone, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:  # the data does not exist: the backbone is refused before it is looked at
+        load_script("train_retinanet").main(["--data_dir", str(tmp_path / "no_data"), "--backbone", backbone,
+                                             "--output_dir", str(out), "--report_to", "none"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: --backbone: ") and message in err, err
+    assert not out.exists()  # nothing started: no run folder
+
+
+def test_case_d19_other_values_checkable_without_data(tmp_path, capsys):
+    retinanet, catsdogs = load_script("train_retinanet"), load_script("train_catsdogs")
+    cases = [(retinanet, ["--backbone", "convnext_tiny", "--freeze_at", "5"], "--freeze_at 5: timm model 'convnext_tiny' has 4"),
+             (retinanet, ["--backbone", "resnet18", "--backbone_weights", str(tmp_path / "none.safetensors")],
+              "weights file not found: "),
+             (retinanet, ["--evaluate_only", str(tmp_path / "none")], "--evaluate_only: no model weights at"),
+             (catsdogs, ["--model", "resnet_does_not_exist"], "error: --model: 'resnet_does_not_exist' is not a timm model name"),
+             (catsdogs, ["--model", "vit_tiny_patch16_224", "--image_size", "64"], "'vit_tiny_patch16_224' at --image_size 64"),
+             (catsdogs, ["--weights", str(tmp_path / "none.pth")], "error: weights file not found: ")]
+    for script, argv, message in cases:
+        out = tmp_path / "out"
+        data = ["--data_dir", str(tmp_path / "no_data")] if script is retinanet else \
+            ["--train_dir", str(tmp_path / "no_data"), "--val_dir", str(tmp_path / "no_data")]
+        with pytest.raises(SystemExit) as e:
+            script.main([*data, *argv, "--output_dir", str(out), "--report_to", "none"])
+        err = capsys.readouterr().err
+        assert e.value.code in (1, 2) and err.count("\n") == 1 and message in err and "Traceback" not in err, (argv, err)
+        assert not out.exists()
+
+
+def test_close_names_by_hand():
+    from detlib.flags import close_names
+
+    names = ["resnet18", "resnet50", "resnet50d", "convnext_tiny", "efficientnet_b0"]
+    assert close_names("resnt50", names)[0] == "resnet50"
+    assert close_names("efficientnet-b0", names) == ["efficientnet_b0"]
+    assert close_names("resnet_does_not_exist", names)[0].startswith("resnet")
+    assert close_names("xyz", names) == []
+
+
+@needs_catsdogs
+@pytest.mark.slow
+def test_case_d17_resume_with_another_lr_is_said_and_another_optimizer_refused(tmp_path, capsys):
+    data = tmp_path / "data"
+    for cls in ("cat", "dog"):
+        (data / cls).mkdir(parents=True)
+        for f in sorted((CATSDOGS / "val" / cls).iterdir())[:4]:
+            shutil.copy(f, data / cls / f.name)
+    common = ["--train_dir", str(data), "--val_dir", str(data), "--image_size", "32", "--per_device_batch_size", "4",
+              "--num_workers", "0", "--report_to", "none", "--output_dir", str(tmp_path / "run"), "--verify_images", "none"]
+    script = load_script("train_catsdogs")
+    script.main([*common, "--epochs", "1", "--lr", "1e-3"])
+    capsys.readouterr()
+    script.main([*common, "--epochs", "2", "--lr", "0.5", "--resume_from_checkpoint", "latest"])
+    out = capsys.readouterr().out
+    assert "--lr 0.5 is not used: the resumed checkpoint's optimizer state brings back its run's 0.001" in out
+    with pytest.raises(SystemExit) as e:
+        script.main([*common, "--epochs", "3", "--optimizer", "sgd", "--resume_from_checkpoint", "latest"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "its optimizer is another one than this run's" in err and "Traceback" not in err
