@@ -151,23 +151,26 @@ class AnchorGenerator:
         return [(-(-height // s), -(-width // s)) for s in self.strides]
 
     def __call__(self, height: int, width: int, device=None) -> tuple[torch.Tensor, list[int]]:
-        """Anchors for a padded input of height x width pixels.
+        """Anchors for a padded input of height x width pixels, made on `device` (default: the CPU).
 
         Returns:
-            anchors: [A_total, 4] float32 xyxy pixels, ordered level -> y -> x -> anchor.
+            anchors: [A_total, 4] float32 xyxy pixels on `device`, ordered level -> y -> x -> anchor.
             num_per_level: A_l = H_l * W_l * anchors_per_location for each level (sums to A_total).
         """
+        device = torch.device("cpu" if device is None else device)
         key = (int(height), int(width), str(device))
         if key not in self._cache:
+            # made on `device` itself (only the 9 cell anchors per level are copied there): the grid is never
+            # built on the host and copied over, and the arithmetic is the same elementwise float32 on any device
             all_anchors, counts = [], []
             for (h, w), stride, cell in zip(self.grid_sizes(height, width), self.strides, self.cell):
                 sy, sx = (height // h, width // w) if self.stride_from_grid else (stride, stride)
-                ys = (torch.arange(h, dtype=torch.float32) + self.offset) * sy
-                xs = (torch.arange(w, dtype=torch.float32) + self.offset) * sx
+                ys = (torch.arange(h, dtype=torch.float32, device=device) + self.offset) * sy
+                xs = (torch.arange(w, dtype=torch.float32, device=device) + self.offset) * sx
                 cy, cx = torch.meshgrid(ys, xs, indexing="ij")
                 centres = torch.stack((cx, cy, cx, cy), dim=-1).reshape(-1, 1, 4)  # [h*w, 1, 4]
-                level = (centres + cell[None]).reshape(-1, 4)
+                level = (centres + cell.to(device)[None]).reshape(-1, 4)
                 all_anchors.append(level)
                 counts.append(level.shape[0])
-            self._cache[key] = (torch.cat(all_anchors).to(device), counts)
+            self._cache[key] = (torch.cat(all_anchors), counts)
         return self._cache[key]

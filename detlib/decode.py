@@ -42,34 +42,23 @@ class Detections:
 
 
 @torch.no_grad()
-def decode_detections(
+def decode_candidates(
     cls_logits: torch.Tensor,
     box_deltas: torch.Tensor,
     anchors: torch.Tensor,
     num_anchors_per_level: list[int],
     image_sizes: torch.Tensor,
     scales: torch.Tensor | None = None,
-    score_thresh: float = 0.05,
     topk_per_level: int = 1000,
-    nms_thresh: float = 0.5,
-    max_detections: int = 100,
-) -> Detections:
-    """Decode a batch of head outputs into detections.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first, static-shape part of `decode_detections`: per-level top-k, decode, clip, rescale. No host sync
+    and no data-dependent shape (so it runs under FakeTensorMode and in a graph).
 
-    Args:
-        cls_logits: [B, A, K] logits.
-        box_deltas: [B, A, 4] deltas.
-        anchors: [A, 4] float32 xyxy pixels of the padded input, ordered level -> y -> x -> anchor.
-        num_anchors_per_level: A_l of each level (from `AnchorGenerator`), summing to A.
-        image_sizes: [B, 2] (height, width) of each resized image before padding; boxes are clipped to it.
-        scales: optional [B, 2] (scale_y, scale_x) = resized / original size; boxes are divided by it so
-            they come back in the original image's pixels.
-        score_thresh: minimum sigmoid score of a candidate.
-        topk_per_level: candidates kept per level and image before NMS.
-        nms_thresh: IoU of class-wise NMS.
-        max_detections: detections kept per image.
+    Args: as `decode_detections`.
     Returns:
-        `Detections` (empty tensors when nothing passes the threshold).
+        boxes [B, N, 4] float32 xyxy pixels (of the original image when `scales` is given), scores [B, N] float32
+        sigmoid, labels [B, N] int64, img [B, N] int64 batch index; N = sum over levels of min(topk, A_l * K);
+        all on the logits' device.
     """
     B, A, K = cls_logits.shape
     device = cls_logits.device
@@ -98,7 +87,44 @@ def decode_detections(
     if scales is not None:
         s = scales.to(device=device, dtype=torch.float32)
         boxes = boxes / torch.stack((s[:, 1], s[:, 0], s[:, 1], s[:, 0]), dim=-1)[:, None, :]
+    return boxes, scores, labels, img
 
+
+@torch.no_grad()
+def decode_detections(
+    cls_logits: torch.Tensor,
+    box_deltas: torch.Tensor,
+    anchors: torch.Tensor,
+    num_anchors_per_level: list[int],
+    image_sizes: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    score_thresh: float = 0.05,
+    topk_per_level: int = 1000,
+    nms_thresh: float = 0.5,
+    max_detections: int = 100,
+) -> Detections:
+    """Decode a batch of head outputs into detections.
+
+    Args:
+        cls_logits: [B, A, K] logits.
+        box_deltas: [B, A, 4] deltas.
+        anchors: [A, 4] float32 xyxy pixels of the padded input, ordered level -> y -> x -> anchor.
+        num_anchors_per_level: A_l of each level (from `AnchorGenerator`), summing to A.
+        image_sizes: [B, 2] (height, width) of each resized image before padding; boxes are clipped to it.
+        scales: optional [B, 2] (scale_y, scale_x) = resized / original size; boxes are divided by it so
+            they come back in the original image's pixels.
+        score_thresh: minimum sigmoid score of a candidate.
+        topk_per_level: candidates kept per level and image before NMS.
+        nms_thresh: IoU of class-wise NMS.
+        max_detections: detections kept per image.
+    Returns:
+        `Detections` (empty tensors when nothing passes the threshold).
+    The candidates come from `decode_candidates`; the threshold and the per-image NMS after it read the counts
+    per image on the host (one sync per batch).
+    """
+    device = cls_logits.device
+    boxes, scores, labels, img = decode_candidates(cls_logits, box_deltas, anchors, num_anchors_per_level, image_sizes,
+                                                   scales, topk_per_level)
     keep = scores > score_thresh  # [B, N]; rows stay in image order after the mask
     counts = keep.sum(dim=1).tolist()
     scores, labels, img, boxes = scores[keep], labels[keep], img[keep], boxes[keep]

@@ -54,6 +54,26 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
     return accelerator
 
 
+def enable_cpu_fp16(accelerator) -> None:
+    """Make an Accelerator on the CPU run fp16 as it does on a GPU, for tests: the prepared model's forward under
+    `torch.autocast("cpu", torch.float16)` (outputs cast back to float32, as accelerate does on a GPU) and a
+    `torch.amp.GradScaler("cpu")` for `backward` (the loss scaled), `clip_grad_norm_` (unscaled first) and the
+    optimizer step (skipped, and the scale halved, on a non-finite gradient). Call before `accelerator.prepare`.
+
+    Why: accelerate runs `mixed_precision: fp16` on a CPU with no autocast and no GradScaler, in plain fp32, so a
+    CPU run of the scripts would test nothing of fp16. This switches on the two pieces accelerate leaves out; the
+    rest (the prepared model's autocast wrapper, `backward`, `unscale_gradients`, the optimizer's skip detection,
+    the scaler in checkpoints) is accelerate's own GPU code path.
+    Raises:
+        ValueError: unless the accelerator is on the CPU with mixed precision "fp16".
+    """
+    if accelerator.device.type != "cpu" or accelerator.mixed_precision != "fp16":
+        raise ValueError(f"enable_cpu_fp16 needs a CPU accelerator with mixed_precision fp16, got "
+                         f"{accelerator.device.type} / {accelerator.mixed_precision}")
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+
+
 def log_run_setup(accelerator) -> None:
     """One line with the process count, device and precision (tests and users read the count from it),
     and a warning when the requested mixed precision is not applied (accelerate runs "fp16" on a CPU in fp32)."""

@@ -148,6 +148,9 @@ class StepGuard:
         if nonfinite:
             logger.warning("step %d: non-finite %s (lr %.3g); the step is skipped on every process (%d in a row)",
                            step, "loss" if bad_loss else "gradient norm", lr, self.streak)
+        elif bad_grad:  # fp16: an overflow of the scaled gradients is routine while the scaler finds its level
+            logger.info("step %d: fp16 gradient overflow: the GradScaler skipped the step on every process and "
+                        "lowered the loss scale to %g", step, acc.scaler.get_scale())
         self._window_steps += 1
         return self.streak >= self.max_nonfinite_steps
 
