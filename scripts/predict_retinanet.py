@@ -13,6 +13,10 @@ A COCO json (the results carry its image ids; equal to what --evaluate_only writ
     python scripts/predict_retinanet.py --weights outputs/r50_600/best --source /data/coco/annotations/instances_val2017.json \
         --images /data/coco/val2017 --output_dir out
 
+A labelled Pascal VOC or YOLO set (its val split by default; results carry its image ids, as --evaluate_only's):
+    python scripts/predict_retinanet.py --weights outputs/voc/best --source VOCdevkit/VOC2012 --data_format voc --output_dir out
+    python scripts/predict_retinanet.py --weights outputs/yolo/best --source datasets/my_set/data.yaml --split val --output_dir out
+
 Several processes (each takes its share of the batches; results merged, no image twice):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/predict_retinanet.py --weights ... --source ...
 
@@ -38,6 +42,9 @@ from tqdm.auto import tqdm
 
 from detlib.anchors import anchor_generator_from_config
 from detlib.coco_eval import detections_to_coco
+from detlib.cococheck import check_coco
+from detlib.datacheck import DataReport
+from detlib.formats import data_dir_paths, read_data_dir_splits
 from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
 from detlib.flags import float_range, int_at_least
@@ -59,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = groups["data"]
     g.add_argument("--source", required=True, help="an image file, a folder (recursive), a glob pattern, or a COCO json")
     g.add_argument("--images", help="image folder of a COCO-json source")
+    g.add_argument("--data_format", choices=["voc", "yolo"], help="--source is the root of a labelled VOC or YOLO set "
+                   "(a data.yaml source is read as YOLO without it): its --split is predicted, as a COCO json would be")
+    g.add_argument("--split", default="val", help="the split of a VOC / YOLO source (VOC: ImageSets/Main/<split>.txt, "
+                   "YOLO: the yaml key)")
     g.add_argument("--categories_by_name", action="store_true", help="a COCO-json source whose category ids name other "
                    "classes than the model's: match the classes by name and write the json's ids (default: such a "
                    "json is refused)")
@@ -79,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_dataset(args, transform):
     """(data set, names relative to the source root, COCO image ids or None, exif applied, skipped files)."""
+    if args.data_format or (args.source.lower().endswith((".yaml", ".yml")) and os.path.isfile(args.source)):
+        dataset, image_dir = labelled_split(args)
+        ds = CocoDetection(image_dir, dataset, transform, train=False)
+        names = [os.path.relpath(r["path"], image_dir) for r in ds.records]
+        return ds, names, [r["id"] for r in ds.records], False, list(ds.missing_images)
     if args.source.lower().endswith(".json") and os.path.isfile(args.source):
         if not args.images:
             raise SystemExit("error: a COCO-json --source needs --images DIR (its image folder)")
@@ -89,6 +105,20 @@ def build_dataset(args, transform):
     root, paths = list_image_files(args.source, exclude=tuple(os.path.join(args.output_dir, f) for f in PER_INPUT_FOLDERS))
     ds = DetectionImageFiles(paths, transform, exif_transpose=not args.no_exif_transpose)
     return ds, [os.path.relpath(p, root) for p in paths], None, not args.no_exif_transpose, []
+
+
+def labelled_split(args) -> tuple[dict, str]:
+    """(the normalised COCO dict, its image folder) of a VOC / YOLO source's --split (`detlib.formats`), checked as
+    the training script checks it (json part; a YOLO set's image sizes come from the files).
+    Raises:
+        FileNotFoundError, ValueError: the layout's files are missing, or the check finds errors (the report)."""
+    paths = data_dir_paths(args.source, args.data_format, None, args.split, need_train=False)
+    report = DataReport()
+    dataset = read_data_dir_splits(paths, {"train": None, "val": args.split}, report=report, progress=False)["val"]
+    check = check_coco(dataset, None, split="val", report=report, check_images=False, source=paths["val_annotations"])
+    if not report.ok:
+        raise ValueError(f"{args.source}: {report.format()}")
+    return check.dataset, paths["val_images"]
 
 
 def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, str]) -> list[dict]:
