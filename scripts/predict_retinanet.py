@@ -53,7 +53,7 @@ from detlib.inference import (DetectionImageFiles, earlier_outputs, list_image_f
 from detlib.labels import describe_mapping, match_categories
 from detlib.transforms import build_transform
 from detlib.visualize import boxes_from_coco, class_color, draw_detections, save_image, upright_image_and_boxes
-from detlib.weights import weights_path
+from detlib.weights import CheckpointError, read_score_thresholds, weights_path
 
 logger = logging.getLogger("predict_retinanet")
 # OUT/<folder>/<name>: the files written per input (never read as inputs, see list_image_files)
@@ -77,15 +77,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max_size", type=int_at_least(32), help="default None: from model_config.json")
 
     g = p.add_argument_group("detection")
-    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05, help="lowest score kept (the evaluation's default)")
+    g.add_argument("--score_thresh", type=score_threshold, default=0.05, help="lowest score kept (the evaluation's "
+                   "default), or best_f1: per class, the threshold that maximised F1 in the training run's evaluation "
+                   "of these weights (score_thresholds.json beside them; classes without one take the pooled one)")
     g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5, help="IoU of class-wise NMS")
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")
 
     g = groups["output"]
-    g.add_argument("--draw_thresh", type=float_range(0, 1), default=0.3, help="lowest score drawn on OUT/images")
+    g.add_argument("--draw_thresh", type=float_range(0, 1), help="lowest score drawn on OUT/images (default: 0.3; with "
+                   "--score_thresh best_f1 every detection kept)")
     g.add_argument("--no_images", action="store_true", help="do not write the drawn images")
     g.add_argument("--save_json_per_image", action="store_true", help="also OUT/json/<name>.json per image")
     return p.parse_args(argv)
+
+
+def score_threshold(text: str):
+    """argparse type of --score_thresh: a number in [0, 1], or "best_f1"."""
+    return text if text == "best_f1" else float_range(0, 1)(text)
+
+
+score_threshold.__name__ = "number or best_f1"
+
+
+def class_thresholds(args, category_map) -> torch.Tensor:
+    """[K] float32: the lowest score kept for each of the model's classes (label order): --score_thresh, or with
+    best_f1 the thresholds of score_thresholds.json beside the weights (the pooled one for classes without their
+    own). Raises FileNotFoundError / CheckpointError (one line) when best_f1 has no file to read."""
+    if args.score_thresh != "best_f1":
+        return torch.full((len(category_map),), float(args.score_thresh))
+    per_class, pooled, path = read_score_thresholds(args.weights)
+    values = [per_class.get(c, pooled) for c in category_map.category_ids]
+    logger.info("--score_thresh best_f1 from %s: %d classes their own (%.3f .. %.3f), %d the pooled %.3f", path,
+                sum(c in per_class for c in category_map.category_ids), min(values), max(values),
+                sum(c not in per_class for c in category_map.category_ids), pooled)
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def build_dataset(args, transform):
@@ -136,7 +161,8 @@ def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, s
         logger.warning("skipped %d unreadable images (listed in %s/skipped.txt), e.g. %s", len(skipped),
                        args.output_dir, skipped[:3])
     per_class = Counter(names.get(r["category_id"], r["category_id"]) for r in results)
-    logger.info("%d images, %d detections with score >= %g: %s", len(merged), len(results), args.score_thresh,
+    logger.info("%d images, %d detections with score >= %s: %s", len(merged), len(results),
+                args.score_thresh if args.score_thresh == "best_f1" else f"{args.score_thresh:g}",
                 ", ".join(f"{k} {v}" for k, v in per_class.most_common()) or "none")
     return results
 
@@ -184,6 +210,17 @@ def main(argv=None):
     model.to(accelerator.device)
     anchor_gen = anchor_generator_from_config(config)  # a converted model's anchor convention, else ours
     names = dict(zip(category_map.category_ids, category_map.names))
+    try:
+        thresholds = class_thresholds(args, category_map)
+    except (FileNotFoundError, CheckpointError) as e:
+        logger.error("%s", e, extra={"console": False})
+        raise SystemExit(f"error: --score_thresh best_f1: {e}") from None
+    # decoding keeps scores above its threshold (torchvision's >); a best-F1 threshold keeps its own score too (the
+    # F1 was measured with it): decode just below the lowest, then each class keeps its scores >= its threshold
+    decode_thresh = float(thresholds.min()) if args.score_thresh != "best_f1" else float(
+        torch.nextafter(thresholds.min(), torch.tensor(-1.0)))
+    if args.draw_thresh is None:
+        args.draw_thresh = 0.0 if args.score_thresh == "best_f1" else 0.3
 
     # ---- data: the evaluation transform; this process's share of the batches
     try:
@@ -236,7 +273,7 @@ def main(argv=None):
             out = model(images)
         anchors, counts = anchor_gen(*images.shape[-2:], device=images.device)
         dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
-                                 batch["scales"], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
+                                 batch["scales"], score_thresh=decode_thresh, nms_thresh=args.nms_thresh,
                                  max_detections=args.detections_per_image)
         for i, d in enumerate(dets.per_image(len(batch["image_ids"]))):
             image_id = int(batch["image_ids"][i])  # the json's id, or the file's index in the sorted list
@@ -245,7 +282,7 @@ def main(argv=None):
                 failed.append(index)
                 continue
             ids = to_output_id.to(d["labels"].device)[d["labels"].long()]
-            keep = ids >= 0
+            keep = (ids >= 0) & (d["scores"] >= thresholds.to(d["scores"].device)[d["labels"].long()])
             res = detections_to_coco(d["boxes"][keep], d["scores"][keep], ids[keep], image_id)
             if coco_ids is None:
                 for r in res:

@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
 from detlib.anchors import ANCHOR_CONFIG_KEYS, INPUT_DIVISIBILITY, anchor_generator_from_config
-from detlib.analysis import per_class_ap, per_class_without_detections
+from detlib.analysis import best_f1_thresholds, format_best_f1, per_class_ap, per_class_without_detections
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
 from detlib.cococheck import check_coco_for_training
 from detlib.dashboard import log_evaluation_extras
@@ -70,7 +70,7 @@ from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, build_transform
-from detlib.weights import load_state_dict_file, read_model_config, weights_path
+from detlib.weights import load_state_dict_file, read_model_config, weights_path, write_score_thresholds
 
 logger = logging.getLogger("train_retinanet")
 
@@ -434,22 +434,35 @@ def main(argv=None):
     run.save_config(config, model_config)
     evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
+    def describe(folder: str, name: str) -> None:
+        """Beside best/'s and last/'s weights: the score thresholds of the evaluation of those weights."""
+        evaluation = run.last_evaluation
+        if evaluation and evaluation.get("best_f1") and (name == "best" or evaluation["step"] == run.state.global_step):
+            write_score_thresholds(folder, evaluation["best_f1"], evaluation)
+
+    run.checkpointer.describe = describe
+
     def report(stats: dict, epoch: int | None, weights: str | None = None) -> None:
-        """metrics.jsonl (+ per-class AP) and best/, predictions_val.json, then plots and sample images."""
-        per_class = {}
+        """metrics.jsonl (+ per-class AP and best-F1 thresholds) and best/, predictions_val.json, then plots and
+        sample images."""
+        per_class, best_f1 = {}, None
         if accelerator.is_main_process:  # nothing detected: 0 for every class with ground truth
             per_class = (per_class_ap(evaluator.coco_eval) if evaluator.coco_eval is not None
                          else per_class_without_detections(val_ds.dataset))
+            results, image_ids = evaluator.evaluated()
+            best_f1 = best_f1_thresholds(val_ds.dataset, results, image_ids)
+            logger.info("%s", format_best_f1(best_f1))
+        extra = {"per_class": per_class, "best_f1": {k: v for k, v in (best_f1 or {}).items() if k != "curves"}}
         if weights:  # evaluation only: record which weights were scored
-            run.metrics.log({"epoch": None, "step": 0, **stats, "per_class": per_class, "weights": weights}, step=0)
+            run.metrics.log({"epoch": None, "step": 0, **stats, **extra, "weights": weights}, step=0)
         else:
-            run.report_evaluation(stats, model, extra={"per_class": per_class})
+            run.report_evaluation(stats, model, extra=extra)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
                 json.dump(evaluator.results, f)
             log_evaluation_extras(accelerator, args.output_dir, epoch, run.state.global_step + run.metrics.step_offset,
                                   val_ds.dataset, evaluator.results, evaluator.coco_eval, paths["val_images"],
-                                  num_log_images=args.num_log_images, seed=args.seed)
+                                  num_log_images=args.num_log_images, seed=args.seed, best_f1=best_f1)
 
     if args.evaluate_only:
         model, val_loader = accelerator.prepare(model, val_loader)
