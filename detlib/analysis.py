@@ -211,6 +211,141 @@ def _xyxy(xywh: list) -> torch.Tensor:
     return box_xywh_to_xyxy(torch.tensor(xywh, dtype=torch.float64).reshape(-1, 4))
 
 
+# ---- the score threshold a user can use
+
+F1_GRID = 101  # score thresholds 0, 0.01, ..., 1 of the F1 curves
+
+
+def _match_image(gts: list[dict], dts: list[dict], iou_thresh: float) -> list[tuple[float, bool, bool]]:
+    """COCO's matching of one image and category (pycocotools COCOeval.evaluateImg, one IoU threshold, area "all"):
+    detections in decreasing score order each take the unmatched ground-truth box of highest IoU >= the threshold,
+    non-crowd boxes before crowd ones (a crowd box may take any number; IoU against a crowd box is the
+    intersection over the detection's area). Returns (score, matched, ignored) per detection; a detection matched
+    to a crowd box is ignored, as COCO ignores it."""
+    gts = sorted(gts, key=lambda a: bool(a.get("iscrowd", 0)))  # stable: COCO's order, non-crowd first
+    crowd = [bool(a.get("iscrowd", 0)) for a in gts]
+    if gts and dts:
+        g = _xyxy([a["bbox"] for a in gts])
+        d = _xyxy([r["bbox"] for r in dts])
+        ious = torch.where(torch.tensor(crowd)[None, :], box_ioa(d, g), box_iou(d, g)).tolist()  # [D, G]
+    used = [False] * len(gts)
+    out = []
+    for i, r in enumerate(dts):
+        best, m = min(iou_thresh, 1 - 1e-10), -1
+        for j in range(len(gts)):
+            if used[j] and not crowd[j]:
+                continue
+            if m > -1 and not crowd[m] and crowd[j]:
+                break
+            if ious[i][j] < best:
+                continue
+            best, m = ious[i][j], j
+        if m > -1:
+            used[m] = True
+        out.append((float(r["score"]), m > -1, m > -1 and crowd[m]))
+    return out
+
+
+def _best_f1(scores: np.ndarray, tp: np.ndarray, num_gt: int) -> dict:
+    """The best F1 over "keep detections with score >= t" of one set of (score, true positive) detections.
+
+    Only the last detection of a run of equal scores is a threshold one can set; the highest threshold wins a tie.
+    Returns {"score_thresh" (None when nothing is found), "F1", "precision", "recall", "num_gt", "curve": [F1_GRID]
+    F1 at the thresholds 0..1}."""
+    order = np.argsort(-scores, kind="mergesort")
+    scores, tp = scores[order], tp[order]
+    ctp = np.cumsum(tp)
+    n = np.arange(1, len(scores) + 1)
+    ends = np.r_[scores[1:] != scores[:-1], True] if len(scores) else np.zeros(0, dtype=bool)
+    precision = ctp / np.maximum(n, 1)
+    recall = ctp / max(num_gt, 1)
+    f1 = np.where(precision + recall > 0, 2 * precision * recall / np.maximum(precision + recall, 1e-12), 0.0)
+    grid = np.linspace(0, 1, F1_GRID)
+    kept = np.searchsorted(-scores, -grid, side="right")  # detections with score >= t
+    gtp = np.where(kept > 0, ctp[np.maximum(kept - 1, 0)] if len(scores) else 0, 0)
+    gp, gr = gtp / np.maximum(kept, 1), gtp / max(num_gt, 1)
+    curve = np.where(gp + gr > 0, 2 * gp * gr / np.maximum(gp + gr, 1e-12), 0.0)
+    cand = np.flatnonzero(ends & (ctp > 0))
+    if not len(cand) or num_gt == 0:
+        return {"score_thresh": None, "F1": 0.0, "precision": 0.0, "recall": 0.0, "num_gt": int(num_gt),
+                "curve": curve.tolist()}
+    k = cand[np.argmax(f1[cand])]  # the first maximum in decreasing score: the highest threshold
+    return {"score_thresh": float(scores[k]), "F1": float(f1[k]), "precision": float(precision[k]),
+            "recall": float(recall[k]), "num_gt": int(num_gt), "curve": curve.tolist()}
+
+
+def best_f1_thresholds(coco_gt: dict, results: list[dict], image_ids: Iterable[int] | None = None,
+                       iou_thresh: float = 0.5, max_dets: int = 100) -> dict:
+    """Per class, the score threshold that maximises F1 at IoU `iou_thresh`, with the F1, precision and recall there:
+    the threshold to use a model with (COCO's AP averages over every threshold and tells none).
+
+    Detections are matched to ground truth as COCOeval does at that IoU (`_match_image`: per image and class, the
+    `max_dets` highest scores, crowd boxes ignored both ways), so precision and recall are the points of COCO's own
+    PR curve before its interpolation. "all" pools the detections and boxes of every class (one threshold for a
+    model used without per-class thresholds).
+
+    Args:
+        coco_gt: the ground truth, a COCO dict (`bbox` xywh pixels, `category_id`, `iscrowd`).
+        results: COCO results (`image_id` as in `coco_gt`, `category_id`, `bbox` xywh pixels, `score`).
+        image_ids: the evaluated images (default: all of `coco_gt`).
+    Returns:
+        {"iou": float, "all": {...}, "per_class": {name: {"category_id", "score_thresh", "F1", "precision",
+        "recall", "num_gt"}}, "curves": {"score_thresh": [F1_GRID], "all": [F1_GRID], name: [F1_GRID]}}; a class
+        with ground truth but no true detection has score_thresh None and F1 0; classes without (non-crowd)
+        ground truth are absent, as in `per_class_ap`. `score_thresh` keeps detections with score >= it.
+    """
+    ids = {int(i) for i in (image_ids if image_ids is not None else (im["id"] for im in coco_gt["images"]))}
+    cats = sorted(coco_gt["categories"], key=lambda c: c["id"])
+    names = [str(c.get("name", c["id"])) for c in cats]
+    names = [f"{n} ({c['id']})" if names.count(n) > 1 else n for n, c in zip(names, cats)]
+    gt: dict[tuple[int, int], list[dict]] = {}
+    for a in coco_gt["annotations"]:
+        if a["image_id"] in ids:
+            gt.setdefault((a["image_id"], a["category_id"]), []).append(a)
+    dt: dict[tuple[int, int], list[dict]] = {}
+    for r in results:
+        if r["image_id"] in ids:
+            dt.setdefault((r["image_id"], r["category_id"]), []).append(r)
+    per_cat: dict[int, list[tuple[float, bool, bool]]] = {c["id"]: [] for c in cats}
+    for key in gt.keys() | dt.keys():
+        if key[1] not in per_cat:
+            continue
+        dts = sorted(dt.get(key, []), key=lambda r: -r["score"])[:max_dets]  # stable, as COCO's mergesort
+        per_cat[key[1]] += _match_image(gt.get(key, []), dts, iou_thresh)
+    num_gt = {c["id"]: 0 for c in cats}
+    for (_, cid), anns in gt.items():
+        if cid in num_gt:
+            num_gt[cid] += sum(not a.get("iscrowd", 0) for a in anns)
+
+    def arrays(matches):
+        kept = [(s, t) for s, t, ignored in matches if not ignored]
+        return np.array([s for s, _ in kept], dtype=np.float64), np.array([t for _, t in kept], dtype=bool)
+
+    out = {"iou": float(iou_thresh), "per_class": {}, "curves": {"score_thresh": np.linspace(0, 1, F1_GRID).tolist()}}
+    for c, name in zip(cats, names):
+        if num_gt[c["id"]] == 0:
+            continue
+        best = _best_f1(*arrays(per_cat[c["id"]]), num_gt[c["id"]])
+        out["curves"][name] = best.pop("curve")
+        out["per_class"][name] = {"category_id": int(c["id"]), **best}
+    pooled = _best_f1(*arrays([m for c in cats if num_gt[c["id"]] for m in per_cat[c["id"]]]), sum(num_gt.values()))
+    out["curves"]["all"] = pooled.pop("curve")
+    out["all"] = pooled
+    return out
+
+
+def format_best_f1(best: dict) -> str:
+    """One line: the pooled best-F1 threshold and the spread of the per-class ones."""
+    a = best["all"]
+    if a["score_thresh"] is None:
+        return f"best-F1 score threshold (IoU {best['iou']:g}): none (no true detection)"
+    found = [v["score_thresh"] for v in best["per_class"].values() if v["score_thresh"] is not None]
+    spread = f"; per class {min(found):.3f} .. {max(found):.3f} ({len(found)} of {len(best['per_class'])} classes)" \
+        if found else ""
+    return (f"best-F1 score threshold (IoU {best['iou']:g}): {a['score_thresh']:.3f} for all classes together (F1 "
+            f"{a['F1']:.3f}, precision {a['precision']:.3f}, recall {a['recall']:.3f}){spread}")
+
+
 # ---- plots ---------------------------------------------------------------------------------------------
 
 def _figure(width: float, height: float, margins: tuple[float, float, float, float] = (0.1, 0.1, 0.97, 0.92), dpi: int = 100):
@@ -264,6 +399,35 @@ def plot_pr_curves(curves: dict, path: str, num_extremes: int = 3) -> str:
     ax.plot(recall, curves["all"], color="black", lw=2.5, label=labels[-1])
     ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1), ylim=(0, 1.02),
            title=f"precision-recall at IoU {curves['iou']:.2f}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=LABEL_FONTSIZE, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    return _save(fig, path)
+
+
+def plot_f1_curves(best: dict, path: str, num_extremes: int = 3) -> str:
+    """PNG of F1 against the score threshold (`best_f1_thresholds`): all classes pooled, and the `num_extremes` classes
+    with the lowest and the highest best F1, each with its best threshold marked. Returns `path`."""
+    grid = best["curves"]["score_thresh"]
+    ranked = sorted(best["per_class"].items(), key=lambda kv: kv[1]["F1"])
+    shown = ranked if len(ranked) <= 2 * num_extremes else ranked[-num_extremes:][::-1] + ranked[:num_extremes]
+    labels = [f"{name} (F1 {v['F1']:.2f} at {v['score_thresh']:.2f})" if v["score_thresh"] is not None
+              else f"{name} (never found)" for name, v in shown]
+    a = best["all"]
+    labels.append(f"all {len(ranked)} classes pooled" + (f" (F1 {a['F1']:.3f} at {a['score_thresh']:.3f})"
+                                                         if a["score_thresh"] is not None else ""))
+    left, plot_w, legend_w, plot_h = 0.8, 6.0, _text_inches(labels, LABEL_FONTSIZE) + 0.8, 4.0
+    W, H = left + plot_w + legend_w, plot_h + 0.9
+    fig = _figure(W, H, margins=(left / W, 0.6 / H, (left + plot_w) / W, 1 - 0.3 / H))
+    ax = fig.add_subplot()
+    for (name, v), label in zip(shown, labels):
+        (line,) = ax.plot(grid, best["curves"][name], lw=1.2, label=label)
+        if v["score_thresh"] is not None:
+            ax.plot([v["score_thresh"]], [v["F1"]], "o", color=line.get_color(), ms=4)
+    ax.plot(grid, best["curves"]["all"], color="black", lw=2.5, label=labels[-1])
+    if a["score_thresh"] is not None:
+        ax.plot([a["score_thresh"]], [a["F1"]], "o", color="black", ms=6)
+    ax.set(xlabel="score threshold (detections with score >= it)", ylabel="F1", xlim=(0, 1), ylim=(0, 1.02),
+           title=f"F1 at IoU {best['iou']:.2f} against the score threshold")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=LABEL_FONTSIZE, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     return _save(fig, path)
@@ -367,17 +531,19 @@ def plot_per_class_ap(per_class: dict[str, dict[str, float]], path: str) -> str:
 
 
 def write_evaluation_plots(plots_dir: str, epoch: int | None, coco_eval, coco_gt: dict, results: list[dict],
-                           confusion_score_thresh: float = 0.25, image_ids: Iterable[int] | None = None) -> dict:
+                           confusion_score_thresh: float = 0.25, image_ids: Iterable[int] | None = None,
+                           best_f1: dict | None = None) -> dict:
     """Per-class AP, PR curves and the confusion matrix of one evaluation, as PNG + JSON.
 
     Files go to `plots_dir/epoch_NNNN/` (`plots_dir/final/` when `epoch` is None): `per_class_ap.{png,json}`,
-    `pr_curve.{png,json}`, `confusion_matrix.{png,json}`.
+    `pr_curve.{png,json}`, `confusion_matrix.{png,json}`, with `best_f1` `f1_curve.{png,json}`.
 
     Args:
         coco_eval: the accumulated COCOeval of the evaluation, or None (no detection at all: only the
             confusion matrix is written, and per-class AP is 0 for every class with ground truth).
         coco_gt: the ground-truth COCO dict; results: the COCO results evaluated.
         image_ids: the evaluated images (default: `coco_eval.params.imgIds`, else all of `coco_gt`).
+        best_f1: `best_f1_thresholds` of the evaluation, with its curves: also `f1_curve.{png,json}`.
     Returns:
         {"per_class": per_class_ap(...), "files": {name: path}}.
     """
@@ -398,6 +564,9 @@ def write_evaluation_plots(plots_dir: str, epoch: int | None, coco_eval, coco_gt
     cm = detection_confusion_matrix(coco_gt, results, score_thresh=confusion_score_thresh, image_ids=image_ids)
     files["confusion_matrix_json"] = _write_json(cm, os.path.join(folder, "confusion_matrix.json"))
     files["confusion_matrix"] = plot_confusion_matrix(cm, os.path.join(folder, "confusion_matrix.png"))
+    if best_f1 is not None and best_f1.get("curves"):
+        files["f1_curve_json"] = _write_json(best_f1, os.path.join(folder, "f1_curve.json"))
+        files["f1_curve"] = plot_f1_curves(best_f1, os.path.join(folder, "f1_curve.png"))
     return {"per_class": per_class, "files": files}
 
 

@@ -49,6 +49,9 @@ class Checkpointer:
         self.total_limit = total_limit
         self.fail = fail
         self.model_config: dict | None = None
+        # describe(folder, name): what a script writes beside the weights of best/ and last/ (main process), such
+        # as a model card and the evaluation's score thresholds
+        self.describe: Callable[[str, str], None] | None = None
 
     def _check_finite(self, model, what: str, step: int) -> None:
         ok = min_over_processes(self.accelerator, int(all_finite(self.accelerator.unwrap_model(model))))
@@ -73,17 +76,21 @@ class Checkpointer:
         return path
 
     def save_weights(self, model, name: str, step: int, extra: dict | None = None) -> None:
-        """`output_dir/name/model.safetensors` (+ model_config.json, + best.json from `extra`); a failed write
-        stops the run on every process with one line naming the file and the cause (the old file is kept)."""
+        """`output_dir/name/model.safetensors` (+ model_config.json, + best.json from `extra`, + what `describe`
+        writes); a failed write stops the run on every process with one line naming the file and the cause (the old
+        file is kept)."""
         self._check_finite(model, f"{name}/", step)
+        folder = os.path.join(self.output_dir, name)
         error = None
         try:
-            save_model_weights(self.accelerator, model, os.path.join(self.output_dir, name), self.model_config, extra)
+            save_model_weights(self.accelerator, model, folder, self.model_config, extra)
         except CheckpointError as e:  # main process only: the others learn it below
             error = f"{e}; the checkpoints in {ckpt.checkpoint_dir(self.output_dir)} are kept"
         error = broadcast_object(self.accelerator, error)
         if error:
             self.fail(error, 1)
+        if self.describe is not None and self.accelerator.is_main_process:
+            self.describe(folder, name)
 
     def keep_best(self, model, value: float, state: ckpt.TrainState, epoch: int) -> bool:
         """Write best/ when `value` beats `state.best_metric` and the best/ on disk; raise `state.best_metric`

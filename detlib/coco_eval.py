@@ -277,6 +277,11 @@ class CocoEvaluator:
     def _internal_results(self) -> list[dict]:
         return [r for iid in sorted(self.per_image) for r in self.per_image[iid]]
 
+    def evaluated(self) -> tuple[list[dict], list[int]]:
+        """What `evaluate` scores: (the recorded detections, with the normalised ground truth's image ids, by image
+        id; the ids of the images evaluated: recorded and readable, sorted)."""
+        return self._internal_results(), sorted(set(self.per_image) - self.failed)
+
     @property
     def num_images(self) -> int:
         return len(self.per_image)

@@ -53,7 +53,7 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
                report: DataReport | None = None, check_images: bool = True,
                max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
                num_workers: int | None = None, progress: bool = True, cache_file: str | None = None,
-               need_files: bool = True) -> CocoCheck:
+               need_files: bool = True, source: str | None = None) -> CocoCheck:
     """Check a COCO-format detection json (and, with `image_dir`, its image files) and normalise it.
 
     Everything that can be checked is checked, so one report lists all faults of the file.
@@ -67,6 +67,8 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         max_image_pixels: width * height above which an image file is an error (None: no limit).
         num_workers, progress, cache_file: of the image header pass (see `read_image_headers`).
         need_files: images must have a `file_name` (False for a ground truth used in evaluation only).
+        source: what the report names as the file (default: the path, or "<dict>"), e.g. the VOC / YOLO set
+            a dict was converted from (`detlib.formats`).
     Returns:
         CocoCheck: `.dataset` is the normalised json (see the module docstring; valid as such only when
         `report.ok`), None when the file has no usable COCO structure.
@@ -74,7 +76,7 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         FileNotFoundError: `annotations` is a path that does not exist (names it).
     """
     report = report if report is not None else DataReport(strict)
-    source = annotations if isinstance(annotations, str) else "<dict>"
+    source = source or (annotations if isinstance(annotations, str) else "<dict>")
     data = _coco_dict(annotations, report, split)
     if data is None:
         return CocoCheck(None, report, split, source)
@@ -187,27 +189,34 @@ def check_train_val(train: CocoCheck, val: CocoCheck, train_images: str | None =
 
 def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
                     strict: bool = False, progress: bool = True, cache_file: str | None = None,
-                    num_workers: int | None = None) -> tuple[dict | None, dict | None, DataReport]:
+                    num_workers: int | None = None, converted: dict[str, dict] | None = None,
+                    report: DataReport | None = None) -> tuple[dict | None, dict | None, DataReport]:
     """Check a training script's COCO data: train (when `paths["train_annotations"]`), val, and val against train.
 
     Args:
         paths: {"train_annotations", "train_images", "val_annotations", "val_images"}; train ones may be None.
+        converted: {"train" / "val": COCO dict} read in place of that split's json: a VOC or YOLO split
+            (`detlib.formats.read_data_dir_splits`); its `paths` annotations then only name the source.
+        report: add to this report (the conversion's findings); default a new one with `strict`.
         the others: see `check_coco`.
     Returns:
         (train normalised json or None, val normalised json, report).
     Raises:
         FileNotFoundError: an annotation file does not exist.
     """
+    converted = converted or {}
     for key in ("val_annotations", "train_annotations"):  # a missing file is named before any check runs
-        if paths.get(key) and not os.path.isfile(paths[key]):
+        if paths.get(key) and key.split("_")[0] not in converted and not os.path.isfile(paths[key]):
             raise FileNotFoundError(f"annotation file not found: {paths[key]}")
-    report = DataReport(strict)
+    report = report if report is not None else DataReport(strict)
     kw = dict(report=report, check_images=check_images, max_image_pixels=max_image_pixels, progress=progress,
               cache_file=cache_file, num_workers=num_workers)
     train = None
     if paths.get("train_annotations"):
-        train = check_coco(paths["train_annotations"], paths.get("train_images"), split="train", **kw)
-    val = check_coco(paths["val_annotations"], paths.get("val_images"), split="val", **kw)
+        train = check_coco(converted.get("train", paths["train_annotations"]), paths.get("train_images"), split="train",
+                           source=paths["train_annotations"], **kw)
+    val = check_coco(converted.get("val", paths["val_annotations"]), paths.get("val_images"), split="val",
+                     source=paths["val_annotations"], **kw)
     if train is not None:
         check_train_val(train, val, paths.get("train_images"), paths.get("val_images"))
     return (train.dataset if train else None), val.dataset, report
@@ -215,7 +224,8 @@ def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels:
 
 def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images: bool = True,
                             max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
-                            is_main: bool = True) -> tuple[dict | None, dict]:
+                            is_main: bool = True, data_format: str = "coco",
+                            splits: dict[str, str | None] | None = None) -> tuple[dict | None, dict]:
     """The training script's data check in one call: `check_coco_data` + `publish_report`.
 
     Every process runs it, so every process holds the same repaired data without sending it around (the json
@@ -223,13 +233,23 @@ def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images
     script calls this under `main_process_first`) and cached in `output_dir/image_header_cache.json`, where the
     other processes find them: read once per run when `output_dir` is on a disk all machines share (otherwise the
     processes of the other machines read them again).
+    A VOC or YOLO set (`data_format`; `paths` from `detlib.formats.data_dir_paths`, `splits` its split names) is
+    converted first (`detlib.formats.read_data_dir_splits`), its own faults in the same report.
     Returns:
         (train normalised json or None, val normalised json).
     Raises:
         DataCheckError (a ValueError) on errors, after logging the report; FileNotFoundError for a missing json.
     """
     cache = os.path.join(output_dir, "image_header_cache.json") if output_dir and check_images else None
+    report = DataReport(strict)
+    converted = {}
+    if data_format != "coco":
+        from .formats import read_data_dir_splits
+
+        converted = read_data_dir_splits({**paths, "format": data_format}, splits or {"train": None, "val": None},
+                                         report=report, cache_file=cache, progress=is_main)
     train, val, report = check_coco_data(paths, check_images=check_images, max_image_pixels=max_image_pixels,
-                                         strict=strict, progress=is_main, cache_file=cache)
+                                         strict=strict, progress=is_main, cache_file=cache, converted=converted,
+                                         report=report)
     publish_report(report, output_dir, is_main)
     return train, val

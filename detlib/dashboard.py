@@ -3,7 +3,7 @@
 `log_evaluation_extras` is the one call a training script makes after each COCO evaluation (main process
 does the work; it is not collective). It writes
 
-  output_dir/plots/epoch_NNNN/   per_class_ap, pr_curve, confusion_matrix (.png + .json, `detlib.analysis`)
+  output_dir/plots/epoch_NNNN/   per_class_ap, pr_curve, confusion_matrix, f1_curve (.png + .json, `detlib.analysis`)
   output_dir/plots/training_curves.png   loss and AP curves from output_dir/metrics.jsonl (no tracker needed)
   output_dir/samples/epoch_NNNN/ the fixed sample of val images with detections and ground truth drawn
 
@@ -43,7 +43,8 @@ def _tracker(accelerator, name: str):
 def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step: int, coco_gt: dict,
                           results: list[dict], coco_eval, image_dir: str, num_log_images: int = 16,
                           display_thresh: float = 0.3, confusion_score_thresh: float = 0.25, seed: int = 0,
-                          category_names: dict[int, str] | None = None, sample_format: str = "png") -> dict | None:
+                          category_names: dict[int, str] | None = None, sample_format: str = "png",
+                          best_f1: dict | None = None) -> dict | None:
     """Per-class AP table, plots and sample images of one evaluation, to files and every tracker.
 
     Call on every process after `CocoEvaluator.evaluate()`; only the main process works (no collective),
@@ -61,6 +62,7 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
         confusion_score_thresh: lowest score counted in the confusion matrix.
         category_names: {category id: name}; default the json's names.
         sample_format: "png" (the default: sharp lines and text) or "jpg" for the files under samples/.
+        best_f1: `analysis.best_f1_thresholds` of the evaluation (with its curves): the F1 curve plot too.
     Returns:
         (main process) {category name: {"AP", "AP50", "num_gt"}} for the classes with ground truth, the
         object to put into the evaluation line of metrics.jsonl; None on the other processes.
@@ -73,7 +75,8 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
     plots_dir = os.path.join(output_dir, "plots")
     evaluated = coco_eval.params.imgIds if coco_eval is not None else [im["id"] for im in coco_gt["images"]]
     plots = analysis.write_evaluation_plots(plots_dir, epoch, coco_eval, coco_gt, results,
-                                            confusion_score_thresh=confusion_score_thresh, image_ids=evaluated)
+                                            confusion_score_thresh=confusion_score_thresh, image_ids=evaluated,
+                                            best_f1=best_f1)
     per_class = plots["per_class"]
     logger.info("per-class AP at step %d (%d classes with ground truth):\n%s", step, len(per_class),
                 analysis.format_per_class(per_class, full_table=plots["files"].get("per_class_ap_json")))
@@ -85,7 +88,8 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
     ids = visualize.select_sample_ids(evaluated, num_log_images, seed)
     samples = visualize.sample_detections(coco_gt, results, image_dir, ids, names, display_thresh)
     encoded = visualize.save_samples(samples, os.path.join(output_dir, "samples", tag), ext=sample_format)
-    pngs = {k: v for k, v in plots["files"].items() if k in ("per_class_ap", "pr_curve", "confusion_matrix", "training_curves")}
+    pngs = {k: v for k, v in plots["files"].items()
+            if k in ("per_class_ap", "pr_curve", "confusion_matrix", "training_curves", "f1_curve")}
 
     run = _tracker(accelerator, "wandb")
     if run is not None:

@@ -95,6 +95,7 @@ class Run:
         self.signals = PreemptionSignals()
         self.progress = None  # the tqdm bar of the training steps, from start_training on
         self.last_stats: dict | None = None  # the last evaluation's stats (report_evaluation)
+        self.last_evaluation: dict | None = None  # and its whole metrics.jsonl line (epoch, step, stats, extra)
         self._locked = False
         self._closed = False
         self.t_start = time.time()
@@ -348,9 +349,9 @@ class Run:
         the best/ on disk included (so a resume from an older checkpoint never replaces it with a worse
         model). Returns True when best/ was written."""
         st, value = self.state, float(stats[self.metric])
-        self.metrics.log({"epoch": self.epoch, "step": st.global_step, **stats, **(extra or {})}, step=st.global_step,
-                         tracker_epoch=self.epoch + 1)
-        self.last_stats = stats
+        line = {"epoch": self.epoch, "step": st.global_step, **stats, **(extra or {})}
+        self.metrics.log(line, step=st.global_step, tracker_epoch=self.epoch + 1)
+        self.last_stats, self.last_evaluation = stats, line
         st.eval_pending = False
         return self.checkpointer.keep_best(model, value, st, self.epoch)
 

@@ -34,7 +34,8 @@ from .weights import REQUIRED, complete_model_config, load_model_weights, read_m
 logger = logging.getLogger(__name__)
 
 
-def list_image_files(source: str, exclude: tuple[str, ...] = ()) -> tuple[str, list[str]]:
+def list_image_files(source: str, exclude: tuple[str, ...] = (), extensions: tuple[str, ...] = IMG_EXTENSIONS
+                     ) -> tuple[str, list[str]]:
     """The image files of `source` and the folder their names are relative to.
 
     Args:
@@ -44,12 +45,13 @@ def list_image_files(source: str, exclude: tuple[str, ...] = ()) -> tuple[str, l
         exclude: folders whose files are left out: a predict script's per-input output folders (OUT/images ...),
             so with the output folder inside the source the drawn images and copies of an earlier run are
             neither read again as inputs nor written over; how many is logged.
+        extensions: the file name extensions a folder's files are listed by.
     Returns:
         (root, sorted absolute paths); `os.path.relpath(path, root)` names each file in the outputs.
     Raises:
         FileNotFoundError: nothing matches (names the source), or everything that matches lies in `exclude`.
     """
-    root, found = _list_image_files(source)
+    root, found = _list_image_files(source, extensions)
     below = tuple(os.path.realpath(f) + os.sep for f in exclude)
     if below:
         kept = [p for p in found if not os.path.realpath(p).startswith(below)]
@@ -64,7 +66,37 @@ def list_image_files(source: str, exclude: tuple[str, ...] = ()) -> tuple[str, l
     return root, found
 
 
-def _list_image_files(source: str) -> tuple[str, list[str]]:
+def list_media_files(source: str, exclude: tuple[str, ...] = ()) -> tuple[str, list[str], list[str], list[str]]:
+    """The image and video files of `source` (see `list_image_files`; a folder's videos are found like its images),
+    and the files it names that are neither.
+
+    A file with an image or video extension is taken as one (a damaged one is found when it is read: unreadable);
+    any other file a source names (a single file, a glob's match) is an image when PIL reads its header, else
+    unsupported.
+    Returns:
+        (root, images, videos, unsupported: "path (unsupported file type: ...)" lines), each sorted.
+    Raises:
+        FileNotFoundError: nothing matches, or nothing is left outside `exclude` (names the source).
+    """
+    from .datacheck import read_image_header
+    from .video import VIDEO_EXTENSIONS, is_video_file
+
+    root, found = list_image_files(source, exclude, extensions=IMG_EXTENSIONS + VIDEO_EXTENSIONS)
+    images, videos, unsupported = [], [], []
+    for p in found:
+        if p.lower().endswith(IMG_EXTENSIONS):
+            images.append(p)
+        elif is_video_file(p):
+            videos.append(p)
+        elif read_image_header(p)[0] == "ok":
+            images.append(p)
+        else:
+            ext = os.path.splitext(p)[1] or "no extension"
+            unsupported.append(f"{p} (unsupported file type {ext}: neither an image nor a video)")
+    return root, images, videos, unsupported
+
+
+def _list_image_files(source: str, extensions: tuple[str, ...] = IMG_EXTENSIONS) -> tuple[str, list[str]]:
     if os.path.isfile(source):
         path = os.path.abspath(source)
         return os.path.dirname(path), [path]
@@ -74,9 +106,10 @@ def _list_image_files(source: str) -> tuple[str, list[str]]:
         for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
             dirnames[:] = sorted(d for d in dirnames if not is_hidden(d))
             found += [os.path.join(dirpath, f) for f in filenames
-                      if not is_hidden(f) and f.lower().endswith(IMG_EXTENSIONS)]
+                      if not is_hidden(f) and f.lower().endswith(extensions)]
         if not found:
-            raise FileNotFoundError(f"no image file ({', '.join(IMG_EXTENSIONS)}) below {source}")
+            raise FileNotFoundError(f"no {'image or video' if extensions != IMG_EXTENSIONS else 'image'} file "
+                                    f"({', '.join(extensions)}) below {source}")
         return root, sorted(found)
     found = sorted(os.path.abspath(p) for p in glob.glob(source, recursive=True) if os.path.isfile(p))
     if not found:
@@ -158,7 +191,6 @@ class DetectionImageFiles(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int) -> dict:
-        empty = torch.zeros((0, 4))
         try:
             pil, truncated = load_rgb(self.paths[index], exif_transpose=self.exif_transpose)
         except IMAGE_ERRORS as e:
@@ -166,12 +198,18 @@ class DetectionImageFiles(torch.utils.data.Dataset):
             return unreadable_item(index)
         if truncated:
             logger.warning("image %s is truncated; its missing part is decoded as grey", self.paths[index])
-        image = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
-        sample = make_sample(image, empty, torch.zeros((0,), dtype=torch.int64), torch.zeros((0,), dtype=torch.bool))
-        if self.transform is not None:
-            sample = self.transform(sample)
-        return {"image": sample["image"].as_subclass(torch.Tensor), "boxes": empty, "labels": torch.zeros((0,), dtype=torch.int64),
-                "crowd_boxes": empty, "image_id": index, "scale": sample.get("scale", (1.0, 1.0)), "valid": True}
+        return detection_item(np.asarray(pil), self.transform, index)
+
+
+def detection_item(rgb: np.ndarray, transform, image_id: int) -> dict:
+    """The item of `DetectionImageFiles` for an [H, W, 3] uint8 RGB array (an image file's pixels, a video frame)."""
+    empty = torch.zeros((0, 4))
+    image = torch.from_numpy(np.ascontiguousarray(rgb).copy()).permute(2, 0, 1)
+    sample = make_sample(image, empty, torch.zeros((0,), dtype=torch.int64), torch.zeros((0,), dtype=torch.bool))
+    if transform is not None:
+        sample = transform(sample)
+    return {"image": sample["image"].as_subclass(torch.Tensor), "boxes": empty, "labels": torch.zeros((0,), dtype=torch.int64),
+            "crowd_boxes": empty, "image_id": image_id, "scale": sample.get("scale", (1.0, 1.0)), "valid": True}
 
 
 def load_retinanet(weights: str, notes: list[str] | None = None) -> tuple[torch.nn.Module, dict, CategoryMap]:

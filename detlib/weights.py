@@ -5,6 +5,9 @@ Layout of a weights folder (`last/`, `best/`, and inside every checkpoint folder
   model.safetensors    the unwrapped model's state dict (no `module.` / `_orig_mod.` prefix)
   model_config.json    the model's description (`build_retinanet_from_config`, the classifier's builder)
   best.json            in best/: which metric, value, epoch and step these weights scored
+  score_thresholds.json  the per-class score thresholds that maximised F1 in the evaluation of these weights
+                       (`detlib.analysis.best_f1_thresholds`), read by predict's `--score_thresh best_f1`
+  README.md            the model card (`detlib.modelcard`)
 
 Reading is built on timm's reader (`timm.models.load_state_dict`), so the classifier and the detector share
 it without importing each other's model code.
@@ -207,6 +210,45 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
             needed = sum(t.numel() * t.element_size() for t in sd.values())
             raise CheckpointError(f"could not write {path}: {describe_write_failure(e, folder, needed)}") from None
     return path
+
+
+SCORE_THRESHOLDS = "score_thresholds.json"
+
+
+def write_score_thresholds(folder: str, best_f1: dict, evaluation: dict) -> str:
+    """`folder/score_thresholds.json`: `best_f1` (`detlib.analysis.best_f1_thresholds`, without its curves) and the
+    epoch and step of the `evaluation` (a metrics.jsonl line) it comes from. Returns the path."""
+    path = os.path.join(folder, SCORE_THRESHOLDS)
+    out = {k: v for k, v in best_f1.items() if k != "curves"}
+    out.update(epoch=evaluation.get("epoch"), step=evaluation.get("step"))
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def read_score_thresholds(weights: str) -> tuple[dict[int, float], float, str]:
+    """The best-F1 score thresholds beside the weights `weights_path(weights)` finds.
+
+    Returns:
+        ({category id: threshold} of the classes that have one, the pooled threshold for the others, the file).
+    Raises:
+        FileNotFoundError: no score_thresholds.json there (an older run, or weights never evaluated), naming it.
+        CheckpointError: the file does not parse or has no pooled threshold.
+    """
+    path = os.path.join(os.path.dirname(weights_path(weights)), SCORE_THRESHOLDS)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {SCORE_THRESHOLDS} beside the weights ({path}): it is written into best/ and last/ "
+                                "by the training run's evaluations; give a number instead")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        pooled = float(data["all"]["score_thresh"])
+        per_class = {int(v["category_id"]): float(v["score_thresh"]) for v in data["per_class"].values()
+                     if v.get("score_thresh") is not None}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is damaged or holds no threshold ({type(e).__name__}: {e})") from None
+    return per_class, pooled, path
 
 
 def weights_path(path: str) -> str:

@@ -6,6 +6,11 @@ COCO-format detection data (json + image folder), optionally with its val set (c
 Write the repaired json (numbers parsed, ids made valid, boxes derived / clipped / dropped as the report says):
     python scripts/check_dataset.py --annotations train.json --images DIR --write_fixed train_fixed.json
 
+A data set root, COCO, Pascal VOC or YOLO (the layout detected; train and val splits checked, VOC and YOLO read as
+COCO: detlib/formats.py), and its splits as COCO json files:
+    python scripts/check_dataset.py --data_dir VOCdevkit/VOC2012
+    python scripts/check_dataset.py --data_dir datasets/my_yolo_set --write_fixed train.json --write_fixed_val val.json
+
 An ImageFolder (class sub-folders), optionally with its val folder:
     python scripts/check_dataset.py --image_folder data/train --val_image_folder data/val
 
@@ -24,6 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from detlib.cococheck import check_coco, check_train_val  # noqa: E402
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
+from detlib.formats import FORMATS, data_dir_paths, read_data_dir_splits  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,8 +39,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--images", metavar="DIR", help="folder of the images' file_name")
     g.add_argument("--val_annotations", metavar="FILE")
     g.add_argument("--val_images", metavar="DIR", help="default: --images")
-    g.add_argument("--write_fixed", metavar="OUT", help="write the repaired --annotations json here (not on errors)")
-    g.add_argument("--write_fixed_val", metavar="OUT", help="write the repaired --val_annotations json here")
+    g.add_argument("--data_dir", metavar="ROOT", help="a data set root instead: COCO (annotations/instances_{set}.json), "
+                   "VOC (Annotations/, JPEGImages/, ImageSets/Main/{set}.txt) or YOLO (data.yaml); its train and val "
+                   "splits are checked")
+    g.add_argument("--data_format", choices=FORMATS, help="the layout of --data_dir (default: detected)")
+    g.add_argument("--train_set", help="--data_dir's training split (default train2017 for COCO, train for VOC / YOLO)")
+    g.add_argument("--val_set", help="--data_dir's validation split (default val2017 for COCO, val for VOC / YOLO)")
+    g.add_argument("--write_fixed", metavar="OUT", help="write the repaired --annotations json (--data_dir: its training "
+                   "split as COCO json) here (not on errors)")
+    g.add_argument("--write_fixed_val", metavar="OUT", help="write the repaired --val_annotations json (--data_dir: its "
+                   "val split) here")
     g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files")
     g.add_argument("--max_image_pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help="images with more pixels are errors (PIL's decompression-bomb limit; 0: no limit)")
@@ -48,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--strict", action="store_true", help="repairs count as errors")
     g.add_argument("--report_json", metavar="OUT", help="also write the report as json (as data_report.json)")
     args = p.parse_args(argv)
-    if bool(args.annotations) == bool(args.image_folder):
-        p.error("give --annotations (COCO) or --image_folder (ImageFolder)")
+    if sum(map(bool, (args.annotations, args.data_dir, args.image_folder))) != 1:
+        p.error("give --annotations (COCO json), --data_dir (a COCO, VOC or YOLO root) or --image_folder (ImageFolder)")
     if args.annotations and not args.images and not args.skip_image_check:
         p.error("--images DIR is needed to check the image files (or pass --skip_image_check)")
     # each output file its own, never an input: the repaired val json must not replace the train one, nor the original
@@ -75,11 +89,16 @@ def check_coco_files(args) -> tuple[DataReport, list[str]]:
     kw = dict(report=report, check_images=not args.skip_image_check, max_image_pixels=args.max_image_pixels or None,
               num_workers=args.num_workers, progress=sys.stderr.isatty())
     notes = []
-    train = check_coco(args.annotations, args.images, split="train" if args.val_annotations else "data", **kw)
-    val = None
-    if args.val_annotations:
-        val = check_coco(args.val_annotations, args.val_images or args.images, split="val", **kw)
-        check_train_val(train, val, args.images, args.val_images or args.images)
+    if args.data_dir:
+        train, val, images = check_data_dir(args, report, kw)
+        notes.append(f"{args.data_dir}: {args.data_format} data set; train images in {images['train']}, val images in "
+                     f"{images['val']} (the file_names of the COCO json --write_fixed writes)")
+    else:
+        train = check_coco(args.annotations, args.images, split="train" if args.val_annotations else "data", **kw)
+        val = None
+        if args.val_annotations:
+            val = check_coco(args.val_annotations, args.val_images or args.images, split="val", **kw)
+            check_train_val(train, val, args.images, args.val_images or args.images)
     for check, out in ((train, args.write_fixed), (val, args.write_fixed_val)):
         if out and check is not None:
             if report.ok:
@@ -88,6 +107,23 @@ def check_coco_files(args) -> tuple[DataReport, list[str]]:
             else:
                 notes.append(f"not written: {out} (fix the errors first)")
     return report, notes
+
+
+def check_data_dir(args, report: DataReport, kw: dict):
+    """The train and val splits of --data_dir (VOC and YOLO converted to COCO dicts first, their own faults in
+    `report`), checked as the training script checks them. Returns (train CocoCheck, val CocoCheck, image folders)."""
+    import tempfile
+
+    paths = data_dir_paths(args.data_dir, args.data_format, args.train_set, args.val_set)
+    args.data_format = paths.pop("format")
+    with tempfile.TemporaryDirectory() as tmp:  # YOLO's sizes are read from the headers: once, for both passes
+        cache = os.path.join(tmp, "image_header_cache.json")
+        dicts = read_data_dir_splits({**paths, "format": args.data_format}, {"train": args.train_set, "val": args.val_set},
+                                     report=report, progress=kw["progress"], cache_file=cache)
+        checks = [check_coco(dicts.get(s, paths[f"{s}_annotations"]), paths[f"{s}_images"], split=s,
+                             source=paths[f"{s}_annotations"], cache_file=cache, **kw) for s in ("train", "val")]
+    check_train_val(*checks, paths["train_images"], paths["val_images"])
+    return checks[0], checks[1], {s: paths[f"{s}_images"] for s in ("train", "val")}
 
 
 def check_folders(args) -> DataReport:
@@ -105,14 +141,18 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     notes = []
     try:
-        if args.annotations:
+        if args.annotations or args.data_dir:
             report, notes = check_coco_files(args)
         else:
             report = check_folders(args)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(report.format("COCO data check" if args.annotations else "image folder check"))
+    except ValueError as e:  # a data set root that does not say what its layout needs (a YOLO yaml without names)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    title = "image folder check" if args.image_folder else f"{(args.data_format or 'coco').upper()} data check"
+    print(report.format(title))
     for line in notes:
         print(line)
     if args.report_json:

@@ -7,11 +7,15 @@ Top-3, and a copy of every image into a folder named after its predicted class:
     python scripts/predict_catsdogs.py --weights outputs/catsdogs --source "photos/**/*.jpg" --output_dir out \
         --topk 3 --copy_to_class_folders
 
+A video (PyAV: pip install av), frame by frame (predictions.json / .csv get one row per frame, with frame and time):
+    python scripts/predict_catsdogs.py --weights outputs/catsdogs/best --source clip.mp4 --output_dir out
+
 Several processes (each takes its share of the batches; results merged, no image twice):
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/predict_catsdogs.py --weights ... --source ...
 
 Writes OUT/predictions.csv (file, class_1, prob_1, ..., class_k, prob_k), OUT/predictions.json (the same as
-a list of {"file_name", "topk": [{"class", "prob"}, ...]}), OUT/skipped.txt (unreadable files), with
+a list of {"file_name", "topk": [{"class", "prob"}, ...]}; a video's frames add "frame" from 0 and "time" in
+seconds, and the csv two columns of them), OUT/skipped.txt (unreadable and unsupported files), with
 --copy_to_class_folders OUT/by_class/<class>/<file>, and a summary line of images per predicted class.
 Preprocessing is the evaluation's (shorter side to image_size / 0.875, centre crop), at the training size.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import logging
 import os
@@ -32,9 +37,10 @@ from tqdm.auto import tqdm
 
 from detlib.classification import classification_transform
 from detlib.flags import int_at_least
-from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_image_files, load_classifier, output_names,
+from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_media_files, load_classifier, output_names,
                               prediction_parser, run_prediction, shard_batches, start_prediction)
 from detlib.rundir import worker_loader_kwargs
+from detlib.video import INSTALL_HINT, av_available, video_frames, video_info
 from detlib.weights import complete_model_config, weights_path
 
 logger = logging.getLogger("predict_catsdogs")
@@ -43,7 +49,8 @@ logger = logging.getLogger("predict_catsdogs")
 def parse_args(argv=None) -> argparse.Namespace:
     p, groups = prediction_parser(__doc__, batch_size=64)
     g = groups["data"]
-    g.add_argument("--source", required=True, help="an image file, a folder (recursive) or a glob pattern")
+    g.add_argument("--source", required=True, help="an image or video file, a folder (recursive: its images and "
+                   "videos) or a glob pattern")
     g.add_argument("--image_size", type=int_at_least(16), help="default None: the training size from model_config.json")
     g = groups["output"]
     g.add_argument("--topk", type=int_at_least(1), help="classes per image (default: 5, at most the number of classes)")
@@ -51,28 +58,62 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int, shards: list) -> dict:
+def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int, shards: list,
+                  unsupported: list[str] = ()) -> dict:
     """predictions.csv / .json, skipped.txt and the summary line from every process's share (main process)."""
     merged: dict[int, list[tuple[str, float]]] = {}
+    frames: dict[int, list[dict]] = {}
     skipped = []
-    for part, fail in shards:
+    for part, fail, video_part, video_fail in shards:
         merged.update(part)
-        skipped += [paths[i] for i in fail]
+        frames.update(video_part)
+        skipped += [f"{paths[i]} (unreadable)" for i in fail] + video_fail
     names = {i: os.path.relpath(paths[i], root) for i in merged}
+    rows = [{"file_name": names[i], "topk": [{"class": c, "prob": p} for c, p in merged[i]]} for i in sorted(merged)]
+    rows += [r for v in sorted(frames) for r in frames[v]]
     with open(os.path.join(args.output_dir, "predictions.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["file"] + [c for j in range(1, k + 1) for c in (f"class_{j}", f"prob_{j}")])
-        for i in sorted(merged):
-            w.writerow([names[i]] + [v for c, p in merged[i] for v in (c, f"{p:.6f}")])
+        w.writerow(["file"] + [c for j in range(1, k + 1) for c in (f"class_{j}", f"prob_{j}")]
+                   + (["frame", "time"] if frames else []))
+        for r in rows:
+            w.writerow([r["file_name"]] + [v for t in r["topk"] for v in (t["class"], f"{t['prob']:.6f}")]
+                       + ([r.get("frame", ""), r.get("time", "")] if frames else []))
     with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
-        json.dump([{"file_name": names[i], "topk": [{"class": c, "prob": p} for c, p in merged[i]]} for i in sorted(merged)], f)
+        json.dump(rows, f)
+    skipped = sorted(skipped) + list(unsupported)
     with open(os.path.join(args.output_dir, "skipped.txt"), "w") as f:
-        f.write("".join(f"{p} (unreadable)\n" for p in sorted(skipped)))
+        f.write("".join(f"{p}\n" for p in skipped))
     if skipped:
-        logger.warning("skipped %d unreadable images (listed in %s/skipped.txt), e.g. %s", len(skipped), args.output_dir, skipped[:3])
-    top1 = Counter(merged[i][0][0] for i in merged)
-    logger.info("%d images classified: %s", len(merged), ", ".join(f"{c} {top1[c]}" for c in classes if top1[c]) or "none")
+        logger.warning("skipped %d files, unreadable or unsupported (listed in %s/skipped.txt), e.g. %s", len(skipped),
+                       args.output_dir, skipped[:3])
+    top1 = Counter(r["topk"][0]["class"] for r in rows)
+    logger.info("%d images%s classified: %s", len(merged), f" and {sum(map(len, frames.values()))} video frames"
+                if frames else "", ", ".join(f"{c} {top1[c]}" for c in classes if top1[c]) or "none")
     return merged
+
+
+def classify_video(path: str, name: str, model, transform, classes: list[str], k: int, batch_size: int, accelerator
+                   ) -> list[dict]:
+    """One row per frame: {"file_name", "frame" (from 0), "time" (seconds), "topk"}, frames batched `batch_size` at a
+    time in order. Raises ValueError when the file cannot be decoded as a video."""
+    from PIL import Image
+
+    out = []
+    frames = video_frames(path)
+    info = video_info(path)
+    bar = tqdm(total=info["frames"], desc=f"video {name}", unit="frame", leave=False,
+               disable=not accelerator.is_local_main_process)
+    while chunk := list(itertools.islice(frames, batch_size)):
+        images = torch.stack([transform(Image.fromarray(rgb)) for _, _, rgb in chunk]).to(accelerator.device)
+        with accelerator.autocast():
+            logits = model(images)
+        prob, idx = logits.float().softmax(-1).topk(k, dim=-1)
+        for (i, t, _), c, p in zip(chunk, idx.tolist(), prob.tolist()):
+            out.append({"file_name": name, "frame": i, "time": t,
+                        "topk": [{"class": classes[a], "prob": b} for a, b in zip(c, p)]})
+        bar.update(len(chunk))
+    bar.close()
+    return out
 
 
 @torch.no_grad()
@@ -82,7 +123,14 @@ def main(argv=None):
     notes: list[str] = []
     try:
         model, config = load_classifier(args.weights, notes)
-        root, paths = list_image_files(args.source, exclude=(os.path.join(args.output_dir, "by_class"),))
+        root, paths, videos, unsupported = list_media_files(args.source, exclude=(os.path.join(args.output_dir, "by_class"),))
+        if videos and not av_available():
+            if not paths:
+                raise ValueError(f"{args.source}: {len(videos)} video(s) and no image: reading videos needs PyAV: "
+                                 f"{INSTALL_HINT}")
+            unsupported, videos = unsupported + [f"{v} (a video: {INSTALL_HINT} to predict it)" for v in videos], []
+        if unsupported and not paths and not videos:
+            raise ValueError(f"{args.source}: nothing to predict: {unsupported[0]}")
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
         raise SystemExit(f"error: {e}") from None
@@ -128,10 +176,20 @@ def main(argv=None):
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 shutil.copy2(paths[index], dst)
 
-    shards = gather_object([(rows, failed)])
+    per_video: dict[int, list[dict]] = {}
+    failed_videos: list[str] = []
+    for v in range(accelerator.process_index, len(videos), accelerator.num_processes):  # each video on one process
+        try:
+            per_video[v] = classify_video(videos[v], os.path.relpath(videos[v], root), model, ds.transform, classes, k,
+                                          args.batch_size, accelerator)
+        except ValueError as e:
+            logger.warning("skipping unreadable video: %s", e)
+            failed_videos.append(f"{videos[v]} (unreadable video)")
+
+    shards = gather_object([(rows, failed, per_video, failed_videos)])
     merged = None
     if accelerator.is_main_process:
-        merged = write_outputs(args, paths, root, classes, k, shards)
+        merged = write_outputs(args, paths, root, classes, k, shards, unsupported)
     # a clean end of the process group: a rank that exits while another still tears down gloo can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -13,13 +13,23 @@ A COCO json (the results carry its image ids; equal to what --evaluate_only writ
     python scripts/predict_retinanet.py --weights outputs/r50_600/best --source /data/coco/annotations/instances_val2017.json \
         --images /data/coco/val2017 --output_dir out
 
+A labelled Pascal VOC or YOLO set (its val split by default; results carry its image ids, as --evaluate_only's):
+    python scripts/predict_retinanet.py --weights outputs/voc/best --source VOCdevkit/VOC2012 --data_format voc --output_dir out
+    python scripts/predict_retinanet.py --weights outputs/yolo/best --source datasets/my_set/data.yaml --split val --output_dir out
+
+A video (PyAV: pip install av), frame by frame, as the same frames saved as images would be:
+    python scripts/predict_retinanet.py --weights outputs/r50_600/best --source clip.mp4 --output_dir out --save_json_per_image
+
 Several processes (each takes its share of the batches; results merged, no image twice):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/predict_retinanet.py --weights ... --source ...
 
 Writes OUT/predictions.json (COCO results: image_id, category_id, bbox [x, y, w, h] pixels of the original
 image, score; plus file_name when the source is not a COCO json), OUT/images/<name>.jpg with the detections
 scoring >= --draw_thresh drawn, OUT/json/<name>.json with --save_json_per_image, OUT/skipped.txt listing
-unreadable images, and a summary line of detections per class. <name> is the input's path below the source
+unreadable images and unsupported files, and a summary line of detections per class. A video gives
+OUT/videos/<name>.mp4 (drawn), its frames' results in predictions.json (with file_name, frame from 0, time in
+seconds, image_id = the frame) and with --save_json_per_image OUT/json/<name>.json (a list: one image json per
+frame, with frame and time). <name> is the input's path below the source
 without its extension; inputs that would share one (a.jpg, a.png) keep the whole name (a.jpg.jpg, a.png.jpg),
 so no input's files replace another's.
 """
@@ -27,6 +37,7 @@ so no input's files replace another's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -38,29 +49,38 @@ from tqdm.auto import tqdm
 
 from detlib.anchors import anchor_generator_from_config
 from detlib.coco_eval import detections_to_coco
+from detlib.cococheck import check_coco
+from detlib.datacheck import DataReport
+from detlib.formats import data_dir_paths, read_data_dir_splits
 from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
 from detlib.flags import float_range, int_at_least
-from detlib.inference import (DetectionImageFiles, earlier_outputs, list_image_files, load_retinanet, output_names,
-                              prediction_parser, retinanet_input_size, run_prediction, shard_batches, start_prediction)
+from detlib.inference import (DetectionImageFiles, detection_item, earlier_outputs, list_media_files, load_retinanet,
+                              output_names, prediction_parser, retinanet_input_size, run_prediction, shard_batches,
+                              start_prediction)
 from detlib.labels import describe_mapping, match_categories
 from detlib.rundir import worker_loader_kwargs
 from detlib.transforms import build_transform
 from detlib.visualize import boxes_from_coco, class_color, draw_detections, save_image, upright_image_and_boxes
-from detlib.weights import weights_path
+from detlib.video import INSTALL_HINT, VideoWriter, av_available, video_frames, video_info
+from detlib.weights import CheckpointError, read_score_thresholds, weights_path
 
 logger = logging.getLogger("predict_retinanet")
 # OUT/<folder>/<name>: the files written per input (never read as inputs, see list_image_files)
-PER_INPUT_FOLDERS = ("images", "json")
-DRAW_THRESH = 0.3  # --draw_thresh's default
+PER_INPUT_FOLDERS = ("images", "json", "videos")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     # 8 images per forward pass: the training script's --per_device_eval_batch_size
     p, groups = prediction_parser(__doc__, batch_size=8)
     g = groups["data"]
-    g.add_argument("--source", required=True, help="an image file, a folder (recursive), a glob pattern, or a COCO json")
+    g.add_argument("--source", required=True, help="an image or video file, a folder (recursive: its images and "
+                   "videos), a glob pattern, a COCO json, or a VOC / YOLO root (--data_format)")
     g.add_argument("--images", help="image folder of a COCO-json source")
+    g.add_argument("--data_format", choices=["voc", "yolo"], help="--source is the root of a labelled VOC or YOLO set "
+                   "(a data.yaml source is read as YOLO without it): its --split is predicted, as a COCO json would be")
+    g.add_argument("--split", default="val", help="the split of a VOC / YOLO source (VOC: ImageSets/Main/<split>.txt, "
+                   "YOLO: the yaml key)")
     g.add_argument("--categories_by_name", action="store_true", help="a COCO-json source whose category ids name other "
                    "classes than the model's: match the classes by name and write the json's ids (default: such a "
                    "json is refused)")
@@ -68,47 +88,109 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max_size", type=int_at_least(32), help="default None: from model_config.json")
 
     g = p.add_argument_group("detection")
-    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05, help="lowest score kept (the evaluation's default)")
+    g.add_argument("--score_thresh", type=score_threshold, default=0.05, help="lowest score kept (the evaluation's "
+                   "default), or best_f1: per class, the threshold that maximised F1 in the training run's evaluation "
+                   "of these weights (score_thresholds.json beside them; classes without one take the pooled one)")
     g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5, help="IoU of class-wise NMS")
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")
 
     g = groups["output"]
-    g.add_argument("--draw_thresh", type=float_range(0, 1), default=DRAW_THRESH, help="lowest score drawn on OUT/images")
+    g.add_argument("--draw_thresh", type=float_range(0, 1), help="lowest score drawn on OUT/images (default: 0.3; with "
+                   "--score_thresh best_f1 every detection kept)")
     g.add_argument("--no_images", action="store_true", help="do not write the drawn images")
     g.add_argument("--save_json_per_image", action="store_true", help="also OUT/json/<name>.json per image")
     return p.parse_args(argv)
 
 
+def score_threshold(text: str):
+    """argparse type of --score_thresh: a number in [0, 1], or "best_f1"."""
+    return text if text == "best_f1" else float_range(0, 1)(text)
+
+
+score_threshold.__name__ = "number or best_f1"
+
+
+def class_thresholds(args, category_map) -> torch.Tensor:
+    """[K] float32: the lowest score kept for each of the model's classes (label order): --score_thresh, or with
+    best_f1 the thresholds of score_thresholds.json beside the weights (the pooled one for classes without their
+    own). Raises FileNotFoundError / CheckpointError (one line) when best_f1 has no file to read."""
+    if args.score_thresh != "best_f1":
+        return torch.full((len(category_map),), float(args.score_thresh))
+    per_class, pooled, path = read_score_thresholds(args.weights)
+    values = [per_class.get(c, pooled) for c in category_map.category_ids]
+    logger.info("--score_thresh best_f1 from %s: %d classes their own (%.3f .. %.3f), %d the pooled %.3f", path,
+                sum(c in per_class for c in category_map.category_ids), min(values), max(values),
+                sum(c not in per_class for c in category_map.category_ids), pooled)
+    return torch.tensor(values, dtype=torch.float32)
+
+
 def build_dataset(args, transform):
     """(data set, names relative to the source root, COCO image ids or None, exif applied, skipped files)."""
+    if args.data_format or (args.source.lower().endswith((".yaml", ".yml")) and os.path.isfile(args.source)):
+        dataset, image_dir = labelled_split(args)
+        ds = CocoDetection(image_dir, dataset, transform, train=False)
+        ds.videos = []
+        names = [os.path.relpath(r["path"], image_dir) for r in ds.records]
+        return ds, names, [r["id"] for r in ds.records], False, list(ds.missing_images)
     if args.source.lower().endswith(".json") and os.path.isfile(args.source):
         if not args.images:
             raise SystemExit("error: a COCO-json --source needs --images DIR (its image folder)")
         # The evaluation's own data set: same order (by image id), same decoding, same sizes.
         ds = CocoDetection(args.images, args.source, transform, train=False)
+        ds.videos = []
         names = [os.path.relpath(r["path"], args.images) for r in ds.records]
         return ds, names, [r["id"] for r in ds.records], False, list(ds.missing_images)
-    root, paths = list_image_files(args.source, exclude=tuple(os.path.join(args.output_dir, f) for f in PER_INPUT_FOLDERS))
+    root, paths, videos, skipped = list_media_files(args.source, exclude=tuple(os.path.join(args.output_dir, f)
+                                                                                for f in PER_INPUT_FOLDERS))
+    if videos and not av_available():
+        if not paths:
+            raise ValueError(f"{args.source}: {len(videos)} video(s) ({os.path.basename(videos[0])} ...) and no image: "
+                             f"reading videos needs PyAV: {INSTALL_HINT}")
+        logger.warning("%d videos left out: reading videos needs PyAV (%s)", len(videos), INSTALL_HINT)
+        skipped, videos = skipped + [f"{v} (a video: {INSTALL_HINT} to predict it)" for v in videos], []
+    if skipped and not paths and not videos:
+        raise ValueError(f"{args.source}: nothing to predict: {skipped[0]}")
     ds = DetectionImageFiles(paths, transform, exif_transpose=not args.no_exif_transpose)
-    return ds, [os.path.relpath(p, root) for p in paths], None, not args.no_exif_transpose, []
+    ds.videos = [(v, os.path.relpath(v, root)) for v in videos]
+    return ds, [os.path.relpath(p, root) for p in paths], None, not args.no_exif_transpose, skipped
+
+
+def labelled_split(args) -> tuple[dict, str]:
+    """(the normalised COCO dict, its image folder) of a VOC / YOLO source's --split (`detlib.formats`), checked as
+    the training script checks it (json part; a YOLO set's image sizes come from the files).
+    Raises:
+        FileNotFoundError, ValueError: the layout's files are missing, or the check finds errors (the report)."""
+    paths = data_dir_paths(args.source, args.data_format, None, args.split, need_train=False)
+    report = DataReport()
+    dataset = read_data_dir_splits(paths, {"train": None, "val": args.split}, report=report, progress=False)["val"]
+    check = check_coco(dataset, None, split="val", report=report, check_images=False, source=paths["val_annotations"])
+    if not report.ok:
+        raise ValueError(f"{args.source}: {report.format()}")
+    return check.dataset, paths["val_images"]
 
 
 def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, str]) -> list[dict]:
-    """predictions.json, skipped.txt and the summary line from every process's share (main process)."""
+    """predictions.json (the images', then the videos' frame by frame), skipped.txt and the summary line from every
+    process's share (main process)."""
     merged: dict[int, list[dict]] = {}
-    for part, fail in shards:
+    videos: dict[int, list[dict]] = {}
+    for part, fail, video_part, video_fail in shards:
         merged.update(part)
-        skipped = skipped + [ds_path(ds, k) + " (unreadable)" for k in fail]
-    results = [r for k in sorted(merged) for r in merged[k]]
+        videos.update(video_part)
+        skipped = skipped + [ds_path(ds, k) + " (unreadable)" for k in fail] + video_fail
+    results = [r for k in sorted(merged) for r in merged[k]] + [r for k in sorted(videos) for r in videos[k]]
     with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
         json.dump(results, f)
     with open(os.path.join(args.output_dir, "skipped.txt"), "w") as f:
         f.write("".join(s + "\n" for s in skipped))
     if skipped:
-        logger.warning("skipped %d unreadable images (listed in %s/skipped.txt), e.g. %s", len(skipped),
+        logger.warning("skipped %d files, unreadable or unsupported (listed in %s/skipped.txt), e.g. %s", len(skipped),
                        args.output_dir, skipped[:3])
     per_class = Counter(names.get(r["category_id"], r["category_id"]) for r in results)
-    logger.info("%d images, %d detections with score >= %g: %s", len(merged), len(results), args.score_thresh,
+    frames = len({(r["file_name"], r["frame"]) for k in videos for r in videos[k]})
+    logger.info("%d images%s, %d detections with score >= %s: %s", len(merged),
+                f" and {len(videos)} videos ({frames} frames with detections)" if videos else "", len(results),
+                args.score_thresh if args.score_thresh == "best_f1" else f"{args.score_thresh:g}",
                 ", ".join(f"{k} {v}" for k, v in per_class.most_common()) or "none")
     return results
 
@@ -122,9 +204,57 @@ def ignored_flags(args, coco_source: bool) -> list[str]:
     if args.no_exif_transpose and coco_source:
         out.append("--no_exif_transpose changes nothing here: a COCO-json source is always read as stored (its boxes "
                    "refer to the stored pixels)")
-    if args.no_images and args.draw_thresh != DRAW_THRESH:
+    if args.no_images and args.draw_thresh is not None:
         out.append(f"--draw_thresh {args.draw_thresh} is not used: --no_images draws nothing")
     return out
+
+
+def predict_video(args, path: str, name: str, out_name: str, detect, transform, names: dict[int, str],
+                  quiet: bool) -> list[dict]:
+    """A video's detections frame by frame: OUT/videos/<out_name>.mp4 with the detections >= --draw_thresh drawn,
+    OUT/json/<out_name>.json (--save_json_per_image: one entry per frame, an image's json with `frame` and `time`).
+    Returns the COCO results of every frame, each with `file_name`, `frame` (from 0), `time` (seconds) and
+    `image_id` = the frame index. Raises ValueError when the file cannot be decoded as a video."""
+    info = video_info(path)
+    writer = None if args.no_images else VideoWriter(os.path.join(args.output_dir, "videos", out_name + ".mp4"),
+                                                     info["fps"])
+    results, per_frame = [], []
+    bar = tqdm(total=info["frames"], desc=f"video {name}", unit="frame", disable=quiet, leave=False)
+    frames = video_frames(path)
+    try:
+        while chunk := list(itertools.islice(frames, args.batch_size)):
+            batch = collate_detection([detection_item(rgb, transform, i) for i, _, rgb in chunk])
+            for (i, t, rgb), res in zip(chunk, detect(batch)):
+                for r in res:
+                    r.update(file_name=name, frame=i, time=t)
+                results += res
+                per_frame.append({"file_name": name, "image_id": i, "frame": i, "time": t,
+                                  "detections": [per_image_detection(r, names) for r in res]})
+                if writer is not None:
+                    shown = [r for r in res if r["score"] >= args.draw_thresh]
+                    drawn = draw_detections(torch.from_numpy(rgb).permute(2, 0, 1), boxes_from_coco([r["bbox"] for r in shown]),
+                                            [f"{names.get(r['category_id'], r['category_id'])} {r['score']:.2f}" for r in shown],
+                                            [class_color(r["category_id"]) for r in shown])
+                    writer.write(drawn.permute(1, 2, 0).numpy())
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+    if args.save_json_per_image:
+        out = os.path.join(args.output_dir, "json", out_name + ".json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(per_frame, f, indent=1)
+    logger.info("video %s: %d frames (%.1f fps), %d detections%s", name, len(per_frame), info["fps"], len(results),
+                "" if writer is None else f", drawn into {os.path.join(args.output_dir, 'videos', out_name + '.mp4')}")
+    return results
+
+
+def per_image_detection(r: dict, names: dict[int, str]) -> dict:
+    """A detection as the per-image json writes it."""
+    return {"category_id": r["category_id"], "category_name": names.get(r["category_id"], str(r["category_id"])),
+            "score": r["score"], "bbox": r["bbox"]}
 
 
 def ds_path(ds, index: int) -> str:
@@ -146,8 +276,7 @@ def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dic
     if args.save_json_per_image:
         out = os.path.join(args.output_dir, "json", stem + ".json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        dets = [{"category_id": r["category_id"], "category_name": names.get(r["category_id"], str(r["category_id"])),
-                 "score": r["score"], "bbox": r["bbox"]} for r in res]
+        dets = [per_image_detection(r, names) for r in res]
         with open(out, "w") as f:
             json.dump({"file_name": name, "image_id": image_id, "detections": dets}, f, indent=1)
 
@@ -175,6 +304,17 @@ def main(argv=None):
     model.to(accelerator.device)
     anchor_gen = anchor_generator_from_config(config)  # a converted model's anchor convention, else ours
     names = dict(zip(category_map.category_ids, category_map.names))
+    try:
+        thresholds = class_thresholds(args, category_map)
+    except (FileNotFoundError, CheckpointError) as e:
+        logger.error("%s", e, extra={"console": False})
+        raise SystemExit(f"error: --score_thresh best_f1: {e}") from None
+    # decoding keeps scores above its threshold (torchvision's >); a best-F1 threshold keeps its own score too (the
+    # F1 was measured with it): decode just below the lowest, then each class keeps its scores >= its threshold
+    decode_thresh = float(thresholds.min()) if args.score_thresh != "best_f1" else float(
+        torch.nextafter(thresholds.min(), torch.tensor(-1.0)))
+    if args.draw_thresh is None:
+        args.draw_thresh = 0.0 if args.score_thresh == "best_f1" else 0.3
 
     # ---- data: the evaluation transform; this process's share of the batches
     try:
@@ -201,9 +341,12 @@ def main(argv=None):
             names = dict(zip(ds.category_map.category_ids, ds.category_map.names))
         elif accelerator.is_main_process:
             logger.warning("model_config.json has no category_names: classes are named by their category ids")
-    out_names = output_names(rel_names)  # one per input: a.jpg, a.png and a.jpeg never write over each other
+    # one per input: a.jpg, a.png, a.jpeg and a.mp4 never write over each other
+    all_names = output_names(rel_names + [name for _, name in ds.videos])
+    out_names, video_out_names = all_names[:len(rel_names)], all_names[len(rel_names):]
     if accelerator.is_main_process:
-        renamed = [(n, o) for n, o in zip(rel_names, out_names) if o != os.path.splitext(n)[0]]
+        renamed = [(n, o) for n, o in zip(rel_names + [name for _, name in ds.videos], all_names)
+                   if o != os.path.splitext(n)[0]]
         if renamed and not (args.no_images and not args.save_json_per_image):
             logger.info("%d inputs share their name without extension with another: their outputs (<name>.jpg, "
                         "<name>.json) keep the whole name, e.g. %s", len(renamed),
@@ -214,30 +357,41 @@ def main(argv=None):
     batches = shard_batches(len(ds), args.batch_size, accelerator.process_index, accelerator.num_processes)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate_detection,
                                          **worker_loader_kwargs(min(args.num_workers, os.cpu_count() or 1)))
-    logger.info("%d images from %s at %d px (max %s), %d process(es), batch size %d", len(ds), args.source, image_size,
-                max_size, accelerator.num_processes, args.batch_size)
+    logger.info("%d images%s from %s at %d px (max %s), %d process(es), batch size %d", len(ds),
+                f" and {len(ds.videos)} videos" if ds.videos else "", args.source, image_size, max_size,
+                accelerator.num_processes, args.batch_size)
 
     # ---- predict (the decoding of scripts/train_retinanet.py's evaluate)
     index_of = {iid: k for k, iid in enumerate(coco_ids)} if coco_ids is not None else None
     per_image: dict[int, list[dict]] = {}
     failed: list[int] = []
-    for batch in tqdm(loader, desc="predict", disable=not accelerator.is_local_main_process):
+
+    def detect(batch) -> list[list[dict] | None]:
+        """Per image of a collated batch, its COCO results (None: the image could not be read)."""
         images = batch["images"].to(accelerator.device)
         with accelerator.autocast():
             out = model(images)
         anchors, counts = anchor_gen(*images.shape[-2:], device=images.device)
         dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
-                                 batch["scales"], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
+                                 batch["scales"], score_thresh=decode_thresh, nms_thresh=args.nms_thresh,
                                  max_detections=args.detections_per_image)
+        found = []
         for i, d in enumerate(dets.per_image(len(batch["image_ids"]))):
-            image_id = int(batch["image_ids"][i])  # the json's id, or the file's index in the sorted list
-            index = image_id if index_of is None else index_of[image_id]
             if not bool(batch["valid"][i]):
-                failed.append(index)
+                found.append(None)
                 continue
             ids = to_output_id.to(d["labels"].device)[d["labels"].long()]
-            keep = ids >= 0
-            res = detections_to_coco(d["boxes"][keep], d["scores"][keep], ids[keep], image_id)
+            keep = (ids >= 0) & (d["scores"] >= thresholds.to(d["scores"].device)[d["labels"].long()])
+            found.append(detections_to_coco(d["boxes"][keep], d["scores"][keep], ids[keep], int(batch["image_ids"][i])))
+        return found
+
+    for batch in tqdm(loader, desc="predict", disable=not accelerator.is_local_main_process or not len(ds)):
+        for i, res in enumerate(detect(batch)):
+            image_id = int(batch["image_ids"][i])  # the json's id, or the file's index in the sorted list
+            index = image_id if index_of is None else index_of[image_id]
+            if res is None:
+                failed.append(index)
+                continue
             if coco_ids is None:
                 for r in res:
                     r["file_name"] = rel_names[index]
@@ -246,8 +400,21 @@ def main(argv=None):
             write_image_outputs(args, ds_path(ds, index), image_id, rel_names[index], res, exif_applied, names, size,
                                 out_name=out_names[index])
 
+    # ---- videos, each on one process (video v on process v % n), frame by frame in batches of --batch_size
+    per_video: dict[int, list[dict]] = {}
+    failed_videos: list[str] = []
+    transform = ds.transform
+    for v in range(accelerator.process_index, len(ds.videos), accelerator.num_processes):
+        path, name = ds.videos[v]
+        try:
+            per_video[v] = predict_video(args, path, name, video_out_names[v], detect, transform, names,
+                                         not accelerator.is_local_main_process)
+        except ValueError as e:  # not a readable video: listed like an unreadable image
+            logger.warning("skipping unreadable video: %s", e)
+            failed_videos.append(f"{path} (unreadable video)")
+
     # ---- merge (every process's share, by index: no image twice) and write
-    shards = gather_object([(per_image, failed)])
+    shards = gather_object([(per_image, failed, per_video, failed_videos)])
     results = None
     if accelerator.is_main_process:
         results = write_outputs(args, ds, shards, skipped, names)

@@ -11,8 +11,11 @@ The standard SGD 1x recipe at 800 px (8 GPUs x 2 images):
     accelerate launch --config_file accelerate_configs/8gpu.yaml scripts/train_retinanet.py --data_dir /data/coco \
         --image_size 800 --max_size 1333 --per_device_batch_size 2 --optimizer sgd --lr 0.01 --lr_scheduler multistep --max_grad_norm 0
 
-Any COCO-format data set:
+Any COCO-format data set; a Pascal VOC or a YOLO (ultralytics) one by its root (the layout is detected;
+detlib/formats.py says how they are read):
     ... scripts/train_retinanet.py --train_images DIR --train_annotations train.json --val_images DIR --val_annotations val.json
+    ... scripts/train_retinanet.py --data_dir VOCdevkit/VOC2012      # Annotations/, JPEGImages/, ImageSets/Main/{train,val}.txt
+    ... scripts/train_retinanet.py --data_dir datasets/my_yolo_set   # data.yaml with names, train: and val:
 
 2 CPU processes (gloo DDP), resume, evaluation only:
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_retinanet.py ...
@@ -48,7 +51,7 @@ from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
 from detlib.anchors import ANCHOR_CONFIG_KEYS, INPUT_DIVISIBILITY, anchor_generator_from_config
-from detlib.analysis import per_class_ap, per_class_without_detections
+from detlib.analysis import best_f1_thresholds, format_best_f1, per_class_ap, per_class_without_detections
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
 from detlib.cococheck import check_coco_for_training
 from detlib.dashboard import log_evaluation_extras
@@ -56,6 +59,7 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
 from detlib.engine import Run
+from detlib.formats import FORMATS, data_dir_paths
 from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
                           run_argument_parser, show_data_defaults, stop)
 from detlib.labels import CategoryMap, describe_mapping, match_categories
@@ -66,7 +70,8 @@ from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, build_transform
-from detlib.weights import complete_model_config, load_state_dict_file, read_model_config, weights_path
+from detlib.weights import (complete_model_config, load_state_dict_file, read_model_config, weights_path,
+                            write_score_thresholds)
 
 logger = logging.getLogger("train_retinanet")
 
@@ -94,9 +99,13 @@ RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_an
 def build_parser() -> argparse.ArgumentParser:
     p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["data"]
-    g.add_argument("--data_dir", help="COCO root: DIR/annotations/instances_{set}.json, images in DIR/{set} or DIR/images/{set}")
-    g.add_argument("--train_set", default="train2017")
-    g.add_argument("--val_set", default="val2017")
+    g.add_argument("--data_dir", help="data set root: COCO (DIR/annotations/instances_{set}.json, images in DIR/{set} "
+                   "or DIR/images/{set}), Pascal VOC (DIR/Annotations/, DIR/JPEGImages/, DIR/ImageSets/Main/{set}.txt) "
+                   "or YOLO (DIR/data.yaml)")
+    g.add_argument("--data_format", choices=FORMATS, help="the layout of --data_dir (default: detected from its folders)")
+    g.add_argument("--train_set", help="training split: COCO's {set}, VOC's list name, YOLO's yaml key (default: "
+                   "train2017 for COCO, train for VOC and YOLO)")
+    g.add_argument("--val_set", help="validation split (default: val2017 for COCO, val for VOC and YOLO)")
     g.add_argument("--train_images", help="image folder of any COCO-format training set")
     g.add_argument("--train_annotations", help="COCO json of the training set")
     g.add_argument("--val_images")
@@ -180,18 +189,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_data(args) -> dict[str, str]:
-    """The four data paths, from --data_dir, the explicit flags, or the built-in synthetic set."""
+    """The four data paths, from --data_dir, the explicit flags, or the built-in synthetic set. Sets
+    `args.data_format` (detected from --data_dir when not given; "coco" otherwise): for VOC and YOLO the
+    annotation paths are the split lists / the yaml, converted by build_dataloaders."""
     explicit = [args.train_images, args.train_annotations, args.val_images, args.val_annotations]
     if args.data_dir:
-        def images(split):
-            cands = (os.path.join(args.data_dir, split), os.path.join(args.data_dir, "images", split))
-            for cand in cands:
-                if os.path.isdir(cand):
-                    return cand
-            raise FileNotFoundError(f"image folder not found: {cands[0]} (nor {cands[1]})")
-        return {"train_images": images(args.train_set), "val_images": images(args.val_set),
-                "train_annotations": os.path.join(args.data_dir, "annotations", f"instances_{args.train_set}.json"),
-                "val_annotations": os.path.join(args.data_dir, "annotations", f"instances_{args.val_set}.json")}
+        found = data_dir_paths(args.data_dir, args.data_format, args.train_set, args.val_set,
+                               need_train=not args.evaluate_only)
+        args.data_format = found.pop("format")
+        return found
+    if args.data_format not in (None, "coco"):
+        raise ValueError(f"--data_format {args.data_format} reads a data set root: give it as --data_dir")
+    args.data_format = "coco"
     if any(explicit):
         if args.evaluate_only and args.val_images and args.val_annotations:
             return {"train_images": None, "train_annotations": None, "val_images": args.val_images, "val_annotations": args.val_annotations}
@@ -221,7 +230,9 @@ def build_dataloaders(args, paths: dict[str, str]):
 
     train_json, val_json = check_coco_for_training(paths, args.output_dir, check_images=not args.skip_image_check,
                                                    max_image_pixels=args.max_image_pixels or None,
-                                                   strict=args.strict_data, is_main=PartialState().is_main_process)
+                                                   strict=args.strict_data, is_main=PartialState().is_main_process,
+                                                   data_format=args.data_format,
+                                                   splits={"train": args.train_set, "val": args.val_set})
     train_ds = None
     if paths.get("train_annotations"):
         train_ds = CocoDetection(paths["train_images"], train_json,
@@ -459,22 +470,35 @@ def main(argv=None):
     run.save_config(config, model_config)
     evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
+    def describe(folder: str, name: str) -> None:
+        """Beside best/'s and last/'s weights: the score thresholds of the evaluation of those weights."""
+        evaluation = run.last_evaluation
+        if evaluation and evaluation.get("best_f1") and (name == "best" or evaluation["step"] == run.state.global_step):
+            write_score_thresholds(folder, evaluation["best_f1"], evaluation)
+
+    run.checkpointer.describe = describe
+
     def report(stats: dict, epoch: int | None, weights: str | None = None) -> None:
-        """metrics.jsonl (+ per-class AP) and best/, predictions_val.json, then plots and sample images."""
-        per_class = {}
+        """metrics.jsonl (+ per-class AP and best-F1 thresholds) and best/, predictions_val.json, then plots and
+        sample images."""
+        per_class, best_f1 = {}, None
         if accelerator.is_main_process:  # nothing detected: 0 for every class with ground truth
             per_class = (per_class_ap(evaluator.coco_eval) if evaluator.coco_eval is not None
                          else per_class_without_detections(val_ds.dataset))
+            results, image_ids = evaluator.evaluated()
+            best_f1 = best_f1_thresholds(val_ds.dataset, results, image_ids)
+            logger.info("%s", format_best_f1(best_f1))
+        extra = {"per_class": per_class, "best_f1": {k: v for k, v in (best_f1 or {}).items() if k != "curves"}}
         if weights:  # evaluation only: record which weights were scored
-            run.metrics.log({"epoch": None, "step": 0, **stats, "per_class": per_class, "weights": weights}, step=0)
+            run.metrics.log({"epoch": None, "step": 0, **stats, **extra, "weights": weights}, step=0)
         else:
-            run.report_evaluation(stats, model, extra={"per_class": per_class})
+            run.report_evaluation(stats, model, extra=extra)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
                 json.dump(evaluator.results, f)
             log_evaluation_extras(accelerator, args.output_dir, epoch, run.state.global_step + run.metrics.step_offset,
                                   val_ds.dataset, evaluator.results, evaluator.coco_eval, paths["val_images"],
-                                  num_log_images=args.num_log_images, seed=args.seed)
+                                  num_log_images=args.num_log_images, seed=args.seed, best_f1=best_f1)
 
     if args.evaluate_only:
         model, val_loader = accelerator.prepare(model, val_loader)

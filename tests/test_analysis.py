@@ -200,3 +200,74 @@ def test_per_class_and_confusion_plots_readable_at_3_and_80_classes(tmp_path, nu
     for img in (ap, cm):
         border = np.concatenate([img[:3].ravel(), img[-3:].ravel(), img[:, :3].ravel(), img[:, -3:].ravel()])
         assert border.min() == 255, "something is drawn at the border: a cut name"
+
+
+# ---- the best-F1 score threshold
+
+
+def _f1_case():
+    """a: 3 boxes in two images; detections in score order TP .9, FP .8 (nowhere), TP .7, FP .6 (a second one on a
+    box already found), TP .5, FP .4, FP .3.  b: a crowd region with a detection inside it (.95, ignored) and one box
+    found at .4.  c: one box, never detected.  d: no ground truth, one detection."""
+    images = [{"id": i, "width": 200, "height": 200, "file_name": f"{i}.jpg"} for i in (1, 2)]
+    cats = [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}, {"id": 3, "name": "c"}, {"id": 4, "name": "d"}]
+    G1, G2, G3 = [0, 0, 10, 10], [20, 20, 10, 10], [0, 0, 10, 10]
+    anns = [(1, 1, G1, 0), (1, 1, G2, 0), (2, 1, G3, 0), (1, 2, [100, 100, 50, 50], 1), (1, 2, [60, 60, 10, 10], 0),
+            (2, 3, [150, 150, 20, 20], 0)]
+    gt = {"images": images, "categories": cats, "info": {}, "licenses": [],
+          "annotations": [{"id": k + 1, "image_id": i, "category_id": c, "bbox": b, "area": float(b[2] * b[3]), "iscrowd": z}
+                          for k, (i, c, b, z) in enumerate(anns)]}
+    det = [(1, 1, G1, .9), (1, 1, [50, 50, 10, 10], .8), (1, 1, G2, .7), (1, 1, [0.5, 0, 10, 10], .6), (2, 1, G3, .5),
+           (2, 1, [90, 90, 10, 10], .4), (2, 1, [90, 10, 10, 10], .3),
+           (1, 2, [105, 105, 10, 10], .95), (1, 2, [60, 60, 10, 10], .4), (2, 4, [0, 0, 5, 5], .9)]
+    return gt, [{"image_id": i, "category_id": c, "bbox": b, "score": s} for i, c, b, s in det]
+
+
+def test_best_f1_thresholds_worked_by_hand():
+    from detlib.analysis import best_f1_thresholds
+
+    gt, res = _f1_case()
+    best = best_f1_thresholds(gt, res)
+    a, b, c = (best["per_class"][k] for k in ("a", "b", "c"))
+    # a, 3 boxes: F1 after each score 0.5 (.9) 0.4 (.8) 0.667 (.7) 0.571 (.6) 0.75 (.5: P 3/5, R 1) 0.667 0.6
+    assert a["score_thresh"] == 0.5 and a["F1"] == pytest.approx(0.75) and a["precision"] == pytest.approx(0.6)
+    assert a["recall"] == 1.0 and a["num_gt"] == 3 and a["category_id"] == 1
+    # b: the detection inside the crowd region is neither right nor wrong; the box is found at .4
+    assert (b["score_thresh"], b["F1"], b["precision"], b["recall"], b["num_gt"]) == (0.4, 1.0, 1.0, 1.0, 1)
+    assert (c["score_thresh"], c["F1"], c["num_gt"]) == (None, 0.0, 1)
+    assert "d" not in best["per_class"]  # no ground truth: no F1, as per_class_ap leaves it out
+    # all classes pooled (5 boxes): .9 T .8 F .7 T .6 F .5 T, then a tie at .4 (F of a, T of b), .3 F:
+    # the tie is one threshold, after it 4 of 7 right and 4 of 5 found: F1 2/3, the best
+    pooled = best["all"]
+    assert pooled["score_thresh"] == 0.4 and pooled["F1"] == pytest.approx(2 / 3)
+    assert pooled["precision"] == pytest.approx(4 / 7) and pooled["recall"] == pytest.approx(0.8)
+    # the curves: F1 of "score >= t" at t = 0, 0.01, ..., 1
+    assert len(best["curves"]["a"]) == 101 and best["curves"]["a"][50] == pytest.approx(0.75)
+    assert best["curves"]["a"][95] == 0.0 and best["curves"]["a"][0] == pytest.approx(0.6)  # 7 kept: P 3/7, R 1
+
+
+def test_best_f1_matching_equals_pycocotools_at_iou_05():
+    """Every detection's match at IoU 0.5 as pycocotools' evalImgs has it, on 12 real images with crowd boxes and
+    jittered, misclassified and random detections: the same best F1 computed from its matches."""
+    from detlib.analysis import _best_f1, best_f1_thresholds
+    from peers import coco_eval_inputs
+
+    gt, res = coco_eval_inputs(12, dets_per_image=30, seed=1)
+    _, _, ev = evaluate_coco(gt, res, backend="pycocotools", return_cocoeval=True)
+    best = best_f1_thresholds(ev.cocoGt.dataset, res)
+    names = {c["id"]: c["name"] for c in gt["categories"]}
+    compared = 0
+    for cid in ev.params.catIds:
+        e = [x for x in ev.evalImgs if x is not None and x["category_id"] == cid and x["aRng"] == [0, 1e10]]
+        scores = np.concatenate([x["dtScores"] for x in e]) if e else np.zeros(0)
+        tp = np.concatenate([x["dtMatches"][0] > 0 for x in e]) if e else np.zeros(0, bool)
+        ignored = np.concatenate([x["dtIgnore"][0] for x in e]) if e else np.zeros(0, bool)
+        num_gt = int(sum((np.asarray(x["gtIgnore"]) == 0).sum() for x in e))
+        if not num_gt:
+            assert names[cid] not in best["per_class"]
+            continue
+        ref = _best_f1(scores[~ignored], tp[~ignored], num_gt)
+        ref.pop("curve")
+        assert best["per_class"][names[cid]] == {"category_id": cid, **ref}
+        compared += ref["score_thresh"] is not None
+    assert compared >= 10
