@@ -184,9 +184,9 @@ def main(argv=None):
         elif accelerator.is_main_process:
             logger.warning("model_config.json has no category_names: classes are named by their category ids")
     out_names = output_names(rel_names)  # one per input: a.jpg, a.png and a.jpeg never write over each other
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not (args.no_images and not args.save_json_per_image):
         renamed = [(n, o) for n, o in zip(rel_names, out_names) if o != os.path.splitext(n)[0]]
-        if renamed and not (args.no_images and not args.save_json_per_image):
+        if renamed:
             logger.info("%d inputs share their name without extension with another: their outputs (<name>.jpg, "
                         "<name>.json) keep the whole name, e.g. %s", len(renamed),
                         ", ".join(f"{n} -> {o}" for n, o in renamed[:3]))
