@@ -344,10 +344,10 @@ def main(argv=None):
     # one per input: a.jpg, a.png, a.jpeg and a.mp4 never write over each other
     all_names = output_names(rel_names + [name for _, name in ds.videos])
     out_names, video_out_names = all_names[:len(rel_names)], all_names[len(rel_names):]
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not (args.no_images and not args.save_json_per_image):
         renamed = [(n, o) for n, o in zip(rel_names + [name for _, name in ds.videos], all_names)
                    if o != os.path.splitext(n)[0]]
-        if renamed and not (args.no_images and not args.save_json_per_image):
+        if renamed:
             logger.info("%d inputs share their name without extension with another: their outputs (<name>.jpg, "
                         "<name>.json) keep the whole name, e.g. %s", len(renamed),
                         ", ".join(f"{n} -> {o}" for n, o in renamed[:3]))

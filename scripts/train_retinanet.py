@@ -358,6 +358,9 @@ def main(argv=None):
             args.image_size = saved["image_size"]
             if "max_size" not in given:
                 args.max_size = saved.get("max_size")
+    if args.evaluate_only and saved is None:
+        notes.append(f"no model_config.json beside {weights_path(source)}: the model is built from the flags and "
+                     f"defaults ({args.backbone}, fpn_channels {args.fpn_channels}, {args.image_size} px)")
     if args.evaluate_only:
         notes += [f"--{k} is not used: --evaluate_only loads the weights it names" for k in
                   ("backbone_weights", "pretrained_backbone", "init_from") if getattr(args, k)]

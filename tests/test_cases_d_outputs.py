@@ -323,6 +323,15 @@ def test_case_d17_evaluate_only_uses_the_training_size_and_says_which_flags_it_r
 
     cfg = yaml.safe_load((out / "evaluate_only" / "config.yaml").read_text())
     assert cfg["image_size"] == 64 and cfg["backbone"] == "resnet18"
+    # weights without any model_config.json: built from the flags, and said
+    (tmp_path / "bare").mkdir()
+    shutil.copy(run / "best" / "model.safetensors", tmp_path / "bare" / "model.safetensors")
+    out = tmp_path / "ev2"
+    load_script("train_retinanet").main([f"--val_images={COCO_SUBSET / 'images'}", f"--val_annotations={tmp_path / 'val.json'}",
+                                         "--evaluate_only", str(tmp_path / "bare"), "--backbone", "resnet18", "--fpn_channels",
+                                         "8", "--image_size", "64", "--output_dir", str(out), "--report_to", "none",
+                                         "--num_workers", "0", "--per_device_eval_batch_size", "2", "--num_log_images", "0"])
+    assert "no model_config.json beside" in (out / "evaluate_only" / "train.log").read_text()
 
 
 def test_complete_model_config_by_hand(tmp_path):
