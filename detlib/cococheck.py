@@ -53,7 +53,7 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
                report: DataReport | None = None, check_images: bool = True,
                max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
                num_workers: int | None = None, progress: bool = True, cache_file: str | None = None,
-               need_files: bool = True, source: str | None = None) -> CocoCheck:
+               need_files: bool = True, source: str | None = None, need_boxes: bool = True) -> CocoCheck:
     """Check a COCO-format detection json (and, with `image_dir`, its image files) and normalise it.
 
     Everything that can be checked is checked, so one report lists all faults of the file.
@@ -67,6 +67,8 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         max_image_pixels: width * height above which an image file is an error (None: no limit).
         num_workers, progress, cache_file: of the image header pass (see `read_image_headers`).
         need_files: images must have a `file_name` (False for a ground truth used in evaluation only).
+        need_boxes: a val set must hold a (non-crowd) box, or AP is undefined (False for a ground truth evaluated
+            as it is, whose stats are then -1).
         source: what the report names as the file (default: the path, or "<dict>"), e.g. the VOC / YOLO set
             a dict was converted from (`detlib.formats`).
     Returns:
@@ -99,7 +101,7 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
                    "for each)", [f"{cat['id']} {cat['name']!r}" for cat in categories if cat["id"] not in used])
     if not images:
         report.add("error", "images", split, "no usable image is left", count=1)
-    elif split == "val" and not any(not a["iscrowd"] for a in annotations_out):
+    elif split == "val" and need_boxes and not any(not a["iscrowd"] for a in annotations_out):
         # COCOeval scores a category only where it has ground truth: with none, every stat is -1
         report.add("error", "boxes", split, "no (non-crowd) box to evaluate against: AP is undefined (COCO reports "
                    "-1) and best/ could never be chosen; annotate val images (scripts/predict_retinanet.py runs on "
