@@ -207,7 +207,8 @@ def build_dataloaders(args, paths: dict[str, str]):
 
     train_json, val_json = check_coco_for_training(paths, args.output_dir, check_images=not args.skip_image_check,
                                                    max_image_pixels=args.max_image_pixels or None,
-                                                   strict=args.strict_data, is_main=PartialState().is_main_process)
+                                                   strict=args.strict_data, is_main=PartialState().is_main_process,
+                                                   include_crowd=args.include_crowd)
     train_ds = None
     if paths.get("train_annotations"):
         train_ds = CocoDetection(paths["train_images"], train_json,

@@ -117,6 +117,19 @@ def test_case_d03_detection_val_sets_whose_ap_is_undefined_or_trivially_zero(tmp
     assert report.ok
     (w,) = [f for f in report.findings if "without any training box" in f.message]
     assert w.level == "warning" and w.examples == ["2 'dog' (1 boxes)"]
+    # crowd boxes only in train: nothing to learn from, unless --include_crowd trains on them
+    paths = _coco_pair(tmp_path, [box(1, 1, crowd=1)], [box(1, 1)])
+    (e,) = check_coco_data(paths, progress=False)[2].errors
+    assert e.split == "train" and "no usable (non-crowd, non-degenerate) box" in e.message
+    assert check_coco_data(paths, progress=False, include_crowd=True)[2].ok
+    # evaluation only (no train json): the val check alone
+    paths = _coco_pair(tmp_path, [], [])
+    (e,) = check_coco_data({**paths, "train_annotations": None}, progress=False)[2].errors
+    assert e.split == "val" and "AP is undefined" in e.message
+    # the library's data set is not a run: a json without boxes still loads (B01: all-background images)
+    from detlib.data import CocoDetection
+
+    assert len(CocoDetection(paths["val_images"], paths["val_annotations"], train=False)) == 2
 
 
 # ---- D04: log lines of bounded length whatever the number of classes
