@@ -205,7 +205,8 @@ def check_learnable(train: CocoCheck | None, val: CocoCheck | None, include_crow
 
 def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
                     strict: bool = False, progress: bool = True, cache_file: str | None = None,
-                    num_workers: int | None = None, include_crowd: bool = False) -> tuple[dict | None, dict | None, DataReport]:
+                    num_workers: int | None = None,
+                    include_crowd: bool = False) -> tuple[dict | None, dict | None, DataReport]:
     """Check a training script's COCO data: train (when `paths["train_annotations"]`), val, and val against train.
 
     Args:

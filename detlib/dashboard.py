@@ -150,8 +150,8 @@ def log_classification_extras(accelerator, output_dir: str, epoch: int | None, s
     Returns {"folder": the evaluation's folder, "files": {name: path}}.
     """
     folder = os.path.join(output_dir, "plots", "final" if epoch is None else f"epoch_{int(epoch):04d}")
-    files = {"per_class_json": analysis._write_json(per_class, os.path.join(folder, "per_class.json")),
-             "confusion_matrix_json": analysis._write_json({"names": list(classes), "matrix": confusion},
+    files = {"per_class_json": analysis.write_json(per_class, os.path.join(folder, "per_class.json")),
+             "confusion_matrix_json": analysis.write_json({"names": list(classes), "matrix": confusion},
                                                            os.path.join(folder, "confusion_matrix.json")),
              "confusion_matrix": analysis.plot_class_confusion(classes, confusion,
                                                                os.path.join(folder, "confusion_matrix.png"))}
@@ -172,7 +172,7 @@ def log_classification_extras(accelerator, output_dir: str, epoch: int | None, s
             f"| {c} | {p:.4f} | {r:.4f} | {f:.4f} | {n} | {k} |" for c, p, r, f, n, k in shown) + note, step)
         with open(files["confusion_matrix"], "rb") as f:
             data = f.read()
-        _tb_encoded_image(writer, "plots/confusion_matrix", data, *visualize.image_size(files["confusion_matrix"]), step)
+        size = visualize.image_size(files["confusion_matrix"])
+        _tb_encoded_image(writer, "plots/confusion_matrix", data, *size, step)
         writer.flush()
     return {"folder": folder, "files": files}
-
