@@ -168,8 +168,9 @@ def log_classification_extras(accelerator, output_dir: str, epoch: int | None, s
     if writer is not None:
         shown = rows[:TENSORBOARD_TEXT_ROWS]
         note = f"\n\n{len(rows) - len(shown)} more classes in {files['per_class_json']}" if len(rows) > len(shown) else ""
-        writer.add_text("per_class/table", "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n" + "\n".join(
-            f"| {c} | {p:.4f} | {r:.4f} | {f:.4f} | {n} | {k} |" for c, p, r, f, n, k in shown) + note, step)
+        header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+        body = "\n".join(f"| {c} | {p:.4f} | {r:.4f} | {f:.4f} | {n} | {k} |" for c, p, r, f, n, k in shown)
+        writer.add_text("per_class/table", header + body + note, step)
         with open(files["confusion_matrix"], "rb") as f:
             data = f.read()
         size = visualize.image_size(files["confusion_matrix"])
