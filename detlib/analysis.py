@@ -369,7 +369,8 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def _write_json(obj, path: str) -> str:
+def write_json(obj, path: str) -> str:
+    """Write `obj` as json to `path` atomically (a reader never sees half a file); returns `path`."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f)
@@ -554,18 +555,18 @@ def write_evaluation_plots(plots_dir: str, epoch: int | None, coco_eval, coco_gt
         image_ids = coco_eval.params.imgIds
     if coco_eval is not None:
         per_class = per_class_ap(coco_eval)
-        files["per_class_ap_json"] = _write_json(per_class, os.path.join(folder, "per_class_ap.json"))
+        files["per_class_ap_json"] = write_json(per_class, os.path.join(folder, "per_class_ap.json"))
         files["per_class_ap"] = plot_per_class_ap(per_class, os.path.join(folder, "per_class_ap.png"))
         curves = pr_curves(coco_eval)
-        files["pr_curve_json"] = _write_json(curves, os.path.join(folder, "pr_curve.json"))
+        files["pr_curve_json"] = write_json(curves, os.path.join(folder, "pr_curve.json"))
         files["pr_curve"] = plot_pr_curves(curves, os.path.join(folder, "pr_curve.png"))
     else:  # nothing detected: every class with ground truth scores 0 (not "no class")
         per_class = per_class_without_detections(coco_gt, image_ids)
     cm = detection_confusion_matrix(coco_gt, results, score_thresh=confusion_score_thresh, image_ids=image_ids)
-    files["confusion_matrix_json"] = _write_json(cm, os.path.join(folder, "confusion_matrix.json"))
+    files["confusion_matrix_json"] = write_json(cm, os.path.join(folder, "confusion_matrix.json"))
     files["confusion_matrix"] = plot_confusion_matrix(cm, os.path.join(folder, "confusion_matrix.png"))
     if best_f1 is not None and best_f1.get("curves"):
-        files["f1_curve_json"] = _write_json(best_f1, os.path.join(folder, "f1_curve.json"))
+        files["f1_curve_json"] = write_json(best_f1, os.path.join(folder, "f1_curve.json"))
         files["f1_curve"] = plot_f1_curves(best_f1, os.path.join(folder, "f1_curve.png"))
     return {"per_class": per_class, "files": files}
 

@@ -137,8 +137,7 @@ def checked_ground_truth(gt_dataset: dict) -> dict:
     """
     from .cococheck import check_coco
 
-    # a ground truth without boxes is evaluated (every stat -1): refusing such a val set is the start-up check's job
-    check = check_coco(gt_dataset, split="val", check_images=False, need_files=False, need_boxes=False)
+    check = check_coco(gt_dataset, split="val", check_images=False, need_files=False)
     if not check.report.ok:
         raise ValueError(f"the evaluation ground truth has errors:\n{check.report.format()}")
     return check.dataset

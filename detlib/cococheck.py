@@ -53,7 +53,7 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
                report: DataReport | None = None, check_images: bool = True,
                max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
                num_workers: int | None = None, progress: bool = True, cache_file: str | None = None,
-               need_files: bool = True, source: str | None = None, need_boxes: bool = True) -> CocoCheck:
+               need_files: bool = True, source: str | None = None) -> CocoCheck:
     """Check a COCO-format detection json (and, with `image_dir`, its image files) and normalise it.
 
     Everything that can be checked is checked, so one report lists all faults of the file.
@@ -67,8 +67,6 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         max_image_pixels: width * height above which an image file is an error (None: no limit).
         num_workers, progress, cache_file: of the image header pass (see `read_image_headers`).
         need_files: images must have a `file_name` (False for a ground truth used in evaluation only).
-        need_boxes: a val set must hold a (non-crowd) box, or AP is undefined (False for a ground truth evaluated
-            as it is, whose stats are then -1).
         source: what the report names as the file (default: the path, or "<dict>"), e.g. the VOC / YOLO set
             a dict was converted from (`detlib.formats`).
     Returns:
@@ -101,11 +99,6 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
                    "for each)", [f"{cat['id']} {cat['name']!r}" for cat in categories if cat["id"] not in used])
     if not images:
         report.add("error", "images", split, "no usable image is left", count=1)
-    elif split == "val" and need_boxes and not any(not a["iscrowd"] for a in annotations_out):
-        # COCOeval scores a category only where it has ground truth: with none, every stat is -1
-        report.add("error", "boxes", split, "no (non-crowd) box to evaluate against: AP is undefined (COCO reports "
-                   "-1) and best/ could never be chosen; annotate val images (scripts/predict_retinanet.py runs on "
-                   "unlabelled ones)", count=1)
 
     out = {k: v for k, v in data.items() if k not in ("images", "annotations", "categories")}
     out.setdefault("info", {})  # pycocotools >= 2.0.9 copies these in loadRes()
@@ -167,15 +160,6 @@ def check_train_val(train: CocoCheck, val: CocoCheck, train_images: str | None =
                "predict them)", [f"{i} {vc[i]!r} ({used[i]} boxes)" for i in unknown if used[i]])
     report.add("warning", "categories", split, "val lists categories unknown to train that no val box uses: ignored",
                [f"{i} {vc[i]!r}" for i in unknown if not used[i]])
-    trained = {a["category_id"] for a in train.dataset["annotations"]}  # crowd ones too (--include_crowd)
-    evaluated = Counter(a["category_id"] for a in val.dataset["annotations"] if not a["iscrowd"])
-    untrained = [f"{i} {tc[i]!r} ({n} boxes)" for i, n in sorted(evaluated.items()) if i in tc and i not in trained]
-    if untrained and len(untrained) == len([i for i in evaluated if i in tc]):
-        report.add("error", "categories", split, "no val box is of a category that has training boxes: AP is 0 "
-                   "whatever the model learns", untrained)
-    else:
-        report.add("warning", "categories", split, "val boxes of categories without any training box (their AP "
-                   "will be 0)", untrained)
     if not conflicts and not any(used[i] for i in unknown):
         val.dataset["categories"] = [dict(c) for c in train.dataset["categories"]]
         if vc.keys() != tc.keys():
@@ -189,10 +173,43 @@ def check_train_val(train: CocoCheck, val: CocoCheck, train_images: str | None =
                    both)
 
 
+def check_learnable(train: CocoCheck | None, val: CocoCheck | None, include_crowd: bool = False) -> None:
+    """What a training run and its evaluation need beyond valid jsons, added to their reports: a box to train on
+    (with `include_crowd`, crowd boxes count), a val box to evaluate against (else every AP is -1, undefined),
+    and val categories that have training boxes (AP 0 whatever is learnt otherwise: an error when no val box
+    has one, a warning listing them when some do not). `train` None: evaluation only (its model's classes are
+    not known here)."""
+    if train is not None and train.dataset is not None and not any(
+            include_crowd or not a["iscrowd"] for a in train.dataset["annotations"]):
+        train.report.add("error", "boxes", train.split, "no usable (non-crowd, non-degenerate) box in the whole "
+                         "training set: nothing to learn from"
+                         + ("" if include_crowd else " (--include_crowd trains on crowd boxes)"), count=1)
+    if val is None or val.dataset is None or not val.dataset["images"]:
+        return
+    evaluated = Counter(a["category_id"] for a in val.dataset["annotations"] if not a["iscrowd"])
+    if not evaluated:  # COCOeval scores a category only where it has ground truth: with none, every stat is -1
+        val.report.add("error", "boxes", val.split, "no (non-crowd) box to evaluate against: AP is undefined (COCO "
+                       "reports -1) and best/ could never be chosen; annotate val images "
+                       "(scripts/predict_retinanet.py runs on unlabelled ones)", count=1)
+        return
+    if train is None or train.dataset is None:
+        return
+    names = {c["id"]: c["name"] for c in train.dataset["categories"]}
+    trained = {a["category_id"] for a in train.dataset["annotations"]}  # crowd ones too (--include_crowd)
+    untrained = [f"{i} {names[i]!r} ({n} boxes)" for i, n in sorted(evaluated.items()) if i in names and i not in trained]
+    if untrained and len(untrained) == len([i for i in evaluated if i in names]):
+        val.report.add("error", "categories", val.split, "no val box is of a category that has training boxes: AP is "
+                       "0 whatever the model learns", untrained)
+    else:
+        val.report.add("warning", "categories", val.split, "val boxes of categories without any training box (their "
+                       "AP will be 0)", untrained)
+
+
 def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
                     strict: bool = False, progress: bool = True, cache_file: str | None = None,
                     num_workers: int | None = None, converted: dict[str, dict] | None = None,
-                    report: DataReport | None = None) -> tuple[dict | None, dict | None, DataReport]:
+                    report: DataReport | None = None,
+                    include_crowd: bool = False) -> tuple[dict | None, dict | None, DataReport]:
     """Check a training script's COCO data: train (when `paths["train_annotations"]`), val, and val against train.
 
     Args:
@@ -200,6 +217,7 @@ def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels:
         converted: {"train" / "val": COCO dict} read in place of that split's json: a VOC or YOLO split
             (`detlib.formats.read_data_dir_splits`); its `paths` annotations then only name the source.
         report: add to this report (the conversion's findings); default a new one with `strict`.
+        include_crowd: crowd boxes are trained on (`check_learnable`).
         the others: see `check_coco`.
     Returns:
         (train normalised json or None, val normalised json, report).
@@ -221,13 +239,15 @@ def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels:
                      source=paths["val_annotations"], **kw)
     if train is not None:
         check_train_val(train, val, paths.get("train_images"), paths.get("val_images"))
+    check_learnable(train, val, include_crowd)
     return (train.dataset if train else None), val.dataset, report
 
 
 def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images: bool = True,
                             max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
                             is_main: bool = True, data_format: str = "coco",
-                            splits: dict[str, str | None] | None = None) -> tuple[dict | None, dict]:
+                            splits: dict[str, str | None] | None = None,
+                            include_crowd: bool = False) -> tuple[dict | None, dict]:
     """The training script's data check in one call: `check_coco_data` + `publish_report`.
 
     Every process runs it, so every process holds the same repaired data without sending it around (the json
@@ -252,6 +272,6 @@ def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images
                                          report=report, cache_file=cache, progress=is_main)
     train, val, report = check_coco_data(paths, check_images=check_images, max_image_pixels=max_image_pixels,
                                          strict=strict, progress=is_main, cache_file=cache, converted=converted,
-                                         report=report)
+                                         report=report, include_crowd=include_crowd)
     publish_report(report, output_dir, is_main)
     return train, val

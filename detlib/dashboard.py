@@ -154,8 +154,8 @@ def log_classification_extras(accelerator, output_dir: str, epoch: int | None, s
     Returns {"folder": the evaluation's folder, "files": {name: path}}.
     """
     folder = os.path.join(output_dir, "plots", "final" if epoch is None else f"epoch_{int(epoch):04d}")
-    files = {"per_class_json": analysis._write_json(per_class, os.path.join(folder, "per_class.json")),
-             "confusion_matrix_json": analysis._write_json({"names": list(classes), "matrix": confusion},
+    files = {"per_class_json": analysis.write_json(per_class, os.path.join(folder, "per_class.json")),
+             "confusion_matrix_json": analysis.write_json({"names": list(classes), "matrix": confusion},
                                                            os.path.join(folder, "confusion_matrix.json")),
              "confusion_matrix": analysis.plot_class_confusion(classes, confusion,
                                                                os.path.join(folder, "confusion_matrix.png"))}
@@ -172,11 +172,12 @@ def log_classification_extras(accelerator, output_dir: str, epoch: int | None, s
     if writer is not None:
         shown = rows[:TENSORBOARD_TEXT_ROWS]
         note = f"\n\n{len(rows) - len(shown)} more classes in {files['per_class_json']}" if len(rows) > len(shown) else ""
-        writer.add_text("per_class/table", "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n" + "\n".join(
-            f"| {c} | {p:.4f} | {r:.4f} | {f:.4f} | {n} | {k} |" for c, p, r, f, n, k in shown) + note, step)
+        header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+        body = "\n".join(f"| {c} | {p:.4f} | {r:.4f} | {f:.4f} | {n} | {k} |" for c, p, r, f, n, k in shown)
+        writer.add_text("per_class/table", header + body + note, step)
         with open(files["confusion_matrix"], "rb") as f:
             data = f.read()
-        _tb_encoded_image(writer, "plots/confusion_matrix", data, *visualize.image_size(files["confusion_matrix"]), step)
+        size = visualize.image_size(files["confusion_matrix"])
+        _tb_encoded_image(writer, "plots/confusion_matrix", data, *size, step)
         writer.flush()
     return {"folder": folder, "files": files}
-

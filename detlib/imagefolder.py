@@ -71,7 +71,8 @@ def check_same_classes(train_classes: list[str], val_classes: list[str], train_r
         return
     only_train = sorted(set(train_classes) - set(val_classes))
     only_val = sorted(set(val_classes) - set(train_classes))
-    lists = (f" (train classes {train_classes}, val classes {val_classes})" if len(train_classes) + len(val_classes) <= 16
+    short = len(train_classes) + len(val_classes) <= 2 * LIST_ITEMS
+    lists = (f" (train classes {train_classes}, val classes {val_classes})" if short
              else f" ({len(train_classes)} train classes, {len(val_classes)} val classes)")
     raise ValueError(f"class folders differ between {train_root} and {val_root}, so a label index would mean "
                      f"different classes: only in train {_names(only_train)}, only in val {_names(only_val)}" + lists)

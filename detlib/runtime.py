@@ -13,6 +13,7 @@ import logging
 import math
 import netrc
 import os
+import re
 import shutil
 import sys
 import time
@@ -143,7 +144,7 @@ def _start_failure(name: str, error: BaseException, report_to: str | None, outpu
     if name == "wandb":
         mode = os.environ.get("WANDB_MODE", "online")
         low = text.lower()
-        if "api key" in low or "api_key" in low or "authenticat" in low or "401" in low:
+        if "api key" in low or "api_key" in low or "authenticat" in low or re.search(r"\b401\b", low):
             todo = f"log in (`wandb login`, or set WANDB_API_KEY), or {offline}"
         elif any(w in low for w in ("connect", "timed out", "timeout", "deadline", "resolve", "network", "unreachable")):
             host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")

@@ -42,7 +42,7 @@ class CheckpointError(RuntimeError):
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 _SHORT_WRITE = ("unexpected pos", "file write failed", "pytorchstreamwriter failed")
 _ERRNO_TEXT = re.compile(r"os error (\d+)|\[errno (\d+)\]", re.IGNORECASE)
-_ERRNO_WORDS = (("no space left", errno.ENOSPC), ("quota", errno.EDQUOT), ("permission denied", errno.EACCES),
+_ERRNO_WORDS = (("no space left", errno.ENOSPC), ("quota exceeded", errno.EDQUOT), ("permission denied", errno.EACCES),
                 ("read-only file system", errno.EROFS))
 
 

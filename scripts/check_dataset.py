@@ -27,7 +27,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from detlib.cococheck import check_coco, check_train_val  # noqa: E402
+from detlib.cococheck import check_coco, check_learnable, check_train_val  # noqa: E402
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
 from detlib.formats import FORMATS, data_dir_paths, read_data_dir_splits  # noqa: E402
 
@@ -99,6 +99,8 @@ def check_coco_files(args) -> tuple[DataReport, list[str]]:
         if args.val_annotations:
             val = check_coco(args.val_annotations, args.val_images or args.images, split="val", **kw)
             check_train_val(train, val, args.images, args.val_images or args.images)
+    if val is not None:
+        check_learnable(train, val)
     for check, out in ((train, args.write_fixed), (val, args.write_fixed_val)):
         if out and check is not None:
             if report.ok:

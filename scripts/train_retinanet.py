@@ -232,7 +232,8 @@ def build_dataloaders(args, paths: dict[str, str]):
                                                    max_image_pixels=args.max_image_pixels or None,
                                                    strict=args.strict_data, is_main=PartialState().is_main_process,
                                                    data_format=args.data_format,
-                                                   splits={"train": args.train_set, "val": args.val_set})
+                                                   splits={"train": args.train_set, "val": args.val_set},
+                                                   include_crowd=args.include_crowd)
     train_ds = None
     if paths.get("train_annotations"):
         train_ds = CocoDetection(paths["train_images"], train_json,

@@ -3,6 +3,7 @@ grow with the number of classes (D04), trackers that cannot start (D12), saves t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -117,6 +118,19 @@ def test_case_d03_detection_val_sets_whose_ap_is_undefined_or_trivially_zero(tmp
     assert report.ok
     (w,) = [f for f in report.findings if "without any training box" in f.message]
     assert w.level == "warning" and w.examples == ["2 'dog' (1 boxes)"]
+    # crowd boxes only in train: nothing to learn from, unless --include_crowd trains on them
+    paths = _coco_pair(tmp_path, [box(1, 1, crowd=1)], [box(1, 1)])
+    (e,) = check_coco_data(paths, progress=False)[2].errors
+    assert e.split == "train" and "no usable (non-crowd, non-degenerate) box" in e.message
+    assert check_coco_data(paths, progress=False, include_crowd=True)[2].ok
+    # evaluation only (no train json): the val check alone
+    paths = _coco_pair(tmp_path, [], [])
+    (e,) = check_coco_data({**paths, "train_annotations": None}, progress=False)[2].errors
+    assert e.split == "val" and "AP is undefined" in e.message
+    # the library's data set is not a run: a json without boxes still loads (B01: all-background images)
+    from detlib.data import CocoDetection
+
+    assert len(CocoDetection(paths["val_images"], paths["val_annotations"], train=False)) == 2
 
 
 # ---- D04: log lines of bounded length whatever the number of classes
@@ -202,6 +216,12 @@ def test_case_d04_per_class_tables_and_lists_have_a_bounded_size():
         summary = per_class_summary(per_class_table(names, confusion), confusion)
         assert len(summary) <= 400
         assert len(short_list(names)) <= 400 and len(class_counts(names, list(range(k)))) <= 400
+    # train and val folders that differ: the differences, not both lists of 300
+    from detlib.imagefolder import check_same_classes
+
+    with pytest.raises(ValueError) as e:
+        check_same_classes([f"c{i}" for i in range(300)], [f"c{i}" for i in range(1, 301)], "/data/train", "/data/val")
+    assert str(e.value).endswith("only in train ['c0'], only in val ['c300'] (300 train classes, 300 val classes)")
     cats = per_class_table(["cat", "dog"], [[3, 1], [0, 4]])
     assert cats["cat"] == {"precision": 1.0, "recall": 0.75, "f1": pytest.approx(6 / 7), "support": 4, "predicted": 3}
     assert per_class_summary(cats, [[3, 1], [0, 4]]) == ("cat: P 1.000 R 0.750, dog: P 0.800 R 1.000; confusion (rows "
@@ -240,20 +260,26 @@ def test_case_d04_detector_per_class_table_at_90_classes_is_bounded_and_in_a_fil
 UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 361600 vs 361488"
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MiB tmpfs (root only; skipped where mount is not allowed), unmounted after the test."""
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A tmpfs mounted at `path` (root only; the test is skipped where mount is not allowed), unmounted after."""
     import subprocess
 
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True, text=True)
+    path.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
     try:
-        yield disk
+        yield path
     finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs."""
+    with tmpfs(tmp_path / "disk", "size=4m") as disk:
+        yield disk
 
 
 def fill(disk: Path, leave_free: int) -> None:
@@ -319,6 +345,20 @@ def test_case_d21_weights_on_a_full_disk_keep_the_old_file(small_disk):
     assert sorted(os.listdir(best)) == ["model.safetensors"]  # no .tmp left, the old file intact
     after = load_state_dict_file(best / "model.safetensors")
     assert all((before[k] == after[k]).all() for k in before)
+
+
+def test_case_d21_read_only_disk_is_named(tmp_path):
+    from detlib import checkpoint as ckpt
+    from detlib.weights import CheckpointError, save_model_weights
+
+    acc, model, _ = trained_accelerator()
+    with tmpfs(tmp_path / "ro", "size=1m,ro") as ro:
+        with pytest.raises(CheckpointError, match=rf"^could not write checkpoint {ro}/checkpoints/epoch_0000.tmp: {ro} "
+                           "is on a read-only file system; removed the partial folder, no earlier checkpoint exists$"):
+            ckpt.save_checkpoint(acc, str(ro), ckpt.TrainState())
+        with pytest.raises(CheckpointError, match=rf"^could not write {ro}/best/model.safetensors: {ro} is on a "
+                           "read-only file system$"):
+            save_model_weights(acc, model, str(ro / "best"))
 
 
 def test_case_d21_zip_writer_error_without_errno_is_read_from_the_disk(tmp_path, monkeypatch):
@@ -453,14 +493,15 @@ def test_case_d12_wandb_online_without_key_or_network_is_one_line_and_a_run_stat
     assert status["global_step"] == 0 and not (out / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("mode", ["disabled"])  # offline: test_case_b13_b21_... (test_catsdogs_launch.py)
-def test_case_d12_wandb_disabled_and_offline_keep_working(tmp_path, mode):
+def test_case_d12_wandb_disabled_keeps_working(tmp_path):
+    """(WANDB_MODE=offline without a key: test_case_b13_b21_... in test_catsdogs_launch.py.)"""
     out = tmp_path / "run"
-    proc = launch_quiet([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out], wandb_env(tmp_path, WANDB_MODE=mode))
+    proc = launch_quiet([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out],
+                        wandb_env(tmp_path, WANDB_MODE="disabled"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr and not error_lines(proc.stderr)
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
-    assert len(list((out / "wandb").glob("offline-run-*"))) == (mode == "offline")
+    assert not list((out / "wandb").glob("offline-run-*"))
 
 
 def test_case_d12_tensorboard_that_cannot_start_or_close(tmp_path, monkeypatch, capsys):
