@@ -50,6 +50,8 @@ YOLO_YAML_NAMES = ("data.yaml", "dataset.yaml", "data.yml")
 # A YOLO box whose corners lie further outside 0..1 than this is not normalised (pixels?) and is dropped; a
 # little outside is rounding, clipped by the data check.
 YOLO_OUTSIDE_TOLERANCE = 0.01
+# Corners outside 0..1 by no more than this are the rounding of a label file's decimals: clamped without a finding.
+YOLO_ROUNDING = 1e-4
 # The split names when --train_set / --val_set are not given.
 DEFAULT_SPLITS = {"coco": ("train2017", "val2017"), "voc": ("train", "val"), "yolo": ("train", "val")}
 
@@ -496,9 +498,12 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
                 continue
             seen_rows.add(tuple(row))
             cls, cx, cy, w, h = box
-            x1, y1 = (cx - w / 2) * sw, (cy - h / 2) * sh
-            annotations.append({"image_id": iid, "category_id": cls, "bbox": [x1, y1, w * sw, h * sh],
-                                "area": w * sw * h * sh, "iscrowd": 0})
+            x1, y1, bw, bh = (cx - w / 2) * sw, (cy - h / 2) * sh, w * sw, h * sh
+            # a box that ends at the border must not pass it by a float rounding (a "clipped" repair otherwise)
+            bw = min(bw, sw - x1) if x1 + bw > sw and x1 + bw - sw < 1e-6 * sw else bw
+            bh = min(bh, sh - y1) if y1 + bh > sh and y1 + bh - sh < 1e-6 * sh else bh
+            annotations.append({"image_id": iid, "category_id": cls, "bbox": [x1, y1, bw, bh], "area": bw * bh,
+                                "iscrowd": 0})
     found["orphan_label"].extend(_yolo_orphan_labels(entries, files))
     found.add_to(report, split, last=len(names) - 1)
     report.summaries[f"{split} (yolo)"] = {"yaml": yaml_path, "split": key, "images without a label file or rows "
@@ -532,6 +537,10 @@ def _yolo_row(row: list[str], num_classes: int, found: Findings, where: str):
     if min(x1, y1) < -t or max(x2, y2) > 1 + t:
         found["not_normalised"].append(where)
         return None
+    if min(x1, y1) < 0 <= min(x1, y1) + YOLO_ROUNDING or 1 < max(x2, y2) <= 1 + YOLO_ROUNDING:
+        # written with a few decimals, a box at the border overshoots it by the rounding: not a fault to report
+        x1, y1, x2, y2 = max(x1, 0.0), max(y1, 0.0), min(x2, 1.0), min(y2, 1.0)
+        cx, cy, w, h = (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1
     return cls, cx, cy, w, h
 
 

@@ -26,11 +26,10 @@ def is_video_file(path: str) -> bool:
 
 
 def av_available() -> bool:
-    try:
-        import av  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """True when PyAV is installed (found, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("av") is not None
 
 
 def require_av():

@@ -252,13 +252,17 @@ def read_score_thresholds(weights: str) -> tuple[dict[int, float], float, str]:
 
 
 def weights_path(path: str) -> str:
-    """A weights file from a path that may be a file, a checkpoint folder or a last/ or best/ folder.
+    """A weights file from a path that may be a file, a checkpoint folder or a last/ or best/ folder, or a Hugging
+    Face Hub repo id (`owner/name[@revision]`, `hf://...`: its snapshot in the Hub cache, `detlib.hub`).
 
     Raises:
-        FileNotFoundError: naming the path, when it holds no weights file.
+        FileNotFoundError: naming the path, when it holds no weights file (or the Hub repo cannot be had).
     """
     if os.path.isfile(path):
         return path
+    from .hub import local_weights
+
+    path = local_weights(path)
     # a run's output folder: its best, else its last weights
     for folder in (path, os.path.join(path, "best"), os.path.join(path, "last")):
         for name in WEIGHT_FILES:

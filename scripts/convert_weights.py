@@ -12,6 +12,8 @@ Then, as they are:
     python scripts/predict_retinanet.py --weights weights/tv_retinanet --source photos/ --output_dir out
 Fine-tune: scripts/train_retinanet.py ... --init_from weights/tv_retinanet
 
+The folder holds a model card (README.md, in the Hub's format) too, so it can be uploaded as a Hub model repo as it is.
+
 model_config.json carries what the model needs to reproduce torchvision's predictions (P6 from P5, its anchors,
 its resize, 800 / 1333; v2: GroupNorm heads, P6 from C5): see detlib/torchvision_weights.py.
 """
@@ -21,14 +23,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from safetensors.torch import save_file
 
 from detlib.model import build_retinanet_from_config
+from detlib.modelcard import detector_card, write_card
 from detlib.torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories, torchvision_model_config,
                                        torchvision_version)
 from detlib.weights import load_state_dict_file
+
+
+# torchvision's published box AP on COCO val2017 (its weights' documentation), quoted in the model card.
+TORCHVISION_BOX_AP = {"v1": 36.4, "v2": 41.5}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,9 +70,21 @@ def main(argv=None) -> str:
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, "model.safetensors")
     save_file({k: v.contiguous() for k, v in sd.items()}, out)
+    config = {**config, "converted_from": {"library": args.source_kind, "path": os.path.abspath(args.path)}}
     with open(os.path.join(args.out, "model_config.json"), "w") as f:
-        json.dump({**config, "converted_from": {"library": args.source_kind, "path": os.path.abspath(args.path)}}, f, indent=1)
-    print(f"wrote {out} and model_config.json: torchvision RetinaNet {version}, {len(ids)} classes, {len(sd)} tensors")
+        json.dump(config, f, indent=1)
+    reported = TORCHVISION_BOX_AP.get(version)
+    note = (f"Converted by scripts/convert_weights.py from torchvision's COCO RetinaNet {version} "
+            f"({os.path.basename(args.path)})" + (f", for which torchvision reports {reported} box AP on COCO val2017"
+                                                   if reported and not args.categories else "") + ".")
+    write_card(detector_card(config, evaluation=None, dataset={"name": "coco" if not args.categories else
+                                                               os.path.splitext(os.path.basename(args.categories))[0]},
+                             command=None, weights_name=os.path.basename(os.path.abspath(args.out)), where=args.out,
+                             notes=[note, "Convert command: `" + shlex.join(["python", "scripts/convert_weights.py",
+                                                                            *(sys.argv[1:] if argv is None else argv)])
+                                    + "`"]), args.out)
+    print(f"wrote {out}, model_config.json and README.md: torchvision RetinaNet {version}, {len(ids)} classes, "
+          f"{len(sd)} tensors")
     return out
 
 

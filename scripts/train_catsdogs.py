@@ -33,6 +33,7 @@ import argparse
 import csv
 import logging
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,7 @@ from detlib.logtext import short_list
 from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
 from detlib.synthetic import make_synthetic_image_folder
+from detlib.modelcard import classifier_card, command_line, write_card
 from detlib.weights import complete_model_config, read_model_config, weights_path
 
 logger = logging.getLogger("train_catsdogs")
@@ -294,6 +296,7 @@ def match_classifier_classes(run: Run, model, weights: str, classes: list[str], 
 
 def main(argv=None):
     args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     synthetic = not (args.train_dir or args.val_dir)
     saved = None
     notes = []  # what an old model_config.json lacked and flags this run cannot honour: one line each, in train.log
@@ -382,6 +385,17 @@ def main(argv=None):
                   synthetic_data=synthetic, classes=classes, num_val_images=len(val_ds),
                   num_train_images=len(train_ds) if train_ds else 0, **{f"data_{k}": v for k, v in dirs.items()})
     run.save_config(config, model_config)
+
+    def describe(folder: str, name: str) -> None:  # the model card beside best/'s and last/'s weights
+        evaluation = run.last_evaluation
+        if evaluation and not (name == "best" or evaluation["step"] == run.state.global_step):
+            evaluation = None  # last/ after an evaluation of older weights
+        data = {"name": "detlib synthetic" if synthetic else os.path.basename(os.path.dirname(os.path.abspath(
+                dirs["val_dir"]))), "train": dirs.get("train_dir"), "val": dirs.get("val_dir")}  # data/<name>/val
+        write_card(classifier_card(model_config, evaluation=evaluation, dataset=data, weights_name=name, where=folder,
+                                   command=command_line("train_catsdogs.py", argv)), folder)
+
+    run.checkpointer.describe = describe
 
     if args.evaluate_only:
         model, val_loader = accelerator.prepare(model, val_loader)

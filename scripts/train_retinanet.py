@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import os
+import sys
 
 import torch
 from accelerate.utils import broadcast_object_list
@@ -59,7 +60,10 @@ from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
 from detlib.engine import Run
+from detlib.collectives import broadcast_object
 from detlib.formats import FORMATS, data_dir_paths
+from detlib.hub import check_push, local_weights, push_folder
+from detlib.modelcard import command_line, detector_card, write_card
 from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
                           run_argument_parser, show_data_defaults, stop)
 from detlib.labels import CategoryMap, describe_mapping, match_categories
@@ -175,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num_log_images", type=int_at_least(0), default=16,
                    help="val images drawn with their detections at every evaluation, the same ones each time, under "
                         "OUTPUT_DIR/samples/ and to the trackers (default: %(default)s)")
+    g = groups["checkpointing"]
+    g.add_argument("--push_to_hub", metavar="REPO_ID", help="at the end, upload best/ (weights, model card, score "
+                   "thresholds) to this Hugging Face Hub model repo (owner/name; created when missing); the token "
+                   "and the network are checked at start")
+    g.add_argument("--hub_private", action="store_true", help="--push_to_hub creates the repo private")
     show_data_defaults(p, DATA_DEFAULTS)
     return p
 
@@ -282,6 +291,35 @@ def build_dataloaders(args, paths: dict[str, str]):
     return train_ds, val_ds, train_loader, val_loader
 
 
+def card_dataset(args, paths: dict, synthetic: bool) -> dict:
+    """The data set as the model card names it: --data_dir's folder name, else the val json's name."""
+    if synthetic:
+        name = "detlib synthetic shapes"
+    elif args.data_dir:
+        name = os.path.basename(os.path.abspath(args.data_dir))
+    else:
+        name = os.path.splitext(os.path.basename(paths["val_annotations"]))[0]
+    return {"name": name, "format": args.data_format, "train": paths.get("train_annotations"),
+            "val": paths.get("val_annotations")}
+
+
+def push_best(output_dir: str, repo_id: str, private: bool) -> None:
+    """Upload best/ (last/ when no evaluation made one) to the Hub; a failure is one line and exit 1, the folder
+    kept for a manual upload."""
+    folder = os.path.join(output_dir, "best")
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        folder = os.path.join(output_dir, "last")
+        logger.warning("--push_to_hub: no best/ (no evaluation improved on the first): uploading last/")
+    try:
+        url = push_folder(folder, repo_id, private, message=f"detlib train_retinanet: {os.path.basename(folder)}/")
+    except RuntimeError as e:
+        logger.error("%s", e, extra={"console": False})
+        print(f"error: --push_to_hub: {e}; the weights are in {folder}: upload them with "
+              f"`hf upload {repo_id} {folder}`", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    logger.info("--push_to_hub: uploaded %s to %s", folder, url)
+
+
 def schedule_spec(args) -> dict:
     """"plateau": ReduceLROnPlateau, stepped once per epoch with the epoch's mean loss. The others: a
     per-optimizer-step schedule with linear warmup (detlib.schedules), built by the run (detlib.engine)."""
@@ -325,11 +363,18 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
 
 def main(argv=None):
     args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     synthetic = not (args.data_dir or args.train_images or args.val_images)
     given = {k for k in vars(args) if getattr(args, k) is not None}  # what the user passed (flags or --config)
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     flag = "--evaluate_only" if args.evaluate_only else "--init_from"
     source = args.evaluate_only or args.init_from
+    try:  # a Hub repo id is fetched now (from the cache when offline), before any work, or named in one line
+        local_weights(args.evaluate_only or args.init_from) if args.evaluate_only or args.init_from else None
+    except FileNotFoundError as e:
+        stop(f"{flag} {args.evaluate_only or args.init_from}: {e}", code=1)
+    if args.push_to_hub and args.evaluate_only:
+        stop("--push_to_hub uploads a training run's best/: not with --evaluate_only", code=2)
     try:
         if source:
             weights_path(source)  # a wrong path stops here, before the data check
@@ -382,6 +427,13 @@ def main(argv=None):
     if accelerator.is_main_process:
         for line in filter(None, notes):
             logger.warning("%s", line)
+    if args.push_to_hub:  # token, network and repo checked now, not after the training
+        problem = broadcast_object(accelerator, check_push(args.push_to_hub, args.hub_private)
+                                   if accelerator.is_main_process else None)
+        if problem:
+            run.fail(problem)
+        logger.info("--push_to_hub %s: the Hub is reachable and the repo writable; best/ is uploaded at the end",
+                    args.push_to_hub)
     if synthetic and not args.evaluate_only:
         logger.info("no data given: training on the built-in synthetic shapes data set (%s, %d px, fpn_channels %d, "
                     "lr %g, %d epochs); pass --data_dir for COCO", args.backbone, args.image_size, args.fpn_channels,
@@ -475,10 +527,17 @@ def main(argv=None):
     evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
     def describe(folder: str, name: str) -> None:
-        """Beside best/'s and last/'s weights: the score thresholds of the evaluation of those weights."""
+        """Beside best/'s and last/'s weights: the score thresholds of the evaluation of those weights, and the
+        model card (README.md) of what this run knows."""
         evaluation = run.last_evaluation
-        if evaluation and evaluation.get("best_f1") and (name == "best" or evaluation["step"] == run.state.global_step):
+        if evaluation and not (name == "best" or evaluation["step"] == run.state.global_step):
+            evaluation = None  # last/ after an evaluation of older weights
+        if evaluation and evaluation.get("best_f1"):
             write_score_thresholds(folder, evaluation["best_f1"], evaluation)
+        where = args.push_to_hub if args.push_to_hub and name == "best" else folder
+        write_card(detector_card(model_config, evaluation=evaluation, dataset=card_dataset(args, paths, synthetic),
+                                 command=command_line("train_retinanet.py", argv), weights_name=name, where=where),
+                   folder)
 
     run.checkpointer.describe = describe
 
@@ -555,6 +614,8 @@ def main(argv=None):
             report(stats, run.epoch)
         run.checkpoint_if_due(model)
     run.finish(model)
+    if args.push_to_hub and accelerator.is_main_process:
+        push_best(args.output_dir, args.push_to_hub, args.hub_private)
     return getattr(run, "last_stats", None)
 
 

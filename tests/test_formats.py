@@ -13,7 +13,7 @@ from conftest import needs_coco_subset, write_image
 from detlib.cococheck import check_coco, check_coco_for_training
 from detlib.datacheck import DataReport
 from detlib.formats import data_dir_paths, detect_format, read_data_dir_splits
-from formats_fixtures import reference_coco, voc_xml, write_voc, write_yolo, yolo_rows
+from formats_fixtures import reference_coco, voc_xml, write_voc, write_yolo
 
 
 def converted(root: Path, fmt: str | None = None, **kw) -> tuple[dict, dict, DataReport, dict]:
@@ -331,7 +331,7 @@ def test_check_dataset_reads_voc_and_yolo_roots_and_writes_their_coco_json(tmp_p
         out, out_val = tmp_path / f"{fmt}_train.json", tmp_path / f"{fmt}_val.json"
         assert check.main(["--data_dir", str(root), "--write_fixed", str(out), "--write_fixed_val", str(out_val)]) == 0
         printed = capsys.readouterr().out
-        assert printed.startswith(f"{fmt.upper()} data check: 0 errors") and f"wrote the repaired json of" in printed
+        assert printed.startswith(f"{fmt.upper()} data check: 0 errors") and "wrote the repaired json of" in printed
         written = json.loads(out.read_text())
         shift = 1 if fmt == "yolo" else 0
         written["categories"] = [{**c, "id": c["id"] + shift} for c in written["categories"]]

@@ -1,0 +1,125 @@
+"""The Hugging Face Hub for weights folders: a Hub repo id wherever weights are read (`--weights`,
+`--evaluate_only`, `--init_from`), and `--push_to_hub` of a run's best/ (with its model card, `detlib.modelcard`).
+
+Everything goes through huggingface_hub, so its cache (HF_HOME / HF_HUB_CACHE), its token (HF_TOKEN, `hf auth
+login`) and its offline mode (HF_HUB_OFFLINE=1: only what is cached) are respected. A string is read as a repo id
+when it is no local path and looks like one: `owner/name`, optionally `@revision`, or any name after `hf://`; a
+relative path whose first folder exists locally (`outputs/typo`) stays a local path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+
+logger = logging.getLogger(__name__)
+
+HUB_PREFIX = "hf://"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+# The files of a weights folder a Hub download fetches (not whatever else a repo holds).
+WEIGHTS_PATTERNS = ["*.safetensors", "*.json", "README.md", "*.bin", "*.pt", "*.pth"]
+
+
+def offline() -> bool:
+    """huggingface_hub's offline switch, read now (its own constant is read once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_repo(text: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) when `text` names a Hub repo rather than a local path (see the module
+    docstring), else None."""
+    if not isinstance(text, str) or os.path.exists(text):
+        return None
+    forced = text.startswith(HUB_PREFIX)
+    name = text[len(HUB_PREFIX):] if forced else text
+    if not forced and (not _REPO_ID.match(name) or os.path.isdir(name.split("/")[0]) or name.endswith(
+            (".safetensors", ".bin", ".pt", ".pth", ".json"))):
+        return None
+    repo, _, revision = name.partition("@")
+    return repo, revision or None
+
+
+@functools.lru_cache(maxsize=None)
+def download(repo_id: str, revision: str | None = None) -> str:
+    """The local snapshot folder of a Hub model repo's weights files (huggingface_hub's cache; offline: only
+    what is cached).
+
+    Raises:
+        FileNotFoundError: one line saying why it could not be had (offline and not cached, no such repo, no
+            network, ...), naming the repo.
+    """
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(f"{repo_id} looks like a Hub repo id, and reading one needs huggingface_hub "
+                                "(pip install huggingface_hub)") from None
+    where = f"{repo_id}" + (f"@{revision}" if revision else "")
+    try:
+        path = snapshot_download(repo_id, revision=revision, allow_patterns=WEIGHTS_PATTERNS,
+                                 local_files_only=offline())
+    except Exception as e:  # huggingface_hub's errors (and requests' / httpx's beneath them) have no common base
+        reason = _first_line(e)
+        if offline():
+            reason = f"HF_HUB_OFFLINE is set and it is not in the Hub cache ({reason})"
+        raise FileNotFoundError(f"no local file or folder {where}, and as a Hub repo it could not be fetched: "
+                                f"{reason}") from None
+    logger.info("Hub repo %s: %s", where, path)
+    return path
+
+
+def local_weights(path: str) -> str:
+    """`path` itself, or for a Hub repo id (`hub_repo`) its downloaded snapshot folder. Raises FileNotFoundError
+    (one line) when a repo cannot be had."""
+    repo = hub_repo(path)
+    return download(*repo) if repo else path
+
+
+def _first_line(e: Exception) -> str:
+    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+# ---- pushing a weights folder
+
+
+def check_push(repo_id: str, private: bool = False) -> str | None:
+    """Everything `push_folder` will need, checked before a run trains: huggingface_hub installed, not offline, a
+    token, the Hub reachable with it, the repo created (or there) and writable. Returns None when all holds, else
+    one line saying what is wrong and what to do."""
+    flag = f"--push_to_hub {repo_id}"
+    try:
+        from huggingface_hub import HfApi, get_token
+    except ImportError:
+        return f"{flag} needs huggingface_hub: pip install huggingface_hub"
+    if offline():
+        return f"{flag}: HF_HUB_OFFLINE is set, and uploading needs the network (unset it, or drop --push_to_hub)"
+    token = get_token()
+    if not token:
+        return f"{flag}: no Hugging Face token: log in (hf auth login) or set HF_TOKEN to a token with write access"
+    api = HfApi()
+    try:
+        user = api.whoami(token=token)
+    except Exception as e:
+        return f"{flag}: the Hub at {api.endpoint} cannot be reached with this token ({_first_line(e)})"
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, token=token, repo_type="model")
+    except Exception as e:
+        return f"{flag}: cannot create or write the repo as {user.get('name', '?')} ({_first_line(e)})"
+    return None
+
+
+def push_folder(folder: str, repo_id: str, private: bool = False, message: str | None = None) -> str:
+    """Upload a weights folder (its model card, README.md, included) to the Hub model repo `repo_id` (created
+    when missing). Returns the repo's URL. Raises RuntimeError (one line) when the upload fails."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        info = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model",
+                                 commit_message=message or f"detlib: {os.path.basename(folder.rstrip('/'))}/")
+    except Exception as e:
+        raise RuntimeError(f"uploading {folder} to {repo_id} failed ({_first_line(e)})") from None
+    return getattr(info, "repo_url", None) or f"{api.endpoint}/{repo_id}"
