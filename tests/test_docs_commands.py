@@ -189,3 +189,53 @@ def test_pages_do_not_point_at_the_projects_shared_folder_in_a_users_commands():
 
 def test_readme_is_short():
     assert (REPO / "README.md").stat().st_size <= README_MAX_BYTES
+
+
+def python_snippet(page: Path, first_line: str) -> str:
+    """The fenced ```python block of `page` that starts with `first_line`."""
+    for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+        if block.startswith(first_line):
+            return block
+    raise AssertionError(f"{page.name}: no python block starting with {first_line!r}")
+
+
+@pytest.mark.slow
+def test_onnx_snippet_runs_as_pasted(tmp_path, monkeypatch):
+    """docs/predict_export.md's onnxruntime snippet, pasted into the folder where the README's train and export
+    commands leave their files: it finds the export's files and reads the photo upright (EXIF orientation 6)."""
+    pytest.importorskip("onnxruntime")
+    import json
+
+    import numpy as np
+    import torch
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from detlib.model import RetinaNet
+
+    best = tmp_path / "outputs" / "retinanet" / "best"
+    best.mkdir(parents=True)
+    torch.manual_seed(0)
+    model = RetinaNet(3, "resnet18", fpn_channels=16)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, best / "model.safetensors")
+    (best / "model_config.json").write_text(json.dumps({
+        "num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
+        "category_ids": [1, 2, 3], "category_names": ["circle", "square", "triangle"]}))
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 80, 3), dtype=np.uint8))  # 80 wide, 48 high
+    exif = photo.getexif()
+    exif[0x0112] = 6  # shown rotated by 90 degrees: 48 wide, 80 high
+    photo.save(tmp_path / "photo.jpg", exif=exif)
+    monkeypatch.chdir(tmp_path)
+
+    readme_export = next(c for c in commands((REPO / "README.md").read_text()) if "export_retinanet.py" in c)
+    argv = shlex.split(readme_export)[2:] + ["--check_source", "photo.jpg", "--num_check_images", "1", "--score_thresh", "0"]
+    export = runpy.run_path(str(REPO / "scripts" / "export_retinanet.py"))
+    export["main"](argv)
+
+    snippet = python_snippet(REPO / "docs" / "predict_export.md", "import json, numpy as np, onnxruntime")
+    scope: dict = {}
+    exec(compile(snippet, "docs/predict_export.md", "exec"), scope)
+    assert scope["photo"].size == (48, 80)
+    assert scope["boxes"].shape == (100, 4) and len(scope["names"]) == 100
+    assert set(scope["names"]) <= {"circle", "square", "triangle"}
+    assert scope["boxes"][:, 2].max() <= 48 + 1e-3 and scope["boxes"][:, 3].max() <= 80 + 1e-3  # the upright image
