@@ -239,3 +239,17 @@ def test_onnx_snippet_runs_as_pasted(tmp_path, monkeypatch):
     assert scope["boxes"].shape == (100, 4) and len(scope["names"]) == 100
     assert set(scope["names"]) <= {"circle", "square", "triangle"}
     assert scope["boxes"][:, 2].max() <= 48 + 1e-3 and scope["boxes"][:, 3].max() <= 80 + 1e-3  # the upright image
+
+
+def test_readme_examples_use_the_folder_the_first_run_writes():
+    """The README's outputs folder is the one the built-in run writes by default, and its predict / export
+    examples read that folder (they once named outputs/r50_600, which no command of the README makes)."""
+    train = runpy.run_path(str(REPO / "scripts" / "train_retinanet.py"))
+    default = train["parse_args"]([]).output_dir
+    text = (REPO / "README.md").read_text()
+    assert f"The run leaves everything in `{default}/`" in text
+    for command in commands(text):
+        words = shlex.split(command)
+        if any(w.endswith(("predict_retinanet.py", "export_retinanet.py")) for w in words):
+            weights = words[words.index("--weights") + 1]
+            assert weights == default or weights.startswith(default + "/"), command
