@@ -2,8 +2,8 @@
 
 The commands are read from the code blocks (fenced, or indented by 4 spaces): lines that run `python
 scripts/...`, `python benchmarks/...`, `accelerate launch`, `bash`, `sbatch` (after `ENV=value` words and `$ `),
-with `\\` continuation lines joined, and the inline code spans that are such commands. Each script's parser is built in process (its `__main__` run with
-`ArgumentParser.parse_args` stopped before it parses), and every `--flag` the command passes must be one of its
+with `\\` continuation lines joined, and the inline code spans that are such commands. Each script's parser is
+built in process (its `__main__` run with `ArgumentParser.parse_args` stopped before it parses), and every `--flag` the command passes must be one of its
 options; the flags before the script in `accelerate launch` must be accelerate's own. `--config_file` files,
 the repo-relative paths the pages name and their relative links must exist. The README stays short.
 """
@@ -84,19 +84,25 @@ def script_options(relpath: str) -> frozenset[str]:
     path = REPO / relpath
     if "argparse" not in path.read_text():
         raise AssertionError(f"{relpath} has no argparse parser to check flags against")
-    original, argv = argparse.ArgumentParser.parse_args, sys.argv
+    Parser = argparse.ArgumentParser
+    original, original_known, argv = Parser.parse_args, Parser.parse_known_args, sys.argv
 
     def capture(self, args=None, namespace=None):
         raise _Captured(self)
 
-    argparse.ArgumentParser.parse_args = capture
+    def capture_known(self, args=None, namespace=None):
+        if not self.add_help:  # a pre-parser such as parse_with_config's --config one: let it parse
+            return original_known(self, args, namespace)
+        raise _Captured(self)
+
+    Parser.parse_args, Parser.parse_known_args = capture, capture_known
     sys.argv = [str(path)]
     try:
         runpy.run_path(str(path), run_name="__main__")
     except _Captured as c:
         return frozenset(c.parser._option_string_actions)
     finally:
-        argparse.ArgumentParser.parse_args, sys.argv = original, argv
+        Parser.parse_args, Parser.parse_known_args, sys.argv = original, original_known, argv
     raise AssertionError(f"{relpath} ran without building an argparse parser")
 
 
@@ -142,7 +148,8 @@ def page_commands() -> list[tuple[str, str]]:
 
 
 def test_commands_are_found_in_every_kind_of_block():
-    text = ("```bash\n$ OMP_NUM_THREADS=1 accelerate launch --config_file a.yaml scripts/x.py \\\n  --lr 1 && ls\n```\n\n"
+    text = ("```bash\n$ OMP_NUM_THREADS=1 accelerate launch --config_file a.yaml scripts/x.py \\\n"
+            "  --lr 1 && ls\n```\n\n"
             "    # comment\n    ... scripts/y.py --a b\n\n```python\nimport x\n```\n")
     assert commands(text) == ["accelerate launch --config_file a.yaml scripts/x.py --lr 1", "... scripts/y.py --a b"]
 
@@ -228,7 +235,8 @@ def test_onnx_snippet_runs_as_pasted(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     readme_export = next(c for c in commands((REPO / "README.md").read_text()) if "export_retinanet.py" in c)
-    argv = shlex.split(readme_export)[2:] + ["--check_source", "photo.jpg", "--num_check_images", "1", "--score_thresh", "0"]
+    argv = shlex.split(readme_export)[2:] + ["--check_source", "photo.jpg", "--num_check_images", "1",
+                                             "--score_thresh", "0"]
     export = runpy.run_path(str(REPO / "scripts" / "export_retinanet.py"))
     export["main"](argv)
 
