@@ -10,7 +10,7 @@ Parity images from elsewhere (a folder, a glob, a file, or a COCO json with its 
     python scripts/export_retinanet.py --weights RUN --output model.onnx --check_source val.json --check_images val2017/
 
 The graph takes one image padded to a square canvas (the training size rounded up to a multiple of 32); see
-detlib/export.py for its inputs and outputs, and README "Export" for running it with onnxruntime. Beside
+detlib/export.py for its inputs and outputs, and docs/predict_export.md for running it with onnxruntime. Beside
 FILE.onnx it writes FILE.json (canvas, sizes, class ids and names, thresholds, input / output names) and
 FILE.parity.json (the check's numbers). The check fails loudly (exit 1) when an image's detections differ
 beyond the tolerance: labels not identical, a box more than --box_atol px off or a score more than --score_atol.

@@ -81,7 +81,7 @@ logger = logging.getLogger("train_retinanet")
 
 # Defaults that depend on the data, {flag: (built-in data, real data)}: the full recipe for real data, a CPU-sized one
 # for the built-in set (from scratch on a CPU the small model needs the higher AdamW LR to learn within the 15-minute
-# budget). SGD's 0.01 is the COCO 1x recipe's LR for 16 images per step (8 GPUs x 2; README recipe table).
+# budget). SGD's 0.01 is the COCO 1x recipe's LR for 16 images per step (8 GPUs x 2; docs/recipes.md recipe table).
 DATA_DEFAULTS = {
     "backbone": ("resnet18", "resnet50"),
     "image_size": (160, 600),

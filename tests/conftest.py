@@ -55,7 +55,7 @@ def launch_command(script: str | Path, args: list[str], config: str = "cpu.yaml"
 
 
 def launch_env(env: dict | None = None) -> dict:
-    # 1 thread per process: the tests' launches share 2 cores (README, "Threads on a CPU")
+    # 1 thread per process: the tests' launches share 2 cores (docs/distributed.md, "Threads on a CPU")
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", **(env or {})}
 
 

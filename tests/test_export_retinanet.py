@@ -78,7 +78,7 @@ def test_onnx_and_torch_export_parity_decoding_inside(weights, tmp_path):
     meta = json.loads((tmp_path / "retinanet.json").read_text())
     assert meta["canvas"] == 128 and meta["inputs"] == ["images", "image_size", "scale"] and meta["category_names"][0] == "person"
 
-    # run the exported graph as the README shows, on an image the check did not use
+    # run the exported graph as docs/predict_export.md shows, on an image the check did not use
     model = build_retinanet_from_config(meta)
     
     load_model_weights(model, str(weights))
