@@ -48,12 +48,12 @@ from detlib.weights import weights_path
 logger = logging.getLogger("predict_retinanet")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     # 8 images per forward pass: the training script's --per_device_eval_batch_size
     p, groups = prediction_parser(__doc__, batch_size=8)
     g = groups["data"]
     g.add_argument("--source", required=True, help="an image file, a folder (recursive), a glob pattern, or a COCO json")
-    g.add_argument("--images", help="image folder of a COCO-json source")
+    g.add_argument("--images", help="image folder of a COCO-json source (default: none; needed with a json --source)")
     g.add_argument("--image_size", type=int_at_least(32), help="resize size (default None: the training run's, from model_config.json)")
     g.add_argument("--max_size", type=int_at_least(32), help="default None: from model_config.json")
 
@@ -66,7 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--draw_thresh", type=float_range(0, 1), default=0.3, help="lowest score drawn on OUT/images")
     g.add_argument("--no_images", action="store_true", help="do not write the drawn images")
     g.add_argument("--save_json_per_image", action="store_true", help="also OUT/json/<name>.json per image")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def build_dataset(args, transform):
