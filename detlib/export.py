@@ -116,27 +116,35 @@ def prepare_input(image: torch.Tensor, image_size: int, max_size: int | None, ca
             "scale": torch.tensor(sample["scale"], dtype=torch.float32)}
 
 
-def compare_detections(ref: tuple, got: tuple) -> dict:
+def compare_detections(ref: tuple, got: tuple, max_detections: int | None = None, score_thresh: float | None = None,
+                       tie_atol: float = 1e-5) -> dict:
     """Pair two detection lists of one image and measure their differences.
 
     Each reference detection is paired with the unpaired detection of `got` of the same label whose box is
     nearest (largest absolute coordinate difference), so detections whose scores tie within rounding may come
-    in another order without counting as a difference; one left unpaired is a difference.
+    in another order without counting as a difference; one left unpaired is a difference, except at a cut: when
+    a list holds `max_detections` (the lowest kept score is then a cut) or at `score_thresh`, which members of a
+    run of scores tied within `tie_atol` make it is decided by float rounding, each runtime its own way.
 
     Args:
         ref, got: (boxes [N, 4] xyxy pixels, scores [N], labels [N]) as numpy arrays or tensors.
+        max_detections, score_thresh: the cap and the threshold both lists were cut with (None: no such cut).
+        tie_atol: scores this close to a cut count as tied with it.
     Returns:
-        {"num_detections": [N_ref, N_got], "num_paired": int, "labels_equal": all paired and N equal,
-         "max_abs_box_px": float, "max_abs_score": float} (inf when a detection is unpaired).
+        {"num_detections": [N_ref, N_got], "num_paired": int, "num_at_cut": unpaired detections tied with a cut,
+         "labels_equal": every detection paired but those at a cut, "max_abs_box_px": float, "max_abs_score":
+         float} (inf when a detection away from a cut is unpaired).
     """
     rb, rs, rl = (np.asarray(a) for a in ref)
     gb, gs, gl = (np.asarray(a) for a in got)
     used = np.zeros(len(gl), dtype=bool)
     box_d, score_d = 0.0, 0.0
     paired = 0
+    unpaired = []
     for i in range(len(rl)):
         cand = np.nonzero((gl == rl[i]) & ~used)[0]
         if not len(cand):
+            unpaired.append(float(rs[i]))
             continue
         d = np.abs(gb[cand] - rb[i]).max(axis=1)
         j = cand[int(np.argmin(d))]
@@ -144,6 +152,12 @@ def compare_detections(ref: tuple, got: tuple) -> dict:
         paired += 1
         box_d = max(box_d, float(d.min()))
         score_d = max(score_d, float(abs(gs[j] - rs[i])))
-    complete = paired == len(rl) == len(gl)
-    return {"num_detections": [int(len(rl)), int(len(gl))], "num_paired": paired, "labels_equal": bool(complete),
-            "max_abs_box_px": box_d if complete else float("inf"), "max_abs_score": score_d if complete else float("inf")}
+    unpaired += [float(s) for s in gs[~used]]
+    cuts = [float(score_thresh)] if score_thresh is not None else []
+    full = [float(s.min()) for s in (rs, gs) if max_detections and len(s) >= max_detections]
+    cuts += [max(full)] if full else []
+    at_cut = sum(any(abs(s - c) <= tie_atol for c in cuts) for s in unpaired)
+    complete = at_cut == len(unpaired)
+    return {"num_detections": [int(len(rl)), int(len(gl))], "num_paired": paired, "num_at_cut": int(at_cut),
+            "labels_equal": bool(complete), "max_abs_box_px": box_d if complete else float("inf"),
+            "max_abs_score": score_d if complete else float("inf")}

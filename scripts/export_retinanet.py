@@ -120,12 +120,13 @@ def check_image_paths(args) -> list[str]:
     return readable
 
 
-def compare(ref: tuple, got: tuple, decode: str) -> dict:
-    """Differences between the PyTorch reference and an export on one image (see `compare_detections`)."""
-    if decode == "outside":  # raw head outputs
+def compare(ref: tuple, got: tuple, args) -> dict:
+    """Differences between the PyTorch reference and an export on one image (see `compare_detections`: a
+    detection tied with the cap or the threshold within --score_atol may be another one)."""
+    if args.decode == "outside":  # raw head outputs
         ref, got = [np.asarray(r) for r in ref], [np.asarray(g) for g in got]
         return {"max_abs_cls_logits": float(np.abs(ref[0] - got[0]).max()), "max_abs_box_deltas": float(np.abs(ref[1] - got[1]).max())}
-    return compare_detections(ref, got)
+    return compare_detections(ref, got, args.detections_per_image, args.score_thresh, args.score_atol)
 
 
 def passes(d: dict, args) -> bool:
@@ -210,7 +211,7 @@ def main(argv=None):
         else:
             ref = (out["cls_logits"].numpy(), out["box_deltas"].numpy())
         for name, run in runners.items():
-            diff = {"image": os.path.basename(path), "format": name, **compare(ref, run(x), args.decode)}
+            diff = {"image": os.path.basename(path), "format": name, **compare(ref, run(x), args)}
             diff["pass"] = passes(diff, args)
             ok &= diff["pass"]
             report.append(diff)
