@@ -343,8 +343,9 @@ def sample_detections(coco_gt: dict, results: list[dict], image_dir: str, image_
         display_thresh: detections with a lower score are not drawn.
     Returns:
         one dict per readable image, in `image_ids` order: {"image_id", "file_name", "image": [3, H, W] uint8
-        upright undrawn, "drawn": [3, H', W'] uint8 (`draw_sample`: resized up, with label and legend bands), "boxes": [N, 4] float32 xyxy upright pixels, "scores": [N],
-        "category_ids": [N] int64, "gt_boxes": [G, 4], "gt_category_ids": [G] int64, "gt_crowd": [G] bool}.
+        upright undrawn, "drawn": [3, H', W'] uint8 (`draw_sample`: resized up, with label and legend bands),
+        "boxes": [N, 4] float32 xyxy upright pixels of "image", "scores": [N], "category_ids": [N] int64,
+        "gt_boxes": [G, 4], "gt_category_ids": [G] int64, "gt_crowd": [G] bool}.
         Unreadable images are left out.
     """
     names = category_names or {c["id"]: str(c.get("name", c["id"])) for c in coco_gt["categories"]}
