@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inside: the graph returns boxes / scores / labels; outside: the raw head outputs")
     g.add_argument("--opset", type=int_at_least(18), default=18, help="ONNX opset version")
     g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05,
-                   help="lowest score the graph keeps (decode inside; the evaluation's default)")
+                   help="lowest score the graph keeps (decode inside; as in the evaluation)")
     g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5,
                    help="IoU of the graph's class-wise NMS (decode inside)")
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100,

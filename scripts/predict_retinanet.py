@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_size", type=int_at_least(32), help="default None: from model_config.json")
 
     g = p.add_argument_group("detection")
-    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05, help="lowest score kept (the evaluation's default)")
+    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05, help="lowest score kept (as in the evaluation)")
     g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5, help="IoU of class-wise NMS")
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")
 
