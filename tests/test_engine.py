@@ -433,6 +433,16 @@ def test_console_has_our_info_lines_and_only_the_warnings_of_other_libraries(tmp
         root.setLevel(saved[1])
 
 
+def test_every_script_logs_under_a_name_the_console_shows():
+    """A script's logger outside runtime.OWN_LOGGERS would have its INFO lines hidden like another library's."""
+    import re
+
+    from detlib.runtime import OWN_LOGGERS
+
+    names = {m for f in (REPO / "scripts").glob("*.py") for m in re.findall(r'getLogger\("([\w.]+)"\)', f.read_text())}
+    assert names and all(n.split(".")[0] in OWN_LOGGERS for n in names), names
+
+
 def test_offline_wandb_prints_nothing_of_its_own_unless_verbose(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from detlib.runtime import resolve_trackers
