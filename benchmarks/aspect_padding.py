@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from detlib.data import CocoDetection, collate_detection
+from detlib.flags import HelpFormatter
 from detlib.sampler import GroupedBatchSampler, aspect_groups
 from detlib.transforms import build_transform
 
@@ -31,11 +32,15 @@ def padding_fraction(ds, batches) -> float:
     return padded / total
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--image_size", type=int, default=600, help="longer image side in pixels, as --image_size of training")
+    p.add_argument("--batch_size", type=int, default=8, help="images per batch")
+    return p
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image_size", type=int, default=600)
-    p.add_argument("--batch_size", type=int, default=8)
-    args = p.parse_args()
+    args = build_parser().parse_args()
     ds = CocoDetection(str(SUBSET / "images"), str(SUBSET / "annotations" / "instances_train.json"),
                        build_transform(args.image_size, "none"), seed=0)
     groups = aspect_groups([r["size"] for r in ds.records])

@@ -19,6 +19,9 @@ import sys
 import tempfile
 import time
 
+from detlib.flags import HelpFormatter
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -45,12 +48,17 @@ def run_once(threads: str | None, steps: int, config: str) -> float:
         return time.perf_counter() - t0
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--steps", type=int, default=15, help="optimizer steps per run (at least 1)")
     p.add_argument("--threads", nargs="+", default=["unset", "1", "2"], help="values of OMP_NUM_THREADS ('unset')")
     p.add_argument("--config", default="cpu.yaml", help="accelerate config in accelerate_configs/")
     p.add_argument("--busy", type=int, default=0, help="busy-loop processes to start first (a shared machine)")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     args = p.parse_args()
     if args.steps < 1 or args.busy < 0:
         p.error("--steps must be >= 1 and --busy >= 0")

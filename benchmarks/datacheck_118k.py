@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from detlib.cococheck import check_coco  # noqa: E402
+from detlib.flags import HelpFormatter  # noqa: E402
 
 COCO_CATEGORY_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
 
@@ -46,12 +47,16 @@ def generate(path: str, num_images: int = 118_287, num_annotations: int = 860_00
         json.dump(data, f)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "detlib_coco118k.json"),
                    help="where the generated file is kept (reused when present)")
-    p.add_argument("--repeats", type=int, default=1)
-    args = p.parse_args(argv)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs; the medians are reported")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if not os.path.isfile(args.json):
         t = time.perf_counter()
         generate(args.json)

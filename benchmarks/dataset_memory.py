@@ -21,6 +21,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from detlib.flags import HelpFormatter  # noqa: E402  (no torch: the measured child imports what it measures)
 
 
 def _kib(field: str, path: str) -> int:
@@ -56,13 +57,17 @@ def measure(json_path: str, image_dir: str, compact: bool) -> dict:
     return {"images": len(ds), "dataset_mib": (after - before) / 1024, "worker_mib": worker["worker_kib"] / 1024}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--images", type=int, default=118_287)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--images", type=int, default=118_287, help="images in the generated json (COCO train2017's count)")
     p.add_argument("--variant", choices=["dicts", "arrays"], help=argparse.SUPPRESS)  # one measurement (child)
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--image_dir", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.variant:
         print(json.dumps(measure(args.json, args.image_dir, compact=args.variant == "arrays")))
         return

@@ -32,27 +32,33 @@ from detlib.coco_eval import CocoEvaluator, detections_to_coco
 from detlib.dashboard import log_evaluation_extras
 from detlib.data import CocoDetection, collate_detection
 from detlib.decode import decode_detections
+from detlib.flags import HelpFormatter
 from detlib.inference import load_retinanet
 from detlib.model import build_retinanet_from_config
 from detlib.runtime import init_trackers, make_accelerator
 from detlib.transforms import build_transform
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", help="trained weights (run folder, best/, last/, ...)")
-    p.add_argument("--untrained", metavar="BACKBONE", help="time an untrained model of this backbone instead")
-    p.add_argument("--fpn_channels", type=int, default=256)
-    p.add_argument("--image_size", type=int)
-    p.add_argument("--val_images", required=True)
-    p.add_argument("--val_annotations", required=True)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--score_thresh", type=float, default=0.05)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--weights", help="trained weights (run folder, best/, last/, ...; default: none, give it or --untrained)")
+    p.add_argument("--untrained", metavar="BACKBONE", help="time an untrained model of this backbone instead "
+                   "(default: none)")
+    p.add_argument("--fpn_channels", type=int, default=256, help="FPN width of the --untrained model")
+    p.add_argument("--image_size", type=int, help="evaluation size (default: the weights' training size, else 600)")
+    p.add_argument("--val_images", required=True, help="image folder of the validation set")
+    p.add_argument("--val_annotations", required=True, help="COCO json of the validation set")
+    p.add_argument("--batch_size", type=int, default=8, help="images per forward pass")
+    p.add_argument("--repeats", type=int, default=3, help="timed evaluations; medians are reported")
+    p.add_argument("--score_thresh", type=float, default=0.05, help="lowest score kept, as in training")
     p.add_argument("--output_dir", help="run folder for the extras (default: a temporary one)")
     p.add_argument("--sample_format", default="png", choices=["jpg", "png"], help="file format of the drawn samples")
-    p.add_argument("--out", default="benchmarks/eval_extras_time.json")
-    args = p.parse_args(argv)
+    p.add_argument("--out", default="benchmarks/eval_extras_time.json", help="where the timings are written")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")

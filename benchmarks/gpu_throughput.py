@@ -27,19 +27,26 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kit import Kit, build_model_pair  # noqa: E402
 
+from detlib.flags import HelpFormatter  # noqa: E402
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny CPU-sized run that checks the script works")
-    p.add_argument("--image_size", type=int, help="square input side (800; 64 with --quick)")
-    p.add_argument("--batch_sizes", type=int, nargs="+", help="candidates, tried in order until one does not fit")
-    p.add_argument("--steps", type=int, help="timed steps per measurement (10; 2 with --quick)")
+    p.add_argument("--image_size", type=int, help="square input side (default: 800; 64 with --quick)")
+    p.add_argument("--batch_sizes", type=int, nargs="+", help="candidates, tried in order until one does not fit "
+                   "(default: 8 16 32 64 128 256; 1 2 with --quick)")
+    p.add_argument("--steps", type=int, help="timed steps per measurement (default: 10; 2 with --quick)")
     p.add_argument("--deadline_s", type=float, default=330.0, help="skip the optional torch.compile stage after this")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", os.path.dirname(os.path.abspath(__file__))),
-                                                 "gpu_results.json"))
-    args = p.parse_args(argv)
+                                                 "gpu_results.json"), help="where the results are written ($OUT when set)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     args.image_size = args.image_size or (64 if args.quick else 800)
     args.batch_sizes = args.batch_sizes or ([1, 2] if args.quick else [8, 16, 32, 64, 128, 256])
     args.steps = args.steps or (2 if args.quick else 10)

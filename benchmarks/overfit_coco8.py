@@ -18,18 +18,24 @@ import tempfile
 import time
 from pathlib import Path
 
+from detlib.flags import HelpFormatter
+
 REPO = Path(__file__).resolve().parents[1]
 COCO = REPO.parent / "shared" / "data" / "coco_subset"
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps on the 8 images")
+    p.add_argument("--eval_every", type=int, default=100, help="steps between evaluations")
+    p.add_argument("--fpn_channels", type=int, default=64, help="FPN and head width")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--output_dir", default=None, help="run folder (default: a temporary one)")
+    return p
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--eval_every", type=int, default=100)
-    p.add_argument("--fpn_channels", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--output_dir", default=None)
-    args = p.parse_args()
+    args = build_parser().parse_args()
     if not (COCO / "annotations" / "instances_train.json").is_file():
         sys.exit(f"needs {COCO}")
 

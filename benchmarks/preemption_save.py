@@ -21,15 +21,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from detlib.flags import HelpFormatter
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--config", default="cpu.yaml", help="accelerate config in accelerate_configs/")
+    p.add_argument("--backbone", default="resnet50", help="timm backbone of the model checkpointed")
+    p.add_argument("--fpn_channels", default="256", help="FPN and head width")
+    return p
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="cpu.yaml")
-    p.add_argument("--backbone", default="resnet50")
-    p.add_argument("--fpn_channels", default="256")
-    args = p.parse_args()
+    args = build_parser().parse_args()
     out = Path(tempfile.mkdtemp(prefix="preempt_")) / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / args.config),
            str(REPO / "scripts" / "train_retinanet.py"), "--backbone", args.backbone, "--fpn_channels", args.fpn_channels,

@@ -37,6 +37,7 @@ from peers import COCO_IMAGES, COCO_TRAIN_JSON, coco_eval_inputs, head_output_ga
 
 from detlib.anchors import AnchorGenerator  # noqa: E402
 from detlib.coco_eval import STAT_NAMES, evaluate_coco  # noqa: E402
+from detlib.flags import HelpFormatter  # noqa: E402
 from detlib.matching import match_anchors  # noqa: E402
 
 BENCHMARKS = ("train_step", "inference", "assign_3000", "coco_eval", "data_pipeline")
@@ -45,20 +46,25 @@ GOALS = {"train_step": 0.8, "inference": 0.7, "assign_3000": 1.0, "coco_eval": 0
 GPU_IMAGES_PER_S = 100.0
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repeats (6-15 min on 2 CPU cores, by their load)")
-    p.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
+    p.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks (default: all)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for both sides (0: torch's default, one per core). 1 by default: "
                         "on a machine shared with other jobs, OpenMP barriers make multi-thread timings swing 3-10x")
     p.add_argument("--image_size", type=int, default=512, help="train / inference input side in pixels")
-    p.add_argument("--batch_size", type=int, default=2)
+    p.add_argument("--batch_size", type=int, default=2, help="images per train / inference step")
     p.add_argument("--coco_images", type=int, default=5000, help="images in the COCO evaluation benchmark")
     p.add_argument("--gpu_images_per_s", type=float, default=GPU_IMAGES_PER_S,
                    help="training throughput the data pipeline has to keep up with")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json"))
-    return p.parse_args(argv)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json"),
+                   help="where the results are written")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def alternate(fns: dict, warmup: int, repeats: int) -> dict[str, list[float]]:

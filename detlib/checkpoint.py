@@ -53,7 +53,8 @@ RNG_STATE_GLOBALS = [getattr(np, "_core", getattr(np, "core", None)).multiarray.
 class TrainState:
     """The run's own counters, saved with every checkpoint as `trainer_state.json`.
 
-    epoch: the epoch to run next (or the one in progress when `step_in_epoch` > 0).
+    epoch: the epochs done, = the 0-based index of the epoch to run next (or of the one in progress when
+        `step_in_epoch` > 0); checkpoints/epoch_NNNN has NNNN = epoch (detlib.engine.FIRST_EPOCH).
     step_in_epoch: optimizer steps already done in `epoch` (0 at an epoch boundary).
     global_step: optimizer steps done since the start of training (skipped non-finite steps included).
     best_metric: best validation metric so far (AP or accuracy), -1 before the first evaluation.

@@ -11,6 +11,7 @@ end-of-run summary that points at them.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -93,8 +94,9 @@ class Checkpointer:
             self.describe(folder, name)
 
     def keep_best(self, model, value: float, state: ckpt.TrainState, epoch: int) -> bool:
-        """Write best/ when `value` beats `state.best_metric` and the best/ on disk; raise `state.best_metric`
-        to it (a non-finite value changes nothing). Returns True when best/ was written."""
+        """Write best/ (best.json records `epoch`, the epoch number from 1) when `value` beats `state.best_metric`
+        and the best/ on disk; raise `state.best_metric` to it (a non-finite value changes nothing). Returns True
+        when best/ was written."""
         best = self.best_record()
         on_disk = float(best["value"]) if best else None
         improved = math.isfinite(value) and value > state.best_metric and (on_disk is None or value > on_disk)
@@ -127,16 +129,30 @@ def read_best_record(output_dir: str, metric: str) -> dict | None:
 def summary_lines(output_dir: str, metrics_path: str, metric: str, elapsed_s: float, global_step: int,
                   skipped_steps: int, best_metric: float, best: dict | None, final: float | None,
                   images_seen: float) -> list[str]:
-    """The end-of-run summary: time and steps; best `metric` (with best/'s epoch and step when `best` is its
-    record) and the `final` one; where the weights, checkpoints, metrics and the evaluation's files are; the
-    mean throughput over `images_seen` images (all processes), when any were logged."""
+    """The end-of-run summary: where the weights, checkpoints, metrics, the evaluation's files and the trackers'
+    are (only those that exist), the mean throughput over `images_seen` images (all processes) when any were logged, and last, the
+    verdict: time, steps, best `metric` (with best/'s epoch and step when `best` is its record) and the `final` one."""
     out = output_dir
-    lines = [f"run finished in {elapsed_s / 60:.1f} min: {global_step} steps, {skipped_steps} skipped",
-             f"best {metric} {best_metric:.4f}" + (f" (epoch {best['epoch']}, step {best['step']})" if best else "")
-             + (f", final {metric} {final:.4f}" if final is not None else ""),
-             f"weights: {out}/best/ (best), {out}/last/ (final); checkpoints: {ckpt.checkpoint_dir(out)}",
-             f"metrics: {metrics_path}; predictions, plots, samples: {out}/predictions_val.*, {out}/plots/, "
-             f"{out}/samples/"]
+
+    def existing(*names: str) -> list[str]:
+        return [os.path.join(out, n) + ("/" if os.path.isdir(os.path.join(out, n)) else "") for n in names
+                if os.path.exists(os.path.join(out, n))]
+
+    weights = [f"{p} (best)" for p in existing("best")] + [f"{p} (final)" for p in existing("last")]
+    lines = []
+    if weights or os.path.isdir(ckpt.checkpoint_dir(out)):
+        lines.append("weights: " + (", ".join(weights) or "none") + (f"; checkpoints: {ckpt.checkpoint_dir(out)}"
+                                                                     if os.path.isdir(ckpt.checkpoint_dir(out)) else ""))
+    evaluation = existing("predictions_val.json", "predictions_val.csv", "plots", "samples")
+    lines.append(f"metrics: {metrics_path}" + (f"; evaluation: {', '.join(evaluation)}" if evaluation else ""))
+    trackers = ([f"tensorboard --logdir {os.path.join(out, 'tensorboard')}"] if os.path.isdir(os.path.join(out, "tensorboard"))
+                else []) + ([f"wandb sync {os.path.join(out, 'wandb', 'offline-run-*')} (offline run)"]
+                            if glob.glob(os.path.join(out, "wandb", "offline-run-*")) else [])
+    if trackers:
+        lines.append("trackers: " + "; ".join(trackers))
     if images_seen:
         lines.append(f"mean throughput {images_seen / elapsed_s:.1f} images/s (all processes)")
+    lines.append(f"run finished in {elapsed_s / 60:.1f} min: {global_step} steps, {skipped_steps} skipped; "
+                 f"best {metric} {best_metric:.4f}" + (f" (epoch {best['epoch']}, step {best['step']})" if best else "")
+                 + (f", final {metric} {final:.4f}" if final is not None else ""))
     return lines

@@ -23,6 +23,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
 
 from PIL import Image
 
@@ -88,10 +89,12 @@ class DataReport:
         """True when nothing stops the run."""
         return not self.errors
 
-    def format(self, title: str = "data check") -> str:
-        """The report as text: one line per split summary, then findings by level and kind."""
+    def format(self, title: str = "data check", notes: Iterable[str] = ()) -> str:
+        """The report as text: one line per split summary, then findings by level and kind, then `notes` (what
+        was done about it, e.g. a repaired file written), and last the verdict line
+        "{title}: N errors, N repairs, N warnings"."""
         counts = Counter(f.level for f in self.findings)
-        lines = [f"{title}: {counts['error']} errors, {counts['repair']} repairs, {counts['warning']} warnings"]
+        lines = [f"{title}:"]
         for split, s in self.summaries.items():
             lines.append(f"  {split}: " + ", ".join(f"{k} {v}" for k, v in s.items()))
         for level in LEVELS:
@@ -99,6 +102,8 @@ class DataReport:
             if group:
                 lines.append(f"  {level}s:")
                 lines.extend("    " + f.line() for f in group)
+        lines.extend(f"  {n}" for n in notes)
+        lines.append(f"{title}: {counts['error']} errors, {counts['repair']} repairs, {counts['warning']} warnings")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

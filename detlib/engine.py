@@ -47,13 +47,11 @@ import sys
 import time
 
 import torch
-import yaml
 
 from . import checkpoint as ckpt
 from .checkpointer import Checkpointer, summary_lines
 from .collectives import broadcast_object, min_over_processes
 from .flags import EVALUATE_ONLY_SUBDIR
-from .logtext import shorten_lists
 from .resume import ResumeError, restore, run_length, set_tracker_offset
 from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
                      release_lock, stop_dataloader_workers, write_run_status)
@@ -65,6 +63,13 @@ from .weights import load_model_weights
 logger = logging.getLogger("detlib.engine")
 
 EVAL_POLL_EVERY = 10  # evaluation batches between preemption checks
+FIRST_EPOCH = 1
+"""Epoch numbering, one rule for everything a user reads: epochs count from FIRST_EPOCH = 1. Epoch N is the N-th
+pass over the training data: its log lines say "epoch N", its train and evaluation lines in metrics.jsonl have
+"epoch": N, its evaluation writes plots/epoch_NNNN/ and samples/epoch_NNNN/, best/best.json records N, and
+checkpoints/epoch_NNNN/ is written after it (N epochs done; `TrainState.epoch` = N). Inside the loop `Run.epoch`
+is the 0-based index of the running epoch (the sampler's and the augmentation's seed), so the number shown is
+`Run.epoch_number` = `Run.epoch + FIRST_EPOCH`."""
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -87,7 +92,7 @@ class Run:
             args.output_dir = os.path.join(args.output_dir, EVALUATE_ONLY_SUBDIR)
         self.output_dir = args.output_dir
         self.accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
-                                            self.output_dir, seed=args.seed)
+                                            self.output_dir, seed=args.seed, verbose=args.verbose)
         self.state = ckpt.TrainState()
         self.config: dict = {}
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, metric, args.checkpoint_total_limit,
@@ -110,7 +115,7 @@ class Run:
             if self.accelerator.is_main_process:  # a folder that holds or runs another run is a refusal, not a fault
                 print(f"{'stopped' if isinstance(error, Refusal) else 'error'}: {error}", file=sys.stderr, flush=True)
             raise SystemExit(1)
-        setup_logging(self.output_dir, self.accelerator.is_main_process)
+        setup_logging(self.output_dir, self.accelerator.is_main_process, verbose=args.verbose)
         atexit.register(self._close_at_exit)
         self.signals.install()
         log_run_setup(self.accelerator)
@@ -137,14 +142,16 @@ class Run:
         self._status_written = True
         write_run_status(self.output_dir, code, message, global_step=self.state.global_step, epoch=self.state.epoch)
 
-    def save_config(self, config: dict, model_config: dict) -> None:
+    def save_config(self, config: dict, model_config: dict, given: str = "") -> None:
         """Keep the resolved config (written to config.yaml, passed to the trackers) and the model's
-        description (written beside every weights file so evaluation and predict rebuild the model)."""
+        description (written beside every weights file so evaluation and predict rebuild the model). The log
+        gets one line: `given` (the flags the user set, as a command line: `detlib.flags.format_given`), the
+        rest being the defaults, all of it in config.yaml."""
         self.config, self.checkpointer.model_config = config, model_config
         if self.accelerator.is_main_process:
             save_config(config, self.output_dir)
-            logger.info("config (also in %s):\n%s", os.path.join(self.output_dir, "config.yaml"),
-                        yaml.safe_dump(shorten_lists(config), sort_keys=False).rstrip())
+            logger.info("config: %s; all %d settings in %s", f"the defaults and {given}" if given else "the defaults",
+                        len(config), os.path.join(self.output_dir, "config.yaml"))
 
     def load_weights(self, model: torch.nn.Module, path: str) -> str:
         """Load `--evaluate_only` weights into the bare model; any failure is one line and exit 1."""
@@ -223,10 +230,15 @@ class Run:
         self.progress = tqdm(total=self.total_steps, initial=st.global_step, desc="train",
                              disable=not acc.is_local_main_process)
         if not st.eval_pending and (st.epoch >= args.epochs or st.global_step >= self.total_steps):
-            logger.warning("nothing left to train: the run is at epoch %d of %d, step %d of %d; pass a larger --epochs "
-                           "to train on", st.epoch, args.epochs, st.global_step, self.total_steps)
+            logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger "
+                           "--epochs to train on", st.epoch, args.epochs, st.global_step, self.total_steps)
 
     # ---- the epoch loop
+    @property
+    def epoch_number(self) -> int:
+        """The running epoch as users read it (see FIRST_EPOCH): 1 for the first."""
+        return self.epoch + FIRST_EPOCH
+
     def next_epoch(self) -> bool:
         """True while there is an epoch to train (or an interrupted evaluation to redo); sets `self.epoch`."""
         st = self.state
@@ -294,7 +306,7 @@ class Run:
         if diverged:
             last = ckpt.list_checkpoints(self.output_dir) if acc.is_main_process else []
             self.fail(f"training diverged: {self.guard.streak} non-finite steps in a row up to step {st.global_step} "
-                      f"(epoch {self.epoch}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
+                      f"(epoch {self.epoch_number}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
                       f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --lr "
                       "or --max_grad_norm", EXIT_DIVERGED)
         if args.checkpoint_steps and st.global_step % args.checkpoint_steps == 0:
@@ -307,7 +319,7 @@ class Run:
     def _log_window(self, lr: float) -> None:
         """One train line: means over the images since the last line, over all processes."""
         st = self.state
-        window = self.guard.window_line({"epoch": self.epoch, "step": st.global_step}, lr, st.skipped_steps,
+        window = self.guard.window_line({"epoch": self.epoch_number, "step": st.global_step}, lr, st.skipped_steps,
                                         self.optimizer.param_groups)
         if window is None:
             return
@@ -332,7 +344,7 @@ class Run:
             self._epoch_sums.zero_()
             if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 scheduler.step(mean_loss)
-        logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", self.epoch, mean_loss,
+        logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", self.epoch_number, mean_loss,
                     self.optimizer.param_groups[0]["lr"], st.skipped_steps)
         return mean_loss
 
@@ -349,11 +361,11 @@ class Run:
         the best/ on disk included (so a resume from an older checkpoint never replaces it with a worse
         model). Returns True when best/ was written."""
         st, value = self.state, float(stats[self.metric])
-        line = {"epoch": self.epoch, "step": st.global_step, **stats, **(extra or {})}
+        line = {"epoch": self.epoch_number, "step": st.global_step, **stats, **(extra or {})}
         self.metrics.log(line, step=st.global_step, tracker_epoch=self.epoch + 1)
         self.last_stats, self.last_evaluation = stats, line
         st.eval_pending = False
-        return self.checkpointer.keep_best(model, value, st, self.epoch)
+        return self.checkpointer.keep_best(model, value, st, self.epoch_number)
 
     def checkpoint_if_due(self, model) -> None:
         """The epoch-end checkpoint, every `--checkpoint_interval` epochs, at the end, and when a step
@@ -385,7 +397,7 @@ class Run:
             self.state.eval_pending = True
         t = time.time()
         path = self.save_checkpoint(model)
-        where = f"in the evaluation after epoch {self.epoch}" if batch_index is not None else f"in epoch {self.epoch}"
+        where = f"in the evaluation after epoch {self.epoch_number}" if batch_index is not None else f"in epoch {self.epoch_number}"
         self.fail(f"preempted by {name} at step {self.state.global_step} ({where}): checkpoint {path} "
                   f"written in {time.time() - t:.1f} s; to continue, run the same command with --resume_from_checkpoint "
                   f"latest (exit code {EXIT_PREEMPTED})", EXIT_PREEMPTED)
@@ -396,6 +408,8 @@ class Run:
         trackers' own end-of-run lines, so the summary is the last thing the run prints)."""
         st = self.state
         lines = None
+        if self.progress is not None:  # its last line before the summary, which ends with the verdict
+            self.progress.close()
         if model is not None and not self.evaluate_only:
             self.checkpointer.save_weights(model, "last", st.global_step)
             elapsed = time.time() - self.t_start

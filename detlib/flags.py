@@ -24,12 +24,16 @@ import copy
 import difflib
 import math
 import os
+import shlex
 import sys
 from typing import NoReturn
 
 import yaml
 
-from .runtime import REPORT_TO
+REPORT_TO = ("wandb", "tensorboard", "all", "none")
+# The default tracker: TensorBoard writes OUTPUT_DIR/tensorboard on this machine, needs no account and prints
+# nothing; wandb (an account, or offline files to sync later) is there when asked (`--report_to wandb`).
+DEFAULT_REPORT_TO = "tensorboard"
 
 GROUPS = ("data", "model", "optimization", "evaluation", "checkpointing", "logging")
 # Keys both scripts' `main` write to config.yaml beside the flags: what the run found, not what it was told.
@@ -101,21 +105,24 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g.add_argument("--epochs", type=int_at_least(1), help="epochs to train")
     g.add_argument("--max_steps", type=int_at_least(0), default=0, help="stop after this many optimizer steps (0: no limit)")
     g.add_argument("--per_device_batch_size", type=int_at_least(1), help="images per device and step")
-    g.add_argument("--gradient_accumulation_steps", type=int_at_least(1), default=1)
-    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    g.add_argument("--gradient_accumulation_steps", type=int_at_least(1), default=1,
+                   help="micro-batches per optimizer step (the step's batch grows by this factor)")
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="AdamW, or SGD with --momentum")
     g.add_argument("--momentum", type=float_range(0, 1), default=0.9, help="SGD momentum")
     g.add_argument("--max_grad_norm", type=float_range(0), help="gradient clipping norm (0: off)")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights' initialisation, the data order and the "
+                   "augmentation")
     g.add_argument("--max_nonfinite_steps", type=int_at_least(1), default=5,
                    help="stop after this many non-finite optimizer steps in a row, each skipped")
     g = groups["evaluation"]
     g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last")
-    g.add_argument("--per_device_eval_batch_size", type=int_at_least(1))
+    g.add_argument("--per_device_eval_batch_size", type=int_at_least(1), help="images per device and evaluation batch")
     g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a run folder, best/, last/, a checkpoint folder "
                    "or a model.safetensors and exit (results in OUTPUT_DIR/evaluate_only/; default: train)")
     g = groups["checkpointing"]
-    g.add_argument("--output_dir")
+    g.add_argument("--output_dir", help="the run folder (config.yaml, train.log, metrics.jsonl, checkpoints/, best/, "
+                   "last/, ...)")
     g.add_argument("--checkpoint_total_limit", type=int_at_least(0), default=2,
                    help="keep the newest N checkpoints, epoch and step ones together (0: all)")
     g.add_argument("--checkpoint_interval", type=int_at_least(1), default=1, help="checkpoint every N epochs and at the end")
@@ -126,10 +133,15 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g.add_argument("--overwrite_output_dir", action="store_true",
                    help="start a new run in a folder that holds another run, deleting its checkpoints, best/, last/ and logs")
     g = groups["logging"]
-    g.add_argument("--report_to", default="wandb", choices=REPORT_TO)
+    g.add_argument("--report_to", default=DEFAULT_REPORT_TO, choices=REPORT_TO,
+                   help="trackers: tensorboard writes OUTPUT_DIR/tensorboard (no account, nothing printed); wandb "
+                        "needs an account or logs offline to OUTPUT_DIR/wandb; metrics.jsonl and plots/ are written "
+                        "either way")
     g.add_argument("--project", help="tracker project name")
     g.add_argument("--run_name", help="tracker run name (default: the name of OUTPUT_DIR)")
     g.add_argument("--log_interval", type=int_at_least(1), help="optimizer steps between train log lines")
+    g.add_argument("--verbose", action="store_true", help="also the INFO lines of the libraries (accelerate, wandb, "
+                   "the COCO evaluation) on the console and in train.log")
     p.set_defaults(**defaults)
     return p, groups
 
@@ -198,9 +210,53 @@ def parse_with_config(p: argparse.ArgumentParser, argv: list[str] | None = None,
     return p.parse_args(argv)
 
 
-def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, ...] = ()) -> dict:
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET = _Unset()
+
+
+def given_flags(p: argparse.ArgumentParser, argv: list[str] | None = None, record_keys: tuple[str, ...] = ()) -> set[str]:
+    """The flags the user chose: given on the command line (`argv`, default sys.argv[1:]) or in its --config file,
+    whatever their value (`--epochs 30` is given even where 30 is the default). Call after `parse_with_config`
+    has accepted the same `argv` (this parse prints nothing)."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config")
+    known, _ = first.parse_known_args(argv)
+    from_file = set(read_config(p, known.config, record_keys, notes=False)) if known.config else set()
+    # argparse sets a default only where the namespace has no value yet: what keeps the marker was not given
+    ns = argparse.Namespace(**{a.dest: _UNSET for a in p._actions if a.dest != "help"})
+    p.parse_args(argv, namespace=ns)
+    return {k for k, v in vars(ns).items() if v is not _UNSET and k != "config"} | from_file
+
+
+def format_given(p: argparse.ArgumentParser, config: dict, given: set[str]) -> str:
+    """The values in `config` of the `given` flags as a command line (`--epochs 2 --no-aspect_grouping --lr_steps 8
+    11`), in `config`'s order; "" when none is given."""
+    actions = {a.dest: a for a in p._actions if a.option_strings}
+    parts = []
+    for key, value in config.items():
+        action = actions.get(key)
+        if key not in given or action is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            parts.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:  # store_true
+            parts.append(flag if value else "")
+        elif isinstance(value, (list, tuple)):
+            parts.append(" ".join([flag, *(shlex.quote(str(v)) for v in value)]))
+        else:
+            parts.append(f"{flag} {shlex.quote(str(value))}")
+    return " ".join(x for x in parts if x)
+
+
+def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, ...] = (), notes: bool = True) -> dict:
     """The flag values of a --config file, each checked and converted as the flag's own type and choices do it
-    (so `lr: 1e-4`, which YAML reads as a string, is the number 1e-4). Exits as `parse_with_config` says."""
+    (so `lr: 1e-4`, which YAML reads as a string, is the number 1e-4). Exits as `parse_with_config` says.
+    `notes`: print the note on folder actions that are not applied from a file."""
     def fail(message: str):
         p.exit(2, f"{p.prog}: error: --config {path}: {message}\n")
 
@@ -220,7 +276,7 @@ def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, .
         if key in ignored:
             continue
         if key in FOLDER_ACTION_KEYS:
-            if value and _first_process():
+            if value and notes and _first_process():
                 print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
                       "command line)", file=sys.stderr, flush=True)
             continue

@@ -311,7 +311,7 @@ def prediction_parser(description: str, batch_size: int) -> tuple[argparse.Argum
     """The parser of a predict script with the flags every one reads (`start_prediction`, the file loop), and its
     groups {"data", "model", "output"} for the script's own flags. Data: `--no_exif_transpose`, `--batch_size`
     (images per process and forward pass), `--num_workers`; model: `--weights`, `--mixed_precision`, `--cpu`;
-    output: `--output_dir`. `--help` shows every default."""
+    output: `--output_dir`, `--verbose`. `--help` shows every default."""
     from .flags import HelpFormatter, int_at_least
 
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
@@ -326,6 +326,7 @@ def prediction_parser(description: str, batch_size: int) -> tuple[argparse.Argum
                                  help="precision of the forward pass (default None: the accelerate config's)")
     groups["model"].add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
     groups["output"].add_argument("--output_dir", required=True, help="where the predictions and predict.log go")
+    groups["output"].add_argument("--verbose", action="store_true", help="also the INFO lines of the libraries")
     return p, groups
 
 
@@ -346,12 +347,13 @@ def earlier_outputs(output_dir: str, folders: tuple[str, ...]) -> str | None:
 
 def start_prediction(args):
     """The Accelerator of a predict script (CPU or GPU, any number of processes) and its log,
-    `OUTPUT_DIR/predict.log` on the main process. Reads `args.output_dir`, `args.mixed_precision`, `args.cpu`."""
+    `OUTPUT_DIR/predict.log` on the main process. Reads `args.output_dir`, `args.mixed_precision`, `args.cpu`,
+    `args.verbose`."""
     from .runtime import make_accelerator, setup_logging
 
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator = make_accelerator(args.mixed_precision, 1, "none", args.output_dir, cpu=args.cpu)
-    setup_logging(args.output_dir, accelerator.is_main_process, filename="predict.log")
+    setup_logging(args.output_dir, accelerator.is_main_process, filename="predict.log", verbose=args.verbose)
     return accelerator
 
 

@@ -137,7 +137,7 @@ def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | 
             logger.warning("%s", line)
         if moved and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             set_position(scheduler, state.global_step)
-        logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", resume, state.epoch,
+        logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", resume, state.epoch + 1,
                     state.step_in_epoch, state.global_step, optimizer.param_groups[0]["lr"])
     state.num_processes, state.steps_per_epoch = num_processes, steps_per_epoch
     state.samples_per_step = samples_per_step
@@ -208,7 +208,7 @@ def convert_position(state: TrainState, saved: TrainState, num_processes: int, s
         "the checkpoint was written by %s process(es) at %s samples per step (%d steps per epoch); this run has %d "
         "at %d (%d steps per epoch): epoch %d step %d -> step %d, global step %d -> %d, so the LR schedule keeps its "
         "position in samples seen.%s", saved.num_processes, saved.samples_per_step, old_spe,
-        num_processes, samples_per_step, steps_per_epoch, saved.epoch,
+        num_processes, samples_per_step, steps_per_epoch, saved.epoch + 1,  # the epoch it was in, from 1
         saved.step_in_epoch, state.step_in_epoch, saved.global_step, state.global_step,
         " The rest of this epoch is read in the new process count's order (some of its images may be seen twice "
         "or not at all); later epochs are exact." if saved.step_in_epoch else "")

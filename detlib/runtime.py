@@ -22,13 +22,20 @@ import uuid
 import torch
 import yaml
 
+from .flags import REPORT_TO
+
 logger = logging.getLogger("detlib")
 
-REPORT_TO = ("wandb", "tensorboard", "all", "none")
+# The loggers whose INFO lines are the run's story: detlib's and its scripts'. Every other library logs at WARNING
+# and above unless --verbose (onnxscript writes 80 "initializer_deduplication" lines per export, accelerate and
+# faster-coco-eval one per checkpoint or evaluation).
+OWN_LOGGERS = ("detlib", "train_retinanet", "train_catsdogs", "predict_retinanet", "predict_catsdogs",
+               "export_retinanet", "check_dataset", "convert_weights")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: int, report_to: str,
-                     output_dir: str, cpu: bool = False, seed: int = 0):
+                     output_dir: str, cpu: bool = False, seed: int = 0, verbose: bool = False):
     """An `Accelerator` with the settings both scripts share.
 
     * On a machine without CUDA it runs on the CPU; launched with 2+ processes (e.g.
@@ -36,11 +43,12 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
     * Samplers are seedable: the shuffle order of epoch e is a function of (seed, e) on every rank, so
       epochs differ, shards stay disjoint and a resumed run sees the same order.
     * `mixed_precision=None` takes the value of the accelerate config / `accelerate launch` flags.
+    * An offline wandb prints nothing of its own unless `verbose` (see `resolve_trackers`).
     """
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 
-    log_with = resolve_trackers(report_to)
+    log_with = resolve_trackers(report_to, verbose)
     accelerator = Accelerator(
         cpu=cpu or not torch.cuda.is_available(),
         mixed_precision=mixed_precision,
@@ -85,11 +93,12 @@ def log_run_setup(accelerator) -> None:
                        "(bf16 autocasts on CPUs)", accelerator.mixed_precision, accelerator.device.type)
 
 
-def resolve_trackers(report_to: str) -> list[str]:
+def resolve_trackers(report_to: str, verbose: bool = False) -> list[str]:
     """Tracker names for `--report_to`; a tracker whose package is missing is dropped with a warning.
 
     wandb runs offline (WANDB_MODE=offline) when no credentials are set, so a run never stalls at a login
-    prompt; `wandb sync output_dir/wandb/offline-run-*` uploads it later.
+    prompt; `wandb sync output_dir/wandb/offline-run-*` uploads it later. Offline it says nothing on the console
+    (WANDB_SILENT, unless set or `verbose`): the run's own log line says where it went and how to upload it.
 
     Raises:
         ValueError: for an unknown name.
@@ -112,6 +121,8 @@ def resolve_trackers(report_to: str) -> list[str]:
             continue
         if name == "wandb" and "WANDB_MODE" not in os.environ and not wandb_has_credentials():
             os.environ["WANDB_MODE"] = "offline"
+        if name == "wandb" and os.environ.get("WANDB_MODE") == "offline" and not verbose:
+            os.environ.setdefault("WANDB_SILENT", "true")
         out.append(name)
     return out
 
@@ -210,12 +221,27 @@ def flat_config(config: dict) -> dict:
     return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in config.items()}
 
 
-def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log") -> None:
-    """Log INFO to the console and `output_dir/train.log` on the main process, WARNING elsewhere."""
+def set_log_levels(is_main: bool = True, verbose: bool = False) -> None:
+    """INFO from OWN_LOGGERS on the main process, WARNING and above from everyone else (other processes, other
+    libraries); `verbose`: INFO from every library too."""
+    logging.getLogger().setLevel(logging.INFO if is_main and verbose else logging.WARNING)
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO if is_main else logging.WARNING)
+
+
+def setup_console_logging(verbose: bool = False) -> None:
+    """The console log of a one-process tool (export, data check): our INFO lines, the libraries' with `verbose`."""
+    logging.basicConfig(format=LOG_FORMAT, force=True)
+    set_log_levels(True, verbose)
+
+
+def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log", verbose: bool = False) -> None:
+    """Log to the console and `output_dir/train.log` on the main process (levels: `set_log_levels`); the other
+    processes print warnings and errors only."""
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    fmt = logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S")
     console = logging.StreamHandler(sys.stdout if is_main else sys.stderr)
     console.setFormatter(fmt)
     # a record logged with extra={"console": False} goes to train.log only (its text is printed elsewhere)
@@ -226,10 +252,7 @@ def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log") -
         fh = logging.FileHandler(os.path.join(output_dir, filename))
         fh.setFormatter(fmt)
         root.addHandler(fh)
-    root.setLevel(logging.INFO if is_main else logging.WARNING)
-    for noisy in ("PIL", "urllib3", "matplotlib", "git", "filelock", "accelerate.checkpointing", "accelerate.accelerator",
-                  "timm.models._helpers", "faster_coco_eval"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    set_log_levels(is_main, verbose)
 
 
 def save_config(config: dict, output_dir: str) -> None:

@@ -204,20 +204,27 @@ def _text_size(draw, text: str, font) -> tuple[int, int]:
     return int(math.ceil(x2)), int(math.ceil(y2))
 
 
-def _draw_label(draw, box, text: str, color, font, pad: int, image_w: int, image_h: int, top: int = 0) -> None:
-    """The label on a filled tag just above the box, outside it (below the box when there is no room above it,
-    inside its top edge only when neither fits), kept within the image width."""
-    tw, th = _text_size(draw, text, font)
-    w, h = tw + 2 * pad, th + 2 * pad
+def _place_label(box, w: int, h: int, image_w: int, image_h: int, top: int, taken: list) -> tuple[float, float]:
+    """Where a w x h label tag goes: just above the box, outside it, or else just below it; of those within the
+    image the first that overlaps no tag placed before (`taken`, higher scores first), else the first within the
+    image; inside the box's top edge only when neither fits. Kept within the image width."""
     x1, y1, x2, y2 = (float(v) for v in box)
-    if y1 - 1 - h >= top:
-        ty = y1 - 1 - h
-    elif y2 + 1 + h <= image_h:
-        ty = y2 + 1
-    else:
-        ty = max(top, y1)
     tx = min(max(0.0, x1 - 1), max(0.0, image_w - w))
-    draw.rectangle((tx, ty, tx + w, ty + h), fill=color, outline=OUTLINE_COLOR, width=1)
+    fits = [ty for ty in (y1 - 1 - h, y2 + 1) if ty >= top and ty + h <= image_h]
+
+    def free(ty):
+        return not any(tx < a2 and a1 < tx + w and ty < b2 and b1 < ty + h for a1, b1, a2, b2 in taken)
+
+    ty = next((ty for ty in fits if free(ty)), fits[0] if fits else max(top, y1))
+    taken.append((tx, ty, tx + w, ty + h))
+    return tx, ty
+
+
+def _draw_label(draw, xy: tuple[float, float], text: str, color, font, pad: int) -> None:
+    """The label on a tag of the box's colour at `xy`, its text black or white, whichever reads on the colour."""
+    tw, th = _text_size(draw, text, font)
+    tx, ty = xy
+    draw.rectangle((tx, ty, tx + tw + 2 * pad, ty + th + 2 * pad), fill=color, outline=OUTLINE_COLOR, width=1)
     luminance = 0.299 * color[0] + 0.587 * color[1] + 0.114 * color[2]  # ITU-R BT.601
     draw.text((tx + pad, ty + pad), text, fill=(0, 0, 0) if luminance > 140 else (255, 255, 255), font=font)
 
@@ -231,9 +238,14 @@ def _draw_all(pil: Image.Image, boxes: torch.Tensor, labels: Sequence[str], colo
     for i in order:
         _draw_box(draw, boxes[i].tolist(), colors[i], width, dashed=False)
     pad = max(1, font.size // 6) if hasattr(font, "size") else 2
+    taken: list = []
+    spots = []
+    for i in range(len(boxes)):  # the highest scores choose their place first
+        tw, th = _text_size(draw, labels[i], font)
+        spots.append(_place_label(boxes[i].tolist(), tw + 2 * pad, th + 2 * pad, pil.width,
+                                  image_h if image_h is not None else pil.height, top, taken))
     for i in order:  # tags after every box: no line crosses a label
-        _draw_label(draw, boxes[i].tolist(), labels[i], colors[i], font, pad, pil.width,
-                    image_h if image_h is not None else pil.height, top)
+        _draw_label(draw, spots[i], labels[i], colors[i], font, pad)
 
 
 def draw_detections(image: torch.Tensor, boxes: torch.Tensor, labels: Sequence[str], colors: Sequence[tuple[int, int, int]],
@@ -331,8 +343,9 @@ def sample_detections(coco_gt: dict, results: list[dict], image_dir: str, image_
         display_thresh: detections with a lower score are not drawn.
     Returns:
         one dict per readable image, in `image_ids` order: {"image_id", "file_name", "image": [3, H, W] uint8
-        upright undrawn, "drawn": [3, H', W'] uint8 (`draw_sample`: resized up, with label and legend bands), "boxes": [N, 4] float32 xyxy upright pixels, "scores": [N],
-        "category_ids": [N] int64, "gt_boxes": [G, 4], "gt_category_ids": [G] int64, "gt_crowd": [G] bool}.
+        upright undrawn, "drawn": [3, H', W'] uint8 (`draw_sample`: resized up, with label and legend bands),
+        "boxes": [N, 4] float32 xyxy upright pixels of "image", "scores": [N], "category_ids": [N] int64,
+        "gt_boxes": [G, 4], "gt_category_ids": [G] int64, "gt_crowd": [G] bool}.
         Unreadable images are left out.
     """
     names = category_names or {c["id"]: str(c.get("name", c["id"])) for c in coco_gt["categories"]}

@@ -29,15 +29,19 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from detlib.cococheck import check_coco, check_learnable, check_train_val  # noqa: E402
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
+from detlib.flags import HelpFormatter  # noqa: E402
 from detlib.formats import FORMATS, data_dir_paths, read_data_dir_splits  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("COCO-format data")
-    g.add_argument("--annotations", metavar="FILE", help="COCO json (the training set when --val_annotations is given)")
-    g.add_argument("--images", metavar="DIR", help="folder of the images' file_name")
-    g.add_argument("--val_annotations", metavar="FILE")
+    g.add_argument("--annotations", metavar="FILE", help="COCO json (the training set when --val_annotations is given; "
+                   "default: none, give it or --image_folder)")
+    g.add_argument("--images", metavar="DIR", help="folder of the images' file_name (default: none; needed to check "
+                   "the image files)")
+    g.add_argument("--val_annotations", metavar="FILE", help="COCO json of the validation set, checked against "
+                   "--annotations (default: none)")
     g.add_argument("--val_images", metavar="DIR", help="default: --images")
     g.add_argument("--data_dir", metavar="ROOT", help="a data set root instead: COCO (annotations/instances_{set}.json), "
                    "VOC (Annotations/, JPEGImages/, ImageSets/Main/{set}.txt) or YOLO (data.yaml); its train and val "
@@ -46,21 +50,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--train_set", help="--data_dir's training split (default train2017 for COCO, train for VOC / YOLO)")
     g.add_argument("--val_set", help="--data_dir's validation split (default val2017 for COCO, val for VOC / YOLO)")
     g.add_argument("--write_fixed", metavar="OUT", help="write the repaired --annotations json (--data_dir: its training "
-                   "split as COCO json) here (not on errors)")
+                   "split as COCO json) here (not on errors; default: not written)")
     g.add_argument("--write_fixed_val", metavar="OUT", help="write the repaired --val_annotations json (--data_dir: its "
-                   "val split) here")
+                   "val split) here (default: not written)")
     g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files")
     g.add_argument("--max_image_pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help="images with more pixels are errors (PIL's decompression-bomb limit; 0: no limit)")
     g.add_argument("--num_workers", type=int, help="processes reading image headers (default: CPU count, at most 8)")
     g = p.add_argument_group("ImageFolder data")
-    g.add_argument("--image_folder", metavar="DIR", help="ImageFolder root: DIR/<class>/<image>")
-    g.add_argument("--val_image_folder", metavar="DIR")
+    g.add_argument("--image_folder", metavar="DIR", help="ImageFolder root: DIR/<class>/<image> (default: none, give "
+                   "it or --annotations)")
+    g.add_argument("--val_image_folder", metavar="DIR", help="validation ImageFolder with the same class folders "
+                   "(default: none)")
     g.add_argument("--verify", default="header", choices=["full", "header", "none"],
                    help="full decode (finds truncated files), header only, or no file check")
     g = p.add_argument_group("both")
     g.add_argument("--strict", action="store_true", help="repairs count as errors")
-    g.add_argument("--report_json", metavar="OUT", help="also write the report as json (as data_report.json)")
+    g.add_argument("--report_json", metavar="OUT", help="also write the report as json, as data_report.json (default: "
+                   "not written)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if sum(map(bool, (args.annotations, args.data_dir, args.image_folder))) != 1:
         p.error("give --annotations (COCO json), --data_dir (a COCO, VOC or YOLO root) or --image_folder (ImageFolder)")
@@ -154,9 +166,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     title = "image folder check" if args.image_folder else f"{(args.data_format or 'coco').upper()} data check"
-    print(report.format(title))
-    for line in notes:
-        print(line)
+    print(report.format(title, notes))
     if args.report_json:
         report.write(args.report_json)
     return 0 if report.ok else 1

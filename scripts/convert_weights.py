@@ -28,6 +28,7 @@ import sys
 
 from safetensors.torch import save_file
 
+from detlib.flags import HelpFormatter
 from detlib.model import build_retinanet_from_config
 from detlib.modelcard import detector_card, write_card
 from detlib.torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories, torchvision_model_config,
@@ -39,15 +40,19 @@ from detlib.weights import load_state_dict_file
 TORCHVISION_BOX_AP = {"v1": 36.4, "v2": 41.5}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--from", dest="source_kind", required=True, choices=["torchvision"], help="the library the weights come from")
     p.add_argument("path", help="the weights file (a torch state dict)")
     p.add_argument("--out", required=True, help="output folder (model.safetensors, model_config.json)")
     p.add_argument("--categories", help="a COCO json whose categories (ids and names) to keep (default: the 80 COCO ones)")
     p.add_argument("--image_size", type=int, default=800, help="shorter image side (torchvision's min_size)")
     p.add_argument("--max_size", type=int, default=1333, help="longest image side (torchvision's max_size)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> str:

@@ -36,36 +36,46 @@ from detlib.anchors import AnchorGenerator
 from detlib.data import PAD_VALUE
 from detlib.decode import decode_detections
 from detlib.export import ExportableRetinaNet, canvas_size, compare_detections, head_candidates, prepare_input
-from detlib.flags import float_range, int_at_least
+from detlib.flags import HelpFormatter, float_range, int_at_least
 from detlib.images import IMAGE_ERRORS, load_rgb
 from detlib.inference import list_image_files, load_retinanet, retinanet_input_size
+from detlib.runtime import setup_console_logging
 from detlib.weights import run_config_of, weights_path
 
 logger = logging.getLogger("export_retinanet")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--weights", required=True, help="a run folder, best/, last/, a checkpoint folder or a model.safetensors")
-    g.add_argument("--image_size", type=int_at_least(32), help="default: the training size from model_config.json")
-    g.add_argument("--max_size", type=int_at_least(32), help="default: from model_config.json")
+    g.add_argument("--image_size", type=int_at_least(32), help="resize size (default: the training size from "
+                   "model_config.json)")
+    g.add_argument("--max_size", type=int_at_least(32), help="longest side with --image_size as the shorter one "
+                   "(default: model_config.json's)")
     g = p.add_argument_group("export")
     g.add_argument("--output", required=True, help="FILE.onnx (a .pt2 program goes beside it with --format pt2/both)")
-    g.add_argument("--format", default="onnx", choices=["onnx", "pt2", "both"])
+    g.add_argument("--format", default="onnx", choices=["onnx", "pt2", "both"],
+                   help="onnx: FILE.onnx; pt2: a torch.export program FILE.pt2; both")
     g.add_argument("--decode", default="inside", choices=["inside", "outside"],
                    help="inside: the graph returns boxes / scores / labels; outside: the raw head outputs")
-    g.add_argument("--opset", type=int_at_least(7), default=18)
-    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05)
-    g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5)
-    g.add_argument("--detections_per_image", type=int_at_least(1), default=100)
+    g.add_argument("--opset", type=int_at_least(7), default=18, help="ONNX opset version (the exporter may keep its own: said in one line)")
+    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05,
+                   help="lowest score the graph keeps (decode inside; as in the evaluation)")
+    g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5,
+                   help="IoU of the graph's class-wise NMS (decode inside)")
+    g.add_argument("--detections_per_image", type=int_at_least(1), default=100,
+                   help="detections the graph returns at most (decode inside)")
     g = p.add_argument_group("parity check")
     g.add_argument("--check_source", help="images for the check (default: the run's val set, from its config.yaml)")
-    g.add_argument("--check_images", help="image folder of a COCO-json --check_source")
-    g.add_argument("--num_check_images", type=int_at_least(1), default=3)
+    g.add_argument("--check_images", help="image folder of a COCO-json --check_source (default: the json's folder)")
+    g.add_argument("--num_check_images", type=int_at_least(1), default=3,
+                   help="images the export is compared with PyTorch on")
     g.add_argument("--box_atol", type=float_range(0), default=0.01, help="largest box coordinate difference allowed, pixels")
-    g.add_argument("--score_atol", type=float_range(0), default=1e-5)
+    g.add_argument("--score_atol", type=float_range(0), default=1e-5, help="largest score difference allowed")
     g.add_argument("--logit_atol", type=float_range(0), default=1e-3, help="decode outside: largest head output difference")
+    g = p.add_argument_group("logging")
+    g.add_argument("--verbose", action="store_true", help="also the INFO lines of the libraries (the ONNX exporter's)")
     return p
 
 
@@ -108,6 +118,8 @@ def ignored_flags(args, defaults: dict) -> list[str]:
 def check_image_paths(args) -> list[str]:
     """The first --num_check_images readable images of the check source (sorted by name / image id)."""
     source, image_dir = args.check_source, args.check_images
+    if args.num_check_images == 0:
+        return []
     if not source:
         cfg, _ = run_config_of(args.weights)
         source, image_dir = cfg.get("data_val_annotations"), cfg.get("data_val_images")
@@ -175,7 +187,7 @@ def verdict(report: list[dict], args) -> tuple[str, str]:
 @torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_console_logging(args.verbose)
     notes: list[str] = []  # what an old model_config.json lacked, flags this export does not use: one line each
     try:
         model, config, category_map = load_retinanet(args.weights, notes)
@@ -200,25 +212,26 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     stem = os.path.splitext(args.output)[0]
     files = {}
-    if args.format in ("onnx", "both"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's notes on traced shapes are not actionable here
+    with warnings.catch_warnings():
+        if not args.verbose:  # the exporters' notes on traced shapes and deprecations are not actionable here
+            warnings.simplefilter("ignore")
+        if args.format in ("onnx", "both"):
             torch.onnx.export(wrapped, example, args.output, input_names=inputs, output_names=outputs,
                               opset_version=args.opset, dynamo=True, verbose=False,
                               external_data=False)  # one self-contained file (models under 2 GB)
-        files["onnx"] = args.output
-        import onnx
+            files["onnx"] = args.output
+            import onnx
 
-        written = max((o.version for o in onnx.load(args.output, load_external_data=False).opset_import
-                       if o.domain in ("", "ai.onnx")), default=None)
-        if written != args.opset:  # the exporter keeps its own opset when it cannot convert to the one asked for
-            logger.warning("--opset %d could not be honoured: the exporter wrote opset %s (its version conversion "
-                           "does not reach %d; the graph works with runtimes that support %s)", args.opset, written,
-                           args.opset, written)
-    if args.format in ("pt2", "both"):
-        program = torch.export.export(wrapped, example)
-        torch.export.save(program, stem + ".pt2")
-        files["pt2"] = stem + ".pt2"
+            written = max((o.version for o in onnx.load(args.output, load_external_data=False).opset_import
+                           if o.domain in ("", "ai.onnx")), default=None)
+            if written != args.opset:  # the exporter keeps its own opset when it cannot convert to the one asked for
+                logger.warning("--opset %d could not be honoured: the exporter wrote opset %s (its version conversion "
+                               "does not reach %d; the graph works with runtimes that support %s)", args.opset, written,
+                               args.opset, written)
+        if args.format in ("pt2", "both"):
+            program = torch.export.export(wrapped, example)
+            torch.export.save(program, stem + ".pt2")
+            files["pt2"] = stem + ".pt2"
     meta = {**config, "canvas": canvas, "image_size": image_size, "max_size": max_size, "decode": args.decode,
             "opset": written if "onnx" in files else None,
             "inputs": inputs, "outputs": outputs, "pad_value": list(PAD_VALUE),
@@ -232,7 +245,8 @@ def main(argv=None):
     # ---- parity: PyTorch (detlib's own decoding) against each export, on real images
     paths = check_image_paths(args)
     if not paths:
-        logger.warning("no parity check: no --check_source and no val set in the run's config.yaml")
+        logger.warning("no parity check: %s", "--num_check_images 0" if args.num_check_images == 0 else
+                       "no --check_source and no val set in the run's config.yaml")
         return {"files": files, "parity": None}
     runners = {}
     if "onnx" in files:

@@ -46,7 +46,7 @@ from detlib.weights import complete_model_config, weights_path
 logger = logging.getLogger("predict_catsdogs")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p, groups = prediction_parser(__doc__, batch_size=64)
     g = groups["data"]
     g.add_argument("--source", required=True, help="an image or video file, a folder (recursive: its images and "
@@ -55,7 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = groups["output"]
     g.add_argument("--topk", type=int_at_least(1), help="classes per image (default: 5, at most the number of classes)")
     g.add_argument("--copy_to_class_folders", action="store_true", help="copy each image to OUT/by_class/<top-1 class>/")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int, shards: list,

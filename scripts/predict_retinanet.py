@@ -70,13 +70,13 @@ logger = logging.getLogger("predict_retinanet")
 PER_INPUT_FOLDERS = ("images", "json", "videos")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     # 8 images per forward pass: the training script's --per_device_eval_batch_size
     p, groups = prediction_parser(__doc__, batch_size=8)
     g = groups["data"]
     g.add_argument("--source", required=True, help="an image or video file, a folder (recursive: its images and "
                    "videos), a glob pattern, a COCO json, or a VOC / YOLO root (--data_format)")
-    g.add_argument("--images", help="image folder of a COCO-json source")
+    g.add_argument("--images", help="image folder of a COCO-json source (default: none; needed with a json --source)")
     g.add_argument("--data_format", choices=["voc", "yolo"], help="--source is the root of a labelled VOC or YOLO set "
                    "(a data.yaml source is read as YOLO without it): its --split is predicted, as a COCO json would be")
     g.add_argument("--split", default="val", help="the split of a VOC / YOLO source (VOC: ImageSets/Main/<split>.txt, "
@@ -99,7 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--score_thresh best_f1 every detection kept)")
     g.add_argument("--no_images", action="store_true", help="do not write the drawn images")
     g.add_argument("--save_json_per_image", action="store_true", help="also OUT/json/<name>.json per image")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def score_threshold(text: str):

@@ -44,8 +44,8 @@ from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_cl
                                    classification_transform, per_class_summary, per_class_table)
 from detlib.dashboard import log_classification_extras
 from detlib.engine import Run
-from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
-                          run_argument_parser, show_data_defaults, stop)
+from detlib.flags import (data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
+                          resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
 from detlib.foldercheck import check_folders_for_training
 from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
 from detlib.logtext import short_list
@@ -65,13 +65,15 @@ DATA_DEFAULTS = {
     "per_device_batch_size": (32, 64),
     "lr": {"adamw": (1e-3, 1e-3), "sgd": (0.05, 0.05)},
     "weight_decay": {"adamw": (0.05, 0.05), "sgd": (5e-5, 5e-5)},
+    # a folder each, so a real-data run after a built-in one is not refused as "a folder of another run"
+    "output_dir": ("outputs/catsdogs_builtin", "outputs/catsdogs"),
 }
 __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring and so in --help
 # This script's defaults of the run machinery's flags (detlib.flags).
-RUN_DEFAULTS = {"output_dir": "outputs/catsdogs", "project": "detlib-catsdogs", "log_interval": 10, "eval_interval": 1,
+RUN_DEFAULTS = {"project": "detlib-catsdogs", "log_interval": 10, "eval_interval": 1,
                 "per_device_eval_batch_size": 64, "max_grad_norm": 1.0}
 # What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
-RECORD_KEYS = ("classes", "num_val_images", "num_train_images", "data_train_dir", "data_val_dir")
+RECORD_KEYS = ("classes", "num_val_images", "num_train_images", "data_train_dir", "data_val_dir", "not_used")
 DEFAULT_MODEL = "resnet18"  # --model's default, resolved in main (None: not given)
 
 
@@ -79,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["model"]
     g.add_argument("--model", help=f"{DEFAULT_MODEL} (torchvision) or a timm model name (default: {DEFAULT_MODEL})")
-    g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is reset)")
+    g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is "
+                   "reset; default: none, from scratch)")
     g.add_argument("--classes_by_name", action="store_true", help="--weights of a classifier trained on the same number "
                    "of classes under other names or in another order: match its outputs to this data's classes by "
                    "name (default: refused)")
@@ -99,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight_decay", type=float_range(0), help="weight decay")
     g.add_argument("--warmup_steps", type=int_at_least(0), help="optimizer steps of linear warm-up from 0 before the "
                    "cosine decay (default: 5%% of the steps)")
-    g.add_argument("--label_smoothing", type=float_range(0, 1), default=0.0)
+    g.add_argument("--label_smoothing", type=float_range(0, 1), default=0.0, help="cross-entropy label smoothing")
 
     g = groups["evaluation"]
     g.add_argument("--num_misclassified", type=int_at_least(0), default=16, help="misclassified val images in the wandb table")
@@ -251,7 +254,7 @@ def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, w
     """Log the evaluation (metrics.jsonl, trackers, best/), write predictions_val.csv, the per-class files
     (plots/epoch_NNNN/: per_class.json, confusion_matrix.json / .png, also to the trackers) and the wandb
     extras; one log line of bounded length summarises it whatever the number of classes."""
-    accelerator, epoch = run.accelerator, run.epoch if not weights else None
+    accelerator, epoch = run.accelerator, run.epoch_number if not weights else None
     step = (run.state.global_step if not weights else 0) + run.metrics.step_offset  # the trackers' step
     if weights:  # evaluation only: record which weights were scored
         run.metrics.log({"epoch": None, "step": 0, **stats, "weights": os.path.abspath(weights)}, step=0)
@@ -297,6 +300,8 @@ def match_classifier_classes(run: Run, model, weights: str, classes: list[str], 
 def main(argv=None):
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
+    parser = build_parser()
+    given = given_flags(parser, argv, RECORD_KEYS)  # what the user chose (flags or --config)
     synthetic = not (args.train_dir or args.val_dir)
     saved = None
     notes = []  # what an old model_config.json lacked and flags this run cannot honour: one line each, in train.log
@@ -383,8 +388,9 @@ def main(argv=None):
     config = dict(vars(args))
     config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
                   synthetic_data=synthetic, classes=classes, num_val_images=len(val_ds),
-                  num_train_images=len(train_ds) if train_ds else 0, **{f"data_{k}": v for k, v in dirs.items()})
-    run.save_config(config, model_config)
+                  num_train_images=len(train_ds) if train_ds else 0, **{f"data_{k}": v for k, v in dirs.items()},
+                  not_used=["momentum"] if args.optimizer != "sgd" else [])  # the flags this run ignores
+    run.save_config(config, model_config, given=format_given(parser, config, given))
 
     def describe(folder: str, name: str) -> None:  # the model card beside best/'s and last/'s weights
         evaluation = run.last_evaluation

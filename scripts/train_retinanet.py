@@ -64,8 +64,8 @@ from detlib.collectives import broadcast_object
 from detlib.formats import FORMATS, data_dir_paths
 from detlib.hub import check_push, local_weights, push_folder
 from detlib.modelcard import command_line, detector_card, write_card
-from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_with_config, resolve_data_defaults,
-                          run_argument_parser, show_data_defaults, stop)
+from detlib.flags import (data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
+                          resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
 from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from detlib.model import RetinaNet, check_backbone, load_matching_weights, reorder_class_outputs
@@ -90,14 +90,16 @@ DATA_DEFAULTS = {
     "per_device_batch_size": (16, 15),
     "lr": {"adamw": (1e-3, 1e-4), "sgd": (0.01, 0.01)},
     "weight_decay": {"adamw": (0.01, 0.01), "sgd": (1e-4, 1e-4)},  # AdamW's is torch's default
+    # a folder each, so a real-data run after a built-in one is not refused as "a folder of another run"
+    "output_dir": ("outputs/retinanet_builtin", "outputs/retinanet"),
 }
 __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring and so in --help
 # This script's defaults of the run machinery's flags (detlib.flags).
-RUN_DEFAULTS = {"output_dir": "outputs/retinanet", "project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
+RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
                 "per_device_eval_batch_size": 8, "log_interval": 20}
 # What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
 RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_annotations", "data_val_images",
-               "data_val_annotations")
+               "data_val_annotations", "not_used")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,15 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = groups["data"]
     g.add_argument("--data_dir", help="data set root: COCO (DIR/annotations/instances_{set}.json, images in DIR/{set} "
                    "or DIR/images/{set}), Pascal VOC (DIR/Annotations/, DIR/JPEGImages/, DIR/ImageSets/Main/{set}.txt) "
-                   "or YOLO (DIR/data.yaml)")
+                   "or YOLO (DIR/data.yaml) (default: none; without data flags, the built-in synthetic set)")
     g.add_argument("--data_format", choices=FORMATS, help="the layout of --data_dir (default: detected from its folders)")
     g.add_argument("--train_set", help="training split: COCO's {set}, VOC's list name, YOLO's yaml key (default: "
                    "train2017 for COCO, train for VOC and YOLO)")
     g.add_argument("--val_set", help="validation split (default: val2017 for COCO, val for VOC and YOLO)")
-    g.add_argument("--train_images", help="image folder of any COCO-format training set")
-    g.add_argument("--train_annotations", help="COCO json of the training set")
-    g.add_argument("--val_images")
-    g.add_argument("--val_annotations")
+    g.add_argument("--train_images", help="image folder of any COCO-format training set (default: none)")
+    g.add_argument("--train_annotations", help="COCO json of the training set (default: none)")
+    g.add_argument("--val_images", help="image folder of the validation set (default: none)")
+    g.add_argument("--val_annotations", help="COCO json of the validation set (default: none)")
     g.add_argument("--image_size", type=int_at_least(32), help="longer image side in pixels; with --max_size, the "
                    "shorter side")
     g.add_argument("--max_size", type=int_at_least(32), help="resize the shorter side to --image_size, the longer to at "
@@ -121,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train_scales", type=int_at_least(32), nargs="+", help="multi-scale training: each training image "
                    "is resized to one of these sizes (the shorter side with --max_size, e.g. 640 672 704 736 768 800 "
                    "with --max_size 1333 as detectron2's 1x); evaluation uses --image_size (default: none, --image_size only)")
-    g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS)
+    g.add_argument("--augmentation", default="flip_crop_translate", choices=AUGMENTATIONS,
+                   help="training augmentation: horizontal flip, + random crop and translation")
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,
                    help="training batches of only landscape or only portrait images (default: on)")
@@ -136,12 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = groups["model"]
     g.add_argument("--backbone", help="timm model name")
-    g.add_argument("--backbone_weights", help="local backbone weights: .safetensors or torch state dict")
+    g.add_argument("--backbone_weights", help="local backbone weights: .safetensors or torch state dict (default: none, "
+                   "from scratch)")
     g.add_argument("--pretrained_backbone", action="store_true", help="timm's own pretrained download (online)")
     g.add_argument("--init_from", help="start from a detector's weights (a converted torchvision model or one of ours: "
                    "a run folder, best/, last/ or a weights file): every tensor whose name and shape fit; the class "
                    "output is re-initialised when the class count differs. Its model_config.json's backbone, width, "
-                   "P6 input, anchors and resize are used unless --backbone / --fpn_channels / --image_size say otherwise")
+                   "P6 input, anchors and resize are used unless --backbone / --fpn_channels / --image_size say otherwise "
+                   "(default: none)")
     g.add_argument("--categories_by_name", action="store_true", help="--evaluate_only / --init_from a model whose "
                    "category ids name other classes than this data set's: match the classes by name (default: refused)")
     g.add_argument("--freeze_at", type=int, choices=range(6), metavar="{0..5}", help="freeze the backbone's stem (1) and first stages (2-5; "
@@ -160,22 +165,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight_decay", type=float_range(0), help="weight decay, not on norm weights and biases "
                    "unless --wd_norm")
     g.add_argument("--wd_norm", action="store_true", help="weight decay on norm weights and biases too")
-    g.add_argument("--lr_scheduler", default="plateau", choices=["plateau", "multistep", "cosine", "constant"])
+    g.add_argument("--lr_scheduler", default="plateau", choices=["plateau", "multistep", "cosine", "constant"],
+                   help="plateau: 10x lower when the epoch's mean loss stops falling; multistep: 10x lower at "
+                        "--lr_steps; cosine: down to 0; constant")
     g.add_argument("--plateau_patience", type=int_at_least(0), default=3, help="plateau: epochs without a lower mean "
                    "training loss tolerated before the LR drops 10x")
     g.add_argument("--lr_steps", type=int_at_least(1), nargs="+", default=[8, 11], help="multistep: epochs where the LR drops 10x")
     g.add_argument("--warmup_steps", type=int_at_least(0), default=500, help="optimizer steps of linear warm-up from "
                    "0.001x to the LR, for multistep, cosine and constant (plateau has none)")
-    g.add_argument("--box_loss", default="l1", choices=BOX_LOSSES)
+    g.add_argument("--box_loss", default="l1", choices=BOX_LOSSES, help="regression loss of the box deltas")
     g.add_argument("--loss_normalizer", default="batch", choices=["batch", "ema"],
                    help="divide the losses by the batch's positive anchors, or by their running average over steps "
                         "and processes (detectron2; steadier at 2 images per GPU) (default: %(default)s)")
 
     g = groups["evaluation"]
-    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05)
-    g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5)
-    g.add_argument("--detections_per_image", type=int_at_least(1), default=100)
-    g.add_argument("--coco_eval_backend", default="auto", choices=["auto", "pycocotools", "faster"])
+    g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05, help="lowest score kept in the evaluation")
+    g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5, help="IoU of class-wise NMS")
+    g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")
+    g.add_argument("--coco_eval_backend", default="auto", choices=["auto", "pycocotools", "faster"],
+                   help="COCOeval implementation (same stats); auto: faster-coco-eval when installed")
     g.add_argument("--num_log_images", type=int_at_least(0), default=16,
                    help="val images drawn with their detections at every evaluation, the same ones each time, under "
                         "OUTPUT_DIR/samples/ and to the trackers (default: %(default)s)")
@@ -320,6 +328,13 @@ def push_best(output_dir: str, repo_id: str, private: bool) -> None:
     logger.info("--push_to_hub: uploaded %s to %s", folder, url)
 
 
+def not_used_flags(args) -> list[str]:
+    """The flags whose values this run ignores (its scheduler's or optimizer's are others), for config.yaml."""
+    unused = {"momentum": args.optimizer != "sgd", "plateau_patience": args.lr_scheduler != "plateau",
+              "lr_steps": args.lr_scheduler != "multistep", "warmup_steps": args.lr_scheduler == "plateau"}
+    return [k for k, v in unused.items() if v]
+
+
 def schedule_spec(args) -> dict:
     """"plateau": ReduceLROnPlateau, stepped once per epoch with the epoch's mean loss. The others: a
     per-optimizer-step schedule with linear warmup (detlib.schedules), built by the run (detlib.engine)."""
@@ -365,7 +380,8 @@ def main(argv=None):
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     synthetic = not (args.data_dir or args.train_images or args.val_images)
-    given = {k for k in vars(args) if getattr(args, k) is not None}  # what the user passed (flags or --config)
+    parser = build_parser()
+    given = given_flags(parser, argv, RECORD_KEYS)  # what the user chose (flags or --config)
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     flag = "--evaluate_only" if args.evaluate_only else "--init_from"
     source = args.evaluate_only or args.init_from
@@ -520,10 +536,15 @@ def main(argv=None):
         model.train()
         logger.info("forward cost at %dx%d: %.1f GFLOPs per image", s, s, fc.get_total_flops() / 1e9)
 
+    if args.lr_scheduler == "plateau" and args.warmup_steps:  # config.yaml says what the run did: no warm-up
+        if "warmup_steps" in given:
+            logger.warning("--warmup_steps %d is not used: the plateau scheduler has no warm-up", args.warmup_steps)
+        args.warmup_steps = 0
     config = {k: v for k, v in vars(args).items()}
     config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
-                  synthetic_data=synthetic, num_classes=len(category_map), **{f"data_{k}": v for k, v in paths.items()})
-    run.save_config(config, model_config)
+                  synthetic_data=synthetic, num_classes=len(category_map), **{f"data_{k}": v for k, v in paths.items()},
+                  not_used=not_used_flags(args))
+    run.save_config(config, model_config, given=format_given(parser, config, given))
     evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
     def describe(folder: str, name: str) -> None:
@@ -610,8 +631,8 @@ def main(argv=None):
 
         if run.evaluation_due():
             stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, run, args, train_model=model)
-            logger.info("epoch %d eval: %s", run.epoch, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
-            report(stats, run.epoch)
+            logger.info("epoch %d eval: %s", run.epoch_number, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
+            report(stats, run.epoch_number)
         run.checkpoint_if_due(model)
     run.finish(model)
     if args.push_to_hub and accelerator.is_main_process:

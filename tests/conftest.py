@@ -86,3 +86,67 @@ def traceback_through_our_code(text: str) -> bool:
 
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def cap_cut(scores_a, scores_b, cap: int | None) -> list[float]:
+    """The score at which a `cap` (detections per image) cut the lists, when either is full: the higher of the
+    two lowest kept scores; [] when neither reached the cap."""
+    full = [float(min(s)) for s in (scores_a, scores_b) if cap is not None and len(s) >= cap and len(s)]
+    return [max(full)] if full else []
+
+
+def assert_same_detections(ours: tuple, ref: tuple, score_atol: float, box_atol: float, cuts=()) -> int:
+    """Two detection lists of one image are the same set: every detection of each has one of the other with the same
+    label, a box within `box_atol` (pixels, largest coordinate difference) and a score within `score_atol`, one to
+    one; the order is never compared (detections whose scores tie within rounding come in any order).
+
+    Except at a cut: where a cap or a threshold cut a run of scores that tie within rounding (`cuts`: the scores at
+    which the lists were cut, e.g. `cap_cut(...)` for the detections-per-image cap, the score threshold, a per-level
+    top-k's last score), which of them made it is decided by float rounding, on each machine its own way; a
+    detection left without a partner must have a score within `score_atol` of a cut (so a list can differ
+    from the other only in the detections tied with a cut).
+
+    Args:
+        ours, ref: (boxes [N, 4] xyxy pixels, scores [N], labels [N]) as tensors or arrays.
+    Returns:
+        the number of detections paired.
+    """
+    import torch
+
+    (ob, os_, ol), (rb, rs, rl) = ([torch.as_tensor(np.asarray(x), dtype=torch.float64) for x in d] for d in (ours, ref))
+    used = torch.zeros(len(ol), dtype=torch.bool)
+    unpaired_ref = []
+    for i in torch.argsort(rs, descending=True, stable=True).tolist():
+        ok = (ol == rl[i]) & ~used & ((os_ - rs[i]).abs() <= score_atol)
+        if len(ob):
+            d = (ob - rb[i]).abs().amax(dim=1)
+            ok &= d <= box_atol
+        if not ok.any():
+            unpaired_ref.append(float(rs[i]))
+            continue
+        j = int(torch.where(ok, d, torch.full_like(d, float("inf"))).argmin())
+        used[j] = True
+    unpaired_ours = os_[~used].tolist()
+    cuts = [float(c) for c in cuts]
+    stray = [s for s in unpaired_ref + unpaired_ours if not any(abs(s - c) <= score_atol for c in cuts)]
+    assert not stray, (f"detections without a partner away from any cut {cuts}: ref {unpaired_ref[:10]}, ours "
+                       f"{unpaired_ours[:10]} (of {len(rl)} / {len(ol)})")
+    return int(used.sum())
+
+
+def level_cuts(cls_logits, counts, topk: int, score_thresh: float) -> list[float]:
+    """The per-level top-k cuts of one image's decoding (`detlib.decode`, torchvision's postprocess): for each level
+    with more than `topk` candidates above `score_thresh`, the score of its `topk`-th; and the threshold itself.
+
+    Args:
+        cls_logits: [A, K] one image's class logits, levels in `counts` order.
+    """
+    import torch
+
+    cuts = [float(score_thresh)]
+    for level in torch.as_tensor(cls_logits).split(list(counts)):
+        s = torch.sigmoid(level.float()).flatten()
+        s = s[s > score_thresh]
+        if s.numel() > topk:
+            cuts.append(float(s.topk(topk).values[-1]))
+    return cuts

@@ -57,7 +57,7 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path)
            env={"WANDB_MODE": "offline"})
     assert_processes(out, 2)
     train_lines, evals = train_and_eval_lines(out)
-    assert [m["epoch"] for m in evals] == [0, 1] and [m["num_val_samples"] for m in evals] == [5, 5]
+    assert [m["epoch"] for m in evals] == [1, 2] and [m["num_val_samples"] for m in evals] == [5, 5]
     assert train_lines[-1]["step"] == evals[-1]["step"] == 4  # 16 images / (2 x 4) per step, 2 epochs
     trained = read_predictions(out)
     assert len(trained) == 5
@@ -135,7 +135,7 @@ def test_case_b19_resume_continues_the_same_run(tmp_path):
         ref = by_step[m["step"]]
         assert m["epoch"] == ref["epoch"] and m["lr"] == ref["lr"]
         assert m["loss"] == pytest.approx(ref["loss"], rel=1e-4)  # same data order, augmentation and weights
-    assert [m["epoch"] for m in res_evals] == [1, 2]
+    assert [m["epoch"] for m in res_evals] == [2, 3]
     assert res_evals[-1]["val_loss"] == pytest.approx(full_evals[-1]["val_loss"], rel=1e-4)
     state = json.loads((resumed / "checkpoints" / "epoch_0003" / "trainer_state.json").read_text())
     assert state["epoch"] == 3 and state["global_step"] == 12 and state["step_in_epoch"] == 0

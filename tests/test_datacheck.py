@@ -255,7 +255,7 @@ def test_structure_faults_are_errors_in_one_report(tmp_path):
     assert {f.message for f in r.errors} == {"images without a file_name (ids shown)", "images that are not objects",
                                             "annotations that are not objects", "categories without an integer id"}
     text = r.format()
-    assert text.startswith("data check: 4 errors") and "e.g. 2" in text
+    assert text.splitlines()[-1].startswith("data check: 4 errors") and "e.g. 2" in text  # the verdict last
     with pytest.raises(FileNotFoundError, match="nope.json"):
         check_coco(str(tmp_path / "nope.json"))
 
@@ -533,7 +533,8 @@ def test_check_dataset_script_reports_writes_fixed_json_and_exits_nonzero_on_err
     bad.write_text(json.dumps(gt))
     proc = _check_dataset("--annotations", bad, "--images", IMAGES, "--write_fixed", tmp_path / "fixed.json")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("COCO data check: 0 errors, 3 repairs") and "Traceback" not in proc.stderr
+    assert proc.stdout.rstrip().splitlines()[-1] == "COCO data check: 0 errors, 3 repairs, 1 warnings"  # the verdict last
+    assert "Traceback" not in proc.stderr
     assert "derived from the segmentation [1]" in proc.stdout
     fixed = _check_dataset("--annotations", tmp_path / "fixed.json", "--images", IMAGES)
     assert fixed.returncode == 0 and "0 repairs" in fixed.stdout

@@ -378,10 +378,13 @@ def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     assert not saver.keep_best(model, 0.4, older, epoch=0) and older.best_metric == 0.4
     assert saver.best_record()["value"] == 0.5  # best/ kept
     assert not saver.keep_best(model, float("nan"), state, epoch=2) and state.best_metric == 0.5
-    lines = summary_lines("out", "out/metrics.jsonl", "AP", 90.0, 10, 1, 0.5, saver.best_record(), 0.45, 300)
-    assert lines[:2] == ["run finished in 1.5 min: 10 steps, 1 skipped",
-                         "best AP 0.5000 (epoch 1, step 10), final AP 0.4500"]
-    assert lines[-1] == "mean throughput 3.3 images/s (all processes)"
+    (tmp_path / "predictions_val.csv").write_text("path,label\n")  # a classifier's run: no plots/, samples/, last/
+    out = str(tmp_path)
+    lines = summary_lines(out, f"{out}/metrics.jsonl", "AP", 90.0, 10, 1, 0.5, saver.best_record(), 0.45, 300)
+    # only what exists is named; the verdict is the last line
+    assert lines == [f"weights: {out}/best/ (best)", f"metrics: {out}/metrics.jsonl; evaluation: {out}/predictions_val.csv",
+                     "mean throughput 3.3 images/s (all processes)",
+                     "run finished in 1.5 min: 10 steps, 1 skipped; best AP 0.5000 (epoch 1, step 10), final AP 0.4500"]
 
 
 def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path):
@@ -400,3 +403,56 @@ def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path)
     (tmp_path / "model_config.json").write_text(json.dumps({"category_ids": [1, 3], "category_names": ["a", "b"]}))
     with pytest.raises(ResumeError, match="category_ids"):
         check_same_classes(str(tmp_path), {"category_ids": [1, 2], "category_names": ["a", "b"]})
+
+
+# ---- a quiet console
+
+def test_console_has_our_info_lines_and_only_the_warnings_of_other_libraries(tmp_path, capsys):
+    """Other libraries' INFO lines (onnxscript's 80 per export, faster-coco-eval's, accelerate's) are left out of the
+    console and train.log unless --verbose; ours and every library's warnings stay."""
+    import logging
+
+    from detlib.runtime import setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        for verbose in (False, True):
+            out = tmp_path / f"verbose_{verbose}"
+            setup_logging(str(out), is_main=True, verbose=verbose)
+            logging.getLogger("detlib.engine").info("ours")
+            logging.getLogger("train_retinanet").info("the script's")
+            logging.getLogger("onnxscript.optimizer").info("initializer_deduplication: Replaced initializer 'x'")
+            logging.getLogger("faster_coco_eval.core").info("theirs")
+            logging.getLogger("accelerate.checkpointing").warning("their warning")
+            for text in (capsys.readouterr().out, (out / "train.log").read_text()):
+                assert "ours" in text and "the script's" in text and "their warning" in text
+                assert ("Replaced initializer" in text) == verbose and ("theirs" in text) == verbose
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+
+
+def test_every_script_logs_under_a_name_the_console_shows():
+    """A script's logger outside runtime.OWN_LOGGERS would have its INFO lines hidden like another library's."""
+    import re
+
+    from detlib.runtime import OWN_LOGGERS
+
+    names = {m for f in (REPO / "scripts").glob("*.py") for m in re.findall(r'getLogger\("([\w.]+)"\)', f.read_text())}
+    assert names and all(n.split(".")[0] in OWN_LOGGERS for n in names), names
+
+
+def test_offline_wandb_prints_nothing_of_its_own_unless_verbose(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from detlib.runtime import resolve_trackers
+
+    for verbose in (False, True):
+        env = {"HOME": str(tmp_path), "WANDB_BASE_URL": "http://127.0.0.1:9"}  # no key, no ~/.netrc
+        monkeypatch.setattr(os, "environ", env)
+        assert resolve_trackers("wandb", verbose=verbose) == ["wandb"]
+        assert env["WANDB_MODE"] == "offline" and env.get("WANDB_SILENT") == (None if verbose else "true")
+    env = {"HOME": str(tmp_path), "WANDB_SILENT": "false", "WANDB_MODE": "offline"}
+    monkeypatch.setattr(os, "environ", env)
+    resolve_trackers("all")
+    assert env["WANDB_SILENT"] == "false"  # the user's own setting wins

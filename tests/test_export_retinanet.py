@@ -68,12 +68,16 @@ def _export(weights, out, *extra):
 def test_onnx_and_torch_export_parity_decoding_inside(weights, tmp_path):
     out = tmp_path / "retinanet.onnx"
     proc = _export(weights, out, "--format", "both")
-    assert "parity on 3 images: pass" in proc.stdout + proc.stderr
+    # a quiet console: our lines only (the ONNX exporter's ~80 INFO lines need --verbose), the verdict last
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert lines and all(" export_retinanet: " in ln for ln in lines), lines
+    assert "parity on 3 images: pass" in lines[-1]
     parity = json.loads((tmp_path / "retinanet.parity.json").read_text())
     assert parity["pass"] and parity["tolerance"] == {"box_px": 0.01, "score": 1e-5}
     assert [r["format"] for r in parity["images"]] == ["onnx", "pt2"] * 3
-    for r in parity["images"]:
-        assert r["labels_equal"] and r["num_paired"] == r["num_detections"][0] == r["num_detections"][1] > 10
+    for r in parity["images"]:  # the same detections but (at most) a tie at the 100 cap, in any order
+        assert r["labels_equal"] and r["num_detections"][0] == r["num_detections"][1] > 10
+        assert r["num_paired"] >= r["num_detections"][0] - r["num_at_cut"]
         assert r["max_abs_box_px"] <= 0.01 and r["max_abs_score"] <= 1e-5
     meta = json.loads((tmp_path / "retinanet.json").read_text())
     assert meta["canvas"] == 128 and meta["inputs"] == ["images", "image_size", "scale"] and meta["category_names"][0] == "person"
@@ -92,11 +96,12 @@ def test_onnx_and_torch_export_parity_decoding_inside(weights, tmp_path):
         o = model(x["images"])
     anchors, counts = AnchorGenerator()(128, 128)
     ref = decode_detections(o["cls_logits"], o["box_deltas"], anchors, counts, x["image_size"][None], x["scale"][None])
-    diff = compare_detections((ref.boxes, ref.scores, ref.labels), (boxes, scores, labels))
-    assert diff["num_detections"] == [100, 100] and diff["num_paired"] == 100
+    diff = compare_detections((ref.boxes, ref.scores, ref.labels), (boxes, scores, labels), max_detections=100,
+                              score_thresh=0.05, tie_atol=1e-5)
+    assert diff["num_detections"] == [100, 100] and diff["labels_equal"] and diff["num_paired"] >= 100 - diff["num_at_cut"]
     assert diff["max_abs_box_px"] <= 0.01 and diff["max_abs_score"] <= 1e-5
-    # apart from near-tied scores, even the order is the same
-    assert (labels == ref.labels.numpy()).mean() > 0.9
+    # both by decreasing score (the order of scores tied within rounding is either runtime's own)
+    assert (np.diff(scores) <= 0).all() and (np.diff(ref.scores.numpy()) <= 0).all()
     assert boxes[:, 2].max() <= pil.width + 1e-3 and boxes[:, 3].max() <= pil.height + 1e-3  # original pixels
 
 

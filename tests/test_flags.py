@@ -148,6 +148,14 @@ def test_data_defaults_apply_only_to_flags_left_unset():
         (160, "resnet18", 64, 30, 16)
 
 
+def test_builtin_and_real_data_runs_get_their_own_default_folders(script):
+    """A real-data run after a built-in one (or the other way) is not refused as "the folder of another run"."""
+    name = "retinanet" if "DATA_DEFAULTS" in vars(script) and "backbone" in script.DATA_DEFAULTS else "catsdogs"
+    assert resolved(script, []).output_dir == f"outputs/{name}_builtin"
+    assert resolved(script, [], synthetic=False).output_dir == f"outputs/{name}"
+    assert resolved(script, ["--output_dir", "x"]).output_dir == "x"
+
+
 def test_help_shows_every_default_once(script, capsys):
     with pytest.raises(SystemExit) as e:
         script.parse_args(["--help"])
@@ -164,6 +172,50 @@ def test_help_shows_every_default_once(script, capsys):
     # the docstring's commands are printed as written (a raw description), the table with them
     assert "    OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu.yaml scripts/" in text
     assert "    --lr with --optimizer sgd " in text and "    --epochs  " in text
+
+
+SCRIPT_FILES = sorted(str(f.relative_to(REPO)) for folder in ("scripts", "benchmarks") for f in (REPO / folder).glob("*.py")
+                      if "argparse" in f.read_text())
+
+
+@pytest.mark.parametrize("path", SCRIPT_FILES)
+def test_every_flag_of_every_script_has_help_text_and_shows_its_default(path, monkeypatch):
+    """Each script's parser (`build_parser()`): every option has its own help text, and `--help` shows its default
+    (argparse's "(default: X)" or the help's own words), never a bare "default: None"; required flags need none."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # the benchmarks import their kit
+    spec = importlib.util.spec_from_file_location("_parser_of_" + path.replace("/", "_")[:-3], REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    parser = module.build_parser()
+    assert issubclass(parser.formatter_class, flags.HelpFormatter), path  # the one that appends defaults
+    formatter = parser._get_formatter()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help" and a.help != argparse.SUPPRESS]
+    assert options
+    for action in options:
+        assert action.help and action.help.strip(), f"{path} {action.option_strings[0]}: no help text"
+        line = " ".join(formatter._format_action(action).split())
+        if not action.required:
+            assert "default" in line and "(default: None)" not in line, f"{path}: {line}"
+        if action.default not in (None, False, argparse.SUPPRESS):  # a value: shown as it is ("on" for True)
+            assert str(action.default) in line or (action.default is True and "default: on" in line), f"{path}: {line}"
+
+
+def test_the_flags_a_user_gave_on_the_command_line_or_in_a_config_file_and_their_log_line(tmp_path, capsys):
+    retinanet = load_script("train_retinanet")
+    parser = retinanet.build_parser()
+    argv = ["--lr_steps", "3", "5", "--epochs", "30", "--no-aspect_grouping", "--include_crowd", "--output_dir", "a b"]
+    assert flags.given_flags(parser, argv) == {"lr_steps", "epochs", "aspect_grouping", "include_crowd", "output_dir"}
+    assert flags.given_flags(parser, []) == set()
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"seed": 3, "num_classes": 4, "resume_from_checkpoint": "latest"}))
+    given = flags.given_flags(parser, ["--config", str(path), "--epochs", "2"], retinanet.RECORD_KEYS)
+    assert given == {"seed", "epochs"}  # record keys and folder actions are not applied from a file, so not given
+    assert capsys.readouterr().err == ""  # the note on resume_from_checkpoint is parse_with_config's, printed once
+    args = retinanet.parse_args(argv)
+    config = {**vars(args), "num_processes": 1}
+    # a command line, in the flags' order, that repeats the choice (the rest is in config.yaml)
+    assert flags.format_given(parser, config, flags.given_flags(parser, argv)) == \
+        "--epochs 30 --output_dir 'a b' --include_crowd --no-aspect_grouping --lr_steps 3 5"
 
 
 def test_data_defaults_table_and_help_text_by_hand():
@@ -207,9 +259,19 @@ def _tiny_data(tmp_path, name: str) -> list[str]:
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_config_yaml_of_a_real_run_parses_back_to_its_values(name, tmp_path):
     out = tmp_path / "run"
-    run_script(f"{name}.py", [*_tiny_data(tmp_path, name), "--epochs", "1", "--optimizer", "sgd", "--num_workers", "0",
-                              "--report_to", "none", "--output_dir", str(out)])
+    proc = run_script(f"{name}.py", [*_tiny_data(tmp_path, name), "--epochs", "1", "--optimizer", "sgd", "--num_workers",
+                                     "0", "--report_to", "none", "--output_dir", str(out)])
     recorded = yaml.safe_load((out / "config.yaml").read_text())
+    # the log says the config in one line: what was given (the rest is the defaults, all in config.yaml)
+    (line,) = [ln for ln in proc.stdout.splitlines() if "config: " in ln]
+    assert "config: the defaults and --num_workers 0 --epochs 1 --per_device_batch_size " in line and " --optimizer sgd" in line
+    assert line.endswith(f"settings in {out / 'config.yaml'}") and "\nseed: 0\n" not in proc.stdout
+    # config.yaml says what the run did: the plateau scheduler has no warm-up; the flags it ignores are listed
+    if name == "train_retinanet":
+        assert recorded["lr_scheduler"] == "plateau" and recorded["warmup_steps"] == 0
+        assert recorded["not_used"] == ["lr_steps", "warmup_steps"]
+    else:
+        assert recorded["not_used"] == []
     args = load_script(name).parse_args(["--config", str(out / "config.yaml")])  # every key is a flag or a record
     assert recorded["lr"] == (0.01 if name == "train_retinanet" else 0.05)
     for key, value in vars(args).items():

@@ -192,7 +192,7 @@ def test_sigterm_two_processes_stop_together_and_resume_exactly(two_process_refe
                config="cpu_2proc.yaml")
     assert_same_weights(ref, out, atol=1e-6)
     # the plateau scheduler's epoch mean covers the whole interrupted epoch after the resume
-    mean = lambda o: [ln for ln in (o / "train.log").read_text().splitlines() if "epoch 0: mean loss" in ln][-1].split("mean loss ")[1][:6]  # noqa: E731
+    mean = lambda o: [ln for ln in (o / "train.log").read_text().splitlines() if "epoch 1: mean loss" in ln][-1].split("mean loss ")[1][:6]  # noqa: E731
     assert mean(out) == mean(ref)
 
 
@@ -290,7 +290,7 @@ def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path):
     run_script("train_retinanet.py", common + ["--epochs", "2"], config="cpu_2proc.yaml")
     two = trains(out)
     assert [t["step"] for t in two] == [1, 2, 3, 4]  # 8 images / (2 processes x 2) = 2 steps per epoch
-    (out / "checkpoints" / "epoch_0002").rename(tmp_path / "later")  # resume from the end of epoch 0
+    (out / "checkpoints" / "epoch_0002").rename(tmp_path / "later")  # resume from the end of epoch 1
     proc = run_script("train_retinanet.py", common + ["--epochs", "2", "--resume_from_checkpoint", "latest"])
     assert "written by 2 process(es)" in proc.stdout and "global step 2 -> 4" in proc.stdout
     one = trains(out)[4:]
@@ -304,7 +304,7 @@ def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path):
     assert "goes on from 0 x the base LR at step 4 down to 0 at step 6" in proc.stdout  # the cosine had ended
     assert "already reached 0, so the added epochs train at LR 0" in proc.stdout
     last = trains(out)[8:]
-    assert [t["step"] for t in last] == [5, 6] and all(t["epoch"] == 2 for t in last)
+    assert [t["step"] for t in last] == [5, 6] and all(t["epoch"] == 3 for t in last)
     assert [t["lr"] for t in last] == [0.0, 0.0]  # no jump back up (the anchor's decay is tested in test_engine)
 
 
@@ -448,13 +448,13 @@ def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_p
         "--report_to", "all", "--output_dir", str(out)], env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
     m = read_metrics(out)
     tr = [t for t in m if "loss" in t]
-    assert [t["epoch"] for t in tr] == [0, 1]  # an epoch shorter than --log_interval still gets its line
+    assert [t["epoch"] for t in tr] == [1, 2]  # an epoch shorter than --log_interval still gets its line
     for key in ("grad_norm", "pos_anchors_per_image", "skipped_steps", "images_per_s", "data_time_fraction", "lr"):
         assert all(isinstance(t[key], (int, float)) for t in tr), key
     ev = [e for e in m if "AP" in e]
     assert len(ev) == 2 and all(set(e["per_class"]) <= {"a", "b"} for e in ev)
     assert (out / "plots" / "epoch_0001" / "pr_curve.png").is_file() and (out / "plots" / "training_curves.png").is_file()
-    assert len(list((out / "samples" / "epoch_0001").glob("*.jpg"))) == 2
+    assert len(list((out / "samples" / "epoch_0001").glob("*.png"))) == 2
     assert "summary:" in proc.stdout and "best AP" in proc.stdout
     # AdamW's two groups: no weight decay on norms and biases, 0.01 on the rest
     opt = torch.load(out / "checkpoints" / "epoch_0002" / "optimizer.bin", weights_only=True)

@@ -16,7 +16,7 @@ from torchvision.transforms.functional import pil_to_tensor, to_tensor
 from torchvision.models.detection.anchor_utils import AnchorGenerator as TVAnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
-from conftest import COCO_SUBSET, REPO, needs_coco_subset, run_script
+from conftest import COCO_SUBSET, REPO, assert_same_detections, cap_cut, needs_coco_subset, run_script
 from detlib.anchors import AnchorGenerator, anchor_config, anchor_generator_from_config, torchvision_anchor_settings
 from detlib.box_ops import box_xywh_to_xyxy
 from tiny_retinanet import subset_json
@@ -91,26 +91,26 @@ def converted(tmp_path_factory):
     return {"root": root, "weights": out, "val": val, "tv": {im["id"]: o for im, o in zip(images, tv)}}
 
 
-def _assert_equal_to_torchvision(predictions: list[dict], tv: dict) -> None:
-    """Per image: the same number of detections, in the same order (by score), and one to one the same label
-    (COCO id), box within 0.5 px, score within 1e-4. Within a run of equal scores (random weights give exact ties)
-    the order is arbitrary on both sides, so each of torchvision's detections is matched to one of ours at most
-    two places away whose score is the same within 1e-4."""
+def _assert_equal_to_torchvision(predictions: list[dict], tv: dict, cap: int = 300) -> None:
+    """Per image: as many detections (torchvision's RetinaNet keeps 300), the same scores from the highest down
+    (within 1e-4), and the same set: each of torchvision's detections has one of ours with the same label (COCO
+    id), its box within 0.5 px and its score within 1e-4, one to one, in any order. Random weights give runs of
+    scores equal within 1e-4; where such a run straddles the 300 cap, which of it is kept is decided by float
+    rounding (an Intel Xeon keeps another one than this machine at image 802, rank 299), so a detection tied with
+    the 300th score may be without a partner (`conftest.assert_same_detections`). Torchvision's per-level
+    top-1000 cuts lie below the 300th score on these images (0.204 / 0.174 / 0.192 against 0.213 / 0.179 /
+    0.199), so they cannot change the lists."""
     for image_id, expected in tv.items():
         ours = [p for p in predictions if p["image_id"] == image_id]
-        assert len(ours) == len(expected["boxes"]) == 300  # torchvision's RetinaNet keeps 300 per image
+        assert len(ours) == len(expected["boxes"]) == cap
         labels = torch.tensor([p["category_id"] for p in ours])
         boxes = box_xywh_to_xyxy(torch.tensor([p["bbox"] for p in ours]))
         scores = torch.tensor([p["score"] for p in ours])
-        torch.testing.assert_close(scores, expected["scores"], atol=1e-4, rtol=0)  # the same scores in the same order
-        used = set()
-        for i in range(len(ours)):
-            match = [j for j in range(max(0, i - 2), min(len(ours), i + 3)) if j not in used
-                     and labels[j] == expected["labels"][i] and (boxes[j] - expected["boxes"][i]).abs().max() <= 0.5
-                     and abs(scores[j] - expected["scores"][i]) <= 1e-4]
-            assert match, (image_id, i, expected["labels"][i], expected["boxes"][i], expected["scores"][i])
-            used.add(match[0])
-        assert sum(int(labels[i] == expected["labels"][i]) for i in range(len(ours))) >= len(ours) - 4  # ties are rare
+        # the k-th highest score, whichever detection has it: no order of tied values compared
+        torch.testing.assert_close(scores.sort(descending=True).values, expected["scores"].sort(descending=True).values,
+                                   atol=1e-4, rtol=0)
+        assert_same_detections((boxes, scores, labels), (expected["boxes"], expected["scores"], expected["labels"]),
+                               score_atol=1e-4, box_atol=0.5, cuts=cap_cut(scores, expected["scores"], cap))
 
 
 @needs_coco_subset

@@ -67,7 +67,7 @@ def test_one_process_run_leaves_everything_behind(coco_tiny, tmp_path):
     assert "1 process(es)" in proc.stdout
     m = read_metrics(out)
     ev = evals(m)
-    assert [e["epoch"] for e in ev] == [0, 1] and ev[-1]["step"] == 8
+    assert [e["epoch"] for e in ev] == [1, 2] and ev[-1]["step"] == 8
     for e in ev:
         assert all(isinstance(e[k], float) and math.isfinite(e[k]) for k in
                    ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl"))
@@ -134,11 +134,11 @@ def test_resumed_run_continues_exactly_case_b19(coco_tiny, tmp_path):
                                             "--lr_scheduler", "multistep", "--lr_steps", "1", "2", "--warmup_steps", "3",
                                             "--optimizer", "sgd", "--lr", "0.01", "--augmentation", "flip_crop_translate"]
     run_script("train_retinanet.py", common + ["--output_dir", str(full)])
-    # stop mid-epoch 1 (step 6 of 12), then resume from the latest checkpoint
+    # stop mid-epoch 2 (step 6 of 12), then resume from the latest checkpoint
     run_script("train_retinanet.py", common + ["--output_dir", str(part), "--max_steps", "6"])
     assert (part / "checkpoints" / "step_00000006").is_dir()
     proc = run_script("train_retinanet.py", common + ["--output_dir", str(part), "--resume_from_checkpoint", "latest"])
-    assert "resumed from" in proc.stdout and "epoch 1, step 2 in epoch, global step 6" in proc.stdout
+    assert "resumed from" in proc.stdout and "epoch 2, step 2 in epoch, global step 6" in proc.stdout
     f, p = trains(read_metrics(full)), trains(read_metrics(part))
     assert [t["step"] for t in p] == list(range(1, 13)) and [t["epoch"] for t in p] == [t["epoch"] for t in f]
     for x, y in zip(f, p):

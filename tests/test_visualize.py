@@ -239,3 +239,22 @@ def test_log_evaluation_extras_without_trackers_or_detections(tmp_path):
     assert sum(v["num_gt"] for v in per_class.values()) == n_gt
     assert sum(row[-1] for row in cm["matrix"]) == n_gt  # every box missed
     assert len(list((tmp_path / "samples" / "final").iterdir())) == 2
+
+
+def test_labels_of_neighbouring_boxes_do_not_cover_each_other():
+    """Two detections side by side: the higher score's tag goes above its box, the other's, which would cover it
+    there, below its own box (outside it too); predict's drawing keeps the image size."""
+    from detlib.visualize import draw_detections
+
+    image = torch.full((3, 200, 200), 90, dtype=torch.uint8)
+    boxes = torch.tensor([[20.0, 60.0, 100.0, 120.0], [30.0, 62.0, 110.0, 122.0]])
+    colors = [class_color(1), class_color(2)]
+    drawn = _rgb(draw_detections(image, boxes, ["first 0.90", "second 0.80"], colors))
+    assert drawn.shape[:2] == (200, 200)
+
+    def share(region, color):
+        return (np.abs(region - np.array(color)).max(-1) <= 2).mean()
+
+    assert share(drawn[48:58, 22:60], colors[0]) > 0.5  # above the first box
+    assert share(drawn[48:58, 102:112], colors[1]) == 0  # nothing of the second tag above, beside the first's
+    assert share(drawn[125:135, 32:70], colors[1]) > 0.5  # below the second box
