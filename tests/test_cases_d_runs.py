@@ -161,14 +161,14 @@ def test_case_d04_300_classes_keep_console_and_train_log_readable(tmp_path, caps
     assert len(log) < 20_000  # was 278,822 characters on one line
     (line,) = [ln for ln in log.splitlines() if " eval on 300 images" in ln]
     assert "300 classes, mean precision " in line and "lowest recall (images): class_" in line and "; highest: " in line
-    assert line.endswith(f"per class and confusion matrix in {out}/plots/epoch_0000")
+    assert line.endswith(f"per class and confusion matrix in {out}/plots/epoch_0001")
     assert "class_000, class_001, class_002, class_003, class_004, class_005, class_006, class_007, ... (300 in all)" in log
     assert "- (300 items in all)\n" in log  # the config's class list in the log; config.yaml keeps all 300
     assert (out / "config.yaml").read_text().count("\n- class_") == 300
 
     # the full detail in files: 300 classes, the 300 x 300 matrix; they agree with predictions_val.csv
-    per_class = json.loads((out / "plots" / "epoch_0000" / "per_class.json").read_text())
-    cm = json.loads((out / "plots" / "epoch_0000" / "confusion_matrix.json").read_text())
+    per_class = json.loads((out / "plots" / "epoch_0001" / "per_class.json").read_text())
+    cm = json.loads((out / "plots" / "epoch_0001" / "confusion_matrix.json").read_text())
     assert len(per_class) == 300 and cm["names"] == sorted(per_class) and len(cm["matrix"]) == 300
     assert all(len(row) == 300 for row in cm["matrix"]) and sum(map(sum, cm["matrix"])) == 300
     import csv
@@ -181,7 +181,7 @@ def test_case_d04_300_classes_keep_console_and_train_log_readable(tmp_path, caps
     (ev,) = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_accuracy" in m]
     assert ev["val_mean_recall"] == pytest.approx(right / 300) and ev["val_accuracy"] == pytest.approx(right / 300)
     assert not [k for k in ev if k.startswith(("val_precision_", "val_recall_", "val_confusion"))]
-    assert (out / "plots" / "epoch_0000" / "confusion_matrix.png").is_file()
+    assert (out / "plots" / "epoch_0001" / "confusion_matrix.png").is_file()
 
     # tensorboard: the table as text and the matrix as an image, not 600 per-class scalars
     acc = EventAccumulator(str(next((out / "tensorboard").rglob("events.out.tfevents.*")).parent),
