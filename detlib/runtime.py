@@ -231,7 +231,7 @@ def set_log_levels(is_main: bool = True, verbose: bool = False) -> None:
 
 def setup_console_logging(verbose: bool = False) -> None:
     """The console log of a one-process tool (export, data check): our INFO lines, the libraries' with `verbose`."""
-    logging.basicConfig(format=LOG_FORMAT, force=True)
+    logging.basicConfig(format=LOG_FORMAT)  # not force=True: that would remove handlers others attached (pytest caplog)
     set_log_levels(True, verbose)
 
 

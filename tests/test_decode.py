@@ -77,12 +77,11 @@ def test_boxes_are_clipped_and_mapped_back_to_original_pixels():
 
 
 def test_detection_sets_may_differ_only_in_a_tie_at_a_cut():
-    """The comparison the parity tests use (conftest.assert_same_detections, detlib.export.compare_detections): a
-    run of scores tied within rounding straddles the cap of 300 (an Intel Xeon keeps another member than this
-    machine), so the 300th detection differs: the same. A wrong label away from the cut: a difference."""
+    """The comparison the parity tests use (conftest.assert_same_detections; the export's own check,
+    detlib.export.compare_detections, is tested with real head outputs in test_cases_d_outputs): a run of scores
+    tied within rounding straddles the cap of 300 (an Intel Xeon keeps another member than this machine), so the
+    300th detection differs: the same. A wrong label away from the cut: a difference."""
     import pytest
-
-    from detlib.export import compare_detections
 
     g = torch.Generator().manual_seed(0)
     n = 305
@@ -96,11 +95,7 @@ def test_detection_sets_may_differ_only_in_a_tie_at_a_cut():
     other = (boxes[keep], scores[keep], labels[keep])
     cuts = cap_cut(ref[1], other[1], 300)
     assert assert_same_detections(other, ref, score_atol=1e-5, box_atol=0.0, cuts=cuts) == 299
-    d = compare_detections(ref, other, max_detections=300, score_thresh=0.05, tie_atol=1e-5)
-    assert d["labels_equal"] and (d["num_paired"], d["num_at_cut"]) == (299, 2) and d["max_abs_box_px"] == 0.0
-    assert not compare_detections(ref, other)["labels_equal"]  # without the cap given: a difference
     wrong = (other[0], other[1], other[2].clone())
     wrong[2][100] = (wrong[2][100] + 1) % 80
     with pytest.raises(AssertionError, match="without a partner away from any cut"):
         assert_same_detections(wrong, ref, score_atol=1e-5, box_atol=0.0, cuts=cuts)
-    assert not compare_detections(ref, wrong, max_detections=300, score_thresh=0.05)["labels_equal"]

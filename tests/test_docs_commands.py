@@ -220,7 +220,7 @@ def test_onnx_snippet_runs_as_pasted(tmp_path, monkeypatch):
 
     from detlib.model import RetinaNet
 
-    best = tmp_path / "outputs" / "retinanet" / "best"
+    best = tmp_path / "outputs" / "retinanet_builtin" / "best"
     best.mkdir(parents=True)
     torch.manual_seed(0)
     model = RetinaNet(3, "resnet18", fpn_channels=16)
@@ -253,7 +253,7 @@ def test_readme_examples_use_the_folder_the_first_run_writes():
     """The README's outputs folder is the one the built-in run writes by default, and its predict / export
     examples read that folder (they once named outputs/r50_600, which no command of the README makes)."""
     train = runpy.run_path(str(REPO / "scripts" / "train_retinanet.py"))
-    default = train["parse_args"]([]).output_dir
+    default = train["DATA_DEFAULTS"]["output_dir"][0]  # the built-in data's (README's first command)
     text = (REPO / "README.md").read_text()
     assert f"The run leaves everything in `{default}/`" in text
     for command in commands(text):
