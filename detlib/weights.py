@@ -279,18 +279,14 @@ def read_model_config(path: str) -> dict | None:
     Raises:
         CheckpointError: when the file is there but does not parse.
     """
-    try:
-        folder = os.path.dirname(weights_path(path))
-    except FileNotFoundError:
+    f = model_config_file(path)
+    if f is None:
         return None
-    for f in (os.path.join(folder, "model_config.json"), os.path.join(os.path.dirname(folder.rstrip("/")), "model_config.json")):
-        if os.path.isfile(f):
-            try:
-                with open(f) as fh:
-                    return json.load(fh)
-            except ValueError as e:
-                raise CheckpointError(f"{f} is damaged ({e})") from None
-    return None
+    try:
+        with open(f) as fh:
+            return json.load(fh)
+    except ValueError as e:
+        raise CheckpointError(f"{f} is damaged ({e})") from None
 
 
 def run_config_of(path: str) -> tuple[dict, str | None]:
