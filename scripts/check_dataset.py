@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--val_images", metavar="DIR", help="default: --images")
     g.add_argument("--data_dir", metavar="ROOT", help="a data set root instead: COCO (annotations/instances_{set}.json), "
                    "VOC (Annotations/, JPEGImages/, ImageSets/Main/{set}.txt) or YOLO (data.yaml); its train and val "
-                   "splits are checked")
+                   "splits are checked (default: none)")
     g.add_argument("--data_format", choices=FORMATS, help="the layout of --data_dir (default: detected)")
     g.add_argument("--train_set", help="--data_dir's training split (default train2017 for COCO, train for VOC / YOLO)")
     g.add_argument("--val_set", help="--data_dir's validation split (default val2017 for COCO, val for VOC / YOLO)")

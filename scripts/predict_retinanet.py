@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "videos), a glob pattern, a COCO json, or a VOC / YOLO root (--data_format)")
     g.add_argument("--images", help="image folder of a COCO-json source (default: none; needed with a json --source)")
     g.add_argument("--data_format", choices=["voc", "yolo"], help="--source is the root of a labelled VOC or YOLO set "
-                   "(a data.yaml source is read as YOLO without it): its --split is predicted, as a COCO json would be")
+                   "(a data.yaml source is read as YOLO without it): its --split is predicted, as a COCO json would be "
+                   "(default: none, an image source)")
     g.add_argument("--split", default="val", help="the split of a VOC / YOLO source (VOC: ImageSets/Main/<split>.txt, "
                    "YOLO: the yaml key)")
     g.add_argument("--categories_by_name", action="store_true", help="a COCO-json source whose category ids name other "
@@ -88,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_size", type=int_at_least(32), help="default None: from model_config.json")
 
     g = p.add_argument_group("detection")
-    g.add_argument("--score_thresh", type=score_threshold, default=0.05, help="lowest score kept (the evaluation's "
-                   "default), or best_f1: per class, the threshold that maximised F1 in the training run's evaluation "
+    g.add_argument("--score_thresh", type=score_threshold, default=0.05, help="lowest score kept (default: 0.05, the "
+                   "evaluation's), or best_f1: per class, the threshold that maximised F1 in the training run's evaluation "
                    "of these weights (score_thresholds.json beside them; classes without one take the pooled one)")
     g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5, help="IoU of class-wise NMS")
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")

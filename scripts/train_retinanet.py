@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = groups["checkpointing"]
     g.add_argument("--push_to_hub", metavar="REPO_ID", help="at the end, upload best/ (weights, model card, score "
                    "thresholds) to this Hugging Face Hub model repo (owner/name; created when missing); the token "
-                   "and the network are checked at start")
+                   "and the network are checked at start (default: none, no upload)")
     g.add_argument("--hub_private", action="store_true", help="--push_to_hub creates the repo private")
     show_data_defaults(p, DATA_DEFAULTS)
     return p

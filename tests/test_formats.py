@@ -331,7 +331,8 @@ def test_check_dataset_reads_voc_and_yolo_roots_and_writes_their_coco_json(tmp_p
         out, out_val = tmp_path / f"{fmt}_train.json", tmp_path / f"{fmt}_val.json"
         assert check.main(["--data_dir", str(root), "--write_fixed", str(out), "--write_fixed_val", str(out_val)]) == 0
         printed = capsys.readouterr().out
-        assert printed.startswith(f"{fmt.upper()} data check: 0 errors") and "wrote the repaired json of" in printed
+        verdict = printed.rstrip().splitlines()[-1]  # the counts line ends the block
+        assert verdict.startswith(f"{fmt.upper()} data check: 0 errors") and "wrote the repaired json of" in printed
         written = json.loads(out.read_text())
         shift = 1 if fmt == "yolo" else 0
         written["categories"] = [{**c, "id": c["id"] + shift} for c in written["categories"]]
