@@ -97,12 +97,12 @@ def test_each_evaluation_reports_the_best_f1_threshold_per_class(tiny_run):
         assert "curves" not in best
     found = [v for v in evals[-1]["best_f1"]["per_class"].values() if v["score_thresh"] is not None]
     assert found, "the tiny run should find something at score 0"
-    assert (tiny_run / "plots" / "epoch_0001" / "f1_curve.png").is_file()
-    curves = json.loads((tiny_run / "plots" / "epoch_0001" / "f1_curve.json").read_text())
+    assert (tiny_run / "plots" / "epoch_0002" / "f1_curve.png").is_file()
+    curves = json.loads((tiny_run / "plots" / "epoch_0002" / "f1_curve.json").read_text())
     assert curves["per_class"] == evals[-1]["best_f1"]["per_class"] and len(curves["curves"]["all"]) == 101
     # beside the weights: the thresholds of the evaluation of those weights (last/: the final one)
     last = json.loads((tiny_run / "last" / "score_thresholds.json").read_text())
-    assert last == {**evals[-1]["best_f1"], "epoch": 1, "step": evals[-1]["step"]}
+    assert last == {**evals[-1]["best_f1"], "epoch": 2, "step": evals[-1]["step"]}
     best_step = json.loads((tiny_run / "best" / "best.json").read_text())["step"]
     (of_best,) = [e for e in evals if e["step"] == best_step]
     assert json.loads((tiny_run / "best" / "score_thresholds.json").read_text())["per_class"] == of_best["best_f1"]["per_class"]
@@ -202,7 +202,7 @@ def test_push_to_hub_checks_at_start_and_uploads_best_at_the_end(tiny_run):
     assert upload[3] == ["README.md", "best.json", "model.safetensors", "model_config.json", "score_thresholds.json"]
     log = (tiny_run / "train.log").read_text()
     # the check comes before the first training step, the upload after the last
-    assert log.index("the Hub is reachable") < log.index("epoch 0: mean loss") < log.index("--push_to_hub: uploaded")
+    assert log.index("the Hub is reachable") < log.index("epoch 1: mean loss") < log.index("--push_to_hub: uploaded")
 
 
 def test_push_to_hub_without_network_or_token_stops_at_start_in_one_line(tmp_path, capsys, monkeypatch):
