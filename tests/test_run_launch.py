@@ -255,7 +255,7 @@ def test_planted_pickle_payload_never_runs_on_resume(tmp_path):
     common = CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "4",
                      "--checkpoint_steps", "1", "--output_dir", str(out)]
     run_script("train_catsdogs.py", common + ["--max_steps", "2"])
-    older, planted = map(Path, list_checkpoints(str(out)))  # step_00000001, then epoch_0001 (the end of epoch 0)
+    older, planted = map(Path, list_checkpoints(str(out)))  # step_00000001, then epoch_0001 (the end of epoch 1)
     plant(planted / "custom_checkpoint_0.pkl", marker, "torch")
     proc = run_script("train_catsdogs.py", common + ["--max_steps", "3", "--resume_from_checkpoint", str(planted)],
                       check=False)
@@ -265,7 +265,7 @@ def test_planted_pickle_payload_never_runs_on_resume(tmp_path):
     proc = run_script("train_catsdogs.py", common + ["--max_steps", "3", "--resume_from_checkpoint", "latest"])
     assert (f"skipping damaged checkpoint {planted.name}: {planted}/custom_checkpoint_0.pkl holds pickled objects "
             "other than tensors and plain values (Trying to load unsupported GLOBAL posix.system") in proc.stdout
-    assert f"resumed from {older}: epoch 0, step 1 in epoch" in proc.stdout and not marker.exists()
+    assert f"resumed from {older}: epoch 1, step 1 in epoch" in proc.stdout and not marker.exists()
 
 
 def test_evaluate_only_on_truncated_or_foreign_weights_is_one_line(tmp_path):
