@@ -91,7 +91,7 @@ def _yaml_in(root: str) -> str | None:
 
 def detect_format(root: str) -> str:
     """The layout of a data set root: "voc" (Annotations/ and JPEGImages/), "yolo" (data.yaml, or the yaml
-    itself), "coco" (annotations/).
+    itself), "coco" (annotations/, or COCO's image folders train2017/, val2017/, images/).
 
     Raises:
         FileNotFoundError: `root` does not exist or holds none of the three (names what was looked for).
@@ -102,8 +102,8 @@ def detect_format(root: str) -> str:
         return "voc"
     if _yaml_in(root):
         return "yolo"
-    if os.path.isdir(os.path.join(root, "annotations")):
-        return "coco"
+    if any(os.path.isdir(os.path.join(root, d)) for d in ("annotations", "train2017", "val2017", "images")):
+        return "coco"  # COCO's image folders without annotations/: the missing json is named next
     hint = ""
     if os.path.isdir(root):
         inner = sorted(d for d in os.listdir(root) if d.upper().startswith("VOC") and os.path.isdir(os.path.join(root, d)))
