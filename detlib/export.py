@@ -3,7 +3,7 @@
 The exported graph takes one image padded to a fixed square canvas of `canvas` x `canvas` pixels (the
 anchors of that size are constants in the graph; the canvas is the training size rounded up to a multiple
 of 32). Pre-processing stays outside, as in the evaluation: resize so the longer side is `image_size`
-(`ResizeLongestSide`), pad at the bottom / right with `PAD_VALUE`. `prepare_input` does it.
+(`ResizeKeepAspect`), pad at the bottom / right with `PAD_VALUE`. `prepare_input` does it.
 
 Inputs (decoding inside):
     images:     [1, 3, canvas, canvas] float32 RGB in 0..255

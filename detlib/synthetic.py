@@ -26,6 +26,8 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
+from .files import write_json
+
 logger = logging.getLogger(__name__)
 
 SHAPES_CATEGORIES = [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}, {"id": 3, "name": "triangle"}]
@@ -120,10 +122,7 @@ def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: 
                 ann_id += 1
         data = {"info": {"description": "detlib synthetic shapes", "version": SHAPES_VERSION}, "licenses": [],
                 "images": images, "annotations": annotations, "categories": SHAPES_CATEGORIES}
-        tmp = paths[f"{split}_annotations"] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, paths[f"{split}_annotations"])
+        write_json(data, paths[f"{split}_annotations"])
     with open(marker, "w") as f:
         json.dump(params, f)
     return paths

@@ -46,6 +46,7 @@ from detlib.dashboard import log_classification_extras
 from detlib.engine import Run
 from detlib.flags import (data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
+from detlib.files import atomic_write
 from detlib.foldercheck import check_folders_for_training
 from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
 from detlib.logtext import short_list
@@ -210,13 +211,12 @@ def evaluate(model, loader, run: Run, classes: list[str], train_model=None) -> t
 
 def write_predictions(path: str, val_ds, preds: dict) -> None:
     """One CSV row per val image: path, true class, predicted class, confidence (main process)."""
-    with open(path + ".tmp", "w", newline="") as f:
+    with atomic_write(path, newline="") as f:
         w = csv.writer(f)
         w.writerow(["path", "label", "pred", "confidence"])
         for i, y, p, c in zip(preds["index"].tolist(), preds["label"].tolist(), preds["pred"].tolist(),
                               preds["confidence"].tolist()):
             w.writerow([val_ds.samples[i][0], val_ds.classes[y], val_ds.classes[p], f"{c:.6f}"])
-    os.replace(path + ".tmp", path)
 
 
 # wandb's confusion-matrix chart is a table of K x K rows, of which wandb keeps 10,000: a true chart up to 100 classes

@@ -218,10 +218,10 @@ def test_case_d04_per_class_tables_and_lists_have_a_bounded_size():
         assert len(summary) <= 400
         assert len(short_list(names)) <= 400 and len(class_counts(names, list(range(k)))) <= 400
     # train and val folders that differ: the differences, not both lists of 300
-    from detlib.imagefolder import check_same_classes
+    from detlib.imagefolder import check_split_classes
 
     with pytest.raises(ValueError) as e:
-        check_same_classes([f"c{i}" for i in range(300)], [f"c{i}" for i in range(1, 301)], "/data/train", "/data/val")
+        check_split_classes([f"c{i}" for i in range(300)], [f"c{i}" for i in range(1, 301)], "/data/train", "/data/val")
     assert str(e.value).endswith("only in train ['c0'], only in val ['c300'] (300 train classes, 300 val classes)")
     cats = per_class_table(["cat", "dog"], [[3, 1], [0, 4]])
     assert cats["cat"] == {"precision": 1.0, "recall": 0.75, "f1": pytest.approx(6 / 7), "support": 4, "predicted": 3}
