@@ -81,7 +81,7 @@ def test_builtin_run_estimates_its_time_and_ctrl_c_says_the_model_is_not_ready(t
     lines = [ln for ln in run.text.replace("\r", "\n").splitlines() if ln.strip()]
     assert code == 75, run.text[-3000:]
     (start,) = [ln for ln in lines if "no data given" in ln]
-    assert "10 epochs; with the defaults about 6 min on 2 idle CPU cores" in start
+    assert "10 epochs; with the defaults about 6 min on 2 idle CPU cores, to val AP50 above 0.9)" in start
     assert "the model is only useful after the full run" in start
     (estimate,) = [ln for ln in lines if "time estimate:" in ln]
     found = re.search(r"time estimate: the whole run takes about \d+ (s|min) on this machine, about \d+ (s|min) from "
@@ -90,5 +90,5 @@ def test_builtin_run_estimates_its_time_and_ctrl_c_says_the_model_is_not_ready(t
     assert found and int(found[3]) == 10 * 75 - 10, estimate  # 600 images / batch 8 = 75 steps per epoch
     assert lines[-1].startswith("stopped: preempted by SIGINT at step "), lines[-1]
     assert lines[-1].endswith("; the built-in run's model is only useful after all 10 epochs (with the defaults "
-                              "about 6 min on 2 idle CPU cores to val AP50 0.9x): stopped early it detects the shapes "
-                              "poorly"), lines[-1]
+                              "about 6 min on 2 idle CPU cores, to val AP50 above 0.9): stopped early it detects the "
+                              "shapes poorly"), lines[-1]
