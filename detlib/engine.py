@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 import sys
 import time
@@ -72,29 +71,6 @@ checkpoints/epoch_NNNN/ is written after it (N epochs done; `TrainState.epoch` =
 is the 0-based index of the running epoch (the sampler's and the augmentation's seed), so the number shown is
 `Run.epoch_number` = `Run.epoch + FIRST_EPOCH`."""
 
-# The time estimate logged early in a training run (`Run.optimizer_step`): the median step time over
-# ESTIMATE_STEPS optimizer steps after the first ESTIMATE_SKIP_STEPS (those also start the loader workers).
-ESTIMATE_SKIP_STEPS = 2
-ESTIMATE_STEPS = 8
-# An evaluated image costs about this fraction of a training image's step time (forward only, then decoding
-# and COCOeval; measured on the built-in RetinaNet run on a CPU).
-EVAL_IMAGE_COST = 0.5
-
-
-def evaluations_left(epoch: int, epochs: int, total_steps: int, steps_per_epoch: int, eval_interval: int) -> int:
-    """Evaluations from epoch `epoch` (0-based, in progress) to the end: every `eval_interval` epochs and after the
-    last epoch, which is the one where `total_steps` (--max_steps) ends the run when that comes first."""
-    last = min(epochs, math.ceil(total_steps / steps_per_epoch)) - 1
-    return sum((e + 1) % eval_interval == 0 or e == last for e in range(epoch, last + 1))
-
-
-def format_duration(seconds: float) -> str:
-    """A rounded duration for people: "45 s", "6 min", "2 h 05 min"."""
-    if seconds < 90:
-        return f"{max(1, round(seconds))} s"
-    minutes = round(seconds / 60)
-    return f"{minutes} min" if minutes < 90 else f"{minutes // 60} h {minutes % 60:02d} min"
-
 
 # ---------------------------------------------------------------------------------------------- the run
 class Run:
@@ -108,9 +84,12 @@ class Run:
         SystemExit: when a start-up check fails (one line on the main process, code 1).
     """
 
-    def __init__(self, args, metric: str):
+    def __init__(self, args, metric: str, also_report: tuple[str, ...] = ()):
+        """`metric`: the stat that picks best/ and leads the summary; `also_report`: stats the summary's last line
+        gives beside it (of the last evaluation)."""
         self.args = args
         self.metric = metric
+        self.also_report = also_report
         self.evaluate_only = bool(args.evaluate_only)
         if self.evaluate_only:  # never write over a training run's config.yaml / metrics.jsonl
             args.output_dir = os.path.join(args.output_dir, EVALUATE_ONLY_SUBDIR)
@@ -125,7 +104,7 @@ class Run:
         self.progress = None  # the tqdm bar of the training steps, from start_training on
         self.last_stats: dict | None = None  # the last evaluation's stats (report_evaluation)
         self.last_evaluation: dict | None = None  # and its whole metrics.jsonl line (epoch, step, stats, extra)
-        # appended to the line of a preempted (e.g. Ctrl-C) run, e.g. what the weights are worth at that point
+        # appended to the line of a preempted (e.g. Ctrl-C) run: what its weights are worth at that point
         self.stop_note = ""
         self._locked = False
         self._closed = False
@@ -201,19 +180,16 @@ class Run:
             self.fail(error)
 
     # ---- training set-up
-    def start_training(self, model, optimizer, train_loader, schedule: dict, eval_images: int | None = None):
+    def start_training(self, model, optimizer, train_loader, schedule: dict):
         """Checks and resume before the first step. Call after `accelerator.prepare`.
 
         Args:
             schedule: {"kind": "plateau" | "multistep" | "cosine" | "constant", "warmup_steps": int or None,
                 "warmup_fraction": float (when warmup_steps is None), "warmup_start": float,
                 "milestones_epochs": [int], "plateau_patience": int}.
-            eval_images: images per evaluation (all processes), for the time estimate the run logs after its
-                first steps (None: the estimate leaves the evaluations out).
         Returns the LR scheduler: ReduceLROnPlateau (stepped per epoch by `end_epoch`) or a per-step
         LambdaLR (stepped by `optimizer_step`), registered for checkpointing and positioned after a resume.
         """
-        self.eval_images = eval_images
         acc, args, st = self.accelerator, self.args, self.state
         self.batches_per_epoch = len(train_loader)
         if min_over_processes(acc, self.batches_per_epoch) == 0:
@@ -254,8 +230,6 @@ class Run:
         self._ckpt_due = False
         self.epoch = st.epoch
         self.images_seen = 0
-        self._estimate_from = st.global_step + ESTIMATE_SKIP_STEPS
-        self._step_times: list[float] = []
         from tqdm.auto import tqdm
 
         self.progress = tqdm(total=self.total_steps, initial=st.global_step, desc="train",
@@ -334,8 +308,6 @@ class Run:
             scheduler.step()
         if st.global_step % args.log_interval == 0 or st.global_step == self.total_steps or diverged:
             self._log_window(lr)
-        if self._step_times is not None and st.global_step >= self._estimate_from:
-            self._time_step()
         if diverged:
             last = ckpt.list_checkpoints(self.output_dir) if acc.is_main_process else []
             self.fail(f"training diverged: {self.guard.streak} non-finite steps in a row up to step {st.global_step} "
@@ -348,32 +320,6 @@ class Run:
             else:  # the epoch (or the run) ends with this step: its own checkpoint follows
                 self._ckpt_due = True
         self.poll_preemption(model)
-
-    def _time_step(self) -> None:
-        """Time ESTIMATE_STEPS steps, then log once how long the run will take on this machine: the median step
-        time (an evaluation or checkpoint between two steps is left out) times the steps left, plus the
-        evaluations left at EVAL_IMAGE_COST of a training image each (when `eval_images` is known)."""
-        self._step_times.append(time.time())
-        if len(self._step_times) <= ESTIMATE_STEPS:
-            return
-        times, self._step_times = self._step_times, None  # logged once
-        per_step = sorted(b - a for a, b in zip(times, times[1:]))[ESTIMATE_STEPS // 2]
-        st, args = self.state, self.args
-        steps_left = self.total_steps - st.global_step
-        if steps_left <= 0:
-            return
-        evals = evaluations_left(self.epoch, args.epochs, self.total_steps, self.steps_per_epoch, args.eval_interval)
-        eval_s = evals * (self.eval_images or 0) * per_step / self.samples_per_step * EVAL_IMAGE_COST
-        left = steps_left * per_step + eval_s
-        what = f"{steps_left} steps to go at {per_step:.2f} s per step (median of steps {st.global_step - ESTIMATE_STEPS + 1}" \
-               f"-{st.global_step})"
-        if evals:
-            what += (f", {evals} evaluation{'s' if evals > 1 else ''} of {self.eval_images} images" if self.eval_images
-                     else f", and {evals} evaluation{'s' if evals > 1 else ''} not counted")
-        self.progress.clear()  # the line on a line of its own, not after the bar's text
-        logger.info("time estimate: the whole run takes about %s on this machine, about %s from now: %s",
-                    format_duration(time.time() - self.t_start + left), format_duration(left), what)
-        self.progress.refresh()
 
     def _log_window(self, lr: float) -> None:
         """One train line: means over the images since the last line, over all processes."""
@@ -474,8 +420,9 @@ class Run:
             elapsed = time.time() - self.t_start
             best = self.checkpointer.best_record()
             final = self.last_stats[self.metric] if self.last_stats else None
+            also = {k: self.last_stats[k] for k in self.also_report if k in (self.last_stats or {})}
             lines = summary_lines(self.output_dir, self.metrics.path, self.metric, elapsed, st.global_step,
-                                  st.skipped_steps, st.best_metric, best, final, self.images_seen)
+                                  st.skipped_steps, st.best_metric, best, final, self.images_seen, also)
         if self.accelerator.is_main_process and not self.evaluate_only:
             self._write_status(0)
         self._close()

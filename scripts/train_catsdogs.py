@@ -419,8 +419,7 @@ def main(argv=None):
                                     weight_decay=args.weight_decay, nesterov=True)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
     # tiny-data check, resume (any process count), LR schedule, trackers, disk space
-    scheduler = run.start_training(model, optimizer, train_loader, {**SCHEDULE, "warmup_steps": args.warmup_steps},
-                                   eval_images=len(val_ds))
+    scheduler = run.start_training(model, optimizer, train_loader, {**SCHEDULE, "warmup_steps": args.warmup_steps})
 
     # ---- train
     while run.next_epoch():

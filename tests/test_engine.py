@@ -275,58 +275,6 @@ def test_explosion_is_reported_once_per_order_of_magnitude(caplog):
     assert warned[1].startswith("step 6: loss 2000 ")
 
 
-def _timed_run(**fields):
-    """The attributes `Run._time_step` reads, of a run at step 0 of 750 (10 epochs of 75 steps of 8 images)."""
-    from types import SimpleNamespace
-
-    run = SimpleNamespace(state=SimpleNamespace(global_step=0), args=SimpleNamespace(epochs=10, eval_interval=5),
-                          total_steps=750, steps_per_epoch=75, samples_per_step=8, eval_images=100, epoch=0,
-                          t_start=0.0, _step_times=[], progress=SimpleNamespace(clear=lambda: None, refresh=lambda: None))
-    run.__dict__.update(fields)
-    return run
-
-
-def test_time_estimate_is_one_line_from_the_median_step_time_and_the_evaluations_left(monkeypatch, caplog):
-    from detlib import engine
-
-    caplog.set_level("INFO", logger="detlib.engine")
-    clock = [40.0]  # start-up took 40 s
-    monkeypatch.setattr(engine.time, "time", lambda: clock[0])
-    run = _timed_run()
-    for step in range(2, 14):  # timed from step 2 (after ESTIMATE_SKIP_STEPS), logged at step 10
-        clock[0] += 30.0 if step == 6 else 0.4  # an evaluation or checkpoint between two steps is left out
-        run.state.global_step = step
-        engine.Run._time_step(run) if run._step_times is not None else None
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("time estimate")]
-    # 740 steps x 0.4 s = 296 s, 2 evaluations x 100 images x 0.05 s per image x EVAL_IMAGE_COST 0.5 = 5 s;
-    # 40 + 7 x 0.4 + 30 s so far
-    assert lines == ["time estimate: the whole run takes about 6 min on this machine, about 5 min from now: 740 steps "
-                     "to go at 0.40 s per step (median of steps 3-10), 2 evaluations of 100 images"]
-
-    caplog.clear()
-    clock[0] = 0.0
-    run = _timed_run(eval_images=None, epoch=6, total_steps=600, t_start=-6000.0)  # --max_steps 600: ends in epoch 7
-    for step in range(2, 11):
-        clock[0] += 2.0
-        run.state.global_step = step
-        engine.Run._time_step(run)
-    assert [r.getMessage() for r in caplog.records] == [
-        "time estimate: the whole run takes about 2 h 00 min on this machine, about 20 min from now: 590 steps to go "
-        "at 2.00 s per step (median of steps 3-10), and 1 evaluation not counted"]
-
-
-def test_evaluations_left_and_durations_for_people():
-    from detlib.engine import evaluations_left, format_duration
-
-    assert evaluations_left(0, epochs=10, total_steps=750, steps_per_epoch=75, eval_interval=5) == 2  # after 5 and 10
-    assert evaluations_left(0, epochs=30, total_steps=1110, steps_per_epoch=37, eval_interval=5) == 6
-    assert evaluations_left(0, epochs=7, total_steps=70, steps_per_epoch=10, eval_interval=3) == 3  # 3, 6 and the last
-    assert evaluations_left(0, epochs=10, total_steps=2, steps_per_epoch=75, eval_interval=5) == 1  # --max_steps 2
-    assert evaluations_left(5, epochs=10, total_steps=750, steps_per_epoch=75, eval_interval=5) == 1  # resumed in epoch 5
-    assert [format_duration(s) for s in (0.2, 45, 89.4, 90, 365, 5399, 7500)] == [
-        "1 s", "45 s", "89 s", "2 min", "6 min", "1 h 30 min", "2 h 05 min"]
-
-
 def test_run_length_counts_the_partial_accumulation_window_as_a_step():
     from detlib.resume import run_length
 
@@ -437,6 +385,8 @@ def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     assert lines == [f"weights: {out}/best/ (best)", f"metrics: {out}/metrics.jsonl; evaluation: {out}/predictions_val.csv",
                      "mean throughput 3.3 images/s (all processes)",
                      "run finished in 1.5 min: 10 steps, 1 skipped; best AP 0.5000 (epoch 1, step 10), final AP 0.4500"]
+    lines = summary_lines(out, f"{out}/metrics.jsonl", "AP", 90.0, 10, 1, 0.5, None, 0.45, 0, {"AP50": 0.931})
+    assert lines[-1] == "run finished in 1.5 min: 10 steps, 1 skipped; best AP 0.5000, final AP 0.4500, AP50 0.9310"
 
 
 def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path):
