@@ -35,14 +35,12 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
-from .anchors import INPUT_DIVISIBILITY
 from .cococheck import check_coco
 from .datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from .images import load_rgb, load_skipping_unreadable
 from .labels import PAD_LABEL, CategoryMap
-from .model import IMAGENET_MEAN
 from .records import CompactRecords
-from .transforms import PAD_VALUE, make_sample
+from .transforms import IMAGENET_MEAN, INPUT_DIVISIBILITY, PAD_VALUE, make_sample
 
 logger = logging.getLogger(__name__)
 

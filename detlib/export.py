@@ -28,13 +28,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from . import box_coder
-from .anchors import INPUT_DIVISIBILITY, AnchorGenerator
 from torchvision.ops import nms
 
+from . import box_coder
+from .anchors import AnchorGenerator
 from .box_ops import clip_boxes_to_image
-from .data import PAD_VALUE
-from .transforms import build_transform, make_sample
+from .transforms import INPUT_DIVISIBILITY, PAD_VALUE, build_transform, make_sample
 
 
 def canvas_size(image_size: int, max_size: int | None = None) -> int:

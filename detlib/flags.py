@@ -313,21 +313,6 @@ def _flag_value(action: argparse.Action, value):
     return values if many else values[0]
 
 
-def close_names(name: str, names: list[str], n: int = 5) -> list[str]:
-    """Up to `n` of `names` close to a misspelt `name` (a timm model name, a flag): difflib's close matches, else
-    the names that share `name`'s longest prefix (3+ characters), closest first (`resnet_does_not_exist` ->
-    resnet...), else none."""
-    hits = difflib.get_close_matches(name, names, n=n)
-    if hits:
-        return hits
-    low = name.lower()
-    k = max((len(os.path.commonprefix([low, m.lower()])) for m in names), default=0)
-    if k < 3:
-        return []
-    ratio = lambda m: difflib.SequenceMatcher(None, low, m.lower()).ratio()  # noqa: E731
-    return sorted((m for m in names if m.lower().startswith(low[:k])), key=lambda m: (-ratio(m), m))[:n]
-
-
 def stop(message: str, code: int = 2) -> NoReturn:
     """Stop on a problem found before the run exists (before its accelerator and logging): one `error:` line on
     stderr from the first process only (the launcher's `RANK`), so a 2-process launch does not print it twice;

@@ -22,11 +22,19 @@ import math
 import random
 
 import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 AUGMENTATIONS = ("none", "flip", "flip_crop_translate")
+# ImageNet statistics of the RGB channels, for backbones pretrained on ImageNet, in pixel units [0, 255]: RetinaNet
+# takes images in [0, 255] and normalises them itself. timm's constants are in [0, 1] units, hence the x 255.
+IMAGENET_MEAN = tuple(255 * v for v in IMAGENET_DEFAULT_MEAN)  # (123.675, 116.28, 103.53)
+IMAGENET_STD = tuple(255 * v for v in IMAGENET_DEFAULT_STD)  # (58.395, 57.12, 57.375)
+# Inputs are padded to a multiple of the backbone's output stride, so C3-C5 have exactly H / s rows (torchvision's
+# GeneralizedRCNNTransform `size_divisible`); the anchors check it (detlib.anchors).
+INPUT_DIVISIBILITY = 32
 # Padding colour of the batch (detlib.data) and of the area a translation uncovers: the ImageNet mean in uint8,
 # so both are ~0 after normalisation, and the model never learns that a black band means "edge of the image".
 PAD_VALUE = (124, 116, 104)

@@ -51,17 +51,16 @@ from timm.optim import param_groups_weight_decay
 from tqdm.auto import tqdm
 
 from detlib import checkpoint as ckpt
-from detlib.anchors import ANCHOR_CONFIG_KEYS, INPUT_DIVISIBILITY, anchor_generator_from_config
+from detlib.anchors import ANCHOR_CONFIG_KEYS, anchor_generator_from_config
 from detlib.analysis import best_f1_thresholds, format_best_f1, per_class_ap, per_class_without_detections
 from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
-from detlib.cococheck import check_coco_for_training
 from detlib.dashboard import log_evaluation_extras
 from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
 from detlib.engine import Run
 from detlib.collectives import broadcast_object
-from detlib.formats import FORMATS, data_dir_paths
+from detlib.formats import FORMATS, check_coco_for_training, data_dir_paths
 from detlib.hub import check_push, local_weights, push_folder
 from detlib.modelcard import command_line, detector_card, write_card
 from detlib.flags import (data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
@@ -73,7 +72,7 @@ from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
 from detlib.synthetic import make_synthetic_coco
-from detlib.transforms import AUGMENTATIONS, build_transform
+from detlib.transforms import AUGMENTATIONS, INPUT_DIVISIBILITY, build_transform
 from detlib.weights import (complete_model_config, load_state_dict_file, read_model_config, weights_path,
                             write_score_thresholds)
 
