@@ -128,10 +128,11 @@ def read_best_record(output_dir: str, metric: str) -> dict | None:
 
 def summary_lines(output_dir: str, metrics_path: str, metric: str, elapsed_s: float, global_step: int,
                   skipped_steps: int, best_metric: float, best: dict | None, final: float | None,
-                  images_seen: float) -> list[str]:
+                  images_seen: float, final_also: dict[str, float] | None = None) -> list[str]:
     """The end-of-run summary: where the weights, checkpoints, metrics, the evaluation's files and the trackers'
     are (only those that exist), the mean throughput over `images_seen` images (all processes) when any were logged, and last, the
-    verdict: time, steps, best `metric` (with best/'s epoch and step when `best` is its record) and the `final` one."""
+    verdict: time, steps, best `metric` (with best/'s epoch and step when `best` is its record), the `final` one and
+    the last evaluation's `final_also` stats ({name: value})."""
     out = output_dir
 
     def existing(*names: str) -> list[str]:
@@ -154,5 +155,6 @@ def summary_lines(output_dir: str, metrics_path: str, metric: str, elapsed_s: fl
         lines.append(f"mean throughput {images_seen / elapsed_s:.1f} images/s (all processes)")
     lines.append(f"run finished in {elapsed_s / 60:.1f} min: {global_step} steps, {skipped_steps} skipped; "
                  f"best {metric} {best_metric:.4f}" + (f" (epoch {best['epoch']}, step {best['step']})" if best else "")
-                 + (f", final {metric} {final:.4f}" if final is not None else ""))
+                 + (f", final {metric} {final:.4f}" if final is not None else "")
+                 + "".join(f", {k} {v:.4f}" for k, v in (final_also or {}).items()))
     return lines

@@ -84,9 +84,12 @@ class Run:
         SystemExit: when a start-up check fails (one line on the main process, code 1).
     """
 
-    def __init__(self, args, metric: str):
+    def __init__(self, args, metric: str, also_report: tuple[str, ...] = ()):
+        """`metric`: the stat that picks best/ and leads the summary; `also_report`: stats the summary's last line
+        gives beside it (of the last evaluation)."""
         self.args = args
         self.metric = metric
+        self.also_report = also_report
         self.evaluate_only = bool(args.evaluate_only)
         if self.evaluate_only:  # never write over a training run's config.yaml / metrics.jsonl
             args.output_dir = os.path.join(args.output_dir, EVALUATE_ONLY_SUBDIR)
@@ -101,6 +104,8 @@ class Run:
         self.progress = None  # the tqdm bar of the training steps, from start_training on
         self.last_stats: dict | None = None  # the last evaluation's stats (report_evaluation)
         self.last_evaluation: dict | None = None  # and its whole metrics.jsonl line (epoch, step, stats, extra)
+        # appended to the line of a preempted (e.g. Ctrl-C) run: what its weights are worth at that point
+        self.stop_note = ""
         self._locked = False
         self._closed = False
         self.t_start = time.time()
@@ -400,7 +405,7 @@ class Run:
         where = f"in the evaluation after epoch {self.epoch_number}" if batch_index is not None else f"in epoch {self.epoch_number}"
         self.fail(f"preempted by {name} at step {self.state.global_step} ({where}): checkpoint {path} "
                   f"written in {time.time() - t:.1f} s; to continue, run the same command with --resume_from_checkpoint "
-                  f"latest (exit code {EXIT_PREEMPTED})", EXIT_PREEMPTED)
+                  f"latest (exit code {EXIT_PREEMPTED}){self.stop_note}", EXIT_PREEMPTED)
 
     # ---- end
     def finish(self, model=None) -> None:
@@ -415,8 +420,9 @@ class Run:
             elapsed = time.time() - self.t_start
             best = self.checkpointer.best_record()
             final = self.last_stats[self.metric] if self.last_stats else None
+            also = {k: self.last_stats[k] for k in self.also_report if k in (self.last_stats or {})}
             lines = summary_lines(self.output_dir, self.metrics.path, self.metric, elapsed, st.global_step,
-                                  st.skipped_steps, st.best_metric, best, final, self.images_seen)
+                                  st.skipped_steps, st.best_metric, best, final, self.images_seen, also)
         if self.accelerator.is_main_process and not self.evaluate_only:
             self._write_status(0)
         self._close()

@@ -140,12 +140,14 @@ def test_default_lr_and_weight_decay_follow_the_optimizer_and_an_explicit_lr_win
 
 def test_data_defaults_apply_only_to_flags_left_unset():
     retinanet = load_script("train_retinanet")
+    recipe = ("image_size", "backbone", "fpn_channels", "augmentation", "epochs", "per_device_batch_size",
+              "lr_scheduler", "warmup_steps")
     args = resolved(retinanet, ["--image_size", "320"], synthetic=False)
-    assert (args.image_size, args.backbone, args.fpn_channels, args.epochs, args.per_device_batch_size) == \
-        (320, "resnet50", 256, 12, 15)
-    args = resolved(retinanet, [])
-    assert (args.image_size, args.backbone, args.fpn_channels, args.epochs, args.per_device_batch_size) == \
-        (160, "resnet18", 64, 30, 16)
+    assert tuple(getattr(args, k) for k in recipe) == (320, "resnet50", 256, "flip_crop_translate", 12, 15, "plateau", 500)
+    args = resolved(retinanet, [])  # the built-in demo's recipe (issue 17: minutes on 2 CPU cores)
+    assert tuple(getattr(args, k) for k in recipe) == (128, "resnet18", 64, "flip", 6, 8, "cosine", 100)
+    args = resolved(retinanet, ["--lr_scheduler", "plateau"])
+    assert (args.lr_scheduler, args.augmentation) == ("plateau", "flip")
 
 
 def test_builtin_and_real_data_runs_get_their_own_default_folders(script):

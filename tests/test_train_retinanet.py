@@ -82,6 +82,9 @@ def test_one_process_run_leaves_everything_behind(coco_tiny, tmp_path):
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights)
     assert all(v.dtype == torch.float32 for v in weights.values() if v.is_floating_point())
     assert (out / "best" / "model.safetensors").is_file()
+    # real data: the paper's heads (the built-in set's GroupNorm heads are its own default); the verdict gives AP50
+    assert json.loads((out / "last" / "model_config.json").read_text())["head_norm"] == "none"
+    assert proc.stdout.rstrip().splitlines()[-1].endswith(f", AP50 {ev[-1]['AP50']:.4f}")
     preds = json.loads((out / "predictions_val.json").read_text())
     val_ids = {im["id"] for im in json.loads(Path(coco_tiny["val_annotations"]).read_text())["images"]}
     assert {p["image_id"] for p in preds} <= val_ids
