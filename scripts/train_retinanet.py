@@ -1,7 +1,7 @@
 r"""Train and evaluate RetinaNet (ResNet-50 + FPN by default, any timm backbone) with HuggingFace Accelerate.
 
 Built-in synthetic data, CPU (no download; the defaults switch to a small model and image size):
-    OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_retinanet.py
+    accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_retinanet.py
 
 COCO 2017 on 2 GPUs (fp16), the seed recipe (AdamW 1e-4, plateau, 600 px, 12 epochs):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/train_retinanet.py \
@@ -104,7 +104,7 @@ __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring
 # scratch than the paper's head (no norm); not a flag here: an --init_from / --evaluate_only model keeps its own.
 BUILTIN_HEAD_NORM = "gn"
 # What the built-in run with these defaults gives (docs/recipes.md run log), for its start line and its stop line.
-BUILTIN_RUN = "with the defaults about 6 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
+BUILTIN_RUN = "with the defaults about 4 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
 # This script's defaults of the run machinery's flags (detlib.flags).
 RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
                 "per_device_eval_batch_size": 8, "log_interval": 20}
