@@ -111,7 +111,7 @@ def test_predict_maps_the_same_names_under_other_ids(shapes_model, tmp_path):
 @pytest.mark.slow
 def test_classifier_weights_of_other_class_names_stop_or_map_by_name(tmp_path):
     from conftest import run_script
-    from test_catsdogs import make_tiny_folder
+    from helpers import make_tiny_folder
 
     from detlib.classification import build_classifier
 

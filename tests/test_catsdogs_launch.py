@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_script, traceback_through_our_code
-from test_catsdogs import make_bad_folder, make_tiny_folder
+from helpers import make_bad_folder, make_tiny_folder
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, run_script, start_script, traceback_through_our_code, write_coco, write_image
-from test_catsdogs import make_tiny_folder
+from helpers import make_tiny_folder
 
 pytestmark = pytest.mark.slow
 
@@ -246,7 +246,7 @@ def test_planted_pickle_payload_never_runs_on_resume(tmp_path):
     """A checkpoint folder from someone else: a custom_checkpoint_0.pkl (the registered LR scheduler) whose
     `__reduce__` calls os.system. Named explicitly it is one error line; `latest` falls back to the older
     checkpoint, saying why; the command never runs. (Every kind of state file: tests/test_checkpoint.py.)"""
-    from test_checkpoint import plant
+    from helpers import plant
 
     from detlib.checkpoint import list_checkpoints
 
