@@ -197,6 +197,8 @@ B31_HELPER = textwrap.dedent('''
 
 @pytest.mark.slow
 def test_case_b31_each_epoch_a_new_order_and_disjoint_shards(tmp_path):
+    # the one 2-process check of a shuffled loader under make_accelerator (the grouped sampler's: test_sampler.py);
+    # a probe with a DataLoader of range(8) checked the same, less (tests/test_distributed.py, merged here)
     data = make_tiny_folder(tmp_path / "data", [4, 4])  # 8 items
     helper = tmp_path / "b31_helper.py"
     helper.write_text(B31_HELPER)
