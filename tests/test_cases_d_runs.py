@@ -472,6 +472,7 @@ TRACKER_RUN = ["--max_steps", "1", "--image_size", "16", "--num_workers", "0", "
                "--per_device_eval_batch_size", "50"]
 
 
+@pytest.mark.slow  # wandb in a launch of its own: its service, HOME and config are the process's
 @pytest.mark.parametrize("variant", ["no_key", "key_no_network"])
 def test_case_d12_wandb_online_without_key_or_network_is_one_line_and_a_run_status(tmp_path, variant):
     env = {"WANDB_MODE": "online"}
@@ -494,6 +495,7 @@ def test_case_d12_wandb_online_without_key_or_network_is_one_line_and_a_run_stat
     assert status["global_step"] == 0 and not (out / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_case_d12_wandb_disabled_keeps_working(tmp_path):
     """(WANDB_MODE=offline without a key: test_case_b13_b21_... in test_catsdogs_launch.py.)"""
     out = tmp_path / "run"
