@@ -143,6 +143,7 @@ def long_lines(text: str) -> list[str]:
 
 
 @needs_catsdogs
+@pytest.mark.slow  # a whole run in-process, 300 classes
 def test_case_d04_300_classes_keep_console_and_train_log_readable(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -229,6 +230,7 @@ def test_case_d04_per_class_tables_and_lists_have_a_bounded_size():
                                                          "true) [[3, 1], [0, 4]]")
 
 
+@pytest.mark.slow  # an evaluation of 90 classes in-process
 def test_case_d04_detector_per_class_table_at_90_classes_is_bounded_and_in_a_file(tmp_path, caplog):
     """The detector's evaluation extras with 90 classes (COCO-like): a bounded table in the log, all in the json."""
     from accelerate import Accelerator

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,14 +112,14 @@ def trains(out: Path) -> list[dict]:
 # ---- divergence (C11)
 
 @pytest.mark.slow
-def test_case_c11_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
+def test_case_c11_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 4)
     out = tmp_path / "run"
-    proc = run_script("train_retinanet.py", data + TINY + [
+    code, stdout, stderr = run_main("train_retinanet", data + TINY + [
         "--optimizer", "sgd", "--lr", "100", "--max_grad_norm", "0", "--epochs", "3", "--checkpoint_total_limit", "1",
-        "--per_device_batch_size", "1", "--output_dir", str(out)], check=False)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "exit status 3" in text, text[-3000:]
+        "--per_device_batch_size", "1", "--output_dir", str(out), "--num_workers", "0"], capsys)  # in-process
+    text = stdout + stderr
+    assert code == 3, text[-3000:]
     assert "training diverged: 5 non-finite steps in a row up to step" in text and "lr 100" in text
     m = trains(out)
     assert m[-1]["skipped_steps"] >= 5
@@ -131,13 +132,13 @@ def test_case_c11_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
 
 
 @pytest.mark.slow
-def test_exploding_finite_loss_is_reported(tmp_path):
+def test_exploding_finite_loss_is_reported(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 4)
     out = tmp_path / "run"
-    proc = run_script("train_retinanet.py", data + TINY + [
+    _, stdout, stderr = run_main("train_retinanet", data + TINY + [
         "--optimizer", "adamw", "--lr", "10", "--max_steps", "12", "--epochs", "6", "--per_device_batch_size", "1",
-        "--max_grad_norm", "0", "--output_dir", str(out)], check=False)
-    text = proc.stdout + proc.stderr
+        "--max_grad_norm", "0", "--output_dir", str(out), "--num_workers", "0"], capsys)  # in-process
+    text = stdout + stderr
     assert "its lowest running level" in text and "lr 10" in text, text[-3000:]
 
 
@@ -219,13 +220,22 @@ def test_killed_launcher_leaves_no_training_process(tmp_path):
 
 # ---- damaged checkpoints (C07), trackers after a resume from an older checkpoint
 
+@pytest.fixture(scope="module")
+def two_epoch_run(tmp_path_factory):
+    """One 2-epoch run that the C07 cases copy and damage (one launch for both)."""
+    root = tmp_path_factory.mktemp("c07")
+    data = make_detection_set(root / "d", 4)
+    run_script("train_retinanet.py", data + TINY + ["--epochs", "2", "--output_dir", str(root / "run")])
+    return data, root / "run"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate_weights", "empty_state"])
-def test_case_c07_resume_skips_a_damaged_newest_checkpoint(tmp_path, damage):
-    data = make_detection_set(tmp_path / "d", 4)
+def test_case_c07_resume_skips_a_damaged_newest_checkpoint(two_epoch_run, tmp_path, damage, capsys):
+    data, run = two_epoch_run
     out = tmp_path / "run"
+    shutil.copytree(run, out)
     common = data + TINY + ["--output_dir", str(out)]
-    run_script("train_retinanet.py", common + ["--epochs", "2"])
     newest = out / "checkpoints" / "epoch_0002"
     if damage == "truncate_weights":
         f = newest / "model.safetensors"
@@ -243,9 +253,10 @@ def test_case_c07_resume_skips_a_damaged_newest_checkpoint(tmp_path, damage):
     # named explicitly, a damaged checkpoint is a one-line error
     f = out / "checkpoints" / "epoch_0003" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
-    proc = run_script("train_retinanet.py", common + ["--epochs", "4", "--resume_from_checkpoint", str(f.parent)], check=False)
-    assert proc.returncode != 0
-    assert f"error: --resume_from_checkpoint: {f} is truncated" in proc.stderr
+    code, _, err = run_main("train_retinanet", common + ["--epochs", "4", "--resume_from_checkpoint", f.parent,
+                                                         "--num_workers", "0"], capsys)  # in-process
+    assert code != 0
+    assert f"error: --resume_from_checkpoint: {f} is truncated" in err
 
 
 def test_planted_pickle_payload_never_runs_on_resume(tmp_path, capsys):
@@ -358,6 +369,7 @@ def test_case_c10_no_batch_per_process_stops_at_start(tmp_path):
     assert not (tmp_path / "o" / "last").exists()
 
 
+@pytest.mark.slow  # in-process, but two trainings with an evaluation (seconds)
 def test_output_folder_guards(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 4)
     out = tmp_path / "run"

@@ -198,6 +198,7 @@ def test_fine_tune_from_converted_weights_to_three_classes(converted, tmp_path):
 
 
 @needs_coco_subset
+@pytest.mark.slow  # two R50 detectors on real images (seconds)
 def test_v2_conversion_equals_torchvision_in_process():
     """torchvision's v2 (GroupNorm heads, P6 from C5), seeded as v1 above, converted in process and run through
     detlib's evaluation pieces (transform, collate, model, anchors, decoding): torchvision's detections."""
