@@ -396,17 +396,19 @@ def test_output_folder_guards(tmp_path, capsys):
     assert f"WARNING detlib.checkpoint: --resume_from_checkpoint latest: no usable checkpoint in {tmp_path / 'typo'}" in stdout
 
 
-@pytest.mark.slow
-def test_catsdogs_evaluate_only_keeps_the_run_and_reads_a_checkpoint_of_another_model(tmp_path):
+@pytest.mark.slow  # in-process, but a training and an evaluation (seconds)
+def test_catsdogs_evaluate_only_keeps_the_run_and_reads_a_checkpoint_of_another_model(tmp_path, capsys):
     data = make_tiny_folder(tmp_path / "data", [4, 4])
     out = tmp_path / "run"
-    run_script("train_catsdogs.py", CATS + ["--model", "resnet10t", "--train_dir", str(data), "--val_dir", str(data),
-                                             "--per_device_batch_size", "4", "--epochs", "1", "--output_dir", str(out)])
+    code, _, _ = run_main("train_catsdogs", CATS + ["--model", "resnet10t", "--train_dir", str(data), "--val_dir", str(data),
+                                                    "--per_device_batch_size", "4", "--epochs", "1", "--output_dir", str(out),
+                                                    "--num_workers", "0"], capsys)
+    assert code == 0
     config, metrics = (out / "config.yaml").read_text(), (out / "metrics.jsonl").read_text()
     (ckpt_dir,) = list((out / "checkpoints").iterdir())
-    proc = run_script("train_catsdogs.py", ["--val_dir", str(data), "--evaluate_only", str(ckpt_dir), "--output_dir", str(out),
-                                            "--num_workers", "0", "--report_to", "none"])
-    assert "resnet10t" in proc.stdout
+    code, stdout, _ = run_main("train_catsdogs", ["--val_dir", str(data), "--evaluate_only", str(ckpt_dir), "--output_dir",
+                                                  str(out), "--num_workers", "0", "--report_to", "none"], capsys)
+    assert code == 0 and "resnet10t" in stdout
     assert (out / "config.yaml").read_text() == config and (out / "metrics.jsonl").read_text() == metrics
     (line,) = read_metrics(out / "evaluate_only")
     assert line["weights"] == str(ckpt_dir / "model.safetensors") and line["num_val_samples"] == 8
