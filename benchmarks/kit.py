@@ -4,8 +4,8 @@
 
 * ours: `detlib.model.RetinaNet` (R50-FPN, 80 classes, frozen BatchNorm folded) + `retinanet_loss` for
   training; forward + `decode_detections` for inference;
-* peer: torchvision's `retinanet_resnet50_fpn` carrying exactly our weights (`tests/peers.py`, where the test
-  that checks it lives), which computes its own transform, anchors, matching, loss and decoding.
+* peer: torchvision's `retinanet_resnet50_fpn` carrying exactly our weights (`devtools/peers.py`, shared with
+  tests/test_fast_paths.py, which checks it), which computes its own transform, anchors, matching, loss and decoding.
 
 Both train with SGD (lr 1e-4, momentum 0.9) and decode with score > 0.05, top 1000 per level, class-wise NMS
 0.5 and at most 100 detections per image (torchvision's `detections_per_img` set to 100 from its 300).
@@ -21,8 +21,9 @@ import torch
 from torchvision.transforms.v2 import functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))
-from peers import COCO_IMAGES, COCO_TRAIN_JSON, torchvision_retinanet  # noqa: E402
+if REPO not in sys.path:  # a benchmark runs as `python benchmarks/<name>.py`: the repository root holds devtools/
+    sys.path.insert(0, REPO)
+from devtools.peers import COCO_IMAGES, COCO_TRAIN_JSON, torchvision_retinanet  # noqa: E402
 
 from detlib.anchors import AnchorGenerator  # noqa: E402
 from detlib.decode import decode_detections  # noqa: E402

@@ -32,8 +32,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kit import NUM_CLASSES, Kit, build_model_pair  # noqa: E402  (kit puts tests/ on the path for peers)
-from peers import COCO_IMAGES, COCO_TRAIN_JSON, coco_eval_inputs, head_output_gap  # noqa: E402
+from kit import NUM_CLASSES, Kit, build_model_pair  # noqa: E402  (kit puts the repository root on the path)
+from devtools.peers import COCO_IMAGES, COCO_TRAIN_JSON, coco_eval_inputs, head_output_gap  # noqa: E402
 
 from detlib.anchors import AnchorGenerator  # noqa: E402
 from detlib.coco_eval import STAT_NAMES, evaluate_coco  # noqa: E402
