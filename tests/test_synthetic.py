@@ -56,6 +56,7 @@ def test_default_set_keeps_every_shape_visible_at_anchor_sizes(tmp_path):
                 assert covered < 0.3 * min(w * h, W * H), (boxes, i)
 
 
+@pytest.mark.slow
 def test_default_run_without_data_uses_the_builtin_set(tmp_path):
     """The first screen says it is the built-in set, what the run takes and that its model is only useful at the
     end; the heads are the built-in recipe's GroupNorm ones; the summary's verdict gives the AP50 reached."""
