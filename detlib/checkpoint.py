@@ -3,6 +3,7 @@
 Layout under `output_dir`:
   checkpoints/epoch_0003/       `accelerator.save_state` (model, optimizer, scheduler, GradScaler, RNG states)
   checkpoints/step_00001200/    plus `trainer_state.json` (TrainState) and `model_config.json`
+                                (and `model_ema.safetensors`, the EMA weights, with --model_ema)
   last/, best/                  weights files (detlib.weights)
 
 A checkpoint is written into `<name>.tmp` and renamed when complete, so a run killed while saving never
@@ -280,10 +281,11 @@ def _is_disk_full(e: BaseException) -> bool:
 
 
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit: int | None = None,
-                    model_config: dict | None = None) -> str:
+                    model_config: dict | None = None, extra_weights: dict[str, dict] | None = None) -> str:
     """Save the full training state atomically. Collective: call on every process.
 
-    Writes `<name>.tmp`, then renames it; then removes the oldest checkpoints beyond `total_limit` (0 or
+    `extra_weights` {name: state dict} are written beside the model as `name.safetensors` (the EMA weights,
+    `model_ema`) by the main process. Writes `<name>.tmp`, then renames it; then removes the oldest checkpoints beyond `total_limit` (0 or
     None: keep all). Returns the checkpoint folder, named after the epoch at an epoch boundary, else after
     the global step.
     Raises:
@@ -306,6 +308,12 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
                 if obj is not None:
                     with open(os.path.join(tmp, fname), "w") as f:
                         json.dump(obj, f, indent=1)
+            if extra_weights:
+                from safetensors.torch import save_file
+
+                for fname, sd in extra_weights.items():
+                    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()},
+                              os.path.join(tmp, f"{fname}.safetensors"))
     except (OSError, RuntimeError) as e:
         error = e
     failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")

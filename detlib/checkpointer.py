@@ -25,6 +25,9 @@ from .collectives import broadcast_object, min_over_processes
 from .rundir import EXIT_DIVERGED
 from .weights import all_finite, save_model_weights
 
+# The EMA weights' file in a checkpoint folder, beside accelerate's model.safetensors.
+EMA_WEIGHTS = "model_ema"
+
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger("detlib.engine")
 
@@ -38,7 +41,9 @@ class Checkpointer:
         metric: the validation metric best/ keeps the highest of, e.g. "AP".
         total_limit: checkpoints kept (0 or None: all).
         fail: the run's `fail(message, code)`: one error line, then exit (does not return).
-    `model_config` (the model's description, written beside every weights file) is set once it is known.
+    `model_config` (the model's description, written beside every weights file) is set once it is known, and
+    `ema` (timm's ModelEmaV3 of the run's `--model_ema`, or None) once it is made: its weights go into every
+    checkpoint as `model_ema.safetensors` and, at the end, into last_ema/.
     """
 
     def __init__(self, accelerator, output_dir: str, metric: str, total_limit: int | None,
@@ -49,6 +54,7 @@ class Checkpointer:
         self.total_limit = total_limit
         self.fail = fail
         self.model_config: dict | None = None
+        self.ema = None
 
     def _check_finite(self, model, what: str, step: int) -> None:
         ok = min_over_processes(self.accelerator, int(all_finite(self.accelerator.unwrap_model(model))))
@@ -60,10 +66,15 @@ class Checkpointer:
         """Write a checkpoint of everything a resume needs; `epoch_sums` ([2] float64: this process's loss sum
         over images, image count) are summed over processes into `state` first. Returns its folder."""
         self._check_finite(model, "a checkpoint", state.global_step)
+        extra = None
+        if self.ema is not None:
+            self._check_finite(self.ema.module, "a checkpoint (its EMA weights)", state.global_step)
+            extra = {EMA_WEIGHTS: self.ema.module.state_dict()}
         state.epoch_loss_sum, state.epoch_images = self.accelerator.reduce(epoch_sums, reduction="sum").tolist()
         t = time.time()
         try:
-            path = ckpt.save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config)
+            path = ckpt.save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config,
+                                        extra)
         except ckpt.CheckpointError as e:
             self.fail(str(e), 1)
         logger.info("saved checkpoint %s (%.1f s)", path, time.time() - t)
@@ -74,9 +85,10 @@ class Checkpointer:
         self._check_finite(model, f"{name}/", step)
         save_model_weights(self.accelerator, model, os.path.join(self.output_dir, name), self.model_config, extra)
 
-    def keep_best(self, model, value: float, state: ckpt.TrainState, epoch: int) -> bool:
+    def keep_best(self, model, value: float, state: ckpt.TrainState, epoch: int, weights: str = "trained") -> bool:
         """Write best/ when `value` beats `state.best_metric` and the best/ on disk; raise `state.best_metric`
-        to it (a non-finite value changes nothing). Returns True when best/ was written."""
+        to it (a non-finite value changes nothing). `weights` ("trained" or "ema") says which weights `model`
+        holds; best.json records it. Returns True when best/ was written."""
         best = self.best_record()
         on_disk = float(best["value"]) if best else None
         improved = math.isfinite(value) and value > state.best_metric and (on_disk is None or value > on_disk)
@@ -84,8 +96,10 @@ class Checkpointer:
             state.best_metric = max(state.best_metric, value)
         if improved:
             self.save_weights(model, "best", state.global_step, {"metric": self.metric, "value": value,
-                                                                  "epoch": epoch, "step": state.global_step})
-            logger.info("new best %s %.4f, saved %s/best/model.safetensors", self.metric, value, self.output_dir)
+                                                                  "epoch": epoch, "step": state.global_step,
+                                                                  "weights": weights})
+            logger.info("new best %s %.4f (%s weights), saved %s/best/model.safetensors", self.metric, value, weights,
+                        self.output_dir)
         return improved
 
     def best_record(self) -> dict | None:

@@ -33,6 +33,12 @@ What a `Run` guarantees:
   same position in samples seen, with another `--epochs` on from the current LR.
 * Start-up checks (detlib.rundir): folder writable, disk space, one live run per folder, never mixing into a
   finished run; flag values are checked by argparse (detlib.flags).
+* `--compile`: accelerate compiles the prepared model (detlib.runtime.make_accelerator); saved weights carry no
+  `_orig_mod.` prefix, evaluation runs the uncompiled module (`evaluation_models`), the summary counts the graphs.
+* `--model_ema DECAY`: timm's ModelEmaV3 of the weights, updated after every optimizer step that is not skipped,
+  checkpointed beside the model (model_ema.safetensors) and resumed with it, evaluated beside the trained weights
+  (`evaluation_models`, `report_evaluation(..., ema_stats=...)`: ema_* metrics, best/ from whichever scores
+  higher), written to last_ema/ at the end.
 
 Exit codes: 0 done, 1 error, 2 bad flag values, EXIT_DIVERGED (3), EXIT_PREEMPTED (75); `output_dir/run_status.json`
 also records how the run ended, since launchers report exit codes each in their own way (detlib.rundir).
@@ -50,19 +56,22 @@ import torch
 import yaml
 
 from . import checkpoint as ckpt
-from .checkpointer import Checkpointer, summary_lines
+from .checkpointer import EMA_WEIGHTS, Checkpointer, summary_lines
 from .collectives import broadcast_object, min_over_processes
 from .flags import EVALUATE_ONLY_SUBDIR
-from .resume import ResumeError, restore, run_length, set_tracker_offset
+from .resume import ResumeError, load_ema_weights, restore, run_length, set_tracker_offset
 from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
                      release_lock, stop_dataloader_workers, write_run_status)
-from .runtime import MetricsLogger, init_trackers, log_run_setup, make_accelerator, save_config, setup_logging
+from .runtime import (MetricsLogger, compile_summary, init_trackers, log_run_setup, make_accelerator, save_config,
+                      setup_logging)
 from .step_guard import StepGuard
 from .weights import load_model_weights
 
 logger = logging.getLogger("detlib.engine")
 
 EVAL_POLL_EVERY = 10  # evaluation batches between preemption checks
+# timm's EMA warm-up power: its docstring's choice for runs under a million steps (decay 0.999 at 10k steps).
+EMA_WARMUP_POWER = 0.75
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -85,7 +94,9 @@ class Run:
             args.output_dir = os.path.join(args.output_dir, EVALUATE_ONLY_SUBDIR)
         self.output_dir = args.output_dir
         self.accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
-                                            self.output_dir, seed=args.seed)
+                                            self.output_dir, seed=args.seed,
+                                            compile_backend=args.compile_backend if args.compile else None,
+                                            compile_mode=args.compile_mode)
         self.state = ckpt.TrainState()
         self.config: dict = {}
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, metric, args.checkpoint_total_limit,
@@ -93,6 +104,7 @@ class Run:
         self.signals = PreemptionSignals()
         self.progress = None  # the tqdm bar of the training steps, from start_training on
         self.last_stats: dict | None = None  # the last evaluation's stats (report_evaluation)
+        self.ema = None  # timm's ModelEmaV3 of the trained weights (--model_ema), from start_training on
         self._locked = False
         self._closed = False
         self.t_start = time.time()
@@ -179,9 +191,11 @@ class Run:
             args.epochs, args.max_steps)
         self.optimizer, self.model = optimizer, model
         try:
-            scheduler = restore(acc, st, self.output_dir, args.resume_from_checkpoint, optimizer, schedule,
-                                self.steps_per_epoch, self.samples_per_step, self.total_steps, args.epochs,
-                                args.max_steps, self.checkpointer.model_config)
+            scheduler, resumed = restore(acc, st, self.output_dir, args.resume_from_checkpoint, optimizer, schedule,
+                                         self.steps_per_epoch, self.samples_per_step, self.total_steps, args.epochs,
+                                         args.max_steps, self.checkpointer.model_config)
+            if args.model_ema:
+                self._start_ema(model, resumed)
         except ResumeError as e:
             self.fail(str(e))
         self.init_trackers()
@@ -195,6 +209,25 @@ class Run:
             self.fail(error)
         self._start_counters()
         return scheduler
+
+    def _start_ema(self, model, resumed: str | None) -> None:
+        """The EMA of `--model_ema` (timm's ModelEmaV3), a copy of the (resumed) weights on their device, with the
+        resumed checkpoint's own EMA weights when it has them (detlib.resume.load_ema_weights)."""
+        from timm.utils import ModelEmaV3
+
+        args = self.args
+        # every process keeps its own copy: the weights are the same on every rank, and so is the average
+        self.ema = ModelEmaV3(self._bare(model), decay=args.model_ema, use_warmup=args.model_ema_warmup,
+                              warmup_power=EMA_WARMUP_POWER)
+        load_ema_weights(self.ema, resumed, EMA_WEIGHTS)
+        self.checkpointer.ema = self.ema
+        logger.info("--model_ema %g: an average of the weights is kept (warm-up %s), evaluated beside them as ema_%s",
+                    args.model_ema, "1 - step ** -%.2f" % EMA_WARMUP_POWER if args.model_ema_warmup else "off",
+                    self.metric)
+
+    def _bare(self, model):
+        """The module itself: without DDP's and torch.compile's wrappers (the same parameters)."""
+        return self.accelerator.unwrap_model(model, keep_torch_compile=False)
 
     def _start_counters(self) -> None:
         """The epoch sums, the step guard, the progress bar; a warning when nothing is left to train."""
@@ -275,6 +308,8 @@ class Run:
         self.progress.update(1)
         if skipped:
             st.skipped_steps += 1
+        elif self.ema is not None:  # a skipped step left the weights as they were: nothing to average in
+            self.ema.update(self._bare(model), step=st.global_step)
         diverged = self.guard.record(st.global_step, lr, *sums)
         if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             scheduler.step()
@@ -333,15 +368,31 @@ class Run:
     def evaluation_due(self) -> bool:
         return self.state.eval_pending or (self.epoch + 1) % self.args.eval_interval == 0 or self.last_epoch
 
-    def report_evaluation(self, stats: dict, model, extra: dict | None = None) -> bool:
+    def evaluation_models(self, model) -> dict[str, torch.nn.Module]:
+        """What an evaluation scores, by the prefix of its metrics: {"": the model being trained} and, with
+        --model_ema, {"ema_": the EMA weights}. Under --compile the trained model is evaluated uncompiled: compiling
+        covers the training step; evaluation's no-grad mode and batch sizes would compile graphs of their own (and
+        count towards dynamo's recompile limit) for a few percent of a run's time."""
+        models = {"": self._bare(model) if self.args.compile else model}
+        if self.ema is not None:
+            models["ema_"] = self.ema.module
+        return models
+
+    def report_evaluation(self, stats: dict, model, extra: dict | None = None, ema_stats: dict | None = None) -> bool:
         """Log an evaluation line and keep `best/` when `stats[metric]` beats every earlier one of this run,
         the best/ on disk included (so a resume from an older checkpoint never replaces it with a worse
-        model). Returns True when best/ was written."""
+        model). With `ema_stats` (the EMA weights' evaluation) the line carries them as ema_* too, and best/ takes
+        the EMA weights when they score higher (best.json says which). Returns True when best/ was written."""
         st, value = self.state, float(stats[self.metric])
-        self.metrics.log({"epoch": self.epoch, "step": st.global_step, **stats, **(extra or {})}, step=st.global_step,
-                         tracker_epoch=self.epoch + 1)
+        ema_line = {}
+        if ema_stats is not None:
+            ema_line = {f"ema_{k}": v for k, v in ema_stats.items() if isinstance(v, (int, float))}
+        self.metrics.log({"epoch": self.epoch, "step": st.global_step, **stats, **ema_line, **(extra or {})},
+                         step=st.global_step, tracker_epoch=self.epoch + 1)
         self.last_stats = stats
         st.eval_pending = False
+        if ema_stats is not None and float(ema_stats[self.metric]) > value:
+            return self.checkpointer.keep_best(self.ema.module, float(ema_stats[self.metric]), st, self.epoch, "ema")
         return self.checkpointer.keep_best(model, value, st, self.epoch)
 
     def checkpoint_if_due(self, model) -> None:
@@ -384,11 +435,15 @@ class Run:
         st = self.state
         if model is not None and not self.evaluate_only:
             self.checkpointer.save_weights(model, "last", st.global_step)
+            if self.ema is not None:
+                self.checkpointer.save_weights(self.ema.module, "last_ema", st.global_step)
             elapsed = time.time() - self.t_start
             best = self.checkpointer.best_record()
             final = self.last_stats[self.metric] if self.last_stats else None
             lines = summary_lines(self.output_dir, self.metrics.path, self.metric, elapsed, st.global_step,
                                   st.skipped_steps, st.best_metric, best, final, self.images_seen)
+            if line := compile_summary():
+                lines.append(line)
             logger.info("summary:\n  %s", "\n  ".join(lines))
         if self.accelerator.is_main_process and not self.evaluate_only:
             self._write_status(0)

@@ -102,7 +102,8 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
         from safetensors.torch import save_file
 
         os.makedirs(folder, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in accelerator.get_state_dict(model).items()}
+        # get_state_dict unwraps DDP but keeps torch.compile's wrapper (its `_orig_mod.` prefix): stripped here
+        sd = {k: v.detach().contiguous().cpu() for k, v in _strip_wrapper_prefixes(accelerator.get_state_dict(model)).items()}
         save_file(sd, path + ".tmp")
         os.replace(path + ".tmp", path)
         readable_as_umask_allows(path)

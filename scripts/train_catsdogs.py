@@ -227,13 +227,14 @@ def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int)
              "val_misclassified": table}, step=step)
 
 
-def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, weights: str | None = None) -> None:
+def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, weights: str | None = None,
+                      ema_stats: dict | None = None) -> None:
     """Log the evaluation (metrics.jsonl, trackers, best/), write predictions_val.csv and the wandb extras."""
     accelerator, epoch, step = run.accelerator, run.epoch if not weights else None, run.state.global_step
     if weights:  # evaluation only: record which weights were scored
         run.metrics.log({"epoch": None, "step": 0, **stats, "weights": os.path.abspath(weights)}, step=0)
     else:
-        run.report_evaluation(stats, model)
+        run.report_evaluation(stats, model, ema_stats=ema_stats)
     if accelerator.is_main_process:
         write_predictions(os.path.join(args.output_dir, "predictions_val.csv"), val_ds, preds)
         log_wandb_extras(accelerator, val_ds, preds, step, args.num_misclassified)
@@ -359,8 +360,14 @@ def main(argv=None):
         run.end_epoch(scheduler)
 
         if run.evaluation_due():
-            stats, preds = evaluate(model, val_loader, run, classes, train_model=model)
-            report_evaluation(run, model, val_ds, stats, preds, args)
+            models = run.evaluation_models(model)  # the trained weights, and with --model_ema their average
+            ema_stats = None
+            if "ema_" in models:
+                ema_stats, _ = evaluate(models["ema_"], val_loader, run, classes, train_model=model)
+                logger.info("epoch %d eval, EMA weights: accuracy %.4f, loss %.4f", run.epoch,
+                            ema_stats["val_accuracy"], ema_stats["val_loss"])
+            stats, preds = evaluate(models[""], val_loader, run, classes, train_model=model)
+            report_evaluation(run, model, val_ds, stats, preds, args, ema_stats=ema_stats)
         run.checkpoint_if_due(model)
     run.finish(model)
     return getattr(run, "last_stats", None)

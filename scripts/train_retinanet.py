@@ -424,7 +424,7 @@ def main(argv=None):
     run.save_config(config, model_config)
     evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
-    def report(stats: dict, epoch: int | None, weights: str | None = None) -> None:
+    def report(stats: dict, epoch: int | None, weights: str | None = None, ema_stats: dict | None = None) -> None:
         """metrics.jsonl (+ per-class AP) and best/, predictions_val.json, then plots and sample images."""
         per_class = {}
         if accelerator.is_main_process:  # nothing detected: 0 for every class with ground truth
@@ -433,7 +433,7 @@ def main(argv=None):
         if weights:  # evaluation only: record which weights were scored
             run.metrics.log({"epoch": None, "step": 0, **stats, "per_class": per_class, "weights": weights}, step=0)
         else:
-            run.report_evaluation(stats, model, extra={"per_class": per_class})
+            run.report_evaluation(stats, model, extra={"per_class": per_class}, ema_stats=ema_stats)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
                 json.dump(evaluator.results, f)
@@ -487,9 +487,16 @@ def main(argv=None):
         run.end_epoch(scheduler)
 
         if run.evaluation_due():
-            stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, run, args, train_model=model)
+            models = run.evaluation_models(model)  # the trained weights, and with --model_ema their average
+            ema_stats = None
+            if "ema_" in models:  # first, so that the evaluator ends with the trained weights' detections (report)
+                ema_stats = evaluate(models["ema_"], val_loader, anchor_gen, evaluator, category_map, run, args,
+                                     train_model=model)
+                logger.info("epoch %d eval, EMA weights: %s", run.epoch,
+                            " ".join(f"{k}={ema_stats[k]:.4f}" for k in STAT_NAMES))
+            stats = evaluate(models[""], val_loader, anchor_gen, evaluator, category_map, run, args, train_model=model)
             logger.info("epoch %d eval: %s", run.epoch, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
-            report(stats, run.epoch)
+            report(stats, run.epoch, ema_stats=ema_stats)
         run.checkpoint_if_due(model)
     run.finish(model)
     return getattr(run, "last_stats", None)
