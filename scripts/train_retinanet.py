@@ -60,7 +60,7 @@ from detlib.flags import (data_defaults_table, float_range, int_at_least, parse_
                           run_argument_parser, show_data_defaults, stop)
 from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
-from detlib.model import RetinaNet, load_matching_weights, reorder_class_outputs
+from detlib.model import HEAD_NORMS, RetinaNet, load_matching_weights, reorder_class_outputs
 from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto = frozen when pretrained weights are loaded, trained when training from scratch "
                         "(default: %(default)s)")
     g.add_argument("--fpn_channels", type=int_at_least(1), help="FPN and head width")
+    g.add_argument("--head_norm", choices=HEAD_NORMS, help="norm of the heads' hidden convs: none (the paper) or gn, "
+                   "GroupNorm(32) after each conv, which then has no bias (torchvision's v2 RetinaNet; needs "
+                   "--fpn_channels divisible by 32) (default: none, or the --init_from / --evaluate_only model's)")
     g.add_argument("--sync_bn", action="store_true", help="SyncBatchNorm for trainable BN layers (multi-GPU)")
     g.add_argument("--channels_last", action="store_true", help="channels_last memory format for the model")
 
@@ -331,6 +334,10 @@ def main(argv=None):
                 setattr(args, k, saved[k])
         if "image_size" not in given and saved.get("image_size"):
             args.image_size, args.max_size = saved["image_size"], saved.get("max_size")
+    if args.head_norm is not None:  # given: over the saved model's (its GroupNorm tensors then do not fit)
+        model_settings["head_norm"] = args.head_norm
+    if model_settings["head_norm"] == "gn" and args.fpn_channels % 32:
+        stop(f"--head_norm gn needs --fpn_channels divisible by 32 (GroupNorm's 32 groups), got {args.fpn_channels}")
     args.resize_mode = model_settings["resize_mode"]  # read by build_dataloaders
 
     run = Run(args, metric="AP")  # output folder checks and lock, accelerator, logging, preemption signals
