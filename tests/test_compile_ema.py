@@ -212,3 +212,12 @@ def test_best_takes_the_ema_weights_when_they_score_higher(tmp_path):
     Run.report_evaluation(run, {"AP": 0.41, "AP50": 0.6}, trained, ema_stats={"AP": float("nan"), "AP50": 0.0})
     assert saved == [(averaged, 0.32, "ema"), (trained, 0.40, "trained"), (trained, 0.41, "trained")]
     assert logged[0]["AP"] == 0.30 and logged[0]["ema_AP"] == 0.32 and logged[0]["ema_AP50"] == 0.55
+
+
+@pytest.mark.parametrize("value", ["1", "0", "1.5", "nan"])
+def test_model_ema_decay_outside_0_1_is_refused(value, capsys):
+    train = load_script("train_catsdogs")
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--model_ema", value])
+    assert e.value.code == 2
+    assert f"--model_ema: must be a number > 0 and < 1, got {value}" in capsys.readouterr().err
