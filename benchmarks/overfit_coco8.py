@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config's")
     p.add_argument("--seed", type=int, default=0, help="the run's seed")
     p.add_argument("--config_file", help="accelerate config (default: 1gpu.yaml with CUDA, else cpu.yaml)")
-    p.add_argument("--json_out", help="write the final AP, AP50, steps and minutes here as JSON")
+    p.add_argument("--json_out", help="write the final AP, AP50, steps and minutes here as JSON (default: not written)")
     p.add_argument("--output_dir", default=None, help="run folder (default: a temporary one)")
     return p
 
