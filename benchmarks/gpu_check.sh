@@ -4,7 +4,7 @@
 # docs/benchmarks.md take as it is.
 #
 #   bash benchmarks/gpu_check.sh            # one CUDA GPU
-#   bash benchmarks/gpu_check.sh --quick    # the same steps on the CPU with tiny sizes (2-4 min on 2 busy cores):
+#   bash benchmarks/gpu_check.sh --quick    # the same steps on the CPU with tiny sizes (3-6 min on 2 busy cores, 310 s measured):
 #                                           # checks the script before GPU time; benchmarks/gpu_check_quick_sample.md
 #
 # 1. benchmarks/gpu_throughput.py: R50-FPN RetinaNet train img/s at 800x1333 and 800x800 in fp32 / bf16 / fp16,

@@ -101,7 +101,9 @@ class Run:
         self.output_dir = args.output_dir
         self.accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
                                             self.output_dir, seed=args.seed, verbose=args.verbose,
-                                            compile_backend=args.compile_backend if args.compile else None,
+                                            # evaluation runs uncompiled (evaluation_models), --evaluate_only too
+                                            compile_backend=args.compile_backend if args.compile and
+                                            not self.evaluate_only else None,
                                             compile_mode=args.compile_mode)
         self.state = ckpt.TrainState()
         self.config: dict = {}
@@ -132,6 +134,11 @@ class Run:
         atexit.register(self._close_at_exit)
         self.signals.install()
         log_run_setup(self.accelerator)
+        if self.evaluate_only:  # training flags an evaluation cannot honour: said once, not silently dropped
+            notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in
+                      (("compile", "runs the weights uncompiled, as every evaluation does"),
+                       ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema"))
+                      if getattr(args, k, None)]
         for note in notes:
             logger.warning("%s", note)
         self.metrics = MetricsLogger(self.accelerator, self.output_dir)

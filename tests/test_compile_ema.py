@@ -202,6 +202,15 @@ def test_compile_and_model_ema_catsdogs(tmp_path):
               "checkpoints/epoch_0001/model.safetensors", "checkpoints/epoch_0001/model_ema.safetensors"):
         no_compile_prefix(out / f)
     assert set(load_file(out / "last_ema" / "model.safetensors")) == set(load_file(out / "last" / "model.safetensors"))
+    # --evaluate_only reads last_ema/ like any weights; --compile and --model_ema are said not to be used there
+    reset_dynamo()
+    stats = train.main([*CATSDOGS_TINY, "--val_dir", data[3], "--evaluate_only", str(out / "last_ema"),
+                        "--output_dir", str(tmp_path / "ev"), "--compile", "--model_ema", "0.9"])
+    assert stats["val_accuracy"] == pytest.approx(ev["ema_val_accuracy"])
+    assert graphs() == 0  # evaluated uncompiled
+    log = (tmp_path / "ev" / "evaluate_only" / "train.log").read_text()
+    assert "--compile is not used: --evaluate_only" in log and "--model_ema is not used: --evaluate_only" in log
+    reset_dynamo()
 
 
 def test_best_takes_the_ema_weights_when_they_score_higher(tmp_path):
