@@ -33,6 +33,12 @@ What a `Run` guarantees:
   same position in samples seen, with another `--epochs` on from the current LR.
 * Start-up checks (detlib.rundir): folder writable, disk space, one live run per folder, never mixing into a
   finished run; flag values are checked by argparse (detlib.flags).
+* `--compile`: accelerate compiles the prepared model (detlib.runtime.make_accelerator); saved weights carry no
+  `_orig_mod.` prefix, evaluation runs the uncompiled module (`evaluation_models`), the summary counts the graphs.
+* `--model_ema DECAY`: timm's ModelEmaV3 of the weights, updated after every optimizer step that is not skipped,
+  checkpointed beside the model (model_ema.safetensors) and resumed with it, evaluated beside the trained weights
+  (`evaluation_models`, `report_evaluation(..., ema_stats=...)`: ema_* metrics, best/ from whichever scores
+  higher), written to last_ema/ at the end.
 
 Exit codes: 0 done, 1 error, 2 bad flag values, EXIT_DIVERGED (3), EXIT_PREEMPTED (75); `output_dir/run_status.json`
 also records how the run ended, since launchers report exit codes each in their own way (detlib.rundir).
@@ -49,14 +55,14 @@ import time
 import torch
 
 from . import checkpoint as ckpt
-from .checkpointer import Checkpointer, summary_lines
+from .checkpointer import EMA_WEIGHTS, Checkpointer, summary_lines
 from .collectives import broadcast_object, min_over_processes
 from .flags import EVALUATE_ONLY_SUBDIR
-from .resume import ResumeError, restore, run_length, set_tracker_offset
+from .resume import ResumeError, load_ema_weights, restore, run_length, set_tracker_offset
 from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
                      release_lock, stop_dataloader_workers, write_run_status)
-from .runtime import (MetricsLogger, TrackerError, finish_trackers, init_trackers, log_run_setup, make_accelerator,
-                      save_config, setup_logging)
+from .runtime import (MetricsLogger, TrackerError, compile_summary, finish_trackers, init_trackers, log_run_setup,
+                      make_accelerator, save_config, setup_logging)
 from .step_guard import StepGuard
 from .weights import load_model_weights
 
@@ -70,6 +76,8 @@ pass over the training data: its log lines say "epoch N", its train and evaluati
 checkpoints/epoch_NNNN/ is written after it (N epochs done; `TrainState.epoch` = N). Inside the loop `Run.epoch`
 is the 0-based index of the running epoch (the sampler's and the augmentation's seed), so the number shown is
 `Run.epoch_number` = `Run.epoch + FIRST_EPOCH`."""
+# timm's EMA warm-up power: its docstring's choice for runs under a million steps (decay 0.999 at 10k steps).
+EMA_WARMUP_POWER = 0.75
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -95,7 +103,11 @@ class Run:
             args.output_dir = os.path.join(args.output_dir, EVALUATE_ONLY_SUBDIR)
         self.output_dir = args.output_dir
         self.accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
-                                            self.output_dir, seed=args.seed, verbose=args.verbose)
+                                            self.output_dir, seed=args.seed, verbose=args.verbose,
+                                            # evaluation runs uncompiled (evaluation_models), --evaluate_only too
+                                            compile_backend=args.compile_backend if args.compile and
+                                            not self.evaluate_only else None,
+                                            compile_mode=args.compile_mode)
         self.state = ckpt.TrainState()
         self.config: dict = {}
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, metric, args.checkpoint_total_limit,
@@ -106,6 +118,9 @@ class Run:
         self.last_evaluation: dict | None = None  # and its whole metrics.jsonl line (epoch, step, stats, extra)
         # appended to the line of a preempted (e.g. Ctrl-C) run: what its weights are worth at that point
         self.stop_note = ""
+        self.ema = None  # timm's ModelEmaV3 of the trained weights (--model_ema), from start_training on
+        self.last_ema_evaluation: dict | None = None  # the EMA weights' evaluation line (unprefixed), with --model_ema
+        self._best_candidate: dict | None = None  # the evaluation line of the weights keep_best may write to best/
         self._locked = False
         self._closed = False
         self.t_start = time.time()
@@ -124,6 +139,11 @@ class Run:
         atexit.register(self._close_at_exit)
         self.signals.install()
         log_run_setup(self.accelerator)
+        if self.evaluate_only:  # training flags an evaluation cannot honour: said once, not silently dropped
+            notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in
+                      (("compile", "runs the weights uncompiled, as every evaluation does"),
+                       ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema"))
+                      if getattr(args, k, None)]
         for note in notes:
             logger.warning("%s", note)
         self.metrics = MetricsLogger(self.accelerator, self.output_dir)
@@ -202,9 +222,11 @@ class Run:
             args.epochs, args.max_steps)
         self.optimizer, self.model = optimizer, model
         try:
-            scheduler = restore(acc, st, self.output_dir, args.resume_from_checkpoint, optimizer, schedule,
-                                self.steps_per_epoch, self.samples_per_step, self.total_steps, args.epochs,
-                                args.max_steps, self.checkpointer.model_config)
+            scheduler, resumed = restore(acc, st, self.output_dir, args.resume_from_checkpoint, optimizer, schedule,
+                                         self.steps_per_epoch, self.samples_per_step, self.total_steps, args.epochs,
+                                         args.max_steps, self.checkpointer.model_config)
+            if args.model_ema:
+                self._start_ema(model, resumed)
         except ResumeError as e:
             self.fail(str(e))
         self.init_trackers()
@@ -218,6 +240,25 @@ class Run:
             self.fail(error)
         self._start_counters()
         return scheduler
+
+    def _start_ema(self, model, resumed: str | None) -> None:
+        """The EMA of `--model_ema` (timm's ModelEmaV3), a copy of the (resumed) weights on their device, with the
+        resumed checkpoint's own EMA weights when it has them (detlib.resume.load_ema_weights)."""
+        from timm.utils import ModelEmaV3
+
+        args = self.args
+        # every process keeps its own copy: the weights are the same on every rank, and so is the average
+        self.ema = ModelEmaV3(self._bare(model), decay=args.model_ema, use_warmup=args.model_ema_warmup,
+                              warmup_power=EMA_WARMUP_POWER)
+        load_ema_weights(self.ema, resumed, EMA_WEIGHTS)
+        self.checkpointer.ema = self.ema
+        logger.info("--model_ema %g: an average of the weights is kept (warm-up %s), evaluated beside them as ema_%s",
+                    args.model_ema, "1 - step ** -%.2f" % EMA_WARMUP_POWER if args.model_ema_warmup else "off",
+                    self.metric)
+
+    def _bare(self, model):
+        """The module itself: without DDP's and torch.compile's wrappers (the same parameters)."""
+        return self.accelerator.unwrap_model(model, keep_torch_compile=False)
 
     def _start_counters(self) -> None:
         """The epoch sums, the step guard, the progress bar; a warning when nothing is left to train."""
@@ -303,6 +344,8 @@ class Run:
         self.progress.update(1)
         if skipped:
             st.skipped_steps += 1
+        elif self.ema is not None:  # a skipped step left the weights as they were: nothing to average in
+            self.ema.update(self._bare(model), step=st.global_step)
         diverged = self.guard.record(st.global_step, lr, *sums)
         if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             scheduler.step()
@@ -361,16 +404,50 @@ class Run:
     def evaluation_due(self) -> bool:
         return self.state.eval_pending or (self.epoch + 1) % self.args.eval_interval == 0 or self.last_epoch
 
-    def report_evaluation(self, stats: dict, model, extra: dict | None = None) -> bool:
+    def evaluation_models(self, model) -> dict[str, torch.nn.Module]:
+        """What an evaluation scores, by the prefix of its metrics: {"": the model being trained} and, with
+        --model_ema, {"ema_": the EMA weights}. Under --compile the trained model is evaluated uncompiled: compiling
+        covers the training step; evaluation's no-grad mode and batch sizes would compile graphs of their own (and
+        count towards dynamo's recompile limit) for a few percent of a run's time."""
+        models = {"": self._bare(model) if self.args.compile else model}
+        if self.ema is not None:
+            models["ema_"] = self.ema.module
+        return models
+
+    def report_evaluation(self, stats: dict, model, extra: dict | None = None, ema_stats: dict | None = None,
+                          ema_extra: dict | None = None) -> bool:
         """Log an evaluation line and keep `best/` when `stats[metric]` beats every earlier one of this run,
         the best/ on disk included (so a resume from an older checkpoint never replaces it with a worse
-        model). Returns True when best/ was written."""
+        model). With `ema_stats` (the EMA weights' evaluation; `ema_extra`: its per-class AP and score thresholds)
+        the line carries its numbers as ema_* too, and best/ takes the EMA weights when they score higher
+        (best.json says which, and best/'s model card and score thresholds are the EMA weights'). Returns True when
+        best/ was written."""
         st, value = self.state, float(stats[self.metric])
-        line = {"epoch": self.epoch_number, "step": st.global_step, **stats, **(extra or {})}
+        ema_line, self.last_ema_evaluation = {}, None
+        if ema_stats is not None:
+            ema_line = {f"ema_{k}": v for k, v in ema_stats.items() if isinstance(v, (int, float))}
+            self.last_ema_evaluation = {"epoch": self.epoch_number, "step": st.global_step, **ema_stats,
+                                        **(ema_extra or {}), "weights": "ema"}
+        line = {"epoch": self.epoch_number, "step": st.global_step, **stats, **ema_line, **(extra or {})}
         self.metrics.log(line, step=st.global_step, tracker_epoch=self.epoch + 1)
         self.last_stats, self.last_evaluation = stats, line
         st.eval_pending = False
+        if ema_stats is not None and float(ema_stats[self.metric]) > value:
+            self._best_candidate = self.last_ema_evaluation
+            return self.checkpointer.keep_best(self.ema.module, float(ema_stats[self.metric]), st, self.epoch_number,
+                                               "ema")
+        self._best_candidate = line
         return self.checkpointer.keep_best(model, value, st, self.epoch_number)
+
+    def evaluation_of(self, name: str) -> dict | None:
+        """The evaluation (a metrics.jsonl line, unprefixed stats) of the weights written to `output_dir/name`
+        ("best", "last", "last_ema"), for what a script writes beside them (model card, score thresholds); None when
+        no evaluation of exactly those weights was run (last/ written after training on past the last
+        evaluation)."""
+        if name == "best":
+            return self._best_candidate
+        evaluation = self.last_ema_evaluation if name == "last_ema" else self.last_evaluation
+        return evaluation if evaluation and evaluation["step"] == self.state.global_step else None
 
     def checkpoint_if_due(self, model) -> None:
         """The epoch-end checkpoint, every `--checkpoint_interval` epochs, at the end, and when a step
@@ -417,12 +494,16 @@ class Run:
             self.progress.close()
         if model is not None and not self.evaluate_only:
             self.checkpointer.save_weights(model, "last", st.global_step)
+            if self.ema is not None:
+                self.checkpointer.save_weights(self.ema.module, "last_ema", st.global_step)
             elapsed = time.time() - self.t_start
             best = self.checkpointer.best_record()
             final = self.last_stats[self.metric] if self.last_stats else None
             also = {k: self.last_stats[k] for k in self.also_report if k in (self.last_stats or {})}
             lines = summary_lines(self.output_dir, self.metrics.path, self.metric, elapsed, st.global_step,
                                   st.skipped_steps, st.best_metric, best, final, self.images_seen, also)
+            if line := compile_summary():
+                lines.insert(-1, line)  # before the verdict, which stays the last line
         if self.accelerator.is_main_process and not self.evaluate_only:
             self._write_status(0)
         self._close()

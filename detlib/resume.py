@@ -103,7 +103,7 @@ def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | 
     values), then set to the moved position. `state` ends with this run's
     geometry (num_processes, steps_per_epoch, samples_per_step).
     `model_config` (this run's): its class lists must equal the checkpoint's (`check_same_classes`).
-    Returns the scheduler. Raises ResumeError when there is no checkpoint to resume, it was trained on other
+    Returns (the scheduler, the checkpoint folder resumed or None). Raises ResumeError when there is no checkpoint to resume, it was trained on other
     classes, a state file holds pickled objects other than tensors and plain values, or its states do not fit
     this run.
     """
@@ -141,7 +141,28 @@ def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | 
                     state.step_in_epoch, state.global_step, optimizer.param_groups[0]["lr"])
     state.num_processes, state.steps_per_epoch = num_processes, steps_per_epoch
     state.samples_per_step = samples_per_step
-    return scheduler
+    return scheduler, resume
+
+
+def load_ema_weights(ema, checkpoint: str | None, file_name: str) -> None:
+    """Put the EMA weights of `checkpoint` (`checkpoint/file_name.safetensors`) into `ema.module` (timm's ModelEmaV3,
+    made from the resumed weights). A checkpoint without the file (its run had no --model_ema) leaves the average
+    starting from the resumed weights, with a warning. Raises ResumeError when the file does not fit the model."""
+    if checkpoint is None:
+        return
+    path = os.path.join(checkpoint, f"{file_name}.safetensors")
+    if not os.path.isfile(path):
+        logger.warning("--model_ema: %s holds no EMA weights (%s.safetensors; its run had no --model_ema): the average "
+                       "starts from the resumed weights", checkpoint, file_name)
+        return
+    from .weights import load_state_dict_file
+
+    try:
+        ema.module.load_state_dict(load_state_dict_file(path), strict=True)
+    except (RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()
+        raise ResumeError(f"cannot resume the EMA weights {path}: {first[0][:200] if first else type(e).__name__}") from None
+    logger.info("resumed the EMA weights from %s", path)
 
 
 # Optimizer settings (param-group keys) that a checkpoint's optimizer state brings back over this run's flags.

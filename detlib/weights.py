@@ -196,7 +196,9 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
     if accelerator.is_main_process:
         from safetensors.torch import save_file
 
-        sd = {k: v.detach().contiguous().cpu() for k, v in accelerator.get_state_dict(model).items()}
+        # get_state_dict unwraps DDP but keeps torch.compile's wrapper (its `_orig_mod.` prefix): stripped here
+        sd = {k: v.detach().contiguous().cpu()
+              for k, v in _strip_wrapper_prefixes(accelerator.get_state_dict(model)).items()}
         try:
             with atomic_path(path) as tmp:
                 save_file(sd, tmp)

@@ -67,7 +67,7 @@ from detlib.flags import (data_defaults_table, float_range, format_given, given_
                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
 from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
-from detlib.model import RetinaNet, check_backbone, load_matching_weights, reorder_class_outputs
+from detlib.model import HEAD_NORMS, RetinaNet, check_backbone, load_matching_weights, reorder_class_outputs
 from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto = frozen when pretrained weights are loaded, trained when training from scratch "
                         "(default: %(default)s)")
     g.add_argument("--fpn_channels", type=int_at_least(1), help="FPN and head width")
+    g.add_argument("--head_norm", choices=HEAD_NORMS, help="norm of the heads' hidden convs: none (the paper) or gn, "
+                   "GroupNorm(32) after each conv, which then has no bias (torchvision's v2 RetinaNet; needs "
+                   "--fpn_channels divisible by 32) (default: none; gn on the built-in data; or the --init_from / "
+                   "--evaluate_only model's)")
     g.add_argument("--sync_bn", action="store_true", help="SyncBatchNorm for trainable BN layers (multi-GPU)")
     g.add_argument("--channels_last", action="store_true", help="channels_last memory format for the model")
 
@@ -438,6 +442,10 @@ def main(argv=None):
     if args.evaluate_only:
         notes += [f"--{k} is not used: --evaluate_only loads the weights it names" for k in
                   ("backbone_weights", "pretrained_backbone", "init_from") if getattr(args, k)]
+    if args.head_norm is not None:  # given: over the saved model's (its GroupNorm tensors then do not fit)
+        model_settings["head_norm"] = args.head_norm
+    if model_settings["head_norm"] == "gn" and args.fpn_channels % 32:
+        stop(f"--head_norm gn needs --fpn_channels divisible by 32 (GroupNorm's 32 groups), got {args.fpn_channels}")
     args.resize_mode = model_settings["resize_mode"]  # read by build_dataloaders
 
     # ---- values checkable without data, before the data check and the model build: one line, exit 2
@@ -564,11 +572,9 @@ def main(argv=None):
     evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
     def describe(folder: str, name: str) -> None:
-        """Beside best/'s and last/'s weights: the score thresholds of the evaluation of those weights, and the
-        model card (README.md) of what this run knows."""
-        evaluation = run.last_evaluation
-        if evaluation and not (name == "best" or evaluation["step"] == run.state.global_step):
-            evaluation = None  # last/ after an evaluation of older weights
+        """Beside best/'s, last/'s and last_ema/'s weights: the score thresholds of the evaluation of those weights,
+        and the model card (README.md) of what this run knows."""
+        evaluation = run.evaluation_of(name)
         if evaluation and evaluation.get("best_f1"):
             write_score_thresholds(folder, evaluation["best_f1"], evaluation)
         where = args.push_to_hub if args.push_to_hub and name == "best" else folder
@@ -578,21 +584,29 @@ def main(argv=None):
 
     run.checkpointer.describe = describe
 
-    def report(stats: dict, epoch: int | None, weights: str | None = None) -> None:
-        """metrics.jsonl (+ per-class AP and best-F1 thresholds) and best/, predictions_val.json, then plots and
-        sample images."""
+    def evaluation_extra() -> tuple[dict, dict | None]:
+        """The evaluator's last evaluation beyond the 12 stats (main process; elsewhere ({}, None)): per-class AP
+        and the best-F1 score thresholds."""
         per_class, best_f1 = {}, None
         if accelerator.is_main_process:  # nothing detected: 0 for every class with ground truth
             per_class = (per_class_ap(evaluator.coco_eval) if evaluator.coco_eval is not None
                          else per_class_without_detections(val_ds.dataset))
             results, image_ids = evaluator.evaluated()
             best_f1 = best_f1_thresholds(val_ds.dataset, results, image_ids)
+        return per_class, best_f1
+
+    def report(stats: dict, epoch: int | None, weights: str | None = None, ema: tuple | None = None) -> None:
+        """metrics.jsonl (+ per-class AP and best-F1 thresholds) and best/, predictions_val.json, then plots and
+        sample images. `ema`: (stats, extra) of the EMA weights' evaluation, logged beside as ema_*."""
+        per_class, best_f1 = evaluation_extra()
+        if best_f1 is not None:
             logger.info("%s", format_best_f1(best_f1))
         extra = {"per_class": per_class, "best_f1": {k: v for k, v in (best_f1 or {}).items() if k != "curves"}}
         if weights:  # evaluation only: record which weights were scored
             run.metrics.log({"epoch": None, "step": 0, **stats, **extra, "weights": weights}, step=0)
         else:
-            run.report_evaluation(stats, model, extra=extra)
+            run.report_evaluation(stats, model, extra=extra, ema_stats=ema[0] if ema else None,
+                                  ema_extra=ema[1] if ema else None)
         if accelerator.is_main_process:
             with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
                 json.dump(evaluator.results, f)
@@ -646,9 +660,19 @@ def main(argv=None):
         run.end_epoch(scheduler)
 
         if run.evaluation_due():
-            stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, run, args, train_model=model)
+            models = run.evaluation_models(model)  # the trained weights, and with --model_ema their average
+            ema = None
+            if "ema_" in models:  # first, so that the evaluator ends with the trained weights' detections (report)
+                ema_stats = evaluate(models["ema_"], val_loader, anchor_gen, evaluator, category_map, run, args,
+                                     train_model=model)
+                logger.info("epoch %d eval, EMA weights: %s", run.epoch_number,
+                            " ".join(f"{k}={ema_stats[k]:.4f}" for k in STAT_NAMES))
+                ema_per_class, ema_best_f1 = evaluation_extra()
+                ema = (ema_stats, {"per_class": ema_per_class,
+                                   "best_f1": {k: v for k, v in (ema_best_f1 or {}).items() if k != "curves"}})
+            stats = evaluate(models[""], val_loader, anchor_gen, evaluator, category_map, run, args, train_model=model)
             logger.info("epoch %d eval: %s", run.epoch_number, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
-            report(stats, run.epoch_number)
+            report(stats, run.epoch_number, ema=ema)
         run.checkpoint_if_due(model)
     run.finish(model)
     if args.push_to_hub and accelerator.is_main_process:

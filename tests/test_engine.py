@@ -372,7 +372,8 @@ def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     saver = Checkpointer(acc, str(tmp_path), "AP", total_limit=2, fail=fail)
     state = ckpt.TrainState(global_step=10)
     assert saver.keep_best(model, 0.5, state, epoch=1) and state.best_metric == 0.5
-    assert read_best_record(str(tmp_path), "AP") == {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10}
+    assert read_best_record(str(tmp_path), "AP") == {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10,
+                                                     "weights": "trained"}
     assert read_best_record(str(tmp_path), "accuracy") is None  # another metric's best/ does not count
     older = ckpt.TrainState(global_step=4)  # a resume from an older checkpoint: best_metric -1
     assert not saver.keep_best(model, 0.4, older, epoch=0) and older.best_metric == 0.4
