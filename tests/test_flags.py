@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 
 import pytest
 import yaml
@@ -172,7 +173,7 @@ def test_help_shows_every_default_once(script, capsys):
             if action.dest in script.DATA_DEFAULTS:
                 assert "default: None" not in line and ("built-in data" in line or "adamw:" in line), line
     # the docstring's commands are printed as written (a raw description), the table with them
-    assert "    OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu.yaml scripts/" in text
+    assert re.search(r"^    (OMP_NUM_THREADS=1 )?accelerate launch --config_file accelerate_configs/cpu.yaml scripts/", text, re.M)
     assert "    --lr with --optimizer sgd " in text and "    --epochs  " in text
 
 
