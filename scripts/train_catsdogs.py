@@ -164,6 +164,10 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     return train_ds, val_ds, train_loader, val_loader
 
 
+# Linear warmup from 0 (5% of the run unless --warmup_steps), then cosine decay to 0, per optimizer step.
+SCHEDULE = {"kind": "cosine", "warmup_fraction": 0.05, "warmup_start": 0.0}
+
+
 @torch.no_grad()
 def evaluate(model, loader, run: Run, classes: list[str], train_model=None) -> tuple[dict, dict]:
     """Evaluate the val shard of every process and gather the per-image results (collective: every process
@@ -417,9 +421,8 @@ def main(argv=None):
                                     weight_decay=args.weight_decay, nesterov=True)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
     start = run.resume_point(train_loader)  # the run's length; a resumed checkpoint's counters (any process count)
-    # linear warm-up from 0 (5% of the run unless --warmup_steps), then cosine decay to 0, per optimizer step
-    scheduler, schedule = build_scheduler(optimizer, "cosine", start, args.epochs, args.max_steps,
-                                          warmup_steps=args.warmup_steps, warmup_fraction=0.05, warmup_start=0.0)
+    scheduler, schedule = build_scheduler(optimizer, start=start, epochs=args.epochs, max_steps=args.max_steps,
+                                          warmup_steps=args.warmup_steps, **SCHEDULE)
     run.resume(model, optimizer, scheduler, schedule)  # the checkpoint's states, trackers, disk space
     max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still checked
 
