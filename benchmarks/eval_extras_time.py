@@ -76,7 +76,7 @@ def main(argv=None):
     accelerator = make_accelerator("no", 1, "all", out_dir, cpu=True)
     init_trackers(accelerator, "detlib-eval-extras", {"what": what}, out_dir, None)
     anchor_gen = AnchorGenerator()
-    evaluator = CocoEvaluator(ds.coco.dataset, backend="auto")
+    evaluator = CocoEvaluator(ds.dataset, backend="auto")
     eval_s, extras_s = [], []
     for epoch in range(args.repeats):
         t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def main(argv=None):
         with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"epoch": epoch, "step": epoch + 1, **stats}) + "\n")
         t0 = time.perf_counter()
-        log_evaluation_extras(accelerator, out_dir, epoch, epoch + 1, ds.coco.dataset, evaluator.results,
+        log_evaluation_extras(accelerator, out_dir, epoch, epoch + 1, ds.dataset, evaluator.results,
                               evaluator.coco_eval, args.val_images, sample_format=args.sample_format)
         extras_s.append(time.perf_counter() - t0)
         print(f"epoch {epoch}: evaluation {eval_s[-1]:.2f} s, extras {extras_s[-1]:.2f} s, AP50 {stats['AP50']:.4f}, "

@@ -1,11 +1,11 @@
 """The one benchmark kit: both detectors, their shared inputs, one train step and one inference pass each.
 
-`run.py` (CPU, fp32) and `gpu_throughput.py` (one GPU, bf16 / fp16) time the same two calls, defined once here:
+`run.py` (CPU, fp32) and `gpu_throughput.py` (one GPU, fp32 / bf16 / fp16) time the same two calls, defined once here:
 
 * ours: `detlib.model.RetinaNet` (R50-FPN, 80 classes, frozen BatchNorm folded) + `retinanet_loss` for
   training; forward + `decode_detections` for inference;
-* peer: torchvision's `retinanet_resnet50_fpn` carrying exactly our weights (`tests/peers.py`, where the test
-  that checks it lives), which computes its own transform, anchors, matching, loss and decoding.
+* peer: torchvision's `retinanet_resnet50_fpn` carrying exactly our weights (`devtools/peers.py`, shared with
+  tests/test_fast_paths.py, which checks it), which computes its own transform, anchors, matching, loss and decoding.
 
 Both train with SGD (lr 1e-4, momentum 0.9) and decode with score > 0.05, top 1000 per level, class-wise NMS
 0.5 and at most 100 detections per image (torchvision's `detections_per_img` set to 100 from its 300).
@@ -21,8 +21,9 @@ import torch
 from torchvision.transforms.v2 import functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))
-from peers import COCO_IMAGES, COCO_TRAIN_JSON, torchvision_retinanet  # noqa: E402
+if REPO not in sys.path:  # a benchmark runs as `python benchmarks/<name>.py`: the repository root holds devtools/
+    sys.path.insert(0, REPO)
+from devtools.peers import COCO_IMAGES, COCO_TRAIN_JSON, torchvision_retinanet  # noqa: E402
 
 from detlib.anchors import AnchorGenerator  # noqa: E402
 from detlib.decode import decode_detections  # noqa: E402
@@ -50,24 +51,27 @@ def spread_class_scores(model: torch.nn.Module, images: torch.Tensor, target_std
         model.cls_head.out.weight.mul_(target_std / std)
 
 
-def real_batch(image_size: int, batch_size: int, first: int = 0) -> dict:
-    """`batch_size` real COCO training images resized to image_size x image_size, with their boxes.
+def real_batch(image_size: int | tuple[int, int], batch_size: int, first: int = 0, images: str = COCO_IMAGES,
+               annotations: str = COCO_TRAIN_JSON) -> dict:
+    """`batch_size` real COCO training images resized to image_size x image_size (or to (height, width)), with
+    their boxes; `images` / `annotations`: another COCO-format set (default: the shared subset's training set).
 
     Returns:
-        `collate_detection`'s batch: images [B, 3, S, S] uint8; boxes [B, M, 4] float32 xyxy pixels padded
+        `collate_detection`'s batch: images [B, 3, H, W] uint8; boxes [B, M, 4] float32 xyxy pixels padded
         with zeros; labels [B, M] int64 (-1 in padding); crowd_boxes [B, C, 4]; image_sizes; scales; plus
-        torchvision-style `tv_images` (list of float [3, S, S] in [0, 1]) and `tv_targets` (list of
+        torchvision-style `tv_images` (list of float [3, H, W] in [0, 1]) and `tv_targets` (list of
         {"boxes", "labels"}).
     """
     from detlib.data import CocoDetection, collate_detection
 
-    ds = CocoDetection(COCO_IMAGES, COCO_TRAIN_JSON, transform=None)
+    out_h, out_w = (image_size, image_size) if isinstance(image_size, int) else image_size
+    ds = CocoDetection(images, annotations, transform=None)
     samples = []
     for i in range(first, first + batch_size):
         s = ds[i % len(ds)]
         h, w = s["image"].shape[-2:]
-        scale = torch.tensor([image_size / w, image_size / h] * 2)
-        s["image"] = F.resize(s["image"], [image_size, image_size], antialias=True)
+        scale = torch.tensor([out_w / w, out_h / h] * 2)
+        s["image"] = F.resize(s["image"], [out_h, out_w], antialias=True)
         s["boxes"] = s["boxes"] * scale
         s["crowd_boxes"] = s["crowd_boxes"] * scale
         samples.append(s)
@@ -77,18 +81,25 @@ def real_batch(image_size: int, batch_size: int, first: int = 0) -> dict:
     return batch
 
 
-def build_model_pair(image_size: int, batch_size: int) -> tuple[RetinaNet, torch.nn.Module, dict]:
-    """Our R50-FPN RetinaNet (seed 0), torchvision's with the same weights, and the real batch both run on.
+def build_model_pair(image_size: int, batch_size: int, **data) -> tuple[RetinaNet, torch.nn.Module, dict]:
+    """Our R50-FPN RetinaNet (seed 0), torchvision's with the same weights, and the real batch both run on
+    (`data`: `real_batch`'s `images` / `annotations`).
 
     The class scores are spread first (`spread_class_scores`) so that decoding has realistic candidate counts.
     """
     torch.manual_seed(0)
     ours = RetinaNet(NUM_CLASSES, "resnet50", fpn_channels=256)
-    batch = real_batch(image_size, batch_size)
+    batch = real_batch(image_size, batch_size, **data)
     spread_class_scores(ours, batch["images"])
     peer = torchvision_retinanet(ours, image_size)
     peer.detections_per_img = DETECTIONS_PER_IMAGE
     return ours, peer, batch
+
+
+def peer_input_size(peer: torch.nn.Module, height: int, width: int) -> None:
+    """Set torchvision's transform so an image of height x width goes in at scale 1 (its resize leaves it as is)."""
+    peer.transform.min_size = (min(height, width),)
+    peer.transform.max_size = max(height, width)
 
 
 class Kit:
@@ -128,10 +139,11 @@ class Kit:
         return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     def train_step(self, batch: dict, dtype: torch.dtype | None = None, scaler: torch.amp.GradScaler | None = None,
-                   model: torch.nn.Module | None = None) -> None:
+                   model: torch.nn.Module | None = None, ema=None) -> None:
         """Forward + loss + backward + SGD step (under autocast to `dtype` when given; `scaler` for fp16).
 
         `model` replaces `self.model` in the forward (e.g. its `torch.compile`d version; same parameters).
+        `ema` (timm's ModelEmaV3 of `self.model`) is updated after the step, as `--model_ema` does.
         """
         model = self.model if model is None else model
         with self._autocast(dtype):
@@ -150,6 +162,8 @@ class Kit:
             scaler.step(self.optimizer)
             scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(self.model, step=1000)
 
     @torch.inference_mode()
     def infer(self, batch: dict, dtype: torch.dtype | None = None) -> list[int]:

@@ -7,11 +7,13 @@ and the table reports medians and ratios ours / peer (lower is better).
     python benchmarks/run.py --quick                # fewer repeats: 6-15 min on 2 CPU cores, by their load
     python benchmarks/run.py                        # the full set (more repeats)
     python benchmarks/run.py --only assign_3000 coco_eval
+    python benchmarks/run.py --quick --only compile model_ema   # ours compiled vs eager, with vs without EMA
     python benchmarks/run.py --threads 0            # torch's default threads (one per core) instead of 1
 
 Writes `benchmarks/results.json` (`--out`): one object per benchmark (`train_step`, `inference`,
 `assign_3000`, `coco_eval` with `ours_s`, `peer_s`, `ratio`; `data_pipeline` with
-`images_per_s_per_worker`), plus the machine and the settings. `docs/benchmarks.md` explains each row.
+`images_per_s_per_worker`; `compile` and `model_ema`, ours against ours: the train step compiled vs eager, with
+vs without the EMA update), plus the machine and the settings. `docs/benchmarks.md` explains each row.
 The GPU figures come from `benchmarks/gpu_check.sh`, not from here.
 """
 
@@ -32,15 +34,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kit import NUM_CLASSES, Kit, build_model_pair  # noqa: E402  (kit puts tests/ on the path for peers)
-from peers import COCO_IMAGES, COCO_TRAIN_JSON, coco_eval_inputs, head_output_gap  # noqa: E402
+from kit import NUM_CLASSES, Kit, build_model_pair  # noqa: E402  (kit puts the repository root on the path)
+from devtools.peers import COCO_IMAGES, COCO_TRAIN_JSON, coco_eval_inputs, head_output_gap  # noqa: E402
 
 from detlib.anchors import AnchorGenerator  # noqa: E402
 from detlib.coco_eval import STAT_NAMES, evaluate_coco  # noqa: E402
 from detlib.flags import HelpFormatter  # noqa: E402
 from detlib.matching import match_anchors  # noqa: E402
 
-BENCHMARKS = ("train_step", "inference", "assign_3000", "coco_eval", "data_pipeline")
+BENCHMARKS = ("train_step", "inference", "assign_3000", "coco_eval", "data_pipeline", "compile", "model_ema")
 GOALS = {"train_step": 0.8, "inference": 0.7, "assign_3000": 1.0, "coco_eval": 0.33}
 # The throughput the data loader must feed: the issue's aim for one H200 (images/s).
 GPU_IMAGES_PER_S = 100.0
@@ -58,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coco_images", type=int, default=5000, help="images in the COCO evaluation benchmark")
     p.add_argument("--gpu_images_per_s", type=float, default=GPU_IMAGES_PER_S,
                    help="training throughput the data pipeline has to keep up with")
+    p.add_argument("--compile_backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                   help="torch.compile backend of the compile row")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results.json"),
                    help="where the results are written")
     return p
@@ -160,6 +164,49 @@ def bench_inference(args, models) -> dict:
     out = summarise(times, "ours", "peer", GOALS["inference"])
     out.update(setting=f"R50-FPN, {args.image_size}x{args.image_size}, batch {args.batch_size}, eval, score > 0.05, "
                        "top-1000 per level, NMS 0.5, 100 per image; ours channels_last", detections_per_image=counts)
+    return out
+
+
+# ---------------------------------------------------------------- 6 + 7: --compile and --model_ema
+
+def bench_compile(args, models) -> dict:
+    """Our train step (channels_last, fp32) under torch.compile (`--compile_backend`) against the same model
+    eager, same parameters and optimizer; the first compiled call (compilation) is timed on its own."""
+    ours, _, base = models
+    kit = Kit(copy.deepcopy(ours), channels_last=True)
+    kit.model.train()
+    compiled = torch.compile(kit.model, backend=args.compile_backend)
+    batch = kit.batch(base)
+    t0 = time.perf_counter()
+    kit.train_step(batch, model=compiled)
+    first_call = time.perf_counter() - t0
+    times = alternate({"compiled": lambda: kit.train_step(batch, model=compiled), "eager": lambda: kit.train_step(batch)},
+                      warmup=1, repeats=3 if args.quick else 7)
+    out = summarise(times, "compiled", "eager", None)
+    out.update(setting=f"ours R50-FPN, {args.image_size}x{args.image_size}, batch {args.batch_size}, fp32, channels_last: "
+                       f"torch.compile(backend={args.compile_backend!r}) vs eager", first_call_s=first_call)
+    return out
+
+
+def bench_model_ema(args, models) -> dict:
+    """Our train step with and without the `--model_ema` update after it (timm's ModelEmaV3, foreach lerp over
+    every parameter and buffer), and the update alone."""
+    from timm.utils import ModelEmaV3
+
+    ours, _, base = models
+    kit = Kit(copy.deepcopy(ours), channels_last=True)
+    kit.model.train()
+    ema = ModelEmaV3(kit.model, decay=0.9998, use_warmup=True, warmup_power=0.75)
+    batch = kit.batch(base)
+    times = alternate({"with_ema": lambda: kit.train_step(batch, ema=ema), "plain": lambda: kit.train_step(batch)},
+                      warmup=1, repeats=3 if args.quick else 7)
+    out = summarise(times, "with_ema", "plain", None)
+    updates = alternate({"update": lambda: ema.update(kit.model, step=1000)}, warmup=2, repeats=20)["update"]
+    out.update(setting=f"ours R50-FPN, {args.image_size}x{args.image_size}, batch {args.batch_size}, fp32, channels_last: "
+                       "train step + ModelEmaV3.update vs train step",
+               ema_update_s=statistics.median(updates),
+               ema_update_fraction_of_step=statistics.median(updates) / out["peer_s"],
+               ema_parameters=sum(t.numel() for t in ema.module.state_dict().values()))
     return out
 
 
@@ -290,6 +337,16 @@ def table(results: dict) -> str:
             rows.append(f"| data_pipeline | {r['images_per_s_per_worker']:.1f} images/s per worker | - | - | "
                         f"{r['workers_to_keep_up']} worker(s) feed {r['gpu_images_per_s']:.0f} images/s | - |")
             continue
+        if name == "compile":
+            rows.append(f"| compile ({results['args'].get('compile_backend', 'inductor')}) vs eager, train step | "
+                        f"{r['ours_s']:.3f} s compiled | {r['peer_s']:.3f} s eager | {r['ratio']:.3f} | - | "
+                        f"first call {r['first_call_s']:.0f} s |")
+            continue
+        if name == "model_ema":
+            rows.append(f"| model_ema: train step + EMA update vs without | {r['ours_s']:.3f} s | {r['peer_s']:.3f} s | "
+                        f"{r['ratio']:.3f} | - | update alone {r['ema_update_s'] * 1000:.1f} ms = "
+                        f"{100 * r['ema_update_fraction_of_step']:.1f} % of a step |")
+            continue
         rows.append(f"| {name} | {r['ours_s']:.3f} s | {r['peer_s']:.3f} s | {r['ratio']:.3f} | "
                     f"<= {r['goal']} | {'yes' if r['met'] else 'NO'} |")
     return "\n".join(rows)
@@ -309,9 +366,10 @@ def main(argv=None):
         if name not in selected:
             continue
         t0 = time.perf_counter()
-        if name in ("train_step", "inference"):
+        if name in ("train_step", "inference", "compile", "model_ema"):
             models = models or build_model_pair(args.image_size, args.batch_size)
-            results[name] = (bench_train_step if name == "train_step" else bench_inference)(args, models)
+            results[name] = {"train_step": bench_train_step, "inference": bench_inference, "compile": bench_compile,
+                             "model_ema": bench_model_ema}[name](args, models)
         elif name == "assign_3000":
             results[name] = bench_assign(args)
         elif name == "coco_eval":

@@ -25,6 +25,7 @@ import torch
 from torchvision.ops import box_iou
 
 from .box_ops import box_ioa, box_xywh_to_xyxy
+from .files import atomic_path, write_json
 from .logtext import EXTREMES, NAME_CHARS, short_name
 
 logger = logging.getLogger(__name__)
@@ -362,20 +363,12 @@ def _figure(width: float, height: float, margins: tuple[float, float, float, flo
 
 
 def _save(fig, path: str) -> str:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     # zlib level 1: a third of the default's encoding time for plots of flat colours, files barely larger
-    fig.savefig(path + ".tmp.png", format="png", pil_kwargs={"compress_level": 1})
-    os.replace(path + ".tmp.png", path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", pil_kwargs={"compress_level": 1})
     return path
 
 
-def write_json(obj, path: str) -> str:
-    """Write `obj` as json to `path` atomically (a reader never sees half a file); returns `path`."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
-    return path
 
 
 def plot_pr_curves(curves: dict, path: str, num_extremes: int = 3) -> str:

@@ -34,13 +34,13 @@ from typing import Sequence
 
 import torch
 
+from .transforms import INPUT_DIVISIBILITY
+
 DEFAULT_STRIDES = (8, 16, 32, 64, 128)
 DEFAULT_SIZES = (32, 64, 128, 256, 512)
 DEFAULT_SCALES = (1.0, 2 ** (1 / 3), 2 ** (2 / 3))
 DEFAULT_RATIOS = (0.5, 1.0, 2.0)
 DEFAULT_NUM_ANCHORS = len(DEFAULT_SCALES) * len(DEFAULT_RATIOS)  # A = 9 per location
-# Inputs must be a multiple of the backbone's output stride so C3-C5 have exactly H / s rows.
-INPUT_DIVISIBILITY = 32
 
 
 def torchvision_anchor_settings() -> dict:

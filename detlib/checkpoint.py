@@ -3,6 +3,7 @@
 Layout under `output_dir`:
   checkpoints/epoch_0003/       `accelerator.save_state` (model, optimizer, scheduler, GradScaler, RNG states)
   checkpoints/step_00001200/    plus `trainer_state.json` (TrainState) and `model_config.json`
+                                (and `model_ema.safetensors`, the EMA weights, with --model_ema)
   last/, best/                  weights files (detlib.weights)
 
 A checkpoint is written into `<name>.tmp` and renamed when complete, so a run killed while saving never
@@ -275,13 +276,15 @@ def folder_size(path: str) -> int:
 
 
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit: int | None = None,
-                    model_config: dict | None = None, needed_bytes: int | None = None) -> str:
+                    model_config: dict | None = None, needed_bytes: int | None = None,
+                    extra_weights: dict[str, dict] | None = None) -> str:
     """Save the full training state atomically. Collective: call on every process.
 
     Writes `<name>.tmp`, then renames it; then removes the oldest checkpoints beyond `total_limit` (0 or
     None: keep all). Returns the checkpoint folder, named after the epoch at an epoch boundary, else after
     the global step. `needed_bytes`: the expected size of a checkpoint (for the message of a failed save;
-    default: the previous checkpoint's size).
+    default: the previous checkpoint's size). `extra_weights` {name: state dict}: written beside the model as
+    `name.safetensors` by the main process (the EMA weights, `model_ema`).
     Raises:
         CheckpointError: on every process when any process failed to write, naming the cause
         (`describe_write_failure`: no space left with the free and the needed space, permission, a symlink
@@ -306,6 +309,12 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
                 if obj is not None:
                     with open(os.path.join(tmp, fname), "w") as f:
                         json.dump(obj, f, indent=1)
+            if extra_weights:
+                from safetensors.torch import save_file
+
+                for fname, sd in extra_weights.items():
+                    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()},
+                              os.path.join(tmp, f"{fname}.safetensors"))
     except WRITE_ERRORS as e:
         error = error or e
     failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")

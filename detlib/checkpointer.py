@@ -26,6 +26,9 @@ from .runtime import broadcast_object, min_over_processes
 from .rundir import EXIT_DIVERGED, checkpoint_bytes
 from .weights import CheckpointError, all_finite, save_model_weights
 
+# The EMA weights' file in a checkpoint folder, beside accelerate's model.safetensors.
+EMA_WEIGHTS = "model_ema"
+
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger("detlib.engine")
 
@@ -39,7 +42,9 @@ class Checkpointer:
         metric: the validation metric best/ keeps the highest of, e.g. "AP".
         total_limit: checkpoints kept (0 or None: all).
         fail: the run's `fail(message, code)`: one error line, then exit (does not return).
-    `model_config` (the model's description, written beside every weights file) is set once it is known.
+    `model_config` (the model's description, written beside every weights file) is set once it is known, and
+    `ema` (timm's ModelEmaV3 of the run's `--model_ema`, or None) once it is made: its weights go into every
+    checkpoint as `model_ema.safetensors` and, at the end, into last_ema/.
     """
 
     def __init__(self, accelerator, output_dir: str, metric: str, total_limit: int | None,
@@ -53,6 +58,8 @@ class Checkpointer:
         # describe(folder, name): what a script writes beside the weights of best/ and last/ (main process), such
         # as a model card and the evaluation's score thresholds
         self.describe: Callable[[str, str], None] | None = None
+        # the EMA of the weights (timm ModelEmaV3) whose state a checkpoint carries as model_ema.safetensors
+        self.ema = None
 
     def _check_finite(self, model, what: str, step: int) -> None:
         ok = min_over_processes(self.accelerator, int(all_finite(self.accelerator.unwrap_model(model))))
@@ -65,12 +72,16 @@ class Checkpointer:
         over images, image count) are summed over processes into `state` first. Returns its folder.
         `optimizer` sizes the checkpoint for the message of a failed save."""
         self._check_finite(model, "a checkpoint", state.global_step)
+        extra = None
+        if self.ema is not None:
+            self._check_finite(self.ema.module, "a checkpoint (its EMA weights)", state.global_step)
+            extra = {EMA_WEIGHTS: self.ema.module.state_dict()}
         state.epoch_loss_sum, state.epoch_images = self.accelerator.reduce(epoch_sums, reduction="sum").tolist()
         needed = checkpoint_bytes(model, optimizer)[1] if optimizer is not None else None
         t = time.time()
         try:
             path = ckpt.save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config,
-                                        needed_bytes=needed)
+                                        needed_bytes=needed, extra_weights=extra)
         except ckpt.CheckpointError as e:
             self.fail(str(e), 1)
         logger.info("saved checkpoint %s (%.1f s)", path, time.time() - t)
@@ -93,10 +104,10 @@ class Checkpointer:
         if self.describe is not None and self.accelerator.is_main_process:
             self.describe(folder, name)
 
-    def keep_best(self, model, value: float, state: ckpt.TrainState, epoch: int) -> bool:
-        """Write best/ (best.json records `epoch`, the epoch number from 1) when `value` beats `state.best_metric`
-        and the best/ on disk; raise `state.best_metric` to it (a non-finite value changes nothing). Returns True
-        when best/ was written."""
+    def keep_best(self, model, value: float, state: ckpt.TrainState, epoch: int, weights: str = "trained") -> bool:
+        """Write best/ (best.json records `epoch`, the epoch number from 1, and `weights`: "trained" or "ema", which
+        weights `model` holds) when `value` beats `state.best_metric` and the best/ on disk; raise
+        `state.best_metric` to it (a non-finite value changes nothing). Returns True when best/ was written."""
         best = self.best_record()
         on_disk = float(best["value"]) if best else None
         improved = math.isfinite(value) and value > state.best_metric and (on_disk is None or value > on_disk)
@@ -104,8 +115,10 @@ class Checkpointer:
             state.best_metric = max(state.best_metric, value)
         if improved:
             self.save_weights(model, "best", state.global_step, {"metric": self.metric, "value": value,
-                                                                  "epoch": epoch, "step": state.global_step})
-            logger.info("new best %s %.4f, saved %s/best/model.safetensors", self.metric, value, self.output_dir)
+                                                                  "epoch": epoch, "step": state.global_step,
+                                                                  "weights": weights})
+            logger.info("new best %s %.4f (%s weights), saved %s/best/model.safetensors", self.metric, value, weights,
+                        self.output_dir)
         return improved
 
     def best_record(self) -> dict | None:
@@ -128,17 +141,19 @@ def read_best_record(output_dir: str, metric: str) -> dict | None:
 
 def summary_lines(output_dir: str, metrics_path: str, metric: str, elapsed_s: float, global_step: int,
                   skipped_steps: int, best_metric: float, best: dict | None, final: float | None,
-                  images_seen: float) -> list[str]:
+                  images_seen: float, final_also: dict[str, float] | None = None) -> list[str]:
     """The end-of-run summary: where the weights, checkpoints, metrics, the evaluation's files and the trackers'
     are (only those that exist), the mean throughput over `images_seen` images (all processes) when any were logged, and last, the
-    verdict: time, steps, best `metric` (with best/'s epoch and step when `best` is its record) and the `final` one."""
+    verdict: time, steps, best `metric` (with best/'s epoch and step when `best` is its record), the `final` one and
+    the last evaluation's `final_also` stats ({name: value})."""
     out = output_dir
 
     def existing(*names: str) -> list[str]:
         return [os.path.join(out, n) + ("/" if os.path.isdir(os.path.join(out, n)) else "") for n in names
                 if os.path.exists(os.path.join(out, n))]
 
-    weights = [f"{p} (best)" for p in existing("best")] + [f"{p} (final)" for p in existing("last")]
+    weights = ([f"{p} (best)" for p in existing("best")] + [f"{p} (final)" for p in existing("last")]
+               + [f"{p} (final EMA)" for p in existing("last_ema")])
     lines = []
     if weights or os.path.isdir(ckpt.checkpoint_dir(out)):
         lines.append("weights: " + (", ".join(weights) or "none") + (f"; checkpoints: {ckpt.checkpoint_dir(out)}"
@@ -154,5 +169,6 @@ def summary_lines(output_dir: str, metrics_path: str, metric: str, elapsed_s: fl
         lines.append(f"mean throughput {images_seen / elapsed_s:.1f} images/s (all processes)")
     lines.append(f"run finished in {elapsed_s / 60:.1f} min: {global_step} steps, {skipped_steps} skipped; "
                  f"best {metric} {best_metric:.4f}" + (f" (epoch {best['epoch']}, step {best['step']})" if best else "")
-                 + (f", final {metric} {final:.4f}" if final is not None else ""))
+                 + (f", final {metric} {final:.4f}" if final is not None else "")
+                 + "".join(f", {k} {v:.4f}" for k, v in (final_also or {}).items()))
     return lines

@@ -46,14 +46,14 @@ TORCHVISION_MODELS = ("resnet18",)
 def check_classifier(name: str, image_size: int | None = None) -> None:
     """Check before the data is scanned that `name` is a classifier `build_classifier` can build and that it takes
     `image_size` x `image_size` inputs (a ViT fixed at 224 does not take 64). Nothing is downloaded and no weights
-    are allocated (a timm model is built and run on the meta device; see `detlib.model.meta_forward_problem`).
+    are allocated (a timm model is built and run on the meta device; see `detlib.backbones.meta_forward_problem`).
 
     Raises:
         ValueError: one line: not a model name (with close timm names), or the input size the model refuses.
     """
     import timm
 
-    from .model import meta_forward_problem, unknown_timm_model
+    from .backbones import meta_forward_problem, unknown_timm_model
 
     problem = unknown_timm_model(name, extra=TORCHVISION_MODELS)
     if problem:

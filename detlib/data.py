@@ -23,7 +23,6 @@ with `valid=False` so the evaluator leaves it out of AP and says so (never a sil
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import math
 import os
@@ -35,22 +34,15 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
-from .anchors import INPUT_DIVISIBILITY
 from .cococheck import check_coco
 from .datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from .images import load_rgb, load_skipping_unreadable
 from .labels import PAD_LABEL, CategoryMap
-from .model import IMAGENET_MEAN
 from .records import CompactRecords
-from .transforms import PAD_VALUE, make_sample
+from .transforms import IMAGENET_MEAN, INPUT_DIVISIBILITY, PAD_VALUE, make_sample
 
 logger = logging.getLogger(__name__)
 
-# Float images (resize mode "torchvision") are padded with the exact mean, so padded pixels are 0 after
-# normalisation, as torchvision pads its normalised batch with zeros.
-PAD_VALUE_FLOAT = IMAGENET_MEAN
-# Inputs are padded to a multiple of the backbone's output stride (see detlib.anchors).
-SIZE_DIVISIBILITY = INPUT_DIVISIBILITY
 # A sample's augmentation seed is ((seed * P1 + epoch) * P2 + index): two primes above any epoch or index
 # count, so distinct (seed, epoch, index) give distinct seeds and neighbouring samples unrelated streams.
 SEED_PRIME_EPOCH, SEED_PRIME_INDEX = 1_000_003, 1_000_000_007
@@ -114,7 +106,6 @@ class CocoDetection(torch.utils.data.Dataset):
             raise FileNotFoundError(f"image folder not found: {image_dir}")
         self.dataset, checked_dropped = _checked_json(annotation_file, train)
         source = annotation_file if isinstance(annotation_file, str) else "annotations"
-        self._coco = None
         self.image_dir = image_dir
         self.transform = transform
         self.train = train
@@ -192,24 +183,6 @@ class CocoDetection(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.records)
-
-    @property
-    def coco(self):
-        """pycocotools COCO over the normalised json (built on first use; not for a compact training set).
-
-        Raises:
-            RuntimeError: when the json was dropped (`compact` training set).
-        """
-        if self.dataset is None:
-            raise RuntimeError("this training data set dropped its json after indexing (compact=True)")
-        if self._coco is None:
-            from pycocotools.coco import COCO
-
-            with contextlib.redirect_stdout(io.StringIO()):
-                self._coco = COCO()
-                self._coco.dataset = self.dataset
-                self._coco.createIndex()
-        return self._coco
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's augmentation stream (with `seed`). DataLoader workers must be re-created
@@ -330,12 +303,12 @@ def _pad_boxes(items: list[torch.Tensor], fill: float) -> torch.Tensor:
     return out
 
 
-def collate_detection(samples: list[dict], size_divisibility: int = SIZE_DIVISIBILITY) -> dict[str, torch.Tensor]:
+def collate_detection(samples: list[dict], size_divisibility: int = INPUT_DIVISIBILITY) -> dict[str, torch.Tensor]:
     """Stack samples into a padded batch of tensors (all on the same device after `accelerator.prepare`).
 
     Returns a dict of
         images: [B, 3, Hp, Wp] uint8 (float32 0-255 when the samples are float), padded at bottom/right with
-            `PAD_VALUE` (`PAD_VALUE_FLOAT`) to a multiple of `size_divisibility`
+            `PAD_VALUE` (float images: `IMAGENET_MEAN`, so padded pixels are 0 after normalisation, as torchvision pads) to a multiple of `size_divisibility`
         boxes: [B, M, 4] float32 xyxy (zeros in padding slots);  labels: [B, M] int64 (`PAD_LABEL` in padding)
         crowd_boxes: [B, C, 4] float32 xyxy, zero boxes as padding (C may be 0)
         image_ids: [B] int64;  image_sizes: [B, 2] (h, w) before padding
@@ -348,7 +321,7 @@ def collate_detection(samples: list[dict], size_divisibility: int = SIZE_DIVISIB
     Wp = int(math.ceil(max(ws) / size_divisibility) * size_divisibility)
     # an unreadable image's uint8 placeholder in a float batch is cast, never the other way round
     dtype = torch.uint8 if all(s["image"].dtype == torch.uint8 for s in samples) else torch.float32
-    pad = PAD_VALUE if dtype == torch.uint8 else PAD_VALUE_FLOAT
+    pad = PAD_VALUE if dtype == torch.uint8 else IMAGENET_MEAN
     images = torch.tensor(pad, dtype=dtype).view(1, 3, 1, 1).repeat(B, 1, Hp, Wp)
     for i, s in enumerate(samples):
         images[i, :, : hs[i], : ws[i]] = s["image"]

@@ -18,7 +18,6 @@ cached by (path, size, mtime) so the other processes of a run and the next run d
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import Counter
@@ -26,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
 from PIL import Image
+
+from .files import file_key, read_json_cache, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +114,7 @@ class DataReport:
 
     def write(self, path: str) -> None:
         """Write `to_dict()` as json (atomically: a reader never sees half a report)."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(self.to_dict(), path, indent=1)
 
 
 class Findings:
@@ -189,22 +187,8 @@ def read_image_headers(paths: list[str], num_workers: int | None = None, progres
 
     Results are cached in `cache_file` (json) by (path, size, mtime): a second process or run reads the cache.
     """
-    cache = {}
-    if cache_file and os.path.isfile(cache_file):
-        try:
-            with open(cache_file) as f:
-                cache = json.load(f)
-        except (OSError, ValueError):
-            cache = {}  # a damaged cache only costs a new check
-
-    def key_of(p):
-        try:
-            st = os.stat(p)
-        except OSError:
-            return None
-        return f"{os.path.abspath(p)}|{st.st_size}|{st.st_mtime_ns}"
-
-    keys = [key_of(p) for p in paths]
+    cache = read_json_cache(cache_file)
+    keys = [file_key(p) for p in paths]
     todo = [i for i, k in enumerate(keys) if k is None or k not in cache]
     results: list = [tuple(cache[k]) if k is not None and k in cache else None for k in keys]
     todo_paths = [paths[i] for i in todo]
@@ -229,11 +213,7 @@ def read_image_headers(paths: list[str], num_workers: int | None = None, progres
         for i in todo:
             if keys[i] is not None:
                 cache[keys[i]] = list(results[i])
-        os.makedirs(os.path.dirname(os.path.abspath(cache_file)), exist_ok=True)
-        tmp = f"{cache_file}.{os.getpid()}.tmp"  # per process: two processes may write at once
-        with open(tmp, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, cache_file)
+        write_json(cache, cache_file)
     return results
 
 

@@ -23,7 +23,10 @@ their step in plain sight (forward, loss, backward, clipping, the decision to st
                         optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
-                    run.end_step(model, stepped=finite and not accelerator.optimizer_step_was_skipped)
+                    stepped = finite and not accelerator.optimizer_step_was_skipped
+                    if stepped and run.ema is not None:
+                        run.ema.update(run.bare(model), step=run.state.global_step + 1)
+                    run.end_step(model, stepped)
         mean_loss = run.end_epoch()
         if run.evaluation_due(): run.report_evaluation(evaluate(...), model, ...)
         run.checkpoint_if_due(model)
@@ -45,6 +48,12 @@ What a `Run` guarantees:
   same position in samples seen, with another `--epochs` on from the current LR (detlib.schedules).
 * Start-up checks (detlib.rundir): folder writable, disk space, one live run per folder, never mixing into a
   finished run; flag values are checked by argparse (detlib.flags).
+* `--compile`: accelerate compiles the prepared model (detlib.runtime.make_accelerator); saved weights carry no
+  `_orig_mod.` prefix, evaluation runs the uncompiled module (`evaluation_models`), the summary counts the graphs.
+* `--model_ema DECAY`: timm's ModelEmaV3 of the weights (`run.ema`, made by `resume`), which the script updates
+  after every optimizer step that is not skipped, checkpointed beside the model (model_ema.safetensors) and
+  resumed with it, evaluated beside the trained weights (`evaluation_models`, `report_evaluation(...,
+  ema_stats=...)`: ema_* metrics, best/ from whichever scores higher), written to last_ema/ at the end.
 
 Exit codes: 0 done, 1 error, 2 bad flag values, EXIT_DIVERGED (3), EXIT_PREEMPTED (75); `output_dir/run_status.json`
 also records how the run ended, since launchers report exit codes each in their own way (detlib.rundir).
@@ -63,14 +72,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from . import checkpoint as ckpt
-from .checkpointer import Checkpointer, summary_lines
+from .checkpointer import EMA_WEIGHTS, Checkpointer, summary_lines
 from .flags import DEFAULT_REPORT_TO, EVALUATE_ONLY_SUBDIR
-from .resume import (ResumeError, check_same_classes, convert_position, replaced_by_checkpoint, resolve_checkpoint,
-                     run_length, set_tracker_offset)
+from .resume import (ResumeError, check_same_classes, convert_position, load_ema_weights, replaced_by_checkpoint,
+                     resolve_checkpoint, run_length, set_tracker_offset)
 from .rundir import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
                      release_lock, stop_dataloader_workers, write_run_status)
-from .runtime import (MetricsLogger, TrackerError, broadcast_object, finish_trackers, init_trackers, log_run_setup,
-                      make_accelerator, min_over_processes, save_config, setup_logging)
+from .runtime import (MetricsLogger, TrackerError, broadcast_object, compile_summary, finish_trackers, init_trackers,
+                      log_run_setup, make_accelerator, min_over_processes, save_config, setup_logging)
 from .schedules import RunPosition, set_position
 from .weights import load_model_weights
 
@@ -93,6 +102,8 @@ REWARN_FACTOR = 10.0
 # steps, so one noisy batch neither sets a low level nor trips the warning.
 LOSS_EMA_WEIGHT = 0.1
 LOSS_LEVEL_FLOOR = 1e-8  # a running level of 0 (a perfectly fit batch) must not make every later loss "explode"
+# timm's EMA warm-up power: its docstring's choice for runs under a million steps (decay 0.999 at 10k steps).
+EMA_WARMUP_POWER = 0.75
 
 
 @dataclass
@@ -119,6 +130,11 @@ class RunSettings:
     project: str | None = None
     run_name: str | None = None
     verbose: bool = False
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: str = "default"
+    model_ema: float | None = None
+    model_ema_warmup: bool = True
 
     @classmethod
     def from_flags(cls, args) -> RunSettings:
@@ -260,17 +276,21 @@ class Run:
         settings: the run's settings (`RunSettings.from_flags(args)`). An evaluation-only run writes into
             `settings.output_dir/evaluate_only` (`self.output_dir`), never over a training run's files.
         metric: the name of the validation metric that picks `best/` (higher is better), e.g. "AP".
+        also_report: stats the summary's last line gives beside `metric` (of the last evaluation).
     Raises:
         SystemExit: when a start-up check fails (one line on the main process, code 1).
     """
 
-    def __init__(self, settings: RunSettings, metric: str):
+    def __init__(self, settings: RunSettings, metric: str, also_report: tuple[str, ...] = ()):
         self.settings = s = settings
-        self.metric = metric
+        self.metric, self.also_report = metric, also_report
         self.evaluate_only = s.evaluate_only
         self.output_dir = os.path.join(s.output_dir, EVALUATE_ONLY_SUBDIR) if s.evaluate_only else s.output_dir
+        # evaluation runs uncompiled (evaluation_models), --evaluate_only too
         self.accelerator = make_accelerator(s.mixed_precision, s.gradient_accumulation_steps, s.report_to,
-                                            self.output_dir, seed=s.seed, verbose=s.verbose)
+                                            self.output_dir, seed=s.seed, verbose=s.verbose,
+                                            compile_backend=s.compile_backend if s.compile and not s.evaluate_only
+                                            else None, compile_mode=s.compile_mode)
         self.state = ckpt.TrainState()
         self.config: dict = {}
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, metric, s.checkpoint_total_limit, self.fail)
@@ -280,6 +300,11 @@ class Run:
         self.optimizer = self.model = None
         self.last_stats: dict | None = None  # the last evaluation's stats (report_evaluation)
         self.last_evaluation: dict | None = None  # and its whole metrics.jsonl line (epoch, step, stats, extra)
+        # appended to the line of a preempted (e.g. Ctrl-C) run: what its weights are worth at that point
+        self.stop_note = ""
+        self.ema = None  # timm's ModelEmaV3 of the trained weights (--model_ema), from resume on
+        self.last_ema_evaluation: dict | None = None  # the EMA weights' evaluation line (unprefixed), with --model_ema
+        self._best_candidate: dict | None = None  # the evaluation line of the weights keep_best may write to best/
         self._locked = self._closed = False
         self.t_start = time.time()
 
@@ -297,6 +322,11 @@ class Run:
         atexit.register(self._close_at_exit)
         self.signals.install()
         log_run_setup(self.accelerator)
+        if self.evaluate_only:  # training flags an evaluation cannot honour: said once, not silently dropped
+            notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in
+                      (("compile", "runs the weights uncompiled, as every evaluation does"),
+                       ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema"))
+                      if getattr(s, k)]
         for note in notes:
             logger.warning("%s", note)
         self.metrics = MetricsLogger(self.accelerator, self.output_dir)
@@ -394,6 +424,8 @@ class Run:
 
         Args:
             schedule: the scheduler's resolved settings (`detlib.schedules.build_scheduler`), checkpointed.
+        With `--model_ema` it also makes `self.ema` (timm's ModelEmaV3) from the (resumed) weights, with the
+        checkpoint's own EMA weights when it has them.
         Stops the run with one line when the checkpoint's schedule kind, model or optimizer is another one.
         """
         acc, s, st = self.accelerator, self.settings, self.state
@@ -424,6 +456,8 @@ class Run:
                 set_position(scheduler, st.global_step)
             logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", self._resume,
                         st.epoch + 1, st.step_in_epoch, st.global_step, optimizer.param_groups[0]["lr"])
+        if s.model_ema:
+            self._start_ema(model, self._resume)
         st.num_processes, st.steps_per_epoch, st.samples_per_step = (acc.num_processes, self.steps_per_epoch,
                                                                      self.samples_per_step)
         self.init_trackers()
@@ -449,6 +483,25 @@ class Run:
         if not st.eval_pending and (st.epoch >= s.epochs or st.global_step >= self.total_steps):
             logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger "
                            "--epochs to train on", st.epoch, s.epochs, st.global_step, self.total_steps)
+
+    def _start_ema(self, model, resumed: str | None) -> None:
+        from timm.utils import ModelEmaV3
+
+        s = self.settings
+        # every process keeps its own copy: the weights are the same on every rank, and so is the average
+        self.ema = ModelEmaV3(self.bare(model), decay=s.model_ema, use_warmup=s.model_ema_warmup,
+                              warmup_power=EMA_WARMUP_POWER)
+        try:
+            load_ema_weights(self.ema, resumed, EMA_WEIGHTS)
+        except ResumeError as e:
+            self.fail(str(e))
+        self.checkpointer.ema = self.ema
+        logger.info("--model_ema %g: an average of the weights is kept (warm-up %s), evaluated beside them as ema_%s",
+                    s.model_ema, "1 - step ** -%.2f" % EMA_WARMUP_POWER if s.model_ema_warmup else "off", self.metric)
+
+    def bare(self, model):
+        """The module itself: without DDP's and torch.compile's wrappers (the same parameters)."""
+        return self.accelerator.unwrap_model(model, keep_torch_compile=False)
 
     # ---- the epoch loop
     @property
@@ -581,16 +634,50 @@ class Run:
     def evaluation_due(self) -> bool:
         return self.state.eval_pending or (self.epoch + 1) % self.settings.eval_interval == 0 or self.last_epoch
 
-    def report_evaluation(self, stats: dict, model, extra: dict | None = None) -> bool:
+    def evaluation_models(self, model) -> dict[str, torch.nn.Module]:
+        """What an evaluation scores, by the prefix of its metrics: {"": the model being trained} and, with
+        --model_ema, {"ema_": the EMA weights}. Under --compile the trained model is evaluated uncompiled: compiling
+        covers the training step; evaluation's no-grad mode and batch sizes would compile graphs of their own (and
+        count towards dynamo's recompile limit) for a few percent of a run's time."""
+        models = {"": self.bare(model) if self.settings.compile else model}
+        if self.ema is not None:
+            models["ema_"] = self.ema.module
+        return models
+
+    def report_evaluation(self, stats: dict, model, extra: dict | None = None, ema_stats: dict | None = None,
+                          ema_extra: dict | None = None) -> bool:
         """Log an evaluation line and keep `best/` when `stats[metric]` beats every earlier one of this run,
         the best/ on disk included (so a resume from an older checkpoint never replaces it with a worse
-        model). Returns True when best/ was written."""
+        model). With `ema_stats` (the EMA weights' evaluation; `ema_extra`: its per-class AP and score thresholds)
+        the line carries its numbers as ema_* too, and best/ takes the EMA weights when they score higher
+        (best.json says which, and best/'s model card and score thresholds are the EMA weights'). Returns True when
+        best/ was written."""
         st, value = self.state, float(stats[self.metric])
-        line = {"epoch": self.epoch_number, "step": st.global_step, **stats, **(extra or {})}
+        ema_line, self.last_ema_evaluation = {}, None
+        if ema_stats is not None:
+            ema_line = {f"ema_{k}": v for k, v in ema_stats.items() if isinstance(v, (int, float))}
+            self.last_ema_evaluation = {"epoch": self.epoch_number, "step": st.global_step, **ema_stats,
+                                        **(ema_extra or {}), "weights": "ema"}
+        line = {"epoch": self.epoch_number, "step": st.global_step, **stats, **ema_line, **(extra or {})}
         self.metrics.log(line, step=st.global_step, tracker_epoch=self.epoch + 1)
         self.last_stats, self.last_evaluation = stats, line
         st.eval_pending = False
+        if ema_stats is not None and float(ema_stats[self.metric]) > value:
+            self._best_candidate = self.last_ema_evaluation
+            return self.checkpointer.keep_best(self.ema.module, float(ema_stats[self.metric]), st, self.epoch_number,
+                                               "ema")
+        self._best_candidate = line
         return self.checkpointer.keep_best(model, value, st, self.epoch_number)
+
+    def evaluation_of(self, name: str) -> dict | None:
+        """The evaluation (a metrics.jsonl line, unprefixed stats) of the weights written to `output_dir/name`
+        ("best", "last", "last_ema"), for what a script writes beside them (model card, score thresholds); None when
+        no evaluation of exactly those weights was run (last/ written after training on past the last
+        evaluation)."""
+        if name == "best":
+            return self._best_candidate
+        evaluation = self.last_ema_evaluation if name == "last_ema" else self.last_evaluation
+        return evaluation if evaluation and evaluation["step"] == self.state.global_step else None
 
     def checkpoint_if_due(self, model) -> None:
         """The epoch-end checkpoint, every `--checkpoint_interval` epochs, at the end, and when a step
@@ -624,7 +711,7 @@ class Run:
         where = f"in the evaluation after epoch {self.epoch_number}" if batch_index is not None else f"in epoch {self.epoch_number}"
         self.fail(f"preempted by {name} at step {self.state.global_step} ({where}): checkpoint {path} "
                   f"written in {time.time() - t:.1f} s; to continue, run the same command with --resume_from_checkpoint "
-                  f"latest (exit code {EXIT_PREEMPTED})", EXIT_PREEMPTED)
+                  f"latest (exit code {EXIT_PREEMPTED}){self.stop_note}", EXIT_PREEMPTED)
 
     # ---- end
     def finish(self, model=None) -> None:
@@ -636,11 +723,16 @@ class Run:
             self.progress.close()
         if model is not None and not self.evaluate_only:
             self.checkpointer.save_weights(model, "last", st.global_step)
+            if self.ema is not None:
+                self.checkpointer.save_weights(self.ema.module, "last_ema", st.global_step)
+            also = {k: self.last_stats[k] for k in self.also_report if k in (self.last_stats or {})}
             elapsed = time.time() - self.t_start
             best = self.checkpointer.best_record()
             final = self.last_stats[self.metric] if self.last_stats else None
             lines = summary_lines(self.output_dir, self.metrics.path, self.metric, elapsed, st.global_step,
-                                  st.skipped_steps, st.best_metric, best, final, self.images_seen)
+                                  st.skipped_steps, st.best_metric, best, final, self.images_seen, also)
+            if line := compile_summary():
+                lines.insert(-1, line)  # before the verdict, which stays the last line
         if self.accelerator.is_main_process and not self.evaluate_only:
             self._write_status(0)
         self._close()

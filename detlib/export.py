@@ -3,7 +3,7 @@
 The exported graph takes one image padded to a fixed square canvas of `canvas` x `canvas` pixels (the
 anchors of that size are constants in the graph; the canvas is the training size rounded up to a multiple
 of 32). Pre-processing stays outside, as in the evaluation: resize so the longer side is `image_size`
-(`ResizeLongestSide`), pad at the bottom / right with `PAD_VALUE`. `prepare_input` does it.
+(`ResizeKeepAspect`), pad at the bottom / right with `PAD_VALUE`. `prepare_input` does it.
 
 Inputs (decoding inside):
     images:     [1, 3, canvas, canvas] float32 RGB in 0..255
@@ -28,13 +28,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from . import box_coder
-from .anchors import INPUT_DIVISIBILITY, AnchorGenerator
 from torchvision.ops import nms
 
+from . import box_coder
+from .anchors import AnchorGenerator
 from .box_ops import clip_boxes_to_image
-from .data import PAD_VALUE
-from .transforms import build_transform, make_sample
+from .transforms import INPUT_DIVISIBILITY, PAD_VALUE, build_transform, make_sample
 
 
 def canvas_size(image_size: int, max_size: int | None = None) -> int:

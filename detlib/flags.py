@@ -41,6 +41,8 @@ RUN_RECORD_KEYS = ("num_processes", "synthetic_data")
 # What to do with the output folder this time, not part of the recipe: a config.yaml re-run must not resume
 # or wipe a folder because the recorded run did. Given on the command line only.
 FOLDER_ACTION_KEYS = ("resume_from_checkpoint", "overwrite_output_dir")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # detlib.engine.Run writes an evaluation-only run into OUTPUT_DIR/evaluate_only and records that folder as output_dir.
 EVALUATE_ONLY_SUBDIR = "evaluate_only"
 
@@ -56,13 +58,15 @@ def int_at_least(lo: int):
     return parse
 
 
-def float_range(lo: float, hi: float = math.inf, lo_open: bool = False):
-    """argparse type: a finite number in [lo, hi] (or (lo, hi] with `lo_open`)."""
+def float_range(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False):
+    """argparse type: a finite number in [lo, hi] (the ends left out with `lo_open` / `hi_open`)."""
     def parse(text: str) -> float:
         value = float(text)
-        if not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo):
+        if (not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo)
+                or (hi_open and value == hi)):
             raise argparse.ArgumentTypeError(f"must be a number {'>' if lo_open else '>='} {lo}"
-                                             + (f" and <= {hi}" if hi != math.inf else "") + f", got {text}")
+                                             + (f" and {'<' if hi_open else '<='} {hi}" if hi != math.inf else "")
+                                             + f", got {text}")
         return value
     parse.__name__ = "number"
     return parse
@@ -101,6 +105,19 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     g = groups["data"]
     g.add_argument("--num_workers", type=int_at_least(0), default=4, help="DataLoader workers per process")
+    g = groups["model"]
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model for training (accelerate's TorchDynamoPlugin, around the DDP "
+                        "wrapper so DDP's gradient buckets are kept). Shapes: torch's automatic dynamic shapes, the "
+                        "first input shape compiles static, the second with the sizes that changed symbolic, and that "
+                        "graph serves every later one (a side of at most 128 px, where P7 is 1x1, gets a graph of its "
+                        "own); evaluation runs uncompiled. The run's summary says how many graphs it compiled; saved "
+                        "weights and checkpoints keep their names (no _orig_mod.)")
+    g.add_argument("--compile_backend", default="inductor", choices=COMPILE_BACKENDS,
+                   help="torch.compile backend: inductor (generated kernels), aot_eager (the traced forward and "
+                        "backward graphs run by eager kernels: checks the tracing without inductor's compile time), "
+                        "eager (dynamo only)")
+    g.add_argument("--compile_mode", default="default", choices=COMPILE_MODES, help="inductor's mode")
     g = groups["optimization"]
     g.add_argument("--epochs", type=int_at_least(1), help="epochs to train")
     g.add_argument("--max_steps", type=int_at_least(0), default=0, help="stop after this many optimizer steps (0: no limit)")
@@ -115,6 +132,15 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
                    "augmentation")
     g.add_argument("--max_nonfinite_steps", type=int_at_least(1), default=5,
                    help="stop after this many non-finite optimizer steps in a row, each skipped")
+    g.add_argument("--model_ema", metavar="DECAY", type=float_range(0, 1, lo_open=True, hi_open=True),
+                   help="keep an exponential moving average of the weights (timm's ModelEmaV3, updated after every "
+                        "optimizer step that is not skipped), e.g. 0.9998; evaluated beside the trained weights "
+                        "(ema_* metrics), best/ takes whichever scores higher, last_ema/ holds the final average; "
+                        "checkpointed as model_ema.safetensors (default: none)")
+    g.add_argument("--model_ema_warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="warm the EMA decay up as timm does, 1 - step ** -0.75 capped at DECAY (0.9 after about 20 "
+                        "steps, 0.99 after 460, 0.999 after 10,000), so the average is not held near the random initial "
+                        "weights for the first 1 / (1 - DECAY) steps")
     g = groups["evaluation"]
     g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last")
     g.add_argument("--per_device_eval_batch_size", type=int_at_least(1), help="images per device and evaluation batch")
@@ -311,21 +337,6 @@ def _flag_value(action: argparse.Action, value):
         if action.choices is not None and v not in action.choices:
             raise ValueError(f"must be one of {', '.join(map(str, action.choices))}, got {v!r}")
     return values if many else values[0]
-
-
-def close_names(name: str, names: list[str], n: int = 5) -> list[str]:
-    """Up to `n` of `names` close to a misspelt `name` (a timm model name, a flag): difflib's close matches, else
-    the names that share `name`'s longest prefix (3+ characters), closest first (`resnet_does_not_exist` ->
-    resnet...), else none."""
-    hits = difflib.get_close_matches(name, names, n=n)
-    if hits:
-        return hits
-    low = name.lower()
-    k = max((len(os.path.commonprefix([low, m.lower()])) for m in names), default=0)
-    if k < 3:
-        return []
-    ratio = lambda m: difflib.SequenceMatcher(None, low, m.lower()).ratio()  # noqa: E731
-    return sorted((m for m in names if m.lower().startswith(low[:k])), key=lambda m: (-ratio(m), m))[:n]
 
 
 def stop(message: str, code: int = 2) -> NoReturn:

@@ -25,10 +25,13 @@ import hashlib
 import os
 from collections import defaultdict
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from .imagefolder import FolderScan
 from .datacheck import DataReport, publish_report
 from .logtext import COUNT_ITEMS, class_counts
+
+if TYPE_CHECKING:  # the scans are made by the data side (detlib.imagefolder), which imports this check
+    from .imagefolder import FolderScan
 
 
 def _digest(path: str) -> str | None:

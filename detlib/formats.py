@@ -39,7 +39,8 @@ import math
 import os
 import xml.etree.ElementTree as ET
 
-from .datacheck import DataReport, Findings, read_image_headers
+from .cococheck import check_coco_data
+from .datacheck import DEFAULT_MAX_IMAGE_PIXELS, DataReport, Findings, publish_report, read_image_headers
 
 FORMATS = ("coco", "voc", "yolo")
 # File name extensions read as images in a YOLO image folder (ultralytics' IMG_FORMATS, lower case).
@@ -580,3 +581,35 @@ def read_data_dir_splits(paths: dict, splits: dict[str, str], *, report: DataRep
         report.add(VOC_UNLISTED[0], VOC_UNLISTED[1], next(iter(out)), VOC_UNLISTED[2],
                    _voc_unlisted(_voc_root(paths[f"{next(iter(out))}_annotations"])))
     return out
+
+
+def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images: bool = True,
+                            max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
+                            is_main: bool = True, data_format: str = "coco",
+                            splits: dict[str, str | None] | None = None,
+                            include_crowd: bool = False) -> tuple[dict | None, dict]:
+    """The training script's data check in one call: `check_coco_data` + `publish_report`.
+
+    Every process runs it, so every process holds the same repaired data without sending it around (the json
+    part is fast: see benchmarks/datacheck_118k.py). The image headers are read by the main process (the
+    script calls this under `main_process_first`) and cached in `output_dir/image_header_cache.json`, where the
+    other processes find them: read once per run when `output_dir` is on a disk all machines share (otherwise the
+    processes of the other machines read them again).
+    A VOC or YOLO set (`data_format`; `paths` from `detlib.formats.data_dir_paths`, `splits` its split names) is
+    converted first (`detlib.formats.read_data_dir_splits`), its own faults in the same report.
+    Returns:
+        (train normalised json or None, val normalised json).
+    Raises:
+        DataCheckError (a ValueError) on errors, after logging the report; FileNotFoundError for a missing json.
+    """
+    cache = os.path.join(output_dir, "image_header_cache.json") if output_dir and check_images else None
+    report = DataReport(strict)
+    converted = {}
+    if data_format != "coco":
+        converted = read_data_dir_splits({**paths, "format": data_format}, splits or {"train": None, "val": None},
+                                         report=report, cache_file=cache, progress=is_main)
+    train, val, report = check_coco_data(paths, check_images=check_images, max_image_pixels=max_image_pixels,
+                                         strict=strict, progress=is_main, cache_file=cache, converted=converted,
+                                         report=report, include_crowd=include_crowd)
+    publish_report(report, output_dir, is_main)
+    return train, val

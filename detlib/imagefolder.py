@@ -18,7 +18,6 @@ with a report, survives symlink loops, and caches the decode check.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import Counter
@@ -30,6 +29,7 @@ import torch
 from PIL import Image
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from .files import file_key, read_json_cache, write_json
 from .images import check_image_file, load_rgb, load_skipping_unreadable
 from .logtext import LIST_ITEMS, class_counts, short_list
 
@@ -65,7 +65,7 @@ def find_classes(root: str) -> tuple[list[str], dict[str, int], list[str]]:
     return classes, {c: i for i, c in enumerate(classes)}, hidden
 
 
-def check_same_classes(train_classes: list[str], val_classes: list[str], train_root: str, val_root: str) -> None:
+def check_split_classes(train_classes: list[str], val_classes: list[str], train_root: str, val_root: str) -> None:
     """Raise ValueError naming the differences when train and val would map classes to different indices."""
     if list(train_classes) == list(val_classes):
         return
@@ -151,26 +151,6 @@ def _list_files(root: str, classes: list[str]) -> tuple[list[tuple[str, int]], l
     return candidates, ignored, revisited
 
 
-def _load_cache(cache_file: str | None) -> dict:
-    if not cache_file or not os.path.isfile(cache_file):
-        return {}
-    try:
-        with open(cache_file) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}  # a damaged cache only costs a new check
-
-
-def _save_cache(cache_file: str | None, cache: dict) -> None:
-    if not cache_file:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(cache_file)), exist_ok=True)
-    tmp = f"{cache_file}.{os.getpid()}.tmp"  # per process: two processes may write at once
-    with open(tmp, "w") as f:
-        json.dump(cache, f)
-    os.replace(tmp, cache_file)
-
-
 def scan_image_folder(root: str, class_to_idx: dict[str, int] | None = None, verify: str = "full",
                       num_threads: int | None = None, cache_file: str | None = None) -> FolderScan:
     """List the images of an ImageFolder root and leave out the ones that cannot be decoded.
@@ -186,25 +166,27 @@ def scan_image_folder(root: str, class_to_idx: dict[str, int] | None = None, ver
     Returns:
         FolderScan.
     Raises:
-        FileNotFoundError, ValueError: see `find_classes` and `check_same_classes`.
+        FileNotFoundError, ValueError: see `find_classes` and `check_split_classes`.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     classes, own_map, hidden = find_classes(root)
     if class_to_idx is not None:
         expected = sorted(class_to_idx, key=class_to_idx.get)
-        check_same_classes(expected, classes, "the training set", root)
+        check_split_classes(expected, classes, "the training set", root)
     scan = FolderScan(root=root, classes=classes, class_to_idx=own_map, hidden=hidden)
     candidates, scan.ignored, scan.revisited = _list_files(root, classes)
     if verify == "none":
         scan.samples = candidates
         return scan
 
-    cache = _load_cache(cache_file)
+    cache = read_json_cache(cache_file)
 
     def key_of(path: str) -> str:
-        st = os.stat(path)
-        return f"{verify}|{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+        key = file_key(path)
+        if key is None:
+            raise FileNotFoundError(path)  # gone since the scan: reported missing below
+        return f"{verify}|{key}"
 
     def check(path: str) -> tuple[str | None, str | None]:
         try:
@@ -226,9 +208,9 @@ def scan_image_folder(root: str, class_to_idx: dict[str, int] | None = None, ver
             scan.samples.append((path, target))
         else:
             scan.skipped.append((path, reason))
-    if new_cache.keys() - cache.keys():
+    if cache_file and new_cache.keys() - cache.keys():
         cache.update(new_cache)
-        _save_cache(cache_file, cache)
+        write_json(cache, cache_file)
     return scan
 
 
@@ -243,7 +225,6 @@ class ImageFolderDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, scan: FolderScan, transform=None, train: bool = True):
-        self.scan = scan
         self.samples = scan.samples
         self.classes = scan.classes
         self.class_to_idx = scan.class_to_idx

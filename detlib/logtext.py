@@ -8,6 +8,8 @@ config.yaml, data_report.json); the log gets a count, the extremes and the file'
 
 from __future__ import annotations
 
+import difflib
+import os
 from typing import Iterable, Sequence
 
 NAME_CHARS = 40  # of a class name in a log line
@@ -49,3 +51,18 @@ def shorten_lists(obj, limit: int = 20):
     if isinstance(obj, (list, tuple)) and len(obj) > limit:
         return [*obj[:LIST_ITEMS], f"({len(obj)} items in all)"]
     return obj
+
+
+def close_names(name: str, names: list[str], n: int = 5) -> list[str]:
+    """Up to `n` of `names` close to a misspelt `name` (a timm model name, a flag): difflib's close matches, else
+    the names that share `name`'s longest prefix (3+ characters), closest first (`resnet_does_not_exist` ->
+    resnet...), else none."""
+    hits = difflib.get_close_matches(name, names, n=n)
+    if hits:
+        return hits
+    low = name.lower()
+    k = max((len(os.path.commonprefix([low, m.lower()])) for m in names), default=0)
+    if k < 3:
+        return []
+    ratio = lambda m: difflib.SequenceMatcher(None, low, m.lower()).ratio()  # noqa: E731
+    return sorted((m for m in names if m.lower().startswith(low[:k])), key=lambda m: (-ratio(m), m))[:n]

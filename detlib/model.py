@@ -13,20 +13,17 @@ from collections import OrderedDict
 import timm
 import torch
 import torch.nn as nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models.resnet import BasicBlock, Bottleneck
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from .anchors import DEFAULT_NUM_ANCHORS, INPUT_DIVISIBILITY, anchor_generator_from_config
+from .anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
+from .backbones import meta_forward_problem, unknown_timm_model
+from .transforms import IMAGENET_MEAN, IMAGENET_STD, INPUT_DIVISIBILITY
 from .weights import load_state_dict_file
 
 
-# ImageNet statistics of the RGB channels, for backbones pretrained on ImageNet, in pixel units [0, 255]: RetinaNet
-# takes images in [0, 255] and normalises them itself. timm's constants are in [0, 1] units, hence the x 255.
-IMAGENET_MEAN = tuple(255 * v for v in IMAGENET_DEFAULT_MEAN)  # (123.675, 116.28, 103.53)
-IMAGENET_STD = tuple(255 * v for v in IMAGENET_DEFAULT_STD)  # (58.395, 57.12, 57.375)
 
 # What the P6 conv reads: the backbone's C5 (the paper) or the FPN's P5 (torchvision's v1 RetinaNet).
 P6_INPUTS = ("c5", "p5")
@@ -137,37 +134,6 @@ def build_backbone(name: str, pretrained: bool = False, weights_path: str | None
                 f"e.g. {result.missing_keys[:5]}"
             )
     return backbone
-
-
-def unknown_timm_model(name: str, extra: tuple[str, ...] = ()) -> str | None:
-    """None when `name` is a timm model name (or one of `extra`), else the one-line reason with close names."""
-    if name in extra or timm.is_model(name):
-        return None
-    from .flags import close_names
-
-    close = close_names(name, [*extra, *timm.list_models()])
-    return f"{name!r} is not a timm model name" + (f" (close names: {', '.join(close)})" if close else
-                                                  " (`timm.list_models('*pattern*')` lists them)")
-
-
-def meta_forward_problem(model: nn.Module, shapes: list[tuple[int, int]], build_on_cpu) -> str | None:
-    """Run `model` (built on the meta device: no weights allocated) in eval mode on [1, 3, H, W] inputs of each
-    shape; None when every shape goes through, else the model's own message for the first that does not. A failure
-    on the meta device alone (an op without a meta kernel) is checked again on a CPU copy (`build_on_cpu()`), so
-    only a real refusal is reported."""
-    def first_failure(m: nn.Module, device: str) -> str | None:
-        m.eval()
-        for h, w in shapes:
-            try:
-                with torch.no_grad():
-                    m(torch.zeros(1, 3, h, w, device=device))
-            except Exception as e:  # a model's own size checks are asserts, shape errors, value errors
-                return f"{h}x{w} inputs fail in the model ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-        return None
-
-    if first_failure(model, "meta") is None:
-        return None
-    return first_failure(build_on_cpu(), "cpu")
 
 
 def check_backbone(name: str, image_sizes: tuple[int, ...] = (), freeze_at: int | None = None) -> None:

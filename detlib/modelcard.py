@@ -17,6 +17,7 @@ import shlex
 import sys
 
 from .coco_eval import STAT_NAMES
+from .files import atomic_write
 
 CARD_FILE = "README.md"
 # COCO stats in model-index: Papers-with-Code style metric types, the names pycocotools prints.
@@ -176,7 +177,6 @@ def _evaluation_section(evaluation: dict | None, names: list[str], ids: list[int
 def write_card(card, folder: str) -> str:
     """Write `card` as `folder/README.md` (atomically). Returns the path."""
     path = os.path.join(folder, CARD_FILE)
-    with open(path + ".tmp", "w") as f:
+    with atomic_write(path) as f:
         f.write(str(card))
-    os.replace(path + ".tmp", path)
     return path

@@ -60,8 +60,3 @@ class CompactRecords:
 
     def __iter__(self) -> Iterator[dict]:
         return (self[i] for i in range(len(self)))
-
-    def nbytes(self) -> int:
-        """Bytes held by the arrays."""
-        return sum(a.nbytes for a in (self.ids, self.sizes, self.exif, self.offsets, self.boxes, self.labels,
-                                      self.iscrowd, self.paths, self.path_offsets))

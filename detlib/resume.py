@@ -82,6 +82,27 @@ def check_same_classes(checkpoint: str, model_config: dict | None) -> None:
             "so labels would change meaning; to train on these classes start a new run with --init_from")
 
 
+def load_ema_weights(ema, checkpoint: str | None, file_name: str) -> None:
+    """Put the EMA weights of `checkpoint` (`checkpoint/file_name.safetensors`) into `ema.module` (timm's ModelEmaV3,
+    made from the resumed weights). A checkpoint without the file (its run had no --model_ema) leaves the average
+    starting from the resumed weights, with a warning. Raises ResumeError when the file does not fit the model."""
+    if checkpoint is None:
+        return
+    path = os.path.join(checkpoint, f"{file_name}.safetensors")
+    if not os.path.isfile(path):
+        logger.warning("--model_ema: %s holds no EMA weights (%s.safetensors; its run had no --model_ema): the average "
+                       "starts from the resumed weights", checkpoint, file_name)
+        return
+    from .weights import load_state_dict_file
+
+    try:
+        ema.module.load_state_dict(load_state_dict_file(path), strict=True)
+    except (RuntimeError, ValueError) as e:
+        first = str(e).strip().splitlines()
+        raise ResumeError(f"cannot resume the EMA weights {path}: {first[0][:200] if first else type(e).__name__}") from None
+    logger.info("resumed the EMA weights from %s", path)
+
+
 # Optimizer settings (param-group keys) that a checkpoint's optimizer state brings back over this run's flags.
 RECIPE_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight_decay", "momentum": "--momentum"}
 

@@ -35,7 +35,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: int, report_to: str,
-                     output_dir: str, cpu: bool = False, seed: int = 0, verbose: bool = False):
+                     output_dir: str, cpu: bool = False, seed: int = 0, verbose: bool = False,
+                     compile_backend: str | None = None, compile_mode: str = "default"):
     """An `Accelerator` with the settings both scripts share.
 
     * On a machine without CUDA it runs on the CPU; launched with 2+ processes (e.g.
@@ -44,10 +45,16 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
       epochs differ, shards stay disjoint and a resumed run sees the same order.
     * `mixed_precision=None` takes the value of the accelerate config / `accelerate launch` flags.
     * An offline wandb prints nothing of its own unless `verbose` (see `resolve_trackers`).
+    * `compile_backend` ("inductor", "aot_eager", "eager"): `accelerator.prepare` compiles the model with
+      `torch.compile(model, backend=..., mode=compile_mode)` around its DDP wrapper (accelerate's TorchDynamoPlugin),
+      shapes dynamic after the first recompile (torch's automatic dynamic shapes). None: the accelerate config's.
     """
     from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, TorchDynamoPlugin, set_seed
 
+    compile_kwargs = {}
+    if compile_backend:
+        compile_kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend=compile_backend, mode=compile_mode)
     log_with = resolve_trackers(report_to, verbose)
     accelerator = Accelerator(
         cpu=cpu or not torch.cuda.is_available(),
@@ -58,6 +65,7 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
         step_scheduler_with_optimizer=False,
+        **compile_kwargs,
     )
     set_seed(seed, device_specific=False)
     return accelerator
@@ -79,6 +87,25 @@ def min_over_processes(accelerator, value: int) -> int:
     if accelerator.num_processes == 1:
         return int(value)
     return int(accelerator.gather(torch.tensor([float(value)], device=accelerator.device)).min())
+
+
+def compile_summary() -> str | None:
+    """One line on what torch.compile did in this process (`torch._dynamo.utils.counters`): the graphs compiled
+    and the frames that fell back to eager; None when nothing was compiled."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"].get("unique_graphs", 0)
+    if not graphs:
+        return None
+    failed = counters["frames"].get("total", 0) - counters["frames"].get("ok", 0)
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(torch._dynamo.config, "cache_size_limit", 8)
+    line = f"torch.compile: {graphs} graph(s) compiled"
+    if failed:
+        line += f", {failed} frame(s) left to eager"
+    if graphs >= limit:
+        line += (f"; at torch._dynamo's recompile limit ({limit}): shapes past it run eagerly (torch._logs: run with "
+                 "TORCH_LOGS=recompiles to see why each recompile happened)")
+    return line
 
 
 def enable_cpu_fp16(accelerator) -> None:

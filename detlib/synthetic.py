@@ -1,6 +1,6 @@
 """The built-in data sets, generated deterministically, so both scripts run with no download.
 
-Detection (`make_synthetic_coco`, used by train_retinanet.py): images show 1-4 filled shapes (circle, square,
+Detection (`make_synthetic_coco`, used by train_retinanet.py): images show 2-5 filled shapes (circle, square,
 triangle: 3 classes) in random colours on textured backgrounds (smooth colour gradient + noise + random lines
 as distractors). Written as JPEG files plus COCO-format json, the same path a real data set takes through the code:
 
@@ -26,10 +26,13 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
+from .files import write_json
+
 logger = logging.getLogger(__name__)
 
 SHAPES_CATEGORIES = [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}, {"id": 3, "name": "triangle"}]
-SHAPES_VERSION = 1
+SHAPES_VERSION = 2  # 2: 128 px, objects 24-64 px, 2-5 per image, none hidden (1: 160 px, 20-64 px, 1-4)
+MIN_OBJECTS, MAX_OBJECTS = 2, 5  # shapes per image (fewer where no free place is found)
 STRIPES_CLASSES = ("horizontal", "vertical")
 STRIPES_VERSION = 2
 
@@ -53,12 +56,13 @@ def _draw_image(rng: np.random.RandomState, size: int, min_obj: int, max_obj: in
         pts = [tuple(int(v) for v in rng.randint(0, size, 2)) for _ in range(2)]
         draw.line(pts, fill=tuple(int(v) for v in rng.randint(0, 256, 3)), width=int(rng.randint(1, 4)))
     anns, placed = [], []
-    for _ in range(rng.randint(1, 5)):
+    for _ in range(rng.randint(MIN_OBJECTS, MAX_OBJECTS + 1)):
         for _attempt in range(20):
             s = int(rng.randint(min_obj, max_obj + 1))
             x, y = int(rng.randint(0, size - s)), int(rng.randint(0, size - s))
-            # keep objects apart enough that each stays visible (IoU with others < 0.3)
-            if all(_iou((x, y, x + s, y + s), p) < 0.3 for p in placed):
+            # keep objects apart enough that each stays visible: a new shape (drawn on top) covers at most 30 % of
+            # the box of any earlier one, also of a small one it would contain (whose IoU with it is small)
+            if all(_overlap((x, y, x + s, y + s), p) < 0.3 for p in placed):
                 break
         else:
             continue
@@ -75,17 +79,20 @@ def _draw_image(rng: np.random.RandomState, size: int, min_obj: int, max_obj: in
     return img, anns
 
 
-def _iou(a, b) -> float:
+def _overlap(a, b) -> float:
+    """Intersection of boxes `a` and `b` (xyxy) over the area of the smaller one."""
     ix = max(0, min(a[2], b[2]) - max(a[0], b[0]))
     iy = max(0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
+    smaller = min((a[2] - a[0]) * (a[3] - a[1]), (b[2] - b[0]) * (b[3] - b[1]))
+    return ix * iy / smaller if smaller > 0 else 0.0
 
 
-def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: int = 100, image_size: int = 160,
-                        min_object: int = 20, max_object: int = 64, seed: int = 0) -> dict[str, str]:
-    """Generate (or reuse) the synthetic shapes detection data set (default root: cache_root()/synthetic_shapes_v1).
+def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: int = 100, image_size: int = 128,
+                        min_object: int = 24, max_object: int = 64, seed: int = 0) -> dict[str, str]:
+    """Generate (or reuse) the synthetic shapes detection data set (default root: cache_root()/synthetic_shapes_v2).
+
+    The defaults are the built-in set of train_retinanet.py: square images of `image_size` px, objects with sides
+    of `min_object` to `max_object` px, which the default anchors (32-512 px, detlib.anchors) match at IoU >= 0.5.
 
     Returns:
         {"train_images", "train_annotations", "val_images", "val_annotations"}: paths in the COCO layout.
@@ -120,10 +127,7 @@ def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: 
                 ann_id += 1
         data = {"info": {"description": "detlib synthetic shapes", "version": SHAPES_VERSION}, "licenses": [],
                 "images": images, "annotations": annotations, "categories": SHAPES_CATEGORIES}
-        tmp = paths[f"{split}_annotations"] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, paths[f"{split}_annotations"])
+        write_json(data, paths[f"{split}_annotations"])
     with open(marker, "w") as f:
         json.dump(params, f)
     return paths

@@ -13,7 +13,7 @@ Augmentation levels (`--augmentation`):
   flip_crop_translate  flip, a random crop keeping 60-100 % of each side (p = 0.5), and a random
                        translation of up to 10 % of each side (p = 0.5; the uncovered area filled with
                        `PAD_VALUE`, as the batch padding): the seed recipe's "-aug".
-Every level ends with a resize to `image_size` (aspect ratio kept; see `ResizeLongestSide`).
+Every level ends with a resize to `image_size` (aspect ratio kept; see `ResizeKeepAspect`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,19 @@ import math
 import random
 
 import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 AUGMENTATIONS = ("none", "flip", "flip_crop_translate")
+# ImageNet statistics of the RGB channels, for backbones pretrained on ImageNet, in pixel units [0, 255]: RetinaNet
+# takes images in [0, 255] and normalises them itself. timm's constants are in [0, 1] units, hence the x 255.
+IMAGENET_MEAN = tuple(255 * v for v in IMAGENET_DEFAULT_MEAN)  # (123.675, 116.28, 103.53)
+IMAGENET_STD = tuple(255 * v for v in IMAGENET_DEFAULT_STD)  # (58.395, 57.12, 57.375)
+# Inputs are padded to a multiple of the backbone's output stride, so C3-C5 have exactly H / s rows (torchvision's
+# GeneralizedRCNNTransform `size_divisible`); the anchors check it (detlib.anchors).
+INPUT_DIVISIBILITY = 32
 # Padding colour of the batch (detlib.data) and of the area a translation uncovers: the ImageNet mean in uint8,
 # so both are ~0 after normalisation, and the model never learns that a black band means "edge of the image".
 PAD_VALUE = (124, 116, 104)
@@ -63,7 +71,7 @@ class RandomCropFraction:
         return out
 
 
-class ResizeLongestSide:
+class ResizeKeepAspect:
     """Resize keeping the aspect ratio (boxes follow).
 
     With `max_size=None` the longer side becomes `size` (the seed recipe's "600 px"). With `max_size` the
@@ -121,7 +129,7 @@ def build_transform(image_size: int | list[int], augmentation: str = "none", max
                     resize_mode: str = "antialias") -> v2.Compose:
     """The sample transform for training (`augmentation` as above) or evaluation (`"none"`).
 
-    `image_size` is the longer side, or with `max_size` the shorter side (see `ResizeLongestSide`); a list of
+    `image_size` is the longer side, or with `max_size` the shorter side (see `ResizeKeepAspect`); a list of
     sizes draws one per sample (multi-scale training); `resize_mode` "torchvision" gives float32 images resized
     as torchvision's detection models do.
 
@@ -136,7 +144,7 @@ def build_transform(image_size: int | list[int], augmentation: str = "none", max
     if augmentation == "flip_crop_translate":
         steps.append(RandomCropFraction(min_fraction=0.6, p=0.5))
         steps.append(v2.RandomApply([v2.RandomAffine(degrees=0.0, translate=(0.1, 0.1), fill=list(PAD_VALUE))], p=0.5))
-    steps.append(ResizeLongestSide(image_size, max_size, resize_mode))
+    steps.append(ResizeKeepAspect(image_size, max_size, resize_mode))
     steps.append(v2.SanitizeBoundingBoxes(min_size=1.0, labels_getter=_box_fields))
     return v2.Compose(steps)
 

@@ -10,7 +10,7 @@ is turned upright the way viewers do (`PIL.ImageOps.exif_transpose`) and the box
 (`exif_transpose_boxes`): what a user sees is the image as a viewer shows it, boxes on the right objects.
 
 Drawing: PIL's ImageDraw, labels in matplotlib's DejaVu Sans (installed with matplotlib). A drawn sample
-(`draw_sample`) is resized up to SAMPLE_DISPLAY_SIZE px, so labels are legible on the built-in 160 px images,
+(`draw_sample`) is resized up to SAMPLE_DISPLAY_SIZE px, so labels are legible on the built-in 128 px images,
 and each label sits on a tag outside its box, never over the object; ground truth is dashed, detections solid,
 each line over a dark outline (visible on any colour). Samples are written as PNG: JPEG blurs thin lines and text.
 """
@@ -45,7 +45,7 @@ OUTLINE_COLOR = (0, 0, 0)
 LEGEND_DETECTION_COLOR = (255, 200, 0)
 BAND_COLOR = (40, 40, 40)
 # Drawn samples are resized (never shrunk) so their longer side is at least this many pixels: the built-in
-# 160 px images would show 13 px labels over their shapes.
+# 128 px images would show 13 px labels over their shapes.
 SAMPLE_DISPLAY_SIZE = 640
 
 
@@ -288,7 +288,7 @@ def sample_layout(height: int, width: int) -> dict:
 def draw_sample(image: torch.Tensor, boxes: torch.Tensor, labels: Sequence[str], colors: Sequence[tuple[int, int, int]],
                 gt_boxes: torch.Tensor | None = None, legend: str | None = None) -> torch.Tensor:
     """A sample image for a person to look at: resized so its longer side is at least SAMPLE_DISPLAY_SIZE
-    pixels (160 px shapes become legible), with a band above it for the labels of boxes at its top edge and a
+    pixels (128 px shapes become legible), with a band above it for the labels of boxes at its top edge and a
     legend band below (dashed: ground truth, solid: detections). Boxes and labels are drawn as
     `draw_detections` draws them; `sample_layout` says where the image lands.
 

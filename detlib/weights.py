@@ -29,6 +29,8 @@ import torch
 from safetensors import SafetensorError
 from timm.models import load_state_dict as timm_load_state_dict
 
+from .files import atomic_path, write_json
+
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 _TORCH_FORCE = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 
@@ -194,19 +196,17 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
     if accelerator.is_main_process:
         from safetensors.torch import save_file
 
-        sd = {k: v.detach().contiguous().cpu() for k, v in accelerator.get_state_dict(model).items()}
+        # get_state_dict unwraps DDP but keeps torch.compile's wrapper (its `_orig_mod.` prefix): stripped here
+        sd = {k: v.detach().contiguous().cpu()
+              for k, v in _strip_wrapper_prefixes(accelerator.get_state_dict(model)).items()}
         try:
-            os.makedirs(folder, exist_ok=True)
-            save_file(sd, path + ".tmp")
-            os.replace(path + ".tmp", path)
+            with atomic_path(path) as tmp:
+                save_file(sd, tmp)
             readable_as_umask_allows(path)
             for fname, obj in (("model_config.json", model_config), ("best.json", extra)):
                 if obj is not None:
-                    with open(os.path.join(folder, fname), "w") as f:
-                        json.dump(obj, f, indent=1)
+                    write_json(obj, os.path.join(folder, fname), indent=1)
         except WRITE_ERRORS as e:
-            if os.path.isfile(path + ".tmp"):
-                os.remove(path + ".tmp")
             needed = sum(t.numel() * t.element_size() for t in sd.values())
             raise CheckpointError(f"could not write {path}: {describe_write_failure(e, folder, needed)}") from None
     return path
@@ -221,10 +221,7 @@ def write_score_thresholds(folder: str, best_f1: dict, evaluation: dict) -> str:
     path = os.path.join(folder, SCORE_THRESHOLDS)
     out = {k: v for k, v in best_f1.items() if k != "curves"}
     out.update(epoch=evaluation.get("epoch"), step=evaluation.get("step"))
-    with open(path + ".tmp", "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(path + ".tmp", path)
-    return path
+    return write_json(out, path, indent=1)
 
 
 def read_score_thresholds(weights: str) -> tuple[dict[int, float], float, str]:

@@ -47,6 +47,7 @@ from detlib.dashboard import log_classification_extras
 from detlib.engine import Run, RunSettings
 from detlib.flags import (data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
+from detlib.files import atomic_write
 from detlib.foldercheck import check_folders_for_training
 from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
 from detlib.logtext import short_list
@@ -212,13 +213,12 @@ def evaluate(model, loader, run: Run, classes: list[str], train_model=None) -> t
 
 def write_predictions(path: str, val_ds, preds: dict) -> None:
     """One CSV row per val image: path, true class, predicted class, confidence (main process)."""
-    with open(path + ".tmp", "w", newline="") as f:
+    with atomic_write(path, newline="") as f:
         w = csv.writer(f)
         w.writerow(["path", "label", "pred", "confidence"])
         for i, y, p, c in zip(preds["index"].tolist(), preds["label"].tolist(), preds["pred"].tolist(),
                               preds["confidence"].tolist()):
             w.writerow([val_ds.samples[i][0], val_ds.classes[y], val_ds.classes[p], f"{c:.6f}"])
-    os.replace(path + ".tmp", path)
 
 
 # wandb's confusion-matrix chart is a table of K x K rows, of which wandb keeps 10,000: a true chart up to 100 classes
@@ -252,16 +252,18 @@ def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int)
     run.log(log, step=step)
 
 
-def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, weights: str | None = None) -> None:
-    """Log the evaluation (metrics.jsonl, trackers, best/), write predictions_val.csv, the per-class files
-    (plots/epoch_NNNN/: per_class.json, confusion_matrix.json / .png, also to the trackers) and the wandb
-    extras; one log line of bounded length summarises it whatever the number of classes."""
+def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, weights: str | None = None,
+                      ema_stats: dict | None = None) -> None:
+    """Log the evaluation (metrics.jsonl with the EMA weights' `ema_stats` as ema_*, trackers, best/), write
+    predictions_val.csv, the per-class files (plots/epoch_NNNN/: per_class.json, confusion_matrix.json / .png, also
+    to the trackers) and the wandb extras; one log line of bounded length summarises it whatever the number of
+    classes."""
     accelerator, epoch = run.accelerator, run.epoch_number if not weights else None
     step = (run.state.global_step if not weights else 0) + run.metrics.step_offset  # the trackers' step
     if weights:  # evaluation only: record which weights were scored
         run.metrics.log({"epoch": None, "step": 0, **stats, "weights": os.path.abspath(weights)}, step=0)
     else:
-        run.report_evaluation(stats, model)
+        run.report_evaluation(stats, model, ema_stats=ema_stats)
     m = classification_metrics(preds["pred"], preds["label"], len(val_ds.classes))
     per_class = per_class_table(val_ds.classes, m["confusion"])
     where = ""
@@ -394,10 +396,8 @@ def main(argv=None):
                   not_used=["momentum"] if args.optimizer != "sgd" else [])  # the flags this run ignores
     run.save_config(config, model_config, given=format_given(parser, config, given))
 
-    def describe(folder: str, name: str) -> None:  # the model card beside best/'s and last/'s weights
-        evaluation = run.last_evaluation
-        if evaluation and not (name == "best" or evaluation["step"] == run.state.global_step):
-            evaluation = None  # last/ after an evaluation of older weights
+    def describe(folder: str, name: str) -> None:  # the model card beside best/'s, last/'s and last_ema/'s weights
+        evaluation = run.evaluation_of(name)
         data = {"name": "detlib synthetic" if synthetic else os.path.basename(os.path.dirname(os.path.abspath(
                 dirs["val_dir"]))), "train": dirs.get("train_dir"), "val": dirs.get("val_dir")}  # data/<name>/val
         write_card(classifier_card(model_config, evaluation=evaluation, dataset=data, weights_name=name, where=folder,
@@ -444,12 +444,20 @@ def main(argv=None):
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
                     stepped = finite and not accelerator.optimizer_step_was_skipped
+                    if stepped and run.ema is not None:  # --model_ema; a skipped step has nothing to average in
+                        run.ema.update(run.bare(model), step=run.state.global_step + 1)
                     run.end_step(model, stepped)  # train line, divergence stop, step checkpoint, preemption
         run.end_epoch()
 
         if run.evaluation_due():
-            stats, preds = evaluate(model, val_loader, run, classes, train_model=model)
-            report_evaluation(run, model, val_ds, stats, preds, args)
+            models = run.evaluation_models(model)  # the trained weights, and with --model_ema their average
+            ema_stats = None
+            if "ema_" in models:
+                ema_stats, _ = evaluate(models["ema_"], val_loader, run, classes, train_model=model)
+                logger.info("epoch %d eval, EMA weights: accuracy %.4f, loss %.4f", run.epoch_number,
+                            ema_stats["val_accuracy"], ema_stats["val_loss"])
+            stats, preds = evaluate(models[""], val_loader, run, classes, train_model=model)
+            report_evaluation(run, model, val_ds, stats, preds, args, ema_stats=ema_stats)
         run.checkpoint_if_due(model)
     run.finish(model)
     return getattr(run, "last_stats", None)

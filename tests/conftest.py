@@ -78,6 +78,25 @@ def start_script(script: str | Path, args: list[str], config: str = "cpu.yaml", 
                             stderr=stderr, text=True, start_new_session=True, env=launch_env(env))
 
 
+@pytest.fixture(autouse=True)
+def _count_launches(request, monkeypatch):
+    """With DETLIB_COUNT_LAUNCHES=FILE: one line per Python process a test starts (a launch, a script, a probe),
+    `<test id> <the command's first words>`, appended to FILE, so `sort | uniq -c` counts a suite's launches."""
+    path = os.environ.get("DETLIB_COUNT_LAUNCHES")
+    if path:
+        init = subprocess.Popen.__init__
+
+        def counted(self, args, *a, **k):
+            words = [str(w) for w in ([args] if isinstance(args, (str, os.PathLike)) else args)]
+            if words and Path(words[0]).name.startswith("python"):
+                with open(path, "a") as f:
+                    f.write(f"{request.node.nodeid} {' '.join(Path(w).name for w in words[1:5])}\n")
+            init(self, args, *a, **k)
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", counted)
+    yield
+
+
 def traceback_through_our_code(text: str) -> bool:
     """True when `text` shows a traceback frame in detlib/ or scripts/ (a launcher's own trailer, or a virtual
     environment inside the repo, does not count)."""

@@ -250,7 +250,7 @@ def test_best_f1_matching_equals_pycocotools_at_iou_05():
     """Every detection's match at IoU 0.5 as pycocotools' evalImgs has it, on 12 real images with crowd boxes and
     jittered, misclassified and random detections: the same best F1 computed from its matches."""
     from detlib.analysis import _best_f1, best_f1_thresholds
-    from peers import coco_eval_inputs
+    from devtools.peers import coco_eval_inputs
 
     gt, res = coco_eval_inputs(12, dets_per_image=30, seed=1)
     _, _, ev = evaluate_coco(gt, res, backend="pycocotools", return_cocoeval=True)

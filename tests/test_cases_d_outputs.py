@@ -438,7 +438,7 @@ def test_case_d19_other_values_checkable_without_data(tmp_path, capsys):
 
 
 def test_close_names_by_hand():
-    from detlib.flags import close_names
+    from detlib.logtext import close_names
 
     names = ["resnet18", "resnet50", "resnet50d", "convnext_tiny", "efficientnet_b0"]
     assert close_names("resnt50", names)[0] == "resnet50"

@@ -143,6 +143,7 @@ def long_lines(text: str) -> list[str]:
 
 
 @needs_catsdogs
+@pytest.mark.slow  # a whole run in-process, 300 classes
 def test_case_d04_300_classes_keep_console_and_train_log_readable(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -218,10 +219,10 @@ def test_case_d04_per_class_tables_and_lists_have_a_bounded_size():
         assert len(summary) <= 400
         assert len(short_list(names)) <= 400 and len(class_counts(names, list(range(k)))) <= 400
     # train and val folders that differ: the differences, not both lists of 300
-    from detlib.imagefolder import check_same_classes
+    from detlib.imagefolder import check_split_classes
 
     with pytest.raises(ValueError) as e:
-        check_same_classes([f"c{i}" for i in range(300)], [f"c{i}" for i in range(1, 301)], "/data/train", "/data/val")
+        check_split_classes([f"c{i}" for i in range(300)], [f"c{i}" for i in range(1, 301)], "/data/train", "/data/val")
     assert str(e.value).endswith("only in train ['c0'], only in val ['c300'] (300 train classes, 300 val classes)")
     cats = per_class_table(["cat", "dog"], [[3, 1], [0, 4]])
     assert cats["cat"] == {"precision": 1.0, "recall": 0.75, "f1": pytest.approx(6 / 7), "support": 4, "predicted": 3}
@@ -229,6 +230,7 @@ def test_case_d04_per_class_tables_and_lists_have_a_bounded_size():
                                                          "true) [[3, 1], [0, 4]]")
 
 
+@pytest.mark.slow  # an evaluation of 90 classes in-process
 def test_case_d04_detector_per_class_table_at_90_classes_is_bounded_and_in_a_file(tmp_path, caplog):
     """The detector's evaluation extras with 90 classes (COCO-like): a bounded table in the log, all in the json."""
     from accelerate import Accelerator
@@ -472,6 +474,7 @@ TRACKER_RUN = ["--max_steps", "1", "--image_size", "16", "--num_workers", "0", "
                "--per_device_eval_batch_size", "50"]
 
 
+@pytest.mark.slow  # wandb in a launch of its own: its service, HOME and config are the process's
 @pytest.mark.parametrize("variant", ["no_key", "key_no_network"])
 def test_case_d12_wandb_online_without_key_or_network_is_one_line_and_a_run_status(tmp_path, variant):
     env = {"WANDB_MODE": "online"}
@@ -494,6 +497,7 @@ def test_case_d12_wandb_online_without_key_or_network_is_one_line_and_a_run_stat
     assert status["global_step"] == 0 and not (out / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_case_d12_wandb_disabled_keeps_working(tmp_path):
     """(WANDB_MODE=offline without a key: test_case_b13_b21_... in test_catsdogs_launch.py.)"""
     out = tmp_path / "run"

@@ -6,11 +6,9 @@ test_catsdogs_launch.py, they need `accelerate launch`).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
-import sys
 from collections import namedtuple
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +23,8 @@ from detlib.classification import (build_classifier, classification_metrics, cla
 from detlib.imagefolder import ImageFolderDataset, find_classes, scan_image_folder
 from detlib.synthetic import STRIPES_CLASSES, make_synthetic_image_folder
 from detlib.weights import load_model_weights
+from helpers import _noise, make_bad_folder, make_tiny_folder, write_good_images
+from helpers import load_script as _load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -32,75 +32,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 def load_script():
     """scripts/train_catsdogs.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("train_catsdogs", REPO / "scripts" / "train_catsdogs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_catsdogs", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-# ---- fixtures: folders built by the tests themselves
-
-def _noise(seed: int, size: int = 40) -> np.ndarray:
-    return np.random.RandomState(seed).randint(0, 256, (size, size, 3), dtype=np.uint8)
-
-
-def write_good_images(folder: Path, count: int, seed: int, size: int = 40) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i in range(count):
-        p = folder / f"img_{i:03d}.jpg"
-        Image.fromarray(_noise(seed * 1000 + i, size)).save(p, quality=90)
-        paths.append(p)
-    return paths
-
-
-BadFolder = namedtuple("BadFolder", "root good skipped ignored")
-
-
-def make_bad_folder(root: Path, good_per_class: int = 6, size: int = 40) -> BadFolder:
-    """An ImageFolder with every kind of bad input of cases B24-B27.
-
-    cats/: good JPEGs, `0.jpg` (0 bytes), `fake.jpg` (text), `trunc.jpg` (a JPEG without its last 100 bytes),
-           `gray.jpg` (mode L), `cmyk.jpg` (CMYK), `._img_000.jpg` (macOS AppleDouble, hidden)
-    dogs/: good JPEGs, `alpha.png` (RGBA), `pal.png` (P with transparency), `Thumbs.db`, `.DS_Store`
-    .ipynb_checkpoints/ (with an image inside: it must not become a class)
-    Returns the root, the usable files, {file: reason word} of the skipped ones and the ignored names.
-    """
-    cats, dogs = root / "cats", root / "dogs"
-    good = write_good_images(cats, good_per_class, 1, size) + write_good_images(dogs, good_per_class, 2, size)
-    (cats / "0.jpg").write_bytes(b"")
-    (cats / "fake.jpg").write_text("this is not an image, but it is called .jpg\n")
-    Image.fromarray(_noise(7, 64)).save(cats / "full.jpg", quality=90)
-    data = (cats / "full.jpg").read_bytes()
-    (cats / "full.jpg").unlink()
-    (cats / "trunc.jpg").write_bytes(data[:-100])
-    Image.fromarray(_noise(8, size)[..., 0], mode="L").save(cats / "gray.jpg")
-    Image.fromarray(_noise(9, size)).convert("CMYK").save(cats / "cmyk.jpg")
-    (cats / "._img_000.jpg").write_bytes(b"\x00\x05\x16\x07" + b"\x00" * 60)
-    rgba = np.concatenate([_noise(10, size), np.full((size, size, 1), 128, np.uint8)], axis=2)
-    Image.fromarray(rgba, mode="RGBA").save(dogs / "alpha.png")
-    pal = Image.fromarray(_noise(11, size)).convert("P")
-    pal.info["transparency"] = 0
-    pal.save(dogs / "pal.png")
-    (dogs / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0" + b"\x00" * 100)
-    (dogs / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
-    hidden = root / ".ipynb_checkpoints"
-    hidden.mkdir()
-    Image.fromarray(_noise(12, size)).save(hidden / "img-checkpoint.jpg")
-    good += [cats / "gray.jpg", cats / "cmyk.jpg", dogs / "alpha.png", dogs / "pal.png"]
-    skipped = {"0.jpg": "empty file", "fake.jpg": "not an image", "trunc.jpg": "truncated"}
-    return BadFolder(root, good, skipped, ["._img_000.jpg", "Thumbs.db", ".DS_Store"])
-
-
-def make_tiny_folder(root: Path, per_class: list[int], size: int = 32, seed: int = 0) -> Path:
-    """The built-in generator's two classes (`horizontal`, `vertical` stripes) with the given counts."""
-    dirs = make_synthetic_image_folder(str(root / "gen"), num_train=max(per_class), num_val=1, image_size=size, seed=seed)
-    for cls, n in zip(STRIPES_CLASSES, per_class):
-        (root / "set" / cls).mkdir(parents=True, exist_ok=True)
-        for p in sorted(Path(dirs["train_dir"], cls).iterdir())[:n]:
-            os.link(p, root / "set" / cls / p.name)
-    return root / "set"
+    return _load_script("train_catsdogs", register=True)
 
 
 # ---- class discovery and the folder scan (B24, B25, B27)

@@ -3,7 +3,9 @@ what the runs leave behind (metrics.jsonl, predictions, checkpoints, weights, th
 
 Cases of ../shared/cases/README.md: B13, B16, B19, B21, B24-B27 (a whole run), B31; and the one-line errors of
 wrong weights paths and of weights trained on other classes (train_catsdogs.py and predict_catsdogs.py).
-Every run uses the tiny timm model `test_resnet` at 32 px, so a launch takes seconds on 2 CPU cores.
+Every run uses the tiny timm model `test_resnet` at 32 px, so a launch takes seconds on 2 CPU cores. The one-line
+errors are `main(argv)` called in-process (milliseconds); a launch is kept where the behaviour needs one (2
+processes, a whole run), and those tests are marked `slow`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_script, traceback_through_our_code
-from test_catsdogs import make_bad_folder, make_tiny_folder
-
-pytestmark = pytest.mark.slow
+from helpers import error_lines, make_bad_folder, make_tiny_folder, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train_catsdogs.py"
@@ -48,6 +48,7 @@ def assert_processes(out: Path, n: int) -> None:
     assert f" {n} process(es)" in (out / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path):
     train = make_tiny_folder(tmp_path / "train", [8, 8])
     val = make_tiny_folder(tmp_path / "val", [3, 2], seed=1)  # 5 images: 2 processes x batch 2 pad to 6 / 8
@@ -90,6 +91,7 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path)
             assert preds[p][1] == pytest.approx(trained[p][1], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_case_b24_b25_b26_b27_bad_folder_trains_and_reports_skips(tmp_path):
     bad = make_bad_folder(tmp_path / "train", good_per_class=6)
     val = make_bad_folder(tmp_path / "val", good_per_class=2)  # the val set has the same faults
@@ -115,6 +117,7 @@ def test_case_b24_b25_b26_b27_bad_folder_trains_and_reports_skips(tmp_path):
     assert "classes:\n- cats\n- dogs\n" in config and "num_train_images: 16" in config
 
 
+@pytest.mark.slow
 def test_case_b19_resume_continues_the_same_run(tmp_path):
     train = make_tiny_folder(tmp_path / "train", [8, 8])
     val = make_tiny_folder(tmp_path / "val", [2, 2], seed=1)
@@ -141,6 +144,7 @@ def test_case_b19_resume_continues_the_same_run(tmp_path):
     assert state["epoch"] == 3 and state["global_step"] == 12 and state["step_in_epoch"] == 0
 
 
+@pytest.mark.slow
 def test_case_b16_mixed_precision_clips_the_fp32_gradient(tmp_path):
     # On the CPU accelerate autocasts bf16 only (fp16 runs in fp32, without a GradScaler); the fp16 + GradScaler
     # path is checked where a GPU is present.
@@ -191,7 +195,10 @@ B31_HELPER = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_case_b31_each_epoch_a_new_order_and_disjoint_shards(tmp_path):
+    # the one 2-process check of a shuffled loader under make_accelerator (the grouped sampler's: test_sampler.py);
+    # a probe with a DataLoader of range(8) checked the same, less (tests/test_distributed.py, merged here)
     data = make_tiny_folder(tmp_path / "data", [4, 4])  # 8 items
     helper = tmp_path / "b31_helper.py"
     helper.write_text(B31_HELPER)
@@ -227,55 +234,53 @@ def save_classifier(folder: Path, classes: list[str], config_classes: list[str] 
     return folder
 
 
-def assert_one_error_line(proc, expected: str) -> None:
-    """Exit 1 and exactly one error line, `expected` or starting with it, and no traceback through our code
-    (the launcher's own trailer aside)."""
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 1 and len(errors) == 1 and errors[0].startswith(expected), proc.stderr[-4000:]
-    assert not traceback_through_our_code(proc.stderr) and not traceback_through_our_code(proc.stdout)
+def assert_one_error_line(result, expected: str) -> None:
+    """Exit 1 and exactly one error line, `expected` or starting with it, and no traceback through our code;
+    `result`: `run_main`'s (exit code, stdout, stderr)."""
+    code, out, err = result
+    errors = error_lines(err)
+    assert code == 1 and len(errors) == 1 and errors[0].startswith(expected), err[-4000:]
+    assert not traceback_through_our_code(err) and not traceback_through_our_code(out)
 
 
-def test_train_wrong_weights_and_other_classes_are_one_line_errors(tmp_path):
+def test_train_wrong_weights_and_other_classes_are_one_line_errors(tmp_path, capsys):
     data = make_tiny_folder(tmp_path / "data", [2, 2])
     common = ["--num_workers", "0", "--report_to", "none", "--image_size", "32"]
     missing = tmp_path / "nothing"
-    proc = run_script("train_catsdogs.py", [*common, "--val_dir", str(data), "--evaluate_only", str(missing),
-                                            "--output_dir", str(tmp_path / "ev")], check=False)
-    assert_one_error_line(proc, f"error: --evaluate_only: no model weights at {missing} (expected a file, a folder "
-                                "with model.safetensors, or a run folder with best/ or last/)")
+    result = run_main("train_catsdogs", [*common, "--val_dir", data, "--evaluate_only", missing,
+                                         "--output_dir", tmp_path / "ev"], capsys)
+    assert_one_error_line(result, f"error: --evaluate_only: no model weights at {missing} (expected a file, a folder "
+                                  "with model.safetensors, or a run folder with best/ or last/)")
     assert not (tmp_path / "ev").exists()  # stopped before the run folder and the data scan
 
     other = save_classifier(tmp_path / "abc", ["a", "b", "c"])
     out = tmp_path / "ev2"
-    proc = run_script("train_catsdogs.py", [*common, "--val_dir", str(data), "--evaluate_only", str(other),
-                                            "--output_dir", str(out)], check=False)
+    result = run_main("train_catsdogs", [*common, "--val_dir", data, "--evaluate_only", other, "--output_dir", out], capsys)
     message = f"{other} was trained on classes ['a', 'b', 'c'], but {data} has ['horizontal', 'vertical']"
-    assert_one_error_line(proc, f"error: {message}")
+    assert_one_error_line(result, f"error: {message}")
     status = json.loads((out / "evaluate_only" / "run_status.json").read_text())
     assert status["status"] == "failed" and status["exit_code"] == 1 and status["message"] == message
 
     # --weights that are not there: was a traceback from the model builder
-    proc = run_script("train_catsdogs.py", [*FAST, "--train_dir", str(data), "--val_dir", str(data), "--weights",
-                                            str(missing / "w.safetensors"), "--output_dir", str(tmp_path / "tr")],
-                      check=False)
-    assert_one_error_line(proc, f"error: weights file not found: {missing / 'w.safetensors'}")
+    result = run_main("train_catsdogs", [*FAST, "--train_dir", data, "--val_dir", data, "--weights",
+                                         missing / "w.safetensors", "--output_dir", tmp_path / "tr"], capsys)
+    assert_one_error_line(result, f"error: weights file not found: {missing / 'w.safetensors'}")
 
 
-def test_predict_wrong_weights_and_other_classes_are_one_line_errors(tmp_path):
+def test_predict_wrong_weights_and_other_classes_are_one_line_errors(tmp_path, capsys):
     data = make_tiny_folder(tmp_path / "data", [1, 1])
     missing = tmp_path / "nothing"
-    proc = run_script("predict_catsdogs.py", ["--weights", str(missing), "--source", str(data), "--output_dir",
-                                              str(tmp_path / "p1")], check=False)
-    assert_one_error_line(proc, f"error: no model weights at {missing} (expected a file")
+    result = run_main("predict_catsdogs", ["--weights", missing, "--source", data, "--output_dir", tmp_path / "p1"], capsys)
+    assert_one_error_line(result, f"error: no model weights at {missing} (expected a file")
 
     # weights of 3 classes beside a model_config.json that lists 2
     mixed = save_classifier(tmp_path / "mixed", ["a", "b", "c"], config_classes=["cat", "dog"])
-    proc = run_script("predict_catsdogs.py", ["--weights", str(mixed), "--source", str(data), "--output_dir",
-                                              str(tmp_path / "p2")], check=False)
-    assert_one_error_line(proc, f"error: weights in {mixed / 'model.safetensors'} do not fit this model")
-    assert "size mismatch for fc.weight" in proc.stderr
+    result = run_main("predict_catsdogs", ["--weights", mixed, "--source", data, "--output_dir", tmp_path / "p2"], capsys)
+    assert_one_error_line(result, f"error: weights in {mixed / 'model.safetensors'} do not fit this model")
+    assert "size mismatch for fc.weight" in result[2]
 
 
+@pytest.mark.slow
 def test_a_flag_error_before_the_run_is_printed_once_by_two_processes(tmp_path):
     proc = run_script("train_catsdogs.py", ["--train_dir", str(tmp_path), "--output_dir", str(tmp_path / "out")],
                       "cpu_2proc.yaml", check=False)

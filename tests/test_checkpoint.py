@@ -3,7 +3,6 @@ nothing read from a checkpoint folder or a weights file runs code (a planted pic
 
 import json
 import os
-import pickle
 import random
 import shutil
 
@@ -15,6 +14,7 @@ from safetensors.torch import save_file
 from detlib import checkpoint as ckpt
 from detlib.model import RetinaNet
 from detlib.weights import load_model_weights, load_state_dict_file
+from helpers import fake_checkpoint, plant  # noqa: F401  (fake_checkpoint: tests/test_engine.py imports it from here)
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +65,13 @@ def test_backbone_weights_file_feeds_the_backbone(tmp_path):
 
 
 def test_pretrained_download_offline_fails_with_advice(monkeypatch):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # the hub reads the variable once, at import: set its flag too, else the download is tried (and times out)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(RuntimeError, match="--backbone_weights"):
         RetinaNet(2, "resnet18", fpn_channels=16, pretrained_backbone=True)
-
-
-def fake_checkpoint(folder, step: int):
-    """A checkpoint folder with the files accelerate's save_state writes (tiny tensors)."""
-    folder.mkdir(parents=True)
-    save_file({"w": torch.arange(6.0)}, str(folder / "model.safetensors"))
-    torch.save({"state": {}, "param_groups": [{"lr": 0.1}]}, folder / "optimizer.bin")
-    (folder / "trainer_state.json").write_text(json.dumps({"epoch": 2, "global_step": step}))
-    return folder
 
 
 def test_resolve_resume_picks_newest_complete_checkpoint(tmp_path):
@@ -98,25 +93,6 @@ def test_load_state_dict_file_rejects_non_state_dicts(tmp_path):
 
 
 # ---- nothing read from a checkpoint folder or a weights file runs code
-
-class Payload:
-    """What a planted state file holds: unpickling it runs `touch MARKER` (os.system through `__reduce__`)."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-def plant(path, marker, fmt: str) -> None:
-    """Overwrite `path` with a payload: a torch.save zip archive (what accelerate writes) or a bare pickle."""
-    obj = {"state": Payload(marker), "param_groups": [], "w": torch.zeros(1)}
-    if fmt == "torch":
-        torch.save(obj, path)
-    else:
-        path.write_bytes(pickle.dumps(obj))
-
 
 def accelerate_state(folder):
     """A real `accelerator.save_state` folder of a run (model, SGD momentum, a registered LR scheduler and EMA

@@ -212,16 +212,16 @@ def test_real_coco_subset_loads():
 
 
 def test_resize_longer_side_or_shorter_side_with_cap():
-    from detlib.transforms import ResizeLongestSide, make_sample
+    from detlib.transforms import ResizeKeepAspect, make_sample
 
     sample = make_sample(torch.zeros(3, 100, 200, dtype=torch.uint8), torch.tensor([[10.0, 10.0, 110.0, 60.0]]),
                          torch.tensor([0]), torch.tensor([False]))
-    longer = ResizeLongestSide(160)(sample)
+    longer = ResizeKeepAspect(160)(sample)
     assert longer["image"].shape[-2:] == (80, 160) and longer["scale"] == (0.8, 0.8)
     assert longer["boxes"].tolist() == [[8.0, 8.0, 88.0, 48.0]]
-    capped = ResizeLongestSide(80, max_size=120)(sample)  # shorter side 80 would make the longer 160 > 120
+    capped = ResizeKeepAspect(80, max_size=120)(sample)  # shorter side 80 would make the longer 160 > 120
     assert capped["image"].shape[-2:] == (60, 120)
-    shorter = ResizeLongestSide(80, max_size=1333)(sample)
+    shorter = ResizeKeepAspect(80, max_size=1333)(sample)
     assert shorter["image"].shape[-2:] == (80, 160)
 
 

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -512,18 +513,16 @@ def test_image_folder_faults_two_labels_symlinks_loops_hidden_and_val_classes(tm
 # ---- scripts/check_dataset.py, as a new user runs it
 
 
-def _check_dataset(*args):
-    import subprocess
-    import sys
+def _check_dataset(capsys, *args) -> SimpleNamespace:
+    """`main(argv)` of scripts/check_dataset.py in-process: its exit code and what it printed."""
+    from helpers import run_main
 
-    from conftest import REPO
-
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "check_dataset.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    code, out, err = run_main("check_dataset", list(args), capsys)
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 @needs_coco_subset
-def test_check_dataset_script_reports_writes_fixed_json_and_exits_nonzero_on_errors(tmp_path):
+def test_check_dataset_script_reports_writes_fixed_json_and_exits_nonzero_on_errors(tmp_path, capsys):
     gt = _subset()
     for k, a in enumerate(gt["annotations"]):
         a["id"] = k
@@ -531,22 +530,22 @@ def test_check_dataset_script_reports_writes_fixed_json_and_exits_nonzero_on_err
     del gt["annotations"][1]["bbox"]
     bad = tmp_path / "faults.json"
     bad.write_text(json.dumps(gt))
-    proc = _check_dataset("--annotations", bad, "--images", IMAGES, "--write_fixed", tmp_path / "fixed.json")
+    proc = _check_dataset(capsys, "--annotations", bad, "--images", IMAGES, "--write_fixed", tmp_path / "fixed.json")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip().splitlines()[-1] == "COCO data check: 0 errors, 3 repairs, 1 warnings"  # the verdict last
     assert "Traceback" not in proc.stderr
     assert "derived from the segmentation [1]" in proc.stdout
-    fixed = _check_dataset("--annotations", tmp_path / "fixed.json", "--images", IMAGES)
+    fixed = _check_dataset(capsys, "--annotations", tmp_path / "fixed.json", "--images", IMAGES)
     assert fixed.returncode == 0 and "0 repairs" in fixed.stdout
 
     gt["images"][1]["id"] = gt["images"][0]["id"]  # C03 and a 40 MP limit under the files' size
     bad.write_text(json.dumps(gt))
-    proc = _check_dataset("--annotations", bad, "--images", IMAGES, "--max_image_pixels", 1000, "--strict",
+    proc = _check_dataset(capsys, "--annotations", bad, "--images", IMAGES, "--max_image_pixels", 1000, "--strict",
                           "--write_fixed", tmp_path / "never.json", "--report_json", tmp_path / "r.json")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "image id used by two different files" in proc.stdout and "--max_image_pixels 307200" in proc.stdout
     assert not (tmp_path / "never.json").exists() and json.loads((tmp_path / "r.json").read_text())["ok"] is False
-    missing = _check_dataset("--annotations", tmp_path / "nope.json", "--images", IMAGES)
+    missing = _check_dataset(capsys, "--annotations", tmp_path / "nope.json", "--images", IMAGES)
     assert missing.returncode == 2 and "annotation file not found" in missing.stderr
 
 
@@ -607,11 +606,10 @@ def test_retinanet_two_processes_train_and_evaluate_on_the_repaired_json(tmp_pat
 
 
 @needs_coco_subset
-@pytest.mark.slow
-def test_retinanet_stops_at_start_on_data_errors_with_the_report_case_c03(tmp_path):
+def test_retinanet_stops_at_start_on_data_errors_with_the_report_case_c03(tmp_path, capsys):
     import time
 
-    from conftest import run_script
+    from helpers import run_main
 
     args = _faulty_pair(tmp_path)
     val = json.loads((tmp_path / "val.json").read_text())
@@ -621,18 +619,18 @@ def test_retinanet_stops_at_start_on_data_errors_with_the_report_case_c03(tmp_pa
     (tmp_path / "val.json").write_text(json.dumps(val))
     out = tmp_path / "run"
     t = time.time()
-    proc = run_script("train_retinanet.py", args + TINY + ["--output_dir", str(out)], check=False)
-    assert proc.returncode != 0 and time.time() - t < 60
-    text = proc.stdout + proc.stderr
+    code, stdout, stderr = run_main("train_retinanet", args + TINY + ["--output_dir", str(out)], capsys)
+    assert code != 0 and time.time() - t < 60
+    text = stdout + stderr
     assert ("val    ids        image id used by two different files (whose boxes are whose cannot be known) [1]; "
             "e.g. 163497: 000000163497.jpg, 000000174632.jpg") in text
-    assert "the data check found 1 kinds of error" in text and "Traceback" not in proc.stdout
+    assert "the data check found 1 kinds of error" in text and "Traceback" not in stdout
     assert json.loads((out / "data_report.json").read_text())["ok"] is False
     assert not (out / "checkpoints").exists()
     # --strict_data: the repairs of the same files stop the run too
     (tmp_path / "val.json").write_text(json.dumps(_subset((163497, 174632))))
-    proc = run_script("train_retinanet.py", args + TINY + ["--output_dir", str(out), "--strict_data"], check=False)
-    assert proc.returncode != 0 and "an error under strict checking" in proc.stdout + proc.stderr
+    code, stdout, stderr = run_main("train_retinanet", args + TINY + ["--output_dir", str(out), "--strict_data"], capsys)
+    assert code != 0 and "an error under strict checking" in stdout + stderr
 
 
 @needs_catsdogs

@@ -386,7 +386,8 @@ def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     saver = Checkpointer(acc, str(tmp_path), "AP", total_limit=2, fail=fail)
     state = ckpt.TrainState(global_step=10)
     assert saver.keep_best(model, 0.5, state, epoch=1) and state.best_metric == 0.5
-    assert read_best_record(str(tmp_path), "AP") == {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10}
+    assert read_best_record(str(tmp_path), "AP") == {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10,
+                                                     "weights": "trained"}
     assert read_best_record(str(tmp_path), "accuracy") is None  # another metric's best/ does not count
     older = ckpt.TrainState(global_step=4)  # a resume from an older checkpoint: best_metric -1
     assert not saver.keep_best(model, 0.4, older, epoch=0) and older.best_metric == 0.4
@@ -399,6 +400,8 @@ def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     assert lines == [f"weights: {out}/best/ (best)", f"metrics: {out}/metrics.jsonl; evaluation: {out}/predictions_val.csv",
                      "mean throughput 3.3 images/s (all processes)",
                      "run finished in 1.5 min: 10 steps, 1 skipped; best AP 0.5000 (epoch 1, step 10), final AP 0.4500"]
+    lines = summary_lines(out, f"{out}/metrics.jsonl", "AP", 90.0, 10, 1, 0.5, None, 0.45, 0, {"AP50": 0.931})
+    assert lines[-1] == "run finished in 1.5 min: 10 steps, 1 skipped; best AP 0.5000, final AP 0.4500, AP50 0.9310"
 
 
 def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path):

@@ -157,7 +157,7 @@ def status(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def cats_data(tmp_path_factory) -> list[str]:
-    from test_catsdogs import make_tiny_folder
+    from helpers import make_tiny_folder
 
     root = tmp_path_factory.mktemp("cats")
     train = make_tiny_folder(root / "train", [16, 16])
@@ -218,7 +218,7 @@ def test_ctrl_c_to_a_prediction(script, tmp_path):
     """Ctrl-C while a predict script runs (with workers): one `stopped:` line last, no traceback, exit 130."""
     from safetensors.torch import save_file
 
-    from test_catsdogs import make_tiny_folder
+    from helpers import make_tiny_folder
 
     weights = tmp_path / "best"
     weights.mkdir()

@@ -9,7 +9,7 @@
 * Model: folding the frozen BatchNorm into the convs and channels_last change nothing but float rounding,
   and keep the state dict keys.
 * COCO evaluation: the faster-coco-eval backend gives pycocotools' 12 stats to 1e-6 on jittered real data.
-* Benchmark peer: torchvision's RetinaNet built by `tests/peers.py` (used by `benchmarks/`) really carries our weights.
+* Benchmark peer: torchvision's RetinaNet built by `devtools/peers.py` (shared with `benchmarks/`) really carries our weights.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from detlib.matching import match_anchors, pairwise_iou
 from detlib.model import RetinaNet, _Conv2dFrozenBN
 
 from conftest import assert_same_detections, cap_cut, level_cuts
-from peers import COCO_SUBSET_JSON, coco_eval_inputs, head_output_gap, torchvision_retinanet
+from devtools.peers import COCO_SUBSET_JSON, coco_eval_inputs, head_output_gap, torchvision_retinanet
 
 
 @pytest.fixture(autouse=True)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_coco_subset, write_image
-from detlib.cococheck import check_coco, check_coco_for_training
+from detlib.cococheck import check_coco
 from detlib.datacheck import DataReport
-from detlib.formats import data_dir_paths, detect_format, read_data_dir_splits
+from detlib.formats import check_coco_for_training, data_dir_paths, detect_format, read_data_dir_splits
 from formats_fixtures import reference_coco, voc_xml, write_voc, write_yolo
 
 

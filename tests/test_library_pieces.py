@@ -78,8 +78,8 @@ def test_built_in_data_sets_keep_their_cache_folders(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "synthetic_imagefolder_v2" / "generator.json").read_text()) == {
         "version": 2, "num_train": 1, "num_val": 1, "image_size": 16, "seed": 0}
     paths = synthetic.make_synthetic_coco(num_train=1, num_val=1, image_size=64, min_object=12, max_object=30)
-    assert paths["train_annotations"] == str(tmp_path / "synthetic_shapes_v1" / "annotations" / "instances_train.json")
-    assert paths["train_images"] == str(tmp_path / "synthetic_shapes_v1" / "images")
-    assert json.loads((tmp_path / "synthetic_shapes_v1" / "generator.json").read_text())["version"] == 1
+    assert paths["train_annotations"] == str(tmp_path / "synthetic_shapes_v2" / "annotations" / "instances_train.json")
+    assert paths["train_images"] == str(tmp_path / "synthetic_shapes_v2" / "images")
+    assert json.loads((tmp_path / "synthetic_shapes_v2" / "generator.json").read_text())["version"] == 2
     monkeypatch.delenv("DETLIB_CACHE")
     assert synthetic.cache_root().endswith("/.cache/detlib")

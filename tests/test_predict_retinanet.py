@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import needs_coco_subset, run_script
+from conftest import needs_coco_subset, run_script, write_image
+from helpers import run_main
 from tiny_retinanet import train_tiny
 
-pytestmark = [needs_coco_subset, pytest.mark.slow]
+pytestmark = [needs_coco_subset]  # the launches are marked slow one by one
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def tiny(tmp_path_factory):
     return t
 
 
+@pytest.mark.slow
 def test_predict_on_coco_json_equals_evaluate_only(tiny, tmp_path):
     out = tmp_path / "pred"
     proc = run_script("predict_retinanet.py", ["--weights", str(tiny["run"] / "last"), "--source", str(tiny["val_json"]),
@@ -46,6 +48,7 @@ def test_predict_on_coco_json_equals_evaluate_only(tiny, tmp_path):
     assert "file_name" not in preds[0]  # the results carry the json's image ids
 
 
+@pytest.mark.slow
 def test_predict_folder_two_processes_equal_one_and_skips_unreadable(tiny, tmp_path):
     """A folder with the 6 val images, a text file saved as .jpg (sorted last) and a hidden file: 1 and 2
     processes give the same predictions, the broken file is listed, never a crash; the boxes and scores are
@@ -86,7 +89,8 @@ def test_predict_folder_two_processes_equal_one_and_skips_unreadable(tiny, tmp_p
     assert as_eval == tiny["eval_predictions"]
 
 
-def test_predict_glob_single_file_and_missing_weights(tiny, tmp_path):
+@pytest.mark.slow
+def test_predict_glob_single_file_and_sideways_photo(tiny, tmp_path):
     val = json.loads(tiny["val_json"].read_text())
     one = tiny["images"] / val["images"][1]["file_name"]
     out = tmp_path / "one"
@@ -112,6 +116,10 @@ def test_predict_glob_single_file_and_missing_weights(tiny, tmp_path):
     assert len(boxes) == 100
     assert (boxes[:, 0] + boxes[:, 2]).max() <= 200 + 1e-3 and (boxes[:, 1] + boxes[:, 3]).max() <= 300 + 1e-3
     assert Image.open(out / "images" / "side.jpg").size == (200, 300)  # (width, height) upright
-    proc = run_script("predict_retinanet.py", ["--weights", str(tmp_path / "nothing"), "--source", str(one),
-                                               "--output_dir", str(tmp_path / "x")], check=False)
-    assert proc.returncode != 0 and f"no model weights at {tmp_path / 'nothing'}" in proc.stderr
+
+
+def test_missing_weights_is_one_line(tmp_path, capsys):
+    one = write_image(tmp_path / "one.jpg", 64, 48)
+    code, _, err = run_main("predict_retinanet", ["--weights", tmp_path / "nothing", "--source", one,
+                                                  "--output_dir", tmp_path / "x"], capsys)
+    assert code != 0 and f"no model weights at {tmp_path / 'nothing'}" in err

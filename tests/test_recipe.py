@@ -95,3 +95,42 @@ def test_ema_loss_normalizer_by_hand():
     fixed = retinanet_loss(logits, deltas, anchors, gt, labels, normalizer=lambda n: torch.tensor(50.0))
     assert float(batch["num_pos"]) == 1.0
     torch.testing.assert_close(fixed["loss"], batch["loss"] / 50)  # the same sums, another divisor
+
+
+def test_head_norm_gn_for_a_fresh_run(tmp_path, capsys):
+    """--head_norm gn builds torchvision's v2 heads for a run from scratch (GroupNorm after each hidden conv, which
+    has no bias), records it in model_config.json, and --evaluate_only rebuilds the same model from it; a width
+    GroupNorm(32) cannot split is one line at start."""
+    import importlib.util
+    import json
+
+    from safetensors.torch import load_file
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("train_retinanet", REPO / "scripts" / "train_retinanet.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    images = [{"id": i + 1, "file_name": f"{i}.png", "width": 64, "height": 64} for i in range(4)]
+    for i in range(4):
+        write_image(tmp_path / "img" / f"{i}.png", 64, 64, seed=i)
+    write_coco(tmp_path / "a.json", images, [{"image_id": i + 1, "category_id": 1, "bbox": [8, 8, 30, 30]} for i in range(4)])
+    data = ["--train_images", str(tmp_path / "img"), "--train_annotations", str(tmp_path / "a.json"),
+            "--val_images", str(tmp_path / "img"), "--val_annotations", str(tmp_path / "a.json")]
+    fast = ["--backbone", "resnet18", "--image_size", "64", "--per_device_batch_size", "2", "--max_steps", "1",
+            "--epochs", "1", "--num_workers", "0", "--report_to", "none", "--num_log_images", "0", "--skip_image_check"]
+    with pytest.raises(SystemExit) as e:
+        train.main([*fast, *data, "--fpn_channels", "48", "--head_norm", "gn", "--output_dir", str(tmp_path / "bad")])
+    assert e.value.code == 2 and "--head_norm gn needs --fpn_channels divisible by 32" in capsys.readouterr().err
+    out = tmp_path / "gn"
+    train.main([*fast, *data, "--fpn_channels", "64", "--head_norm", "gn", "--output_dir", str(out)])
+    assert json.loads((out / "last" / "model_config.json").read_text())["head_norm"] == "gn"
+    keys = set(load_file(out / "last" / "model.safetensors"))
+    assert {"cls_head.tower.1.weight", "cls_head.tower.1.bias", "box_head.tower.10.weight"} <= keys  # GroupNorms
+    assert "cls_head.tower.0.weight" in keys and "cls_head.tower.0.bias" not in keys  # convs without bias
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    stats = train.main([*data, "--evaluate_only", str(out / "last"), "--num_workers", "0", "--report_to", "none",
+                        "--num_log_images", "0", "--skip_image_check", "--output_dir", str(out)])
+    assert "AP" in stats

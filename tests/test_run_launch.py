@@ -4,7 +4,9 @@ and SIGTERM mid-epoch with exact resume, launcher death, damaged checkpoints (C0
 output-folder guards, and two "machines" on loopback.
 
 Tiny on purpose: noise images of 64 px with a box or two, resnet18 with a 16-channel head (RetinaNet) or timm's
-`test_resnet` at 32 px (cats/dogs), so each launch takes seconds on 2 CPU cores.
+`test_resnet` at 32 px (cats/dogs), so each launch takes seconds on 2 CPU cores. The launches are marked `slow`; the guards and one-line errors
+that a process of its own does not change run `main(argv)` in-process (without DataLoader workers: the exit paths
+with workers are tests/test_exit_paths.py's).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,9 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, run_script, start_script, traceback_through_our_code, write_coco, write_image
-from test_catsdogs import make_tiny_folder
-
-pytestmark = pytest.mark.slow
+from helpers import error_lines, make_tiny_folder, run_main
 
 # DataLoader workers on, as users run (2: the default 4 capped at this machine's cores): every exit path and resume
 # below runs through worker processes (the cats/dogs ones persistent)
@@ -110,14 +111,15 @@ def trains(out: Path) -> list[dict]:
 
 # ---- divergence (C11)
 
-def test_case_c11_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
+@pytest.mark.slow
+def test_case_c11_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 4)
     out = tmp_path / "run"
-    proc = run_script("train_retinanet.py", data + TINY + [
+    code, stdout, stderr = run_main("train_retinanet", data + TINY + [
         "--optimizer", "sgd", "--lr", "100", "--max_grad_norm", "0", "--epochs", "3", "--checkpoint_total_limit", "1",
-        "--per_device_batch_size", "1", "--output_dir", str(out)], check=False)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "exit status 3" in text, text[-3000:]
+        "--per_device_batch_size", "1", "--output_dir", str(out), "--num_workers", "0"], capsys)  # in-process
+    text = stdout + stderr
+    assert code == 3, text[-3000:]
     assert "training diverged: 5 non-finite steps in a row up to step" in text and "lr 100" in text
     m = trains(out)
     assert m[-1]["skipped_steps"] >= 5
@@ -129,18 +131,20 @@ def test_case_c11_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path):
     assert len(ckpts) == 1 and ckpts[0] in text  # the last finite checkpoint is kept and named
 
 
-def test_exploding_finite_loss_is_reported(tmp_path):
+@pytest.mark.slow
+def test_exploding_finite_loss_is_reported(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 4)
     out = tmp_path / "run"
-    proc = run_script("train_retinanet.py", data + TINY + [
+    _, stdout, stderr = run_main("train_retinanet", data + TINY + [
         "--optimizer", "adamw", "--lr", "10", "--max_steps", "12", "--epochs", "6", "--per_device_batch_size", "1",
-        "--max_grad_norm", "0", "--output_dir", str(out)], check=False)
-    text = proc.stdout + proc.stderr
+        "--max_grad_norm", "0", "--output_dir", str(out), "--num_workers", "0"], capsys)  # in-process
+    text = stdout + stderr
     assert "its lowest running level" in text and "lr 10" in text, text[-3000:]
 
 
 # ---- kill -9 and SIGTERM mid-epoch, exact resume
 
+@pytest.mark.slow
 def test_kill9_mid_epoch_resume_redoes_at_most_checkpoint_steps(tmp_path):
     data = make_detection_set(tmp_path / "d", 8)
     common = data + TINY + ["--epochs", "2", "--per_device_batch_size", "1", "--optimizer", "sgd", "--lr", "0.01",
@@ -173,6 +177,7 @@ def two_process_reference(tmp_path_factory):
     return common, root / "ref"
 
 
+@pytest.mark.slow
 def test_sigterm_two_processes_stop_together_and_resume_exactly(two_process_reference, tmp_path):
     common, ref = two_process_reference
     out = tmp_path / "run"
@@ -196,6 +201,7 @@ def test_sigterm_two_processes_stop_together_and_resume_exactly(two_process_refe
     assert mean(out) == mean(ref)
 
 
+@pytest.mark.slow
 def test_killed_launcher_leaves_no_training_process(tmp_path):
     data = make_detection_set(tmp_path / "d", 12)
     out = tmp_path / "run"
@@ -214,12 +220,22 @@ def test_killed_launcher_leaves_no_training_process(tmp_path):
 
 # ---- damaged checkpoints (C07), trackers after a resume from an older checkpoint
 
+@pytest.fixture(scope="module")
+def two_epoch_run(tmp_path_factory):
+    """One 2-epoch run that the C07 cases copy and damage (one launch for both)."""
+    root = tmp_path_factory.mktemp("c07")
+    data = make_detection_set(root / "d", 4)
+    run_script("train_retinanet.py", data + TINY + ["--epochs", "2", "--output_dir", str(root / "run")])
+    return data, root / "run"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate_weights", "empty_state"])
-def test_case_c07_resume_skips_a_damaged_newest_checkpoint(tmp_path, damage):
-    data = make_detection_set(tmp_path / "d", 4)
+def test_case_c07_resume_skips_a_damaged_newest_checkpoint(two_epoch_run, tmp_path, damage, capsys):
+    data, run = two_epoch_run
     out = tmp_path / "run"
+    shutil.copytree(run, out)
     common = data + TINY + ["--output_dir", str(out)]
-    run_script("train_retinanet.py", common + ["--epochs", "2"])
     newest = out / "checkpoints" / "epoch_0002"
     if damage == "truncate_weights":
         f = newest / "model.safetensors"
@@ -237,52 +253,53 @@ def test_case_c07_resume_skips_a_damaged_newest_checkpoint(tmp_path, damage):
     # named explicitly, a damaged checkpoint is a one-line error
     f = out / "checkpoints" / "epoch_0003" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
-    proc = run_script("train_retinanet.py", common + ["--epochs", "4", "--resume_from_checkpoint", str(f.parent)], check=False)
-    assert proc.returncode != 0
-    assert f"error: --resume_from_checkpoint: {f} is truncated" in proc.stderr
+    code, _, err = run_main("train_retinanet", common + ["--epochs", "4", "--resume_from_checkpoint", f.parent,
+                                                         "--num_workers", "0"], capsys)  # in-process
+    assert code != 0
+    assert f"error: --resume_from_checkpoint: {f} is truncated" in err
 
 
-def test_planted_pickle_payload_never_runs_on_resume(tmp_path):
+def test_planted_pickle_payload_never_runs_on_resume(tmp_path, capsys):
     """A checkpoint folder from someone else: a custom_checkpoint_0.pkl (the registered LR scheduler) whose
     `__reduce__` calls os.system. Named explicitly it is one error line; `latest` falls back to the older
     checkpoint, saying why; the command never runs. (Every kind of state file: tests/test_checkpoint.py.)"""
-    from test_checkpoint import plant
+    from helpers import plant
 
     from detlib.checkpoint import list_checkpoints
 
     data = make_tiny_folder(tmp_path / "data", [4, 4])
     out, marker = tmp_path / "run", tmp_path / "MARKER"
     common = CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "4",
-                     "--checkpoint_steps", "1", "--output_dir", str(out)]
-    run_script("train_catsdogs.py", common + ["--max_steps", "2"])
+                     "--checkpoint_steps", "1", "--output_dir", str(out), "--num_workers", "0"]
+    assert run_main("train_catsdogs", common + ["--max_steps", "2"], capsys)[0] == 0
     older, planted = map(Path, list_checkpoints(str(out)))  # step_00000001, then epoch_0001 (the end of epoch 1)
     plant(planted / "custom_checkpoint_0.pkl", marker, "torch")
-    proc = run_script("train_catsdogs.py", common + ["--max_steps", "3", "--resume_from_checkpoint", str(planted)],
-                      check=False)
-    assert proc.returncode != 0 and not traceback_through_our_code(proc.stderr) and not marker.exists()
-    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    code, _, err = run_main("train_catsdogs", common + ["--max_steps", "3", "--resume_from_checkpoint", planted], capsys)
+    assert code != 0 and not traceback_through_our_code(err) and not marker.exists()
+    (line,) = error_lines(err)
     assert line.startswith(f"error: --resume_from_checkpoint: {planted}/custom_checkpoint_0.pkl holds pickled")
-    proc = run_script("train_catsdogs.py", common + ["--max_steps", "3", "--resume_from_checkpoint", "latest"])
+    code, stdout, _ = run_main("train_catsdogs", common + ["--max_steps", "3", "--resume_from_checkpoint", "latest"], capsys)
+    assert code == 0
     assert (f"skipping damaged checkpoint {planted.name}: {planted}/custom_checkpoint_0.pkl holds pickled objects "
-            "other than tensors and plain values (Trying to load unsupported GLOBAL posix.system") in proc.stdout
-    assert f"resumed from {older}: epoch 1, step 1 in epoch" in proc.stdout and not marker.exists()
+            "other than tensors and plain values (Trying to load unsupported GLOBAL posix.system") in stdout
+    assert f"resumed from {older}: epoch 1, step 1 in epoch" in stdout and not marker.exists()
 
 
-def test_evaluate_only_on_truncated_or_foreign_weights_is_one_line(tmp_path):
+def test_evaluate_only_on_truncated_or_foreign_weights_is_one_line(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 2)
     bad = tmp_path / "model.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     for weights in (bad, REPO / "README.md"):
-        proc = run_script("train_retinanet.py", data[4:] + ["--evaluate_only", str(weights), "--output_dir",
-                                                           str(tmp_path / "e"), "--report_to", "none"] + TINY, check=False)
-        text = proc.stdout + proc.stderr
-        assert proc.returncode != 0 and 'train_retinanet.py", line' not in text  # no traceback of ours
-        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        code, out, err = run_main("train_retinanet", data[4:] + ["--evaluate_only", str(weights), "--output_dir",
+                                                                 str(tmp_path / "e"), "--report_to", "none"] + TINY, capsys)
+        assert code != 0 and not traceback_through_our_code(out + err)  # no traceback of ours
+        (line,) = error_lines(err)
         assert str(weights) in line
 
 
 # ---- another process count (C08)
 
+@pytest.mark.slow
 def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path):
     data = make_detection_set(tmp_path / "d", 8)
     out = tmp_path / "run"
@@ -310,6 +327,7 @@ def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path):
 
 # ---- the partial accumulation window (C09)
 
+@pytest.mark.slow
 def test_case_c09_last_partial_window_gets_its_full_gradient_catsdogs(tmp_path):
     data = make_tiny_folder(tmp_path / "data", [20, 20])
     norms = {}
@@ -325,6 +343,7 @@ def test_case_c09_last_partial_window_gets_its_full_gradient_catsdogs(tmp_path):
     assert norms[2][0] != pytest.approx(norms[1][0], rel=1e-3)  # (a full window is a real mean of two batches)
 
 
+@pytest.mark.slow
 def test_case_c09_last_partial_window_gets_its_full_gradient_retinanet(tmp_path):
     data = make_detection_set(tmp_path / "d", 10)
     norms = {}
@@ -339,6 +358,7 @@ def test_case_c09_last_partial_window_gets_its_full_gradient_retinanet(tmp_path)
 
 # ---- tiny data (C10) and the output-folder guards
 
+@pytest.mark.slow
 def test_case_c10_no_batch_per_process_stops_at_start(tmp_path):
     data = make_detection_set(tmp_path / "d", 3)
     proc = run_script("train_retinanet.py", data + TINY + ["--epochs", "3", "--output_dir", str(tmp_path / "o")],
@@ -349,41 +369,46 @@ def test_case_c10_no_batch_per_process_stops_at_start(tmp_path):
     assert not (tmp_path / "o" / "last").exists()
 
 
-def test_output_folder_guards(tmp_path):
+@pytest.mark.slow  # in-process, but two trainings with an evaluation (seconds)
+def test_output_folder_guards(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 4)
     out = tmp_path / "run"
-    common = data + TINY + ["--output_dir", str(out), "--epochs", "1"]
-    run_script("train_retinanet.py", common + ["--eval_interval", "1"])
+    common = data + TINY + ["--output_dir", str(out), "--epochs", "1", "--num_workers", "0"]
+    assert run_main("train_retinanet", common + ["--eval_interval", "1"], capsys)[0] == 0
     best = (out / "best" / "model.safetensors").read_bytes()
     lines = len(read_metrics(out))
     # a finished run is never mixed into nor overwritten without being asked
-    proc = run_script("train_retinanet.py", common, check=False)
-    assert proc.returncode != 0 and "holds another run" in proc.stderr and "--overwrite_output_dir" in proc.stderr
+    code, _, err = run_main("train_retinanet", common, capsys)
+    assert code != 0 and "holds another run" in err and "--overwrite_output_dir" in err
     assert (out / "best" / "model.safetensors").read_bytes() == best and len(read_metrics(out)) == lines
     # a live run holding the folder (this test's own process stands in for it)
     (out / "run.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}))
-    proc = run_script("train_retinanet.py", common + ["--resume_from_checkpoint", "latest"], check=False)
-    assert proc.returncode != 0 and f"another run (pid {os.getpid()}" in proc.stderr
+    code, _, err = run_main("train_retinanet", common + ["--resume_from_checkpoint", "latest"], capsys)
+    assert code != 0 and f"another run (pid {os.getpid()}" in err
     (out / "run.lock").unlink()
     # --overwrite_output_dir replaces it, saying so
-    proc = run_script("train_retinanet.py", common + ["--overwrite_output_dir"])
-    assert "--overwrite_output_dir: removed the previous run's" in proc.stdout
+    code, stdout, _ = run_main("train_retinanet", common + ["--overwrite_output_dir"], capsys)
+    assert code == 0 and "--overwrite_output_dir: removed the previous run's" in stdout
     # latest in a folder without a checkpoint: a warning naming the folder, then a fresh start
-    proc = run_script("train_retinanet.py", data + TINY + ["--output_dir", str(tmp_path / "typo"), "--max_steps", "1",
-                                                          "--resume_from_checkpoint", "latest"])
-    assert f"WARNING detlib.checkpoint: --resume_from_checkpoint latest: no usable checkpoint in {tmp_path / 'typo'}" in proc.stdout
+    code, stdout, _ = run_main("train_retinanet", data + TINY + ["--output_dir", str(tmp_path / "typo"), "--max_steps", "1",
+                                                                 "--resume_from_checkpoint", "latest", "--num_workers", "0"], capsys)
+    assert code == 0
+    assert f"WARNING detlib.checkpoint: --resume_from_checkpoint latest: no usable checkpoint in {tmp_path / 'typo'}" in stdout
 
 
-def test_catsdogs_evaluate_only_keeps_the_run_and_reads_a_checkpoint_of_another_model(tmp_path):
+@pytest.mark.slow  # in-process, but a training and an evaluation (seconds)
+def test_catsdogs_evaluate_only_keeps_the_run_and_reads_a_checkpoint_of_another_model(tmp_path, capsys):
     data = make_tiny_folder(tmp_path / "data", [4, 4])
     out = tmp_path / "run"
-    run_script("train_catsdogs.py", CATS + ["--model", "resnet10t", "--train_dir", str(data), "--val_dir", str(data),
-                                             "--per_device_batch_size", "4", "--epochs", "1", "--output_dir", str(out)])
+    code, _, _ = run_main("train_catsdogs", CATS + ["--model", "resnet10t", "--train_dir", str(data), "--val_dir", str(data),
+                                                    "--per_device_batch_size", "4", "--epochs", "1", "--output_dir", str(out),
+                                                    "--num_workers", "0"], capsys)
+    assert code == 0
     config, metrics = (out / "config.yaml").read_text(), (out / "metrics.jsonl").read_text()
     (ckpt_dir,) = list((out / "checkpoints").iterdir())
-    proc = run_script("train_catsdogs.py", ["--val_dir", str(data), "--evaluate_only", str(ckpt_dir), "--output_dir", str(out),
-                                            "--num_workers", "0", "--report_to", "none"])
-    assert "resnet10t" in proc.stdout
+    code, stdout, _ = run_main("train_catsdogs", ["--val_dir", str(data), "--evaluate_only", str(ckpt_dir), "--output_dir",
+                                                  str(out), "--num_workers", "0", "--report_to", "none"], capsys)
+    assert code == 0 and "resnet10t" in stdout
     assert (out / "config.yaml").read_text() == config and (out / "metrics.jsonl").read_text() == metrics
     (line,) = read_metrics(out / "evaluate_only")
     assert line["weights"] == str(ckpt_dir / "model.safetensors") and line["num_val_samples"] == 8
@@ -397,6 +422,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_machines_on_loopback_equal_two_processes(two_process_reference, tmp_path):
     common, ref = two_process_reference
     out = tmp_path / "nodes"
@@ -414,6 +440,7 @@ def test_two_machines_on_loopback_equal_two_processes(two_process_reference, tmp
     assert {k: ev(out)[k] for k in ("AP", "AP50", "AR100")} == {k: ev(ref)[k] for k in ("AP", "AP50", "AR100")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGINT"])
 def test_sigusr1_or_first_ctrl_c_to_the_training_process_checkpoints_and_exits_75(tmp_path, sig):
     data = make_tiny_folder(tmp_path / "data", [16, 16])
@@ -436,6 +463,7 @@ def test_sigusr1_or_first_ctrl_c_to_the_training_process_checkpoints_and_exits_7
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
 
 
+@pytest.mark.slow
 def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_path):
     """Read back from the files the trackers wrote (not mocked): the health scalars of every train line, the
     per-class AP, the sample images with boxes; and the same in metrics.jsonl, plots/ and samples/."""
@@ -473,6 +501,7 @@ def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_p
         assert key in blob, key
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_a_two_process_launch_checkpoints_once(tmp_path):
     """Ctrl-C to the launcher's process group, as a terminal sends it: torchrun forwards it to both workers,
     which write one checkpoint together and stop (no KeyboardInterrupt)."""
@@ -490,19 +519,22 @@ def test_ctrl_c_to_a_two_process_launch_checkpoints_once(tmp_path):
     assert written.parent == out / "checkpoints" and (written / "random_states_1.pkl").is_file()
 
 
-def test_resume_with_another_model_is_one_line(tmp_path):
+def test_resume_with_another_model_is_one_line(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 4)
     out = tmp_path / "run"
-    run_script("train_retinanet.py", data + TINY + ["--max_steps", "1", "--epochs", "1", "--output_dir", str(out)])
+    no_workers = ["--num_workers", "0"]
+    assert run_main("train_retinanet", data + TINY + no_workers + ["--max_steps", "1", "--epochs", "1", "--output_dir", out],
+                    capsys)[0] == 0
     wider = [("32" if a == "16" and TINY[i - 1] == "--fpn_channels" else a) for i, a in enumerate(TINY)]
-    proc = run_script("train_retinanet.py", data + wider + ["--epochs", "1", "--output_dir", str(out),
-                                                           "--resume_from_checkpoint", "latest"], check=False)
-    # no traceback through our code (the 1-process launcher prints its own about the exit status)
-    assert proc.returncode != 0 and not traceback_through_our_code(proc.stderr)
-    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    code, out_text, err = run_main("train_retinanet", data + wider + no_workers + [
+        "--epochs", "1", "--output_dir", out, "--resume_from_checkpoint", "latest"], capsys)
+    # no traceback through our code
+    assert code != 0 and not traceback_through_our_code(err) and not traceback_through_our_code(out_text)
+    (line,) = error_lines(err)
     assert "cannot resume from" in line and "does not fit this run" in line
 
 
+@pytest.mark.slow
 def test_ema_loss_normalizer_resumes_exactly(tmp_path):
     data = make_detection_set(tmp_path / "d", 6)
     common = data + TINY + ["--epochs", "2", "--loss_normalizer", "ema", "--optimizer", "sgd", "--lr", "0.01"]

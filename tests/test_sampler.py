@@ -37,6 +37,7 @@ def test_grouped_batches_are_pure_cover_the_set_and_reshuffle():
         GroupedBatchSampler([], 2)
 
 
+@pytest.mark.slow
 def test_grouped_sampler_on_two_processes(tmp_path):
     out = tmp_path / "seen.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),

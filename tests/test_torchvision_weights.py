@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,9 +15,10 @@ from torchvision.transforms.functional import pil_to_tensor, to_tensor
 from torchvision.models.detection.anchor_utils import AnchorGenerator as TVAnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
-from conftest import COCO_SUBSET, REPO, assert_same_detections, cap_cut, needs_coco_subset, run_script
+from conftest import COCO_SUBSET, assert_same_detections, cap_cut, needs_coco_subset, run_script
 from detlib.anchors import AnchorGenerator, anchor_config, anchor_generator_from_config, torchvision_anchor_settings
 from detlib.box_ops import box_xywh_to_xyxy
+from helpers import load_script, run_main
 from tiny_retinanet import subset_json
 
 
@@ -79,11 +79,11 @@ def converted(tmp_path_factory):
     model = _torchvision_retinanet()
     torch.save(model.state_dict(), root / "retinanet_tv.pth")
     out = root / "converted"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_weights.py"), "--from", "torchvision",
-                           str(root / "retinanet_tv.pth"), "--out", str(out), "--image_size", str(MIN_SIZE), "--max_size",
-                           str(MAX_SIZE)], capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr
-    assert "torchvision RetinaNet v1, 80 classes" in proc.stdout
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # main(argv) in-process: a module-scoped fixture has no capsys
+        load_script("convert_weights").main(["--from", "torchvision", str(root / "retinanet_tv.pth"), "--out", str(out),
+                                             "--image_size", str(MIN_SIZE), "--max_size", str(MAX_SIZE)])
+    assert "torchvision RetinaNet v1, 80 classes" in printed.getvalue()
     val = subset_json(root / "val3.json", "val", 3)
     images = json.loads(val.read_text())["images"]
     with torch.no_grad():
@@ -115,7 +115,7 @@ def _assert_equal_to_torchvision(predictions: list[dict], tv: dict, cap: int = 3
 
 @needs_coco_subset
 @pytest.mark.slow
-def test_converted_config_and_evaluate_only_and_predict_equal_torchvision(converted, tmp_path):
+def test_converted_config_and_evaluate_only_and_predict_equal_torchvision(converted, tmp_path, capsys):
     cfg = json.loads((converted["weights"] / "model_config.json").read_text())
     assert cfg["p6_input"] == "p5" and cfg["resize_mode"] == "torchvision" and cfg["anchor_offset"] == 0.0
     assert cfg["num_classes"] == 80 and cfg["category_ids"][:3] == [1, 2, 3] and cfg["category_names"][0] == "person"
@@ -132,10 +132,8 @@ def test_converted_config_and_evaluate_only_and_predict_equal_torchvision(conver
                                         str(out), *common])
     _assert_equal_to_torchvision(json.loads((out / "predictions.json").read_text()), converted["tv"])
     # export would build detlib's anchors into the graph: refused in one line, nothing written
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export_retinanet.py"), "--weights", str(converted["weights"]),
-                           "--output", str(tmp_path / "m.onnx")], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode != 0 and "torchvision's settings (resize_mode, anchor_offset, anchor_sizes" in proc.stderr
+    code, _, err = run_main("export_retinanet", ["--weights", converted["weights"], "--output", tmp_path / "m.onnx"], capsys)
+    assert code != 0 and "torchvision's settings (resize_mode, anchor_offset, anchor_sizes" in err
     assert not (tmp_path / "m.onnx").exists()
 
 
@@ -200,6 +198,7 @@ def test_fine_tune_from_converted_weights_to_three_classes(converted, tmp_path):
 
 
 @needs_coco_subset
+@pytest.mark.slow  # two R50 detectors on real images (seconds)
 def test_v2_conversion_equals_torchvision_in_process():
     """torchvision's v2 (GroupNorm heads, P6 from C5), seeded as v1 above, converted in process and run through
     detlib's evaluation pieces (transform, collate, model, anchors, decoding): torchvision's detections."""

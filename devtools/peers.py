@@ -1,4 +1,4 @@
-"""The peers detlib is compared with, shared by `tests/test_fast_paths.py` and `benchmarks/kit.py`.
+"""The peers detlib is compared with, shared by `tests/test_fast_paths.py` and `benchmarks/kit.py` (neither's own module).
 
 * `torchvision_retinanet`: torchvision's `retinanet_resnet50_fpn` carrying exactly our model's weights.
   Two settings are aligned so that every weight maps one to one (and the head outputs agree, checked by

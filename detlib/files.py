@@ -1,0 +1,68 @@
+"""Files written whole or not at all, and the JSON caches of per-file checks.
+
+A file a reader may open while it is written (a report, a plot, a weights file, a cache two processes share)
+is written under a temporary name in the same folder and renamed over the final name once complete
+(`os.replace` is atomic on one file system): a reader, a killed run or a full disk never leaves half a file
+under the final name. The temporary name carries the process id, so two processes writing one file at once
+each rename a whole file of their own. A checkpoint is a folder and follows the same rule on its own
+(`detlib.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """The temporary path to write `path` through: renamed to `path` when the block ends without an exception,
+    removed when it raises (the old `path`, if any, is kept). The folder is created. The temporary name keeps
+    `path`'s extension, for writers that choose the format by it (matplotlib's savefig)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    stem, ext = os.path.splitext(path)
+    tmp = f"{stem}.{os.getpid()}.tmp{ext}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "w", **open_kwargs) -> Iterator:
+    """`open(path, mode)` for writing, made atomic by `atomic_path`."""
+    with atomic_path(path) as tmp, open(tmp, mode, **open_kwargs) as f:
+        yield f
+
+
+def write_json(obj, path: str, **dump_kwargs) -> str:
+    """Write `obj` as json to `path` atomically (`json.dump` keyword arguments pass through); returns `path`."""
+    with atomic_write(path) as f:
+        json.dump(obj, f, **dump_kwargs)
+    return path
+
+
+def read_json_cache(path: str | None) -> dict:
+    """The dict a `write_json` cache holds; {} when there is none, or it is damaged (a cache only saves work)."""
+    if not path or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def file_key(path: str) -> str | None:
+    """A cache key of a file's content as cheap to get as a stat: "abspath|size|mtime_ns"; None when the file
+    cannot be stat'ed. A changed or replaced file gets a new key."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"

@@ -1,0 +1,42 @@
+"""benchmarks/gpu_report.py: the GPU check's table from whatever the check left (no GPU needed)."""
+
+import importlib.util
+import json
+
+from conftest import REPO
+
+
+def load_report():
+    spec = importlib.util.spec_from_file_location("gpu_report", REPO / "benchmarks" / "gpu_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_report_table_from_partial_results(tmp_path):
+    """Every row is there whatever ran: measured values, an out-of-memory, a stage skipped past its deadline,
+    the overfit verdict against the seed-to-seed noise, and the published figures beside the rows."""
+    report = load_report()
+    r = lambda v, peak=10.0: {"images_per_s": v, "peak_memory_gib": peak, "warmup_s": 3.0}  # noqa: E731
+    (tmp_path / "gpu_results.json").write_text(json.dumps({
+        "device": "NVIDIA H200", "torch": "2.x", "batch_size": 16, "steps": 10, "data": "COCO subset",
+        "train": {"800x800": {"detlib": {"bf16": r(200.0), "fp32": r(80.0), "fp16": r(190.0)},
+                              "torchvision": {"bf16": r(100.0), "fp32": r(60.0), "fp16": {"error": "out of memory"}}},
+                  "800x1333": {"detlib": {"bf16": r(120.0)}, "torchvision": {"bf16": r(70.0)}}},
+        "detlib_nchw_bf16": r(160.0), "loader": {"images_per_s": 900.0, "workers": 16, "size": "800/1333"},
+        "compiled_bf16": {"800x800": {**r(250.0), "backend": "inductor", "graphs": 1}},
+        "syncs_per_train_step_bf16": 0, "skipped": ["compiled 800x1333 bf16"]}))
+    for name, ap in (("fp32", 0.80), ("fp32_seed1", 0.77), ("bf16", 0.79)):
+        (tmp_path / f"overfit_{name}.json").write_text(json.dumps({"AP": ap, "steps": 200, "image_size": 320, "data": "COCO subset"}))
+    text = report.table(str(tmp_path))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 200.0 img/s | 100.0 img/s | 2.00x | 10.0 GiB | MLPerf" in rows["train 800x800, bf16"]
+    assert "- (out of memory)" in rows["train 800x800, fp16"]
+    assert "- (not run)" in rows["train 800x1333, fp32"] and "7.0 img/s per 2080 Ti" in rows["train 800x1333, fp32"]
+    assert "channels_last / NCHW 1.25x" in rows["channels_last: detlib 800x800 bf16 in NCHW"]
+    assert "compiled / eager 1.25x" in rows["torch.compile (inductor): detlib 800x800 bf16"]
+    assert "4.5x the eager bf16 800x800 rate" in rows["data loader, 16 workers, 800/1333 flip_crop_translate + collate"]
+    (fit,) = [v for k, v in rows.items() if k.startswith("overfit")]
+    assert "bf16 - fp32 = -0.010" in fit and "equal within noise (noise 0.030)" in fit
+    assert "Skipped past the deadline: compiled 800x1333 bf16." in text
+    assert report.table(str(tmp_path / "nothing")).count("- (not run)") >= 6  # an empty folder: all dashes
