@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from . import checkpoint as ckpt
-from .collectives import broadcast_object, min_over_processes
+from .runtime import broadcast_object, min_over_processes
 from .rundir import EXIT_DIVERGED, checkpoint_bytes
 from .weights import CheckpointError, all_finite, save_model_weights
 

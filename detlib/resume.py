@@ -1,7 +1,7 @@
-"""Where a run starts, for `detlib.engine.Run.start_training`: its length in optimizer steps, the state of the
-checkpoint it resumes, the counters of a checkpoint written in another geometry (process count x batch size x
-accumulation), the LR schedule (resolved once, continued without a jump when the run length changes), and the
-tracker steps after a resume from an older checkpoint.
+"""Where a run starts, for `detlib.engine.Run.resume_point` / `Run.resume`: its length in optimizer steps, the
+checkpoint it resumes and whether that fits this run (its classes, its optimizer), the counters of a checkpoint
+written in another geometry (process count x batch size x accumulation), and the tracker steps after a resume
+from an older checkpoint. The LR schedule's part is `detlib.schedules.build_scheduler`.
 
 Resume guarantees: `latest` skips damaged checkpoints (detlib.checkpoint); a checkpoint of another process
 count or batch size continues at the same position in samples seen; another `--epochs` continues a cosine
@@ -16,20 +16,11 @@ import logging
 import math
 import os
 
-import torch
-from accelerate import PartialState
-
-from .checkpoint import CheckpointError, TrainState, load_checkpoint, read_train_state, resolve_resume
-from .collectives import broadcast_object
-from .schedules import SCHEDULES, build_lr_scheduler, lr_factor, set_position
+from .checkpoint import CheckpointError, TrainState, resolve_resume
+from .runtime import broadcast_object
 
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger("detlib.engine")
-
-# ReduceLROnPlateau divides the LR by 10 when the loss stalls: the 10x drop of the classic step schedules.
-PLATEAU_FACTOR = 0.1
-# The warm-up's first factor when the schedule does not give one: Detectron's 1/1000, as in detlib.schedules.
-WARMUP_START = 0.001
 
 
 class ResumeError(Exception):
@@ -89,59 +80,6 @@ def check_same_classes(checkpoint: str, model_config: dict | None) -> None:
             f"checkpoint, {len(ours)} here; first difference at label {first}: "
             f"{theirs[first] if first < len(theirs) else 'none'!r} vs {ours[first] if first < len(ours) else 'none'!r}), "
             "so labels would change meaning; to train on these classes start a new run with --init_from")
-
-
-def restore(accelerator, state: TrainState, output_dir: str, resume_from: str | None, optimizer, schedule: dict,
-            steps_per_epoch: int, samples_per_step: int, total_steps: int, epochs: int, max_steps: int | None,
-            model_config: dict | None = None):
-    """Build the LR scheduler and, when `resume_from` (`--resume_from_checkpoint`: a folder or "latest") is
-    given, load that checkpoint of `output_dir` (collective).
-
-    The counters are read into `state` and moved to this run's geometry (`convert_position`); the scheduler
-    (`build_scheduler`, same args) is registered for checkpointing before `load_checkpoint` loads the
-    model, optimizer, scheduler and RNG states (`accelerator.load_state`, reading nothing but tensors and plain
-    values), then set to the moved position. `state` ends with this run's
-    geometry (num_processes, steps_per_epoch, samples_per_step).
-    `model_config` (this run's): its class lists must equal the checkpoint's (`check_same_classes`).
-    Returns (the scheduler, the checkpoint folder resumed or None). Raises ResumeError when there is no checkpoint to resume, it was trained on other
-    classes, a state file holds pickled objects other than tensors and plain values, or its states do not fit
-    this run.
-    """
-    resume = resolve_checkpoint(accelerator, output_dir, resume_from) if resume_from else None
-    if resume:
-        check_same_classes(resume, model_config)
-    saved = read_train_state(resume) if resume else None
-    if saved:
-        state.load_state_dict(saved.state_dict())
-        state.eval_pending = bool(saved.eval_pending)
-    num_processes = accelerator.num_processes
-    moved = convert_position(state, saved, num_processes, samples_per_step, steps_per_epoch) if saved else False
-    scheduler = build_scheduler(optimizer, schedule, state, saved, total_steps, steps_per_epoch, epochs, max_steps)
-    if saved and saved.schedule and saved.schedule.get("kind") not in (None, schedule["kind"]):
-        raise ResumeError(f"cannot resume from {resume} with --lr_scheduler {schedule['kind']}: its run used "
-                          f"{saved.schedule['kind']}, whose state does not carry over; resume with --lr_scheduler "
-                          f"{saved.schedule['kind']}, or start a new run from its weights with --init_from")
-    accelerator.register_for_checkpointing(scheduler)
-    asked = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    if resume:
-        try:
-            load_checkpoint(accelerator, resume)
-        except CheckpointError as e:  # a pickle with code in it, planted after the verification passed the folder
-            raise ResumeError(f"--resume_from_checkpoint: {e}") from None
-        except (RuntimeError, KeyError, ValueError) as e:  # a checkpoint of another model or optimizer
-            first = str(e).strip().splitlines()
-            raise ResumeError(f"cannot resume from {resume}: it does not fit this run (another --backbone, width, "
-                              f"class list or optimizer?): {first[0][:200] if first else type(e).__name__}"
-                              + (f"; {first[1].strip()[:200]}" if len(first) > 1 else "")) from None
-        for line in replaced_by_checkpoint(asked, optimizer.param_groups, saved.schedule if saved else None, resume):
-            logger.warning("%s", line)
-        if moved and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            set_position(scheduler, state.global_step)
-        logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d, lr %.3g", resume, state.epoch + 1,
-                    state.step_in_epoch, state.global_step, optimizer.param_groups[0]["lr"])
-    state.num_processes, state.steps_per_epoch = num_processes, steps_per_epoch
-    state.samples_per_step = samples_per_step
-    return scheduler, resume
 
 
 def load_ema_weights(ema, checkpoint: str | None, file_name: str) -> None:
@@ -234,56 +172,6 @@ def convert_position(state: TrainState, saved: TrainState, num_processes: int, s
         " The rest of this epoch is read in the new process count's order (some of its images may be seen twice "
         "or not at all); later epochs are exact." if saved.step_in_epoch else "")
     return True
-
-
-def build_scheduler(optimizer, schedule: dict, state: TrainState, saved: TrainState | None, total_steps: int,
-                    steps_per_epoch: int, epochs: int, max_steps: int | None):
-    """The run's LR scheduler, its resolved settings written to `state.schedule` (checkpointed).
-
-    Args:
-        schedule: {"kind": "plateau" | "multistep" | "cosine" | "constant", "warmup_steps": int or None,
-            "warmup_fraction": float (when warmup_steps is None), "warmup_start": float,
-            "milestones_epochs": [int], "plateau_patience": int}.
-        saved: the resumed checkpoint's counters (None on a fresh start): its warm-up length is kept, and a
-            cosine schedule resumed with another `epochs` goes on from the LR it had (an anchor).
-        total_steps, steps_per_epoch: this run's length in optimizer steps.
-        epochs, max_steps: the run's flags (`--max_steps` set: no anchor).
-    Returns ReduceLROnPlateau (stepped per epoch) or a per-step LambdaLR (detlib.schedules).
-    Raises ValueError for an unknown kind.
-    """
-    kind = schedule["kind"]
-    if kind == "plateau":
-        # the base LR, which the groups' lr loses at the first drop: a resume compares --lr with it
-        base = (saved.schedule or {}).get("base_lrs") if saved else None
-        state.schedule = {"kind": kind, "base_lrs": base or [g["lr"] for g in optimizer.param_groups]}
-        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=PLATEAU_FACTOR,
-                                                          patience=schedule.get("plateau_patience", 3))
-    if kind not in SCHEDULES:
-        raise ValueError(f"unknown schedule {kind!r}")
-    old = saved.schedule if saved else {}
-    warmup = schedule.get("warmup_steps")
-    if warmup is None:  # resolved once, at the start of the run
-        warmup = old.get("warmup_steps", int(round(schedule.get("warmup_fraction", 0.0) * total_steps)))
-    spec = {"kind": kind, "total_steps": total_steps, "warmup_steps": int(warmup),
-            "warmup_start": schedule.get("warmup_start", WARMUP_START),
-            "milestones": [e * steps_per_epoch for e in schedule.get("milestones_epochs", [])],
-            "anchor": old.get("anchor"), "epochs": epochs}
-    if old and kind == "cosine" and old.get("kind") == kind and old.get("epochs") != epochs and not max_steps:
-        # Another run length: go on down from the LR the run has, to 0 at the new end (no jump back up).
-        factor = lr_factor(saved.global_step, kind, old["total_steps"], old["warmup_steps"],
-                           old.get("warmup_start", WARMUP_START), old.get("milestones", []),
-                           anchor=tuple(old["anchor"]) if old.get("anchor") else None)
-        spec["anchor"] = [state.global_step, factor]
-        logger.warning("resumed with --epochs %d (the checkpoint's run had %s): the cosine schedule goes on from %.3g x "
-                       "the base LR at step %d down to 0 at step %d, without a restart%s", epochs,
-                       old.get("epochs"), factor, state.global_step, total_steps,
-                       "; it had already reached 0, so the added epochs train at LR 0" if factor == 0 else "")
-    if spec["warmup_steps"] >= total_steps > 0 and not saved and PartialState().is_main_process:
-        logger.warning("--warmup_steps %d is not shorter than the run's %d optimizer steps: the LR never reaches "
-                       "its base value (%s warms up too); lower --warmup_steps", spec["warmup_steps"], total_steps, kind)
-    state.schedule = spec
-    return build_lr_scheduler(optimizer, kind, total_steps, spec["warmup_steps"], spec["warmup_start"],
-                              spec["milestones"], anchor=spec["anchor"])
 
 
 def last_logged_step(metrics_path: str) -> int:

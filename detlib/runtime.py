@@ -71,6 +71,24 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
     return accelerator
 
 
+def broadcast_object(accelerator, obj):
+    """The main process's `obj` (any picklable value) on every process. Collective; a plain return on one process."""
+    from accelerate.utils import broadcast_object_list
+
+    if accelerator.num_processes == 1:
+        return obj
+    box = [obj]
+    broadcast_object_list(box)
+    return box[0]
+
+
+def min_over_processes(accelerator, value: int) -> int:
+    """The smallest of every process's `value`, e.g. a 0/1 flag that must hold on all of them. Collective."""
+    if accelerator.num_processes == 1:
+        return int(value)
+    return int(accelerator.gather(torch.tensor([float(value)], device=accelerator.device)).min())
+
+
 def compile_summary() -> str | None:
     """One line on what torch.compile did in this process (`torch._dynamo.utils.counters`): the graphs compiled
     and the frames that fell back to eager; None when nothing was compiled."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
+import math
 import os
 import sys
 
@@ -43,7 +44,7 @@ from detlib import checkpoint as ckpt
 from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
                                    classification_transform, per_class_summary, per_class_table)
 from detlib.dashboard import log_classification_extras
-from detlib.engine import Run
+from detlib.engine import Run, RunSettings
 from detlib.flags import (data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
 from detlib.files import atomic_write
@@ -52,6 +53,7 @@ from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_fold
 from detlib.logtext import short_list
 from detlib.rundir import worker_loader_kwargs
 from detlib.runtime import check_shared_memory
+from detlib.schedules import build_scheduler
 from detlib.synthetic import make_synthetic_image_folder
 from detlib.modelcard import classifier_card, command_line, write_card
 from detlib.weights import complete_model_config, read_model_config, weights_path
@@ -342,8 +344,8 @@ def main(argv=None):
     if not synthetic and not args.train_dir and not args.evaluate_only:
         stop("--train_dir is required for training (or pass --evaluate_only PATH)")
 
-    run = Run(args, metric="val_accuracy")  # output folder checks and lock, accelerator, logging, signals
-    accelerator = run.accelerator
+    run = Run(RunSettings.from_flags(args), metric="val_accuracy")  # output folder and lock, accelerator, logging
+    args.output_dir, accelerator = run.output_dir, run.accelerator  # OUTPUT_DIR/evaluate_only when evaluating only
     if accelerator.is_main_process:
         for line in filter(None, notes):
             logger.warning("%s", line)
@@ -418,8 +420,11 @@ def main(argv=None):
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                     weight_decay=args.weight_decay, nesterov=True)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    # tiny-data check, resume (any process count), LR schedule, trackers, disk space
-    scheduler = run.start_training(model, optimizer, train_loader, {**SCHEDULE, "warmup_steps": args.warmup_steps})
+    start = run.resume_point(train_loader)  # the run's length; a resumed checkpoint's counters (any process count)
+    scheduler, schedule = build_scheduler(optimizer, start=start, epochs=args.epochs, max_steps=args.max_steps,
+                                          warmup_steps=args.warmup_steps, **SCHEDULE)
+    run.resume(model, optimizer, scheduler, schedule)  # the checkpoint's states, trackers, disk space
+    max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still checked
 
     # ---- train
     while run.next_epoch():
@@ -430,9 +435,19 @@ def main(argv=None):
                 loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
                 accelerator.backward(loss * run.loss_weight)  # weight: a partial accumulation window
                 accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
-                run.optimizer_step(model, optimizer, scheduler, {"loss": loss, "train_accuracy": accuracy},
-                                   batch["label"].numel())
-        run.end_epoch(scheduler)
+                run.add_losses({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                    finite = run.all_finite(loss, grad_norm)  # one all-reduce: every rank steps or skips together
+                    if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    scheduler.step()
+                    stepped = finite and not accelerator.optimizer_step_was_skipped
+                    if stepped and run.ema is not None:  # --model_ema; a skipped step has nothing to average in
+                        run.ema.update(run.bare(model), step=run.state.global_step + 1)
+                    run.end_step(model, stepped)  # train line, divergence stop, step checkpoint, preemption
+        run.end_epoch()
 
         if run.evaluation_due():
             models = run.evaluation_models(model)  # the trained weights, and with --model_ema their average

@@ -58,8 +58,7 @@ from detlib.dashboard import log_evaluation_extras
 from detlib.data import CocoDetection, collate_detection
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.decode import decode_detections
-from detlib.engine import Run
-from detlib.collectives import broadcast_object
+from detlib.engine import Run, RunSettings
 from detlib.formats import FORMATS, check_coco_for_training, data_dir_paths
 from detlib.hub import check_push, local_weights, push_folder
 from detlib.modelcard import command_line, detector_card, write_card
@@ -69,8 +68,9 @@ from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from detlib.model import HEAD_NORMS, RetinaNet, check_backbone, load_matching_weights, reorder_class_outputs
 from detlib.rundir import worker_loader_kwargs
-from detlib.runtime import check_shared_memory
+from detlib.runtime import broadcast_object, check_shared_memory
 from detlib.sampler import GroupedBatchSampler, aspect_groups
+from detlib.schedules import build_scheduler
 from detlib.synthetic import make_synthetic_coco
 from detlib.transforms import AUGMENTATIONS, INPUT_DIVISIBILITY, build_transform
 from detlib.weights import (complete_model_config, load_state_dict_file, read_model_config, weights_path,
@@ -350,13 +350,6 @@ def not_used_flags(args) -> list[str]:
     return [k for k, v in unused.items() if v]
 
 
-def schedule_spec(args) -> dict:
-    """"plateau": ReduceLROnPlateau, stepped once per epoch with the epoch's mean loss. The others: a
-    per-optimizer-step schedule with linear warmup (detlib.schedules), built by the run (detlib.engine)."""
-    return {"kind": args.lr_scheduler, "warmup_steps": args.warmup_steps, "milestones_epochs": args.lr_steps,
-            "plateau_patience": args.plateau_patience}
-
-
 @torch.no_grad()
 def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, run: Run, args, train_model=None) -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval.
@@ -459,8 +452,8 @@ def main(argv=None):
         stop(f"weights file not found: {args.backbone_weights} (--backbone_weights)", code=1)
 
     # output folder checks and lock, accelerator, logging, preemption signals; the summary gives AP and AP50
-    run = Run(args, metric="AP", also_report=("AP50",))
-    accelerator = run.accelerator
+    run = Run(RunSettings.from_flags(args), metric="AP", also_report=("AP50",))
+    args.output_dir, accelerator = run.output_dir, run.accelerator  # OUTPUT_DIR/evaluate_only when evaluating only
     if accelerator.is_main_process:
         for line in filter(None, notes):
             logger.warning("%s", line)
@@ -637,8 +630,14 @@ def main(argv=None):
     if args.loss_normalizer == "ema":  # checkpointed with the run (registered before the resume loads it)
         normalizer = EmaLossNormalizer(reduce=lambda t: accelerator.reduce(t, reduction="mean"))
         accelerator.register_for_checkpointing(normalizer)
-    # tiny-data check, resume (any process count), LR schedule, trackers, disk space
-    scheduler = run.start_training(model, optimizer, train_loader, schedule_spec(args))
+    # "plateau": ReduceLROnPlateau, stepped once per epoch with the epoch's mean loss; the others per step
+    per_step_schedule = args.lr_scheduler != "plateau"
+    start = run.resume_point(train_loader)  # the run's length; a resumed checkpoint's counters (any process count)
+    scheduler, schedule = build_scheduler(optimizer, args.lr_scheduler, start, args.epochs, args.max_steps,
+                                          warmup_steps=args.warmup_steps, milestones_epochs=args.lr_steps,
+                                          plateau_patience=args.plateau_patience)
+    run.resume(model, optimizer, scheduler, schedule)  # the checkpoint's states, trackers, disk space
+    max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still checked
 
     # ---- train
     while run.next_epoch():
@@ -653,11 +652,25 @@ def main(argv=None):
                 anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
                 losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
                                         batch["crowd_boxes"], box_loss=args.box_loss, normalizer=normalizer)
-                accelerator.backward(losses["loss"] * run.loss_weight)  # weight: a partial accumulation window
-                n = len(batch["image_ids"])
-                run.optimizer_step(model, optimizer, scheduler, {"loss": losses["loss"], "cls_loss": losses["cls_loss"],
-                                   "box_loss": losses["box_loss"], "pos_anchors_per_image": losses["num_pos"] / n}, n)
-        run.end_epoch(scheduler)
+                loss, n = losses["loss"], len(batch["image_ids"])
+                accelerator.backward(loss * run.loss_weight)  # weight: a partial accumulation window
+                run.add_losses({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
+                                "pos_anchors_per_image": losses["num_pos"] / n}, n)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                    finite = run.all_finite(loss, grad_norm)  # one all-reduce: every rank steps or skips together
+                    if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step
+                        optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    if per_step_schedule:
+                        scheduler.step()
+                    stepped = finite and not accelerator.optimizer_step_was_skipped
+                    if stepped and run.ema is not None:  # --model_ema; a skipped step has nothing to average in
+                        run.ema.update(run.bare(model), step=run.state.global_step + 1)
+                    run.end_step(model, stepped)  # train line, divergence stop, step checkpoint, preemption
+        mean_loss = run.end_epoch()
+        if not per_step_schedule and mean_loss is not None:
+            scheduler.step(mean_loss)
 
         if run.evaluation_due():
             models = run.evaluation_models(model)  # the trained weights, and with --model_ema their average

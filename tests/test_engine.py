@@ -194,7 +194,7 @@ def test_set_position_moves_a_lambda_schedule():
     assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 11 / 40)))
 
 
-# ---- the run machinery's parts (detlib.step_guard, detlib.resume, detlib.rundir, detlib.checkpointer)
+# ---- the run machinery's parts (detlib.engine.StepWindow, detlib.resume, detlib.rundir, detlib.checkpointer)
 
 def _guarded_bn_model():
     from accelerate import Accelerator
@@ -207,11 +207,23 @@ def _guarded_bn_model():
     return acc, model, opt
 
 
+def _script_step(acc, window, model, opt, loss) -> bool:
+    """The optimizer step as scripts/train_*.py write it, with Run.end_step's buffer restore."""
+    grad_norm = acc.clip_grad_norm_(model.parameters(), math.inf)
+    finite = window.all_finite(loss, grad_norm)
+    if finite or acc.scaler is not None:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    if not finite:
+        window.restore_buffers()
+    return not finite
+
+
 def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts_the_streak(caplog):
-    from detlib.step_guard import StepGuard
+    from detlib.engine import StepWindow
 
     acc, model, opt = _guarded_bn_model()
-    guard = StepGuard(acc, max_grad_norm=None, max_nonfinite_steps=2)
+    guard = StepWindow(acc, max_nonfinite_steps=2)
     x = torch.randn(4, 3)
 
     guard.snapshot_buffers(model)
@@ -219,10 +231,10 @@ def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts
     loss.backward()
     guard.add({"loss": loss}, 4)
     before = model[0].weight.detach().clone()
-    skipped, sums = guard.step(model, opt, loss)
+    skipped, sums = _script_step(acc, guard, model, opt, loss), guard.sums
     assert not skipped and not torch.equal(model[0].weight, before)
     assert sums[:2] == (0.0, 0.0) and sums[2] == pytest.approx(loss.item())
-    assert guard.record(1, 0.1, *sums) is False and guard.streak == 0
+    assert guard.record(1, 0.1) is False and guard.streak == 0
     assert guard.last_grad_norm == pytest.approx(sums[3]) and sums[3] > 0
 
     weights, running_mean = model[0].weight.detach().clone(), model[1].running_mean.clone()
@@ -231,10 +243,10 @@ def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts
         loss = model(x).sum() * float("nan")  # the forward moves the running mean, the loss is NaN
         loss.backward()
         guard.add({"loss": loss}, 4)
-        skipped, sums = guard.step(model, opt, loss)
+        skipped, sums = _script_step(acc, guard, model, opt, loss), guard.sums
         assert skipped and sums[0] == 1.0
         assert torch.equal(model[0].weight, weights) and torch.equal(model[1].running_mean, running_mean)
-        diverged = guard.record(step, 0.1, *sums)
+        diverged = guard.record(step, 0.1)
         assert guard.streak == step - 1 and diverged == (step == 3) and math.isnan(guard.last_grad_norm)
     warned = [r.getMessage() for r in caplog.records if "non-finite loss" in r.getMessage()]
     assert warned == ["step 2: non-finite loss (lr 0.1); the step is skipped on every process (1 in a row)",
@@ -244,14 +256,15 @@ def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts
 def test_step_guard_window_line_is_the_mean_over_images_and_restarts():
     from accelerate import Accelerator
 
-    from detlib.step_guard import StepGuard
+    from detlib.engine import StepWindow
 
     acc = Accelerator(cpu=True)
-    guard = StepGuard(acc, max_grad_norm=1.0, max_nonfinite_steps=3)
+    guard = StepWindow(acc, max_nonfinite_steps=3)
     assert guard.window_line({"epoch": 0, "step": 0}, 0.1, 0, [{"lr": 0.1}]) is None  # no step yet
     guard.add({"loss": torch.tensor(2.0), "cls_loss": torch.tensor(1.0)}, 3)
     guard.add({"loss": torch.tensor(6.0), "cls_loss": torch.tensor(5.0)}, 1)
-    guard.record(1, 0.1, 0.0, 0.0, 6.0, 0.5)
+    guard.sums = (0.0, 0.0, 6.0, 0.5)
+    guard.record(1, 0.1)
     line, images = guard.window_line({"epoch": 0, "step": 1}, 0.1, 0, [{"lr": 0.1}, {"lr": 0.01}])
     assert images == 4
     assert list(line)[:4] == ["epoch", "step", "loss", "cls_loss"]
@@ -264,11 +277,12 @@ def test_step_guard_window_line_is_the_mean_over_images_and_restarts():
 def test_explosion_is_reported_once_per_order_of_magnitude(caplog):
     from accelerate import Accelerator
 
-    from detlib.step_guard import StepGuard
+    from detlib.engine import StepWindow
 
-    guard = StepGuard(Accelerator(cpu=True), max_grad_norm=None, max_nonfinite_steps=3)
+    guard = StepWindow(Accelerator(cpu=True), max_nonfinite_steps=3)
     for step, loss in enumerate([1.0, 1.0, 1.0, 150.0, 300.0, 2000.0], 1):
-        guard.record(step, 0.1, 0.0, 0.0, loss, 1.0)
+        guard.sums = (0.0, 0.0, loss, 1.0)
+        guard.record(step, 0.1)
     warned = [r.getMessage() for r in caplog.records if "lowest running level" in r.getMessage()]
     # 150 > 100 x the level 1.0: reported; 300 is under 10 x 150: not; 2000 is over 10 x 150: reported
     assert len(warned) == 2 and warned[0].startswith("step 4: loss 150 is over 100x its lowest running level 1 ")

@@ -98,8 +98,8 @@ def test_enable_cpu_fp16_refuses_other_settings():
 
 @pytest.mark.slow
 def test_fp16_inf_gradient_backs_off_scale_and_skips_on_every_rank_case_b16(tmp_path):
-    """2 gloo processes, autocast("cpu", float16) + GradScaler("cpu") through Run.optimizer_step and StepGuard
-    (tests/probes/fp16_step_probe.py): rank 1 alone gets an inf gradient at step 2."""
+    """2 gloo processes, autocast("cpu", float16) + GradScaler("cpu") through the scripts' step (Run.all_finite,
+    Run.end_step; tests/probes/fp16_step_probe.py): rank 1 alone gets an inf gradient at step 2."""
     import json
     import subprocess
 

@@ -41,17 +41,15 @@ def test_constant_warms_up_too_and_the_first_step_is_one_step_into_the_ramp():
 
 
 def test_a_warmup_as_long_as_the_run_is_a_warning_once_at_the_start(caplog):
-    from detlib.checkpoint import TrainState
-    from detlib.resume import build_scheduler
+    from detlib.schedules import RunPosition, build_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    spec = {"kind": "constant", "warmup_steps": 500}
+    start = RunPosition(steps_per_epoch=20, total_steps=200)
     with caplog.at_level("WARNING", logger="detlib"):
-        build_scheduler(opt, spec, TrainState(), None, total_steps=200, steps_per_epoch=20, epochs=10, max_steps=0)
+        build_scheduler(opt, "constant", start, epochs=10, max_steps=0, warmup_steps=500)
     (record,) = [r for r in caplog.records if "warmup_steps" in r.getMessage()]
     assert "500" in record.getMessage() and "200 optimizer steps" in record.getMessage()
     caplog.clear()
     with caplog.at_level("WARNING", logger="detlib"):
-        build_scheduler(opt, {**spec, "warmup_steps": 50}, TrainState(), None, total_steps=200, steps_per_epoch=20,
-                        epochs=10, max_steps=0)
+        build_scheduler(opt, "constant", start, epochs=10, max_steps=0, warmup_steps=50)
     assert not [r for r in caplog.records if "warmup_steps" in r.getMessage()]

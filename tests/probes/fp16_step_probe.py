@@ -1,5 +1,5 @@
 """Launched by tests/test_mixed_precision.py with 2 processes: the fp16 training step on a CPU, through the
-scripts' own step (detlib.engine.Run.optimizer_step -> detlib.step_guard.StepGuard).
+scripts' own step (clip, `Run.all_finite`, `optimizer.step()`, `Run.end_step`, as in scripts/train_*.py).
 
 accelerate runs `mixed_precision: fp16` on a CPU in fp32 (no autocast, no GradScaler), so the probe switches
 on `torch.autocast("cpu", torch.float16)` and `torch.amp.GradScaler("cpu")` with detlib.runtime.enable_cpu_fp16.
@@ -17,7 +17,7 @@ import sys
 import torch
 from accelerate.utils import gather_object
 
-from detlib.engine import Run
+from detlib.engine import Run, RunSettings
 from detlib.flags import run_argument_parser
 from detlib.model import RetinaNet
 from detlib.runtime import enable_cpu_fp16
@@ -48,7 +48,7 @@ def main():
     args = p.parse_args(["--output_dir", out_dir, "--mixed_precision", "fp16", "--report_to", "none", "--epochs", "1",
                          "--per_device_batch_size", "1", "--max_grad_norm", "0.1", "--log_interval", "1",
                          "--eval_interval", "1", "--num_workers", "0", "--project", "probe"])
-    run = Run(args, metric="AP")
+    run = Run(RunSettings.from_flags(args), metric="AP")
     acc = run.accelerator
     enable_cpu_fp16(acc)
     from detlib.anchors import AnchorGenerator
@@ -63,7 +63,10 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     loader = torch.utils.data.DataLoader(batches(), batch_size=1, shuffle=False, collate_fn=collate)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    scheduler = run.start_training(model, optimizer, loader, {"kind": "constant", "warmup_steps": 0})
+    from detlib.schedules import build_scheduler
+
+    scheduler, schedule = build_scheduler(optimizer, "constant", run.resume_point(loader), 1, warmup_steps=0)
+    run.resume(model, optimizer, scheduler, schedule)
     anchor_gen = AnchorGenerator()
     params = [q for q in model.parameters() if q.requires_grad]
     steps = []
@@ -80,14 +83,21 @@ def main():
                 scale = float(acc.scaler.get_scale())
                 norm = float(torch.linalg.vector_norm(torch.stack([q.grad.double().norm() for q in params]))) / scale
                 before = torch.cat([q.detach().double().flatten() for q in params]).clone()
-                run.optimizer_step(model, optimizer, scheduler, {"loss": losses["loss"]}, 1)
+                run.add_losses({"loss": losses["loss"]}, 1)
+                grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                finite = run.all_finite(losses["loss"], grad_norm)
+                if finite or acc.scaler is not None:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                run.end_step(model, finite and not acc.optimizer_step_was_skipped)
                 after = torch.cat([q.detach().double().flatten() for q in params])
             steps.append({"step": step, "scale_before": scale, "scale_after": float(acc.scaler.get_scale()),
                           "changed": bool((before != after).any()), "unscaled_norm": norm,
                           "update_norm": float((after - before).norm()), "loss": float(losses["loss"].detach()),
                           "loss_dtype": str(losses["loss"].dtype),
                           "output_dtype": str(out["cls_logits"].dtype)})
-        run.end_epoch(scheduler)
+        run.end_epoch()
     per_rank = gather_object([{"rank": acc.process_index, "steps": steps, "head_dtypes": sorted(set(head_dtypes)),
                                "scaler": f"{type(acc.scaler).__module__}.{type(acc.scaler).__name__}",
                                "skipped_steps": run.state.skipped_steps,
