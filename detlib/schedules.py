@@ -42,7 +42,7 @@ class RunPosition:
     checkpoint_schedule: dict | None = None
 
 
-def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, warmup_start: float = 0.001,
+def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, warmup_start: float = WARMUP_START,
               milestones: Sequence[int] = (), gamma: float = 0.1, anchor: tuple[int, float] | None = None) -> float:
     """Multiplier of the base LR at optimizer step `step` (0-based).
 
@@ -76,7 +76,7 @@ def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, war
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, kind: str, total_steps: int, warmup_steps: int = 0,
-                       warmup_start: float = 0.001, milestones: Sequence[int] = (), gamma: float = 0.1,
+                       warmup_start: float = WARMUP_START, milestones: Sequence[int] = (), gamma: float = 0.1,
                        anchor: Sequence | None = None):
     """A `LambdaLR` following `lr_factor` (see there for the arguments)."""
     ms = tuple(int(m) for m in milestones)
