@@ -1,4 +1,4 @@
-"""Padding fraction of one training epoch with and without aspect-ratio grouping (detlib.sampler).
+"""Padding fraction of one training epoch with and without aspect-ratio grouping (detlib.data.sampler).
 
     python benchmarks/aspect_padding.py [--image_size 600] [--batch_size 8]
 
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from detlib.data import CocoDetection, collate_detection
-from detlib.flags import HelpFormatter
-from detlib.sampler import GroupedBatchSampler, aspect_groups
-from detlib.transforms import build_transform
+from detlib.data.coco import CocoDetection, collate_detection
+from detlib.data.sampler import GroupedBatchSampler, aspect_groups
+from detlib.data.transforms import build_transform
+from detlib.engine.flags import HelpFormatter
 
 SUBSET = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco_subset"
 

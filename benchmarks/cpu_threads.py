@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from detlib.flags import HelpFormatter
+from detlib.engine.flags import HelpFormatter
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Time the json part of the COCO data check (`detlib.cococheck.check_coco`) on a COCO-2017-train-sized file.
+"""Time the json part of the COCO data check (`detlib.datacheck.coco.check_coco`) on a COCO-2017-train-sized file.
 
 Generates (once, seeded) a boxes-only COCO json with 118,287 images and about 860,000 annotations (COCO
 train2017's counts; 80 categories with COCO's non-contiguous ids), then times, on one core:
@@ -23,8 +23,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from detlib.cococheck import check_coco  # noqa: E402
-from detlib.flags import HelpFormatter  # noqa: E402
+from detlib.datacheck.coco import check_coco  # noqa: E402
+from detlib.engine.flags import HelpFormatter  # noqa: E402
 
 COCO_CATEGORY_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
 

@@ -1,4 +1,4 @@
-"""Memory of the training data set at COCO train scale, records as Python dicts vs flat arrays (detlib.records).
+"""Memory of the training data set at COCO train scale, records as Python dicts vs flat arrays (detlib.data.records).
 
     python benchmarks/dataset_memory.py [--images 118287]
 
@@ -21,7 +21,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from detlib.flags import HelpFormatter  # noqa: E402  (no torch: the measured child imports what it measures)
+from detlib.engine.flags import HelpFormatter  # noqa: E402  (no torch: the measured child imports what it measures)
 
 
 def _kib(field: str, path: str) -> int:
@@ -33,7 +33,7 @@ def _kib(field: str, path: str) -> int:
 
 
 def measure(json_path: str, image_dir: str, compact: bool) -> dict:
-    from detlib.data import CocoDetection
+    from detlib.data.coco import CocoDetection
 
     gc.collect()
     before = _kib("VmRSS:", "/proc/self/status")

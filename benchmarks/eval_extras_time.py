@@ -1,4 +1,4 @@
-"""Time of the evaluation extras (detlib.dashboard.log_evaluation_extras) against the evaluation itself.
+"""Time of the evaluation extras (detlib.evaluation.report.log_evaluation_extras) against the evaluation itself.
 
 The evaluation is what scripts/train_retinanet.py's `evaluate` does on one process: forward, decoding and
 COCOeval over the val set. The extras are the per-class table, the PR / confusion / per-class / training-curve
@@ -27,16 +27,16 @@ import time
 
 import torch
 
-from detlib.anchors import AnchorGenerator
-from detlib.coco_eval import CocoEvaluator, detections_to_coco
-from detlib.dashboard import log_evaluation_extras
-from detlib.data import CocoDetection, collate_detection
-from detlib.decode import decode_detections
-from detlib.flags import HelpFormatter
+from detlib.data.coco import CocoDetection, collate_detection
+from detlib.data.transforms import build_transform
+from detlib.engine.flags import HelpFormatter
+from detlib.engine.tracking import init_trackers, make_accelerator
+from detlib.evaluation.coco import CocoEvaluator, detections_to_coco
+from detlib.evaluation.report import log_evaluation_extras
 from detlib.inference import load_retinanet
-from detlib.model import build_retinanet_from_config
-from detlib.runtime import init_trackers, make_accelerator
-from detlib.transforms import build_transform
+from detlib.retinanet.anchors import AnchorGenerator
+from detlib.retinanet.decode import decode_detections
+from detlib.retinanet.model import build_retinanet_from_config
 
 
 def build_parser() -> argparse.ArgumentParser:

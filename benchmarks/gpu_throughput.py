@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kit import COCO_IMAGES, COCO_TRAIN_JSON, Kit, build_model_pair, peer_input_size, real_batch  # noqa: E402
 
-from detlib.flags import HelpFormatter  # noqa: E402
+from detlib.engine.flags import HelpFormatter  # noqa: E402
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -74,7 +74,7 @@ def data_paths() -> dict:
     """The COCO-format set the batches and the loader read: the shared subset, else the built-in synthetic set."""
     if os.path.isfile(COCO_TRAIN_JSON):
         return {"images": COCO_IMAGES, "annotations": COCO_TRAIN_JSON, "source": "COCO subset (shared data)"}
-    from detlib.synthetic import make_synthetic_coco
+    from detlib.data.builtin import make_synthetic_coco
 
     paths = make_synthetic_coco()
     return {"images": paths["train_images"], "annotations": paths["train_annotations"],
@@ -132,8 +132,8 @@ def count_syncs(kit: Kit, batch: dict) -> int | None:
 def loader_rate(args, paths: dict, seconds: float) -> dict:
     """Images/s of the training DataLoader (`--num_workers` workers) over the set, repeated, for about `seconds`
     after its first batch (worker start-up excluded)."""
-    from detlib.data import CocoDetection, collate_detection
-    from detlib.transforms import build_transform
+    from detlib.data.coco import CocoDetection, collate_detection
+    from detlib.data.transforms import build_transform
 
     size, max_size = (800, 1333) if not args.quick else (64, 96)
     ds = CocoDetection(paths["images"], paths["annotations"], build_transform(size, "flip_crop_translate", max_size))

@@ -2,7 +2,7 @@
 
 `run.py` (CPU, fp32) and `gpu_throughput.py` (one GPU, fp32 / bf16 / fp16) time the same two calls, defined once here:
 
-* ours: `detlib.model.RetinaNet` (R50-FPN, 80 classes, frozen BatchNorm folded) + `retinanet_loss` for
+* ours: `detlib.retinanet.model.RetinaNet` (R50-FPN, 80 classes, frozen BatchNorm folded) + `retinanet_loss` for
   training; forward + `decode_detections` for inference;
 * peer: torchvision's `retinanet_resnet50_fpn` carrying exactly our weights (`devtools/peers.py`, shared with
   tests/test_fast_paths.py, which checks it), which computes its own transform, anchors, matching, loss and decoding.
@@ -25,10 +25,10 @@ if REPO not in sys.path:  # a benchmark runs as `python benchmarks/<name>.py`: t
     sys.path.insert(0, REPO)
 from devtools.peers import COCO_IMAGES, COCO_TRAIN_JSON, torchvision_retinanet  # noqa: E402
 
-from detlib.anchors import AnchorGenerator  # noqa: E402
-from detlib.decode import decode_detections  # noqa: E402
-from detlib.loss import retinanet_loss  # noqa: E402
-from detlib.model import RetinaNet  # noqa: E402
+from detlib.retinanet.anchors import AnchorGenerator  # noqa: E402
+from detlib.retinanet.decode import decode_detections  # noqa: E402
+from detlib.retinanet.loss import retinanet_loss  # noqa: E402
+from detlib.retinanet.model import RetinaNet  # noqa: E402
 
 NUM_CLASSES = 80
 # The paper's cap, which our decoder uses (torchvision's default is 300).
@@ -62,7 +62,7 @@ def real_batch(image_size: int | tuple[int, int], batch_size: int, first: int = 
         torchvision-style `tv_images` (list of float [3, H, W] in [0, 1]) and `tv_targets` (list of
         {"boxes", "labels"}).
     """
-    from detlib.data import CocoDetection, collate_detection
+    from detlib.data.coco import CocoDetection, collate_detection
 
     out_h, out_w = (image_size, image_size) if isinstance(image_size, int) else image_size
     ds = CocoDetection(images, annotations, transform=None)

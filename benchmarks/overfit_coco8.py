@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from detlib.flags import HelpFormatter
+from detlib.engine.flags import HelpFormatter
 
 REPO = Path(__file__).resolve().parents[1]
 COCO = Path(os.environ.get("DETLIB_COCO_SUBSET", REPO.parent / "shared" / "data" / "coco_subset"))
@@ -50,7 +50,7 @@ def main() -> int:
     source = "COCO subset"
     if not train_json.is_file():
         sys.path.insert(0, str(REPO))
-        from detlib.synthetic import make_synthetic_coco
+        from detlib.data.builtin import make_synthetic_coco
 
         paths = make_synthetic_coco()
         train_json, image_dir, source = Path(paths["train_annotations"]), Path(paths["train_images"]), "built-in synthetic set"

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from detlib.flags import HelpFormatter
+from detlib.engine.flags import HelpFormatter
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kit import NUM_CLASSES, Kit, build_model_pair  # noqa: E402  (kit puts the repository root on the path)
 from devtools.peers import COCO_IMAGES, COCO_TRAIN_JSON, coco_eval_inputs, head_output_gap  # noqa: E402
 
-from detlib.anchors import AnchorGenerator  # noqa: E402
-from detlib.coco_eval import STAT_NAMES, evaluate_coco  # noqa: E402
-from detlib.flags import HelpFormatter  # noqa: E402
-from detlib.matching import match_anchors  # noqa: E402
+from detlib.engine.flags import HelpFormatter  # noqa: E402
+from detlib.evaluation.coco import STAT_NAMES, evaluate_coco  # noqa: E402
+from detlib.retinanet.anchors import AnchorGenerator  # noqa: E402
+from detlib.retinanet.matching import match_anchors  # noqa: E402
 
 BENCHMARKS = ("train_step", "inference", "assign_3000", "coco_eval", "data_pipeline", "compile", "model_ema")
 GOALS = {"train_step": 0.8, "inference": 0.7, "assign_3000": 1.0, "coco_eval": 0.33}
@@ -290,8 +290,8 @@ def bench_coco_eval(args) -> dict:
 
 def bench_data_pipeline(args) -> dict:
     """Images per second of one loader worker: decode + COCO training transform at 600 px + collate."""
-    from detlib.data import CocoDetection, collate_detection
-    from detlib.transforms import build_transform
+    from detlib.data.coco import CocoDetection, collate_detection
+    from detlib.data.transforms import build_transform
 
     ds = CocoDetection(COCO_IMAGES, COCO_TRAIN_JSON, build_transform(600, "flip_crop_translate"))
     threads = torch.get_num_threads()

@@ -1,5 +1,5 @@
 """timm model names and the meta-device check of a model's input sizes, shared by the detector's backbone
-(`detlib.model`) and the classifier (`detlib.classification`)."""
+(`detlib.retinanet.model`) and the classifier (`detlib.classification`)."""
 
 from __future__ import annotations
 

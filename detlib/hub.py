@@ -1,5 +1,5 @@
 """The Hugging Face Hub for weights folders: a Hub repo id wherever weights are read (`--weights`,
-`--evaluate_only`, `--init_from`), and `--push_to_hub` of a run's best/ (with its model card, `detlib.modelcard`).
+`--evaluate_only`, `--init_from`), and `--push_to_hub` of a run's best/ (with its model card, `detlib.evaluation.model_card`).
 
 Everything goes through huggingface_hub, so its cache (HF_HOME / HF_HUB_CACHE), its token (HF_TOKEN, `hf auth
 login`) and its offline mode (HF_HUB_OFFLINE=1: only what is cached) are respected. A string is read as a repo id

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .imagefolder import IMG_EXTENSIONS, is_hidden
-from .images import IMAGE_ERRORS, load_rgb
-from .data import unreadable_item
+from .data.coco import unreadable_item
+from .data.imagefolder import IMG_EXTENSIONS, is_hidden
+from .data.images import IMAGE_ERRORS, load_rgb
+from .data.transforms import make_sample
 from .labels import CategoryMap
-from .model import build_retinanet_from_config
-from .transforms import make_sample
+from .retinanet.model import build_retinanet_from_config
 from .weights import REQUIRED, complete_model_config, load_model_weights, read_model_config, weights_path
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ def list_media_files(source: str, exclude: tuple[str, ...] = ()) -> tuple[str, l
     Raises:
         FileNotFoundError: nothing matches, or nothing is left outside `exclude` (names the source).
     """
-    from .datacheck import read_image_header
-    from .video import VIDEO_EXTENSIONS, is_video_file
+    from .data.video import VIDEO_EXTENSIONS, is_video_file
+    from .datacheck.report import read_image_header
 
     root, found = list_image_files(source, exclude, extensions=IMG_EXTENSIONS + VIDEO_EXTENSIONS)
     images, videos, unsupported = [], [], []
@@ -312,7 +312,7 @@ def prediction_parser(description: str, batch_size: int) -> tuple[argparse.Argum
     groups {"data", "model", "output"} for the script's own flags. Data: `--no_exif_transpose`, `--batch_size`
     (images per process and forward pass), `--num_workers`; model: `--weights`, `--mixed_precision`, `--cpu`;
     output: `--output_dir`, `--verbose`. `--help` shows every default."""
-    from .flags import HelpFormatter, int_at_least
+    from .engine.flags import HelpFormatter, int_at_least
 
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     groups = {name: p.add_argument_group(name) for name in ("data", "model", "output")}
@@ -349,7 +349,7 @@ def start_prediction(args):
     """The Accelerator of a predict script (CPU or GPU, any number of processes) and its log,
     `OUTPUT_DIR/predict.log` on the main process. Reads `args.output_dir`, `args.mixed_precision`, `args.cpu`,
     `args.verbose`."""
-    from .runtime import make_accelerator, setup_logging
+    from .engine.tracking import make_accelerator, setup_logging
 
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator = make_accelerator(args.mixed_precision, 1, "none", args.output_dir, cpu=args.cpu)

@@ -9,7 +9,7 @@ Padded ground truth
   A batch pads each image's boxes to the batch's largest count M. Padded slots carry label
   `PAD_LABEL` (-1) and box [0, 0, 0, 0]; a slot is real when `labels >= 0`.
 
-Anchor assignment (the output of `detlib.matching.match_anchors`, one value per anchor)
+Anchor assignment (the output of `detlib.retinanet.matching.match_anchors`, one value per anchor)
   >= 0         index of the matched ground-truth box (a positive / foreground anchor)
   BACKGROUND   -1: a negative anchor, trained towards "no object" in every class
   IGNORE       -2: takes no part in the loss (IoU between the two thresholds, or inside a crowd region)

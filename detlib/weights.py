@@ -6,8 +6,8 @@ Layout of a weights folder (`last/`, `best/`, and inside every checkpoint folder
   model_config.json    the model's description (`build_retinanet_from_config`, the classifier's builder)
   best.json            in best/: which metric, value, epoch and step these weights scored
   score_thresholds.json  the per-class score thresholds that maximised F1 in the evaluation of these weights
-                       (`detlib.analysis.best_f1_thresholds`), read by predict's `--score_thresh best_f1`
-  README.md            the model card (`detlib.modelcard`)
+                       (`detlib.evaluation.metrics.best_f1_thresholds`), read by predict's `--score_thresh best_f1`
+  README.md            the model card (`detlib.evaluation.model_card`)
 
 Reading is built on timm's reader (`timm.models.load_state_dict`), so the classifier and the detector share
 it without importing each other's model code.
@@ -216,7 +216,7 @@ SCORE_THRESHOLDS = "score_thresholds.json"
 
 
 def write_score_thresholds(folder: str, best_f1: dict, evaluation: dict) -> str:
-    """`folder/score_thresholds.json`: `best_f1` (`detlib.analysis.best_f1_thresholds`, without its curves) and the
+    """`folder/score_thresholds.json`: `best_f1` (`detlib.evaluation.metrics.best_f1_thresholds`, without its curves) and the
     epoch and step of the `evaluation` (a metrics.jsonl line) it comes from. Returns the path."""
     path = os.path.join(folder, SCORE_THRESHOLDS)
     out = {k: v for k, v in best_f1.items() if k != "curves"}

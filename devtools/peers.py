@@ -57,7 +57,7 @@ def _tv_key(key: str) -> str:
 
 
 def torchvision_retinanet(ours: torch.nn.Module, image_size: int) -> torch.nn.Module:
-    """torchvision's `retinanet_resnet50_fpn` with `ours`' weights (an R50 `detlib.model.RetinaNet`).
+    """torchvision's `retinanet_resnet50_fpn` with `ours`' weights (an R50 `detlib.retinanet.model.RetinaNet`).
 
     Its transform is set to `min_size = max_size = image_size`, so a square image of that size goes in
     unchanged (it is still interpolated at scale 1, part of torchvision's own cost).
@@ -122,7 +122,7 @@ def coco_eval_inputs(num_images: int, dets_per_image: int = 100, seed: int = 0) 
         src = src_images[i % len(src_images)]
         image_id = i + 1
         W, H = src["width"], src["height"]
-        # a file name of its own: one file listed under two ids is merged by the data check (detlib.cococheck)
+        # a file name of its own: one file listed under two ids is merged by the data check (detlib.datacheck.coco)
         images.append({**src, "id": image_id, "file_name": f"copy{i:06d}_{src['file_name']}"})
         dets = []
         for a in by_image.get(src["id"], []):

@@ -7,7 +7,7 @@ Write the repaired json (numbers parsed, ids made valid, boxes derived / clipped
     python scripts/check_dataset.py --annotations train.json --images DIR --write_fixed train_fixed.json
 
 A data set root, COCO, Pascal VOC or YOLO (the layout detected; train and val splits checked, VOC and YOLO read as
-COCO: detlib/formats.py), and its splits as COCO json files:
+COCO: detlib/data/formats.py), and its splits as COCO json files:
     python scripts/check_dataset.py --data_dir VOCdevkit/VOC2012
     python scripts/check_dataset.py --data_dir datasets/my_yolo_set --write_fixed train.json --write_fixed_val val.json
 
@@ -27,10 +27,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from detlib.cococheck import check_coco, check_learnable, check_train_val  # noqa: E402
-from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
-from detlib.flags import HelpFormatter  # noqa: E402
-from detlib.formats import FORMATS, data_dir_paths, read_data_dir_splits  # noqa: E402
+from detlib.data.formats import FORMATS, data_dir_paths, read_data_dir_splits  # noqa: E402
+from detlib.datacheck.coco import check_coco, check_learnable, check_train_val  # noqa: E402
+from detlib.datacheck.report import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
+from detlib.engine.flags import HelpFormatter  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,8 +141,8 @@ def check_data_dir(args, report: DataReport, kw: dict):
 
 
 def check_folders(args) -> DataReport:
-    from detlib.imagefolder import scan_image_folder
-    from detlib.foldercheck import check_folder_scans
+    from detlib.data.imagefolder import scan_image_folder
+    from detlib.datacheck.imagefolder import check_folder_scans
 
     scans = {"train": scan_image_folder(args.image_folder, verify=args.verify)}
     if args.val_image_folder:

@@ -15,7 +15,7 @@ Fine-tune: scripts/train_retinanet.py ... --init_from weights/tv_retinanet
 The folder holds a model card (README.md, in the Hub's format) too, so it can be uploaded as a Hub model repo as it is.
 
 model_config.json carries what the model needs to reproduce torchvision's predictions (P6 from P5, its anchors,
-its resize, 800 / 1333; v2: GroupNorm heads, P6 from C5): see detlib/torchvision_weights.py.
+its resize, 800 / 1333; v2: GroupNorm heads, P6 from C5): see detlib/retinanet/torchvision_weights.py.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import sys
 
 from safetensors.torch import save_file
 
-from detlib.flags import HelpFormatter
-from detlib.model import build_retinanet_from_config
-from detlib.modelcard import detector_card, write_card
-from detlib.torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories, torchvision_model_config,
-                                       torchvision_version)
+from detlib.engine import HelpFormatter
+from detlib.evaluation import detector_card, write_card
+from detlib.retinanet import (build_retinanet_from_config, convert_torchvision_retinanet, torchvision_coco_categories,
+                              torchvision_model_config, torchvision_version)
 from detlib.weights import load_state_dict_file
 
 

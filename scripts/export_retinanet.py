@@ -3,14 +3,14 @@ r"""Export a trained RetinaNet to ONNX (and / or a torch.export program) and che
 ONNX with the decoding (top-k, NMS) inside, checked on 3 val images of the run (from its config.yaml):
     python scripts/export_retinanet.py --weights outputs/r50_600/best --output outputs/r50_600/retinanet.onnx
 
-Raw head outputs only (decode outside, e.g. with detlib.decode.decode_detections), plus a torch.export program:
+Raw head outputs only (decode outside, e.g. with detlib.retinanet.decode.decode_detections), plus a torch.export program:
     python scripts/export_retinanet.py --weights outputs/r50_600 --output model.onnx --decode outside --format both
 
 Parity images from elsewhere (a folder, a glob, a file, or a COCO json with its image folder):
     python scripts/export_retinanet.py --weights RUN --output model.onnx --check_source val.json --check_images val2017/
 
 The graph takes one image padded to a square canvas (the training size rounded up to a multiple of 32); see
-detlib/export.py for its inputs and outputs, and docs/predict_export.md for running it with onnxruntime. Beside
+detlib/retinanet/export.py for its inputs and outputs, and docs/predict_export.md for running it with onnxruntime. Beside
 FILE.onnx it writes FILE.json (canvas, sizes, class ids and names, thresholds, input / output names) and
 FILE.parity.json (the check's numbers). The check fails loudly (exit 1) when an image's detections differ
 beyond the tolerance: labels not identical, a box more than --box_atol px off or a score more than --score_atol.
@@ -32,14 +32,11 @@ import warnings
 import numpy as np
 import torch
 
-from detlib.anchors import AnchorGenerator
-from detlib.data import PAD_VALUE
-from detlib.decode import decode_detections
-from detlib.export import ExportableRetinaNet, canvas_size, compare_detections, head_candidates, prepare_input
-from detlib.flags import HelpFormatter, float_range, int_at_least
-from detlib.images import IMAGE_ERRORS, load_rgb
+from detlib.data import IMAGE_ERRORS, PAD_VALUE, load_rgb
+from detlib.engine import HelpFormatter, float_range, int_at_least, setup_console_logging
 from detlib.inference import list_image_files, load_retinanet, retinanet_input_size
-from detlib.runtime import setup_console_logging
+from detlib.retinanet import (AnchorGenerator, ExportableRetinaNet, canvas_size, compare_detections, decode_detections,
+                              head_candidates, prepare_input)
 from detlib.weights import run_config_of, weights_path
 
 logger = logging.getLogger("export_retinanet")

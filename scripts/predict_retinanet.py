@@ -47,22 +47,17 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from detlib.anchors import anchor_generator_from_config
-from detlib.coco_eval import detections_to_coco
-from detlib.cococheck import check_coco
-from detlib.datacheck import DataReport
-from detlib.formats import data_dir_paths, read_data_dir_splits
-from detlib.data import CocoDetection, collate_detection
-from detlib.decode import decode_detections
-from detlib.flags import float_range, int_at_least
+from detlib.data import (INSTALL_HINT, CocoDetection, VideoWriter, av_available, build_transform, collate_detection,
+                         data_dir_paths, read_data_dir_splits, video_frames, video_info)
+from detlib.datacheck import DataReport, check_coco
+from detlib.engine import float_range, int_at_least, worker_loader_kwargs
+from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, save_image,
+                               upright_image_and_boxes)
 from detlib.inference import (DetectionImageFiles, detection_item, earlier_outputs, list_media_files, load_retinanet,
                               output_names, prediction_parser, retinanet_input_size, run_prediction, shard_batches,
                               start_prediction)
 from detlib.labels import describe_mapping, match_categories
-from detlib.rundir import worker_loader_kwargs
-from detlib.transforms import build_transform
-from detlib.visualize import boxes_from_coco, class_color, draw_detections, save_image, upright_image_and_boxes
-from detlib.video import INSTALL_HINT, VideoWriter, av_available, video_frames, video_info
+from detlib.retinanet import anchor_generator_from_config, decode_detections
 from detlib.weights import CheckpointError, read_score_thresholds, weights_path
 
 logger = logging.getLogger("predict_retinanet")
@@ -161,7 +156,7 @@ def build_dataset(args, transform):
 
 
 def labelled_split(args) -> tuple[dict, str]:
-    """(the normalised COCO dict, its image folder) of a VOC / YOLO source's --split (`detlib.formats`), checked as
+    """(the normalised COCO dict, its image folder) of a VOC / YOLO source's --split (`detlib.data.formats`), checked as
     the training script checks it (json part; a YOLO set's image sizes come from the files).
     Raises:
         FileNotFoundError, ValueError: the layout's files are missing, or the check finds errors (the report)."""

@@ -40,22 +40,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from detlib import checkpoint as ckpt
 from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
                                    classification_transform, per_class_summary, per_class_table)
-from detlib.dashboard import log_classification_extras
-from detlib.engine import Run, RunSettings
-from detlib.flags import (data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
-                          resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
+from detlib.data import VERIFY_MODES, ImageFolderDataset, make_synthetic_image_folder, scan_image_folder
+from detlib.datacheck import check_folders_for_training
+from detlib.engine import checkpoint_io as ckpt
+from detlib.engine import (Run, RunSettings, build_scheduler, check_shared_memory, data_defaults_table, float_range,
+                           format_given, given_flags, int_at_least, parse_with_config, resolve_data_defaults,
+                           run_argument_parser, show_data_defaults, stop, worker_loader_kwargs)
+from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
 from detlib.files import atomic_write
-from detlib.foldercheck import check_folders_for_training
-from detlib.imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
 from detlib.logtext import short_list
-from detlib.rundir import worker_loader_kwargs
-from detlib.runtime import check_shared_memory
-from detlib.schedules import build_scheduler
-from detlib.synthetic import make_synthetic_image_folder
-from detlib.modelcard import classifier_card, command_line, write_card
 from detlib.weights import complete_model_config, read_model_config, weights_path
 
 logger = logging.getLogger("train_catsdogs")
@@ -72,7 +67,7 @@ DATA_DEFAULTS = {
     "output_dir": ("outputs/catsdogs_builtin", "outputs/catsdogs"),
 }
 __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring and so in --help
-# This script's defaults of the run machinery's flags (detlib.flags).
+# This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-catsdogs", "log_interval": 10, "eval_interval": 1,
                 "per_device_eval_batch_size": 64, "max_grad_norm": 1.0}
 # What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
@@ -121,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_dataloaders(args, dirs: dict[str, str | None]):
     """Scan the folders, build the data sets and the (unprepared) loaders.
 
-    The data check (detlib.foldercheck) runs here: the same class folders in train and val, files carrying two
+    The data check (detlib.datacheck.imagefolder) runs here: the same class folders in train and val, files carrying two
     labels, symlink loops (ValueError on errors, report in `output_dir/data_report.json`). Unreadable files are
     left out and reported; the decode result is cached in `output_dir/image_check_cache.json`.
     Returns (train_ds or None, val_ds, train_loader or None, val_loader).
@@ -222,7 +217,7 @@ def write_predictions(path: str, val_ds, preds: dict) -> None:
 
 
 # wandb's confusion-matrix chart is a table of K x K rows, of which wandb keeps 10,000: a true chart up to 100 classes
-# (beyond, the PNG of detlib.dashboard.log_classification_extras shows the classes with the most errors).
+# (beyond, the PNG of detlib.evaluation.report.log_classification_extras shows the classes with the most errors).
 WANDB_CONFUSION_CLASSES = 100
 
 
@@ -233,7 +228,7 @@ def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int)
         return
     import wandb
 
-    from detlib.images import load_rgb
+    from detlib.data.images import load_rgb
 
     run = accelerator.get_tracker("wandb", unwrap=True)
     labels, predicted = preds["label"].tolist(), preds["pred"].tolist()

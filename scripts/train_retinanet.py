@@ -12,7 +12,7 @@ The standard SGD 1x recipe at 800 px (8 GPUs x 2 images):
         --image_size 800 --max_size 1333 --per_device_batch_size 2 --optimizer sgd --lr 0.01 --lr_scheduler multistep --max_grad_norm 0
 
 Any COCO-format data set; a Pascal VOC or a YOLO (ultralytics) one by its root (the layout is detected;
-detlib/formats.py says how they are read):
+detlib/data/formats.py says how they are read):
     ... scripts/train_retinanet.py --train_images DIR --train_annotations train.json --val_images DIR --val_annotations val.json
     ... scripts/train_retinanet.py --data_dir VOCdevkit/VOC2012      # Annotations/, JPEGImages/, ImageSets/Main/{train,val}.txt
     ... scripts/train_retinanet.py --data_dir datasets/my_yolo_set   # data.yaml with names, train: and val:
@@ -50,29 +50,22 @@ from accelerate.utils import broadcast_object_list
 from timm.optim import param_groups_weight_decay
 from tqdm.auto import tqdm
 
-from detlib import checkpoint as ckpt
-from detlib.anchors import ANCHOR_CONFIG_KEYS, anchor_generator_from_config
-from detlib.analysis import best_f1_thresholds, format_best_f1, per_class_ap, per_class_without_detections
-from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco
-from detlib.dashboard import log_evaluation_extras
-from detlib.data import CocoDetection, collate_detection
+from detlib.data import (AUGMENTATIONS, FORMATS, INPUT_DIVISIBILITY, CocoDetection, GroupedBatchSampler, aspect_groups,
+                         build_transform, check_coco_for_training, collate_detection, data_dir_paths,
+                         make_synthetic_coco)
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
-from detlib.decode import decode_detections
-from detlib.engine import Run, RunSettings
-from detlib.formats import FORMATS, check_coco_for_training, data_dir_paths
+from detlib.engine import checkpoint_io as ckpt
+from detlib.engine import (Run, RunSettings, broadcast_object, build_scheduler, check_shared_memory,
+                           data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
+                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop, worker_loader_kwargs)
+from detlib.evaluation import (STAT_NAMES, CocoEvaluator, best_f1_thresholds, command_line, detections_to_coco,
+                               detector_card, format_best_f1, log_evaluation_extras, per_class_ap,
+                               per_class_without_detections, write_card)
 from detlib.hub import check_push, local_weights, push_folder
-from detlib.modelcard import command_line, detector_card, write_card
-from detlib.flags import (data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
-                          resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
 from detlib.labels import CategoryMap, describe_mapping, match_categories
-from detlib.loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
-from detlib.model import HEAD_NORMS, RetinaNet, check_backbone, load_matching_weights, reorder_class_outputs
-from detlib.rundir import worker_loader_kwargs
-from detlib.runtime import broadcast_object, check_shared_memory
-from detlib.sampler import GroupedBatchSampler, aspect_groups
-from detlib.schedules import build_scheduler
-from detlib.synthetic import make_synthetic_coco
-from detlib.transforms import AUGMENTATIONS, INPUT_DIVISIBILITY, build_transform
+from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
+                              anchor_generator_from_config, check_backbone, decode_detections, load_matching_weights,
+                              reorder_class_outputs, retinanet_loss)
 from detlib.weights import (complete_model_config, load_state_dict_file, read_model_config, weights_path,
                             write_score_thresholds)
 
@@ -105,7 +98,7 @@ __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring
 BUILTIN_HEAD_NORM = "gn"
 # What the built-in run with these defaults gives (docs/recipes.md run log), for its start line and its stop line.
 BUILTIN_RUN = "with the defaults about 4 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
-# This script's defaults of the run machinery's flags (detlib.flags).
+# This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
                 "per_device_eval_batch_size": 8, "log_interval": 20}
 # What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
@@ -134,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train_scales", type=int_at_least(32), nargs="+", help="multi-scale training: each training image "
                    "is resized to one of these sizes (the shorter side with --max_size, e.g. 640 672 704 736 768 800 "
                    "with --max_size 1333 as detectron2's 1x); evaluation uses --image_size (default: none, --image_size only)")
-    g.add_argument("--augmentation", choices=AUGMENTATIONS, help="training augmentation (detlib.transforms): none, "
+    g.add_argument("--augmentation", choices=AUGMENTATIONS, help="training augmentation (detlib.data.transforms): none, "
                    "flip, or flip plus random crop and translation")
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,

@@ -154,7 +154,7 @@ def assert_same_detections(ours: tuple, ref: tuple, score_atol: float, box_atol:
 
 
 def level_cuts(cls_logits, counts, topk: int, score_thresh: float) -> list[float]:
-    """The per-level top-k cuts of one image's decoding (`detlib.decode`, torchvision's postprocess): for each level
+    """The per-level top-k cuts of one image's decoding (`detlib.retinanet.decode`, torchvision's postprocess): for each level
     with more than `topk` candidates above `score_thresh`, the score of its `topk`-th; and the threshold itself.
 
     Args:

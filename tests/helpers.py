@@ -109,7 +109,7 @@ def make_bad_folder(root: Path, good_per_class: int = 6, size: int = 40) -> BadF
 
 def make_tiny_folder(root: Path, per_class: list[int], size: int = 32, seed: int = 0) -> Path:
     """The built-in generator's two classes (`horizontal`, `vertical` stripes) with the given counts."""
-    from detlib.synthetic import STRIPES_CLASSES, make_synthetic_image_folder
+    from detlib.data.builtin import STRIPES_CLASSES, make_synthetic_image_folder
 
     dirs = make_synthetic_image_folder(str(root / "gen"), num_train=max(per_class), num_val=1, image_size=size, seed=seed)
     for cls, n in zip(STRIPES_CLASSES, per_class):

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from detlib.analysis import (detection_confusion_matrix, format_per_class, per_class_ap, plot_training_curves,
-                             pr_curves, read_metrics_jsonl, write_evaluation_plots)
-from detlib.coco_eval import CocoEvaluator, evaluate_coco
+from detlib.evaluation.coco import CocoEvaluator, evaluate_coco
+from detlib.evaluation.metrics import (detection_confusion_matrix, format_per_class, per_class_ap, plot_training_curves,
+                                       pr_curves, read_metrics_jsonl, write_evaluation_plots)
 
 from conftest import COCO_SUBSET, needs_coco_subset
 
@@ -180,7 +180,7 @@ def test_per_class_and_confusion_plots_readable_at_3_and_80_classes(tmp_path, nu
     """The figures grow with the class count (at 100 dpi a 9 pt name is 12.5 px; the rows are 32 px / cells 30
     px apart) and are wide enough for the longest name: nothing is drawn at the image's border, where a name
     that does not fit would be cut. At 80 classes the old fixed-width figures cut names and set them at 6 px."""
-    from detlib.analysis import LABEL_FONTSIZE, plot_confusion_matrix, plot_per_class_ap
+    from detlib.evaluation.metrics import LABEL_FONTSIZE, plot_confusion_matrix, plot_per_class_ap
 
     assert LABEL_FONTSIZE >= 9
     names = [f"class {i}" if i % 7 else f"class {i} with a rather long custom category name" for i in range(num_classes)]
@@ -224,7 +224,7 @@ def _f1_case():
 
 
 def test_best_f1_thresholds_worked_by_hand():
-    from detlib.analysis import best_f1_thresholds
+    from detlib.evaluation.metrics import best_f1_thresholds
 
     gt, res = _f1_case()
     best = best_f1_thresholds(gt, res)
@@ -249,7 +249,7 @@ def test_best_f1_thresholds_worked_by_hand():
 def test_best_f1_matching_equals_pycocotools_at_iou_05():
     """Every detection's match at IoU 0.5 as pycocotools' evalImgs has it, on 12 real images with crowd boxes and
     jittered, misclassified and random detections: the same best F1 computed from its matches."""
-    from detlib.analysis import _best_f1, best_f1_thresholds
+    from detlib.evaluation.metrics import _best_f1, best_f1_thresholds
     from devtools.peers import coco_eval_inputs
 
     gt, res = coco_eval_inputs(12, dets_per_image=30, seed=1)

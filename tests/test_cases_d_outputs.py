@@ -35,7 +35,7 @@ def coco_photos(n: int, first: int = 0) -> list:
 
 def save_retinanet(folder, config: dict, seed: int = 0):
     """A freshly initialised RetinaNet saved as the training script saves it (weights + the given model_config)."""
-    from detlib.model import build_retinanet_from_config
+    from detlib.retinanet.model import build_retinanet_from_config
 
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -161,7 +161,7 @@ def test_case_d01_check_dataset_outputs_never_replace_each_other_or_an_input(tmp
 # ---- D16: a parity verdict that means something
 
 def test_compare_detections_pairs_tied_scores_only_with_a_box_the_reference_gives():
-    from detlib.export import compare_detections
+    from detlib.retinanet.export import compare_detections
 
     a, b, c, far = [0, 0, 10, 10], [20, 20, 30, 30], [40, 40, 50, 50], [60, 60, 70, 70]
     ref = (np.array([a, b], np.float32), np.array([0.5, 0.5], np.float32), np.array([1, 1]))
@@ -377,7 +377,7 @@ def test_case_d17_classifier_old_config_and_topk_beyond_the_classes_are_said(tmp
 
 
 def test_resume_says_which_flags_the_checkpoint_replaces_and_refuses_another_optimizer():
-    from detlib.resume import ResumeError, replaced_by_checkpoint
+    from detlib.engine.resume import ResumeError, replaced_by_checkpoint
 
     asked = [{"lr": 1e-5, "initial_lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999)},
              {"lr": 1e-5, "initial_lr": 1e-3, "weight_decay": 0.05, "betas": (0.9, 0.999)}]

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SHARED_DATA, write_coco, write_image
-from detlib.cococheck import check_coco_data
-from detlib.foldercheck import check_folder_scans
-from detlib.imagefolder import scan_image_folder
+from detlib.data.imagefolder import scan_image_folder
+from detlib.datacheck.coco import check_coco_data
+from detlib.datacheck.imagefolder import check_folder_scans
 
 CATSDOGS = SHARED_DATA / "catsdogs"
 needs_catsdogs = pytest.mark.skipif(not (CATSDOGS / "train" / "cat").is_dir(), reason="../shared/data/catsdogs is not present")
@@ -128,7 +128,7 @@ def test_case_d03_detection_val_sets_whose_ap_is_undefined_or_trivially_zero(tmp
     (e,) = check_coco_data({**paths, "train_annotations": None}, progress=False)[2].errors
     assert e.split == "val" and "AP is undefined" in e.message
     # the library's data set is not a run: a json without boxes still loads (B01: all-background images)
-    from detlib.data import CocoDetection
+    from detlib.data.coco import CocoDetection
 
     assert len(CocoDetection(paths["val_images"], paths["val_annotations"], train=False)) == 2
 
@@ -199,8 +199,8 @@ def test_case_d04_300_classes_keep_console_and_train_log_readable(tmp_path, caps
 
 
 def test_case_d04_per_class_tables_and_lists_have_a_bounded_size():
-    from detlib.analysis import format_per_class
     from detlib.classification import per_class_summary, per_class_table
+    from detlib.evaluation.metrics import format_per_class
     from detlib.logtext import class_counts, short_list
 
     long = "a-class-name-that-a-converter-made-from-a-whole-sentence-of-the-label-tool " * 3
@@ -219,7 +219,7 @@ def test_case_d04_per_class_tables_and_lists_have_a_bounded_size():
         assert len(summary) <= 400
         assert len(short_list(names)) <= 400 and len(class_counts(names, list(range(k)))) <= 400
     # train and val folders that differ: the differences, not both lists of 300
-    from detlib.imagefolder import check_split_classes
+    from detlib.data.imagefolder import check_split_classes
 
     with pytest.raises(ValueError) as e:
         check_split_classes([f"c{i}" for i in range(300)], [f"c{i}" for i in range(1, 301)], "/data/train", "/data/val")
@@ -235,8 +235,8 @@ def test_case_d04_detector_per_class_table_at_90_classes_is_bounded_and_in_a_fil
     """The detector's evaluation extras with 90 classes (COCO-like): a bounded table in the log, all in the json."""
     from accelerate import Accelerator
 
-    from detlib.coco_eval import CocoEvaluator
-    from detlib.dashboard import log_evaluation_extras
+    from detlib.evaluation.coco import CocoEvaluator
+    from detlib.evaluation.report import log_evaluation_extras
 
     write_image(tmp_path / "img" / "1.png", 400, 400)
     cats = [{"id": c, "name": f"category number {c} of a long-named taxonomy {'x' * 30}"} for c in range(1, 91)]
@@ -246,7 +246,7 @@ def test_case_d04_detector_per_class_table_at_90_classes_is_bounded_and_in_a_fil
     ev = CocoEvaluator(gt, backend="pycocotools")
     ev.add(1, [{"image_id": 1, "category_id": a["category_id"], "bbox": a["bbox"], "score": 0.9} for a in anns[::2]])
     ev.evaluate()
-    caplog.set_level("INFO", logger="detlib.dashboard")
+    caplog.set_level("INFO", logger="detlib.evaluation.report")
     per_class = log_evaluation_extras(Accelerator(cpu=True), str(tmp_path / "run"), 4, 40, gt, ev.results, ev.coco_eval,
                                       str(tmp_path / "img"), num_log_images=0)
     (record,) = [r for r in caplog.records if r.getMessage().startswith("per-class AP at step 40")]
@@ -307,8 +307,8 @@ def trained_accelerator():
 
 @pytest.mark.parametrize("leave_free", [100_000, 400_000], ids=["weights_file_fails", "optimizer_file_fails"])
 def test_case_d21_disk_filling_during_a_checkpoint_save_says_no_space(small_disk, leave_free):
-    from detlib import checkpoint as ckpt
-    from detlib.rundir import checkpoint_bytes
+    from detlib.engine import checkpoint_io as ckpt
+    from detlib.engine.run_folder import checkpoint_bytes
     from detlib.weights import CheckpointError
 
     acc, model, opt = trained_accelerator()
@@ -351,7 +351,7 @@ def test_case_d21_weights_on_a_full_disk_keep_the_old_file(small_disk):
 
 
 def test_case_d21_read_only_disk_is_named(tmp_path):
-    from detlib import checkpoint as ckpt
+    from detlib.engine import checkpoint_io as ckpt
     from detlib.weights import CheckpointError, save_model_weights
 
     acc, model, _ = trained_accelerator()
@@ -368,8 +368,8 @@ def test_case_d21_zip_writer_error_without_errno_is_read_from_the_disk(tmp_path,
     """Where no tmpfs can be mounted: torch's "unexpected pos" names no cause; the free space decides."""
     from collections import namedtuple
 
-    from detlib import checkpoint as ckpt
     from detlib import weights
+    from detlib.engine import checkpoint_io as ckpt
     from detlib.weights import CheckpointError
 
     acc, model, opt = trained_accelerator()
@@ -395,8 +395,8 @@ def test_case_d21_zip_writer_error_without_errno_is_read_from_the_disk(tmp_path,
 def test_case_d21_other_causes_are_named(tmp_path, monkeypatch):
     import errno
 
-    from detlib import checkpoint as ckpt
-    from detlib.checkpointer import Checkpointer
+    from detlib.engine import checkpoint_io as ckpt
+    from detlib.engine.checkpoints import Checkpointer
     from detlib.weights import CheckpointError
 
     acc, model, _ = trained_accelerator()
@@ -451,7 +451,7 @@ def test_case_d21_other_causes_are_named(tmp_path, monkeypatch):
 def wandb_env(tmp_path: Path, **env) -> dict:
     """No wandb key anywhere (a fresh HOME and wandb config folder, no WANDB_API_KEY), the built-in data where the
     other tests have it, and short wandb timeouts."""
-    from detlib.synthetic import cache_root
+    from detlib.data.builtin import cache_root
 
     home = tmp_path / "home"
     (home / ".config" / "wandb").mkdir(parents=True, exist_ok=True)

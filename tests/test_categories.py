@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from conftest import REPO, write_coco, write_image
 from detlib.labels import CategoryMap, describe_mapping, match_categories
-from detlib.model import RetinaNet, reorder_class_outputs
+from detlib.retinanet.model import RetinaNet, reorder_class_outputs
 
 SHAPES = [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}, {"id": 3, "name": "triangle"}]
 COCO_FIRST = [{"id": 1, "name": "person"}, {"id": 2, "name": "bicycle"}, {"id": 3, "name": "car"}]

@@ -20,8 +20,8 @@ from PIL import Image
 
 from detlib.classification import (build_classifier, classification_metrics, classification_transform,
                                    load_pretrained_weights)
-from detlib.imagefolder import ImageFolderDataset, find_classes, scan_image_folder
-from detlib.synthetic import STRIPES_CLASSES, make_synthetic_image_folder
+from detlib.data.builtin import STRIPES_CLASSES, make_synthetic_image_folder
+from detlib.data.imagefolder import ImageFolderDataset, find_classes, scan_image_folder
 from detlib.weights import load_model_weights
 from helpers import _noise, make_bad_folder, make_tiny_folder, write_good_images
 from helpers import load_script as _load_script
@@ -74,7 +74,7 @@ def test_scan_cache_is_reused_and_invalidated(tmp_path):
     cache = tmp_path / "cache.json"
     first = scan_image_folder(str(bad.root), cache_file=str(cache))
     assert cache.is_file()
-    import detlib.imagefolder as folder
+    import detlib.data.imagefolder as folder
 
     calls = []
     real_check = folder.check_image_file
@@ -262,7 +262,7 @@ def test_classification_metrics_by_hand():
 
 
 def test_warmup_cosine_schedule_by_hand():
-    from detlib.schedules import build_lr_scheduler
+    from detlib.engine.schedules import build_lr_scheduler
 
     script = load_script()
     spec = script.SCHEDULE

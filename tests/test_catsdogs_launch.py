@@ -175,7 +175,7 @@ B31_HELPER = textwrap.dedent('''
     spec = importlib.util.spec_from_file_location("train_catsdogs", sys.argv[1])
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    from detlib.runtime import make_accelerator
+    from detlib.engine.tracking import make_accelerator
     out = sys.argv[3]
     args = script.parse_args(["--train_dir", sys.argv[2], "--val_dir", sys.argv[2], "--image_size", "16",
                               "--per_device_batch_size", "2", "--num_workers", "0", "--output_dir", out])
@@ -183,7 +183,7 @@ B31_HELPER = textwrap.dedent('''
     _, _, train_loader, _ = script.build_dataloaders(args, {"train_dir": args.train_dir, "val_dir": args.val_dir})
     train_loader = accelerator.prepare(train_loader)
     seen = []
-    for e in range(3):  # what detlib.engine.Run.batches does: the epoch's seeded order, minus a resume's done batches
+    for e in range(3):  # what detlib.engine.run.Run.batches does: the epoch's seeded order, minus a resume's done batches
         train_loader.set_epoch(e)
         seen.append([b["index"].tolist() for b in train_loader])
     train_loader.set_epoch(2)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from detlib import checkpoint as ckpt
-from detlib.model import RetinaNet
+from detlib.engine import checkpoint_io as ckpt
+from detlib.retinanet.model import RetinaNet
 from detlib.weights import load_model_weights, load_state_dict_file
 from helpers import fake_checkpoint, plant  # noqa: F401  (fake_checkpoint: tests/test_engine.py imports it from here)
 
@@ -99,7 +99,7 @@ def accelerate_state(folder):
     loss normaliser, RNG states) plus trainer_state.json and model_config.json; returns the live objects."""
     from accelerate import Accelerator
 
-    from detlib.loss import EmaLossNormalizer
+    from detlib.retinanet.loss import EmaLossNormalizer
 
     acc = Accelerator(cpu=True)
     torch.manual_seed(0)

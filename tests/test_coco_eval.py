@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from detlib.box_ops import box_xywh_to_xyxy
-from detlib.coco_eval import STAT_NAMES, CocoEvaluator, detections_to_coco, evaluate_coco, to_builtin
+from detlib.boxes import box_xywh_to_xyxy
+from detlib.evaluation.coco import STAT_NAMES, CocoEvaluator, detections_to_coco, evaluate_coco, to_builtin
 from detlib.labels import CategoryMap
 
 from conftest import COCO_SUBSET, needs_coco_subset

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, write_coco, write_image
-from detlib.model import RetinaNet
+from detlib.retinanet.model import RetinaNet
 
 
 def load_script(name: str):
@@ -219,8 +219,8 @@ def test_best_takes_the_ema_weights_when_they_score_higher(tmp_path):
     score thresholds: `Run.evaluation_of("best")`) is the evaluation of the weights best/ holds."""
     from types import SimpleNamespace
 
-    from detlib import checkpoint as ckpt
-    from detlib.engine import Run
+    from detlib.engine import checkpoint_io as ckpt
+    from detlib.engine.run import Run
 
     trained, averaged = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     saved, logged, described = [], [], []

@@ -9,10 +9,10 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from detlib.anchors import AnchorGenerator
-from detlib.data import PAD_VALUE, CocoDetection, collate_detection
-from detlib.loss import retinanet_loss
-from detlib.transforms import build_transform
+from detlib.data.coco import PAD_VALUE, CocoDetection, collate_detection
+from detlib.data.transforms import build_transform
+from detlib.retinanet.anchors import AnchorGenerator
+from detlib.retinanet.loss import retinanet_loss
 
 from conftest import COCO_SUBSET, needs_coco_subset, write_coco, write_image
 
@@ -212,7 +212,7 @@ def test_real_coco_subset_loads():
 
 
 def test_resize_longer_side_or_shorter_side_with_cap():
-    from detlib.transforms import ResizeKeepAspect, make_sample
+    from detlib.data.transforms import ResizeKeepAspect, make_sample
 
     sample = make_sample(torch.zeros(3, 100, 200, dtype=torch.uint8), torch.tensor([[10.0, 10.0, 110.0, 60.0]]),
                          torch.tensor([0]), torch.tensor([False]))
@@ -228,7 +228,7 @@ def test_resize_longer_side_or_shorter_side_with_cap():
 def test_translation_fills_the_uncovered_area_with_the_padding_colour():
     from torchvision.transforms import v2
 
-    from detlib.transforms import PAD_VALUE, build_transform, make_sample
+    from detlib.data.transforms import PAD_VALUE, build_transform, make_sample
 
     (apply,) = [t for t in build_transform(64, "flip_crop_translate").transforms if isinstance(t, v2.RandomApply)]
     affine = apply.transforms[0]
@@ -245,7 +245,7 @@ def test_translation_fills_the_uncovered_area_with_the_padding_colour():
 
 
 def test_load_skipping_unreadable_skips_in_training_stands_in_for_evaluation_and_gives_up_on_a_run():
-    from detlib.images import MAX_UNREADABLE_IN_A_ROW, load_skipping_unreadable
+    from detlib.data.images import MAX_UNREADABLE_IN_A_ROW, load_skipping_unreadable
 
     bad = {1, 2}
 

@@ -1,4 +1,4 @@
-"""The data check (detlib.datacheck, cococheck, foldercheck; issue 10): one fixture per kind of fault, cases C01, C03, C04, C05,
+"""The data check (detlib.datacheck.report, cococheck, foldercheck; issue 10): one fixture per kind of fault, cases C01, C03, C04, C05,
 C13, C19 by name, what training (CocoDetection) and evaluation (CocoEvaluator) then do, and the round trip:
 the ground truth fed back as detections scores AP exactly 1.0 on every repaired fixture, with both backends."""
 
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from detlib.coco_eval import CocoEvaluator, evaluate_coco
-from detlib.data import CocoDetection
-from detlib.cococheck import check_coco, check_coco_data, check_train_val
-from detlib.cocofields import coco_area, fallback_box, ids_after, int_id, number, positive_size
-from detlib.datacheck import DataCheckError, DataReport, Findings, publish_report
+from detlib.data.coco import CocoDetection
+from detlib.datacheck.coco import check_coco, check_coco_data, check_train_val
+from detlib.datacheck.coco_fields import coco_area, fallback_box, ids_after, int_id, number, positive_size
+from detlib.datacheck.report import DataCheckError, DataReport, Findings, publish_report
+from detlib.evaluation.coco import CocoEvaluator, evaluate_coco
 
 from conftest import COCO_SUBSET, needs_coco_subset, write_image
 
@@ -181,7 +181,7 @@ def test_case_c13_large_image_refused_at_start_naming_the_flag_then_accepted(tmp
             opened.append(im.size)
         return Image.new("RGB", (8, 8)), False
 
-    monkeypatch.setattr("detlib.data.load_rgb", header_only)
+    monkeypatch.setattr("detlib.data.coco.load_rgb", header_only)
     ds = CocoDetection(str(img), ok.dataset, max_image_pixels=200_000_000)
     ds._load(0)
     assert opened == [(13_500, 13_400)]
@@ -366,7 +366,7 @@ def test_image_file_faults_missing_unreadable_sizes_and_exif(tmp_path):
 
 
 def test_header_pass_in_worker_processes_matches_the_serial_one(tmp_path, monkeypatch):
-    from detlib import datacheck
+    from detlib.datacheck import report as datacheck
 
     paths = [str(write_image(tmp_path / f"{i}.png", 8 + i, 5)) for i in range(6)] + [str(tmp_path / "none.png")]
     limit = Image.MAX_IMAGE_PIXELS
@@ -479,8 +479,8 @@ def _folder(root, files: dict[str, object]):
 
 @needs_catsdogs
 def test_image_folder_faults_two_labels_symlinks_loops_hidden_and_val_classes(tmp_path):
-    from detlib.imagefolder import scan_image_folder
-    from detlib.foldercheck import check_folder_scans
+    from detlib.data.imagefolder import scan_image_folder
+    from detlib.datacheck.imagefolder import check_folder_scans
 
     cat = [_real("train", "cat", k) for k in range(3)]
     dog = [_real("train", "dog", k) for k in range(3)]

@@ -4,8 +4,8 @@ import torch
 import torchvision
 
 from conftest import assert_same_detections, cap_cut, level_cuts
-from detlib.anchors import AnchorGenerator
-from detlib.decode import decode_detections
+from detlib.retinanet.anchors import AnchorGenerator
+from detlib.retinanet.decode import decode_detections
 
 
 def _torchvision_reference(cls_logits, box_deltas, anchors, counts, image_sizes, K, topk=1000, max_det=100):
@@ -78,7 +78,7 @@ def test_boxes_are_clipped_and_mapped_back_to_original_pixels():
 
 def test_detection_sets_may_differ_only_in_a_tie_at_a_cut():
     """The comparison the parity tests use (conftest.assert_same_detections; the export's own check,
-    detlib.export.compare_detections, is tested with real head outputs in test_cases_d_outputs): a run of scores
+    detlib.retinanet.export.compare_detections, is tested with real head outputs in test_cases_d_outputs): a run of scores
     tied within rounding straddles the cap of 300 (an Intel Xeon keeps another member than this machine), so the
     300th detection differs: the same. A wrong label away from the cut: a difference."""
     import pytest

@@ -218,7 +218,7 @@ def test_onnx_snippet_runs_as_pasted(tmp_path, monkeypatch):
     from PIL import Image
     from safetensors.torch import save_file
 
-    from detlib.model import RetinaNet
+    from detlib.retinanet.model import RetinaNet
 
     best = tmp_path / "outputs" / "retinanet_builtin" / "best"
     best.mkdir(parents=True)

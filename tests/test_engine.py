@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import REPO
-from detlib import checkpoint as ckpt
-from detlib import rundir
-from detlib.schedules import build_lr_scheduler, lr_factor, set_position
+from detlib.engine import checkpoint_io as ckpt
+from detlib.engine import run_folder as rundir
+from detlib.engine.schedules import build_lr_scheduler, lr_factor, set_position
 from detlib.weights import load_model_weights
 from test_checkpoint import fake_checkpoint
 
@@ -82,7 +82,7 @@ def test_case_c07_latest_falls_back_past_a_damaged_newest_checkpoint(tmp_path, d
 
 
 def test_truncated_or_foreign_weights_are_one_line_errors(tmp_path):
-    from detlib.model import RetinaNet
+    from detlib.retinanet.model import RetinaNet
 
     model = RetinaNet(2, "resnet18", fpn_channels=16, freeze_backbone_bn=False)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -194,7 +194,7 @@ def test_set_position_moves_a_lambda_schedule():
     assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 11 / 40)))
 
 
-# ---- the run machinery's parts (detlib.engine.StepWindow, detlib.resume, detlib.rundir, detlib.checkpointer)
+# ---- the run machinery's parts (detlib.engine.run.StepWindow, detlib.engine.resume, detlib.engine.run_folder, detlib.engine.checkpoints)
 
 def _guarded_bn_model():
     from accelerate import Accelerator
@@ -220,7 +220,7 @@ def _script_step(acc, window, model, opt, loss) -> bool:
 
 
 def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts_the_streak(caplog):
-    from detlib.engine import StepWindow
+    from detlib.engine.run import StepWindow
 
     acc, model, opt = _guarded_bn_model()
     guard = StepWindow(acc, max_nonfinite_steps=2)
@@ -256,7 +256,7 @@ def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts
 def test_step_guard_window_line_is_the_mean_over_images_and_restarts():
     from accelerate import Accelerator
 
-    from detlib.engine import StepWindow
+    from detlib.engine.run import StepWindow
 
     acc = Accelerator(cpu=True)
     guard = StepWindow(acc, max_nonfinite_steps=3)
@@ -277,7 +277,7 @@ def test_step_guard_window_line_is_the_mean_over_images_and_restarts():
 def test_explosion_is_reported_once_per_order_of_magnitude(caplog):
     from accelerate import Accelerator
 
-    from detlib.engine import StepWindow
+    from detlib.engine.run import StepWindow
 
     guard = StepWindow(Accelerator(cpu=True), max_nonfinite_steps=3)
     for step, loss in enumerate([1.0, 1.0, 1.0, 150.0, 300.0, 2000.0], 1):
@@ -290,7 +290,7 @@ def test_explosion_is_reported_once_per_order_of_magnitude(caplog):
 
 
 def test_run_length_counts_the_partial_accumulation_window_as_a_step():
-    from detlib.resume import run_length
+    from detlib.engine.resume import run_length
 
     # 10 batches per process, 3 per step: steps of 3, 3, 3 and 1 batches
     assert run_length(10, num_processes=2, per_device_batch_size=4, accumulation_steps=3, epochs=5,
@@ -299,7 +299,7 @@ def test_run_length_counts_the_partial_accumulation_window_as_a_step():
 
 
 def test_convert_position_keeps_the_samples_seen_on_another_process_count():
-    from detlib.resume import convert_position
+    from detlib.engine.resume import convert_position
 
     # 2 processes x 8 samples per step, 10 steps per epoch; now 1 process: 20 steps per epoch of 8 samples
     saved = ckpt.TrainState(epoch=1, step_in_epoch=4, global_step=14, num_processes=2, steps_per_epoch=10,
@@ -313,7 +313,7 @@ def test_convert_position_keeps_the_samples_seen_on_another_process_count():
 
 
 def test_tracker_offset_continues_after_the_last_logged_step(tmp_path):
-    from detlib.resume import set_tracker_offset
+    from detlib.engine.resume import set_tracker_offset
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4, 5, 6)) + "not json\n")
@@ -357,7 +357,7 @@ def test_disk_check_refuses_less_than_one_checkpoint_and_warns_below_the_kept_on
     assert (weights, per_ckpt) == (263168, 3 * 263168)  # Adam: exp_avg and exp_avg_sq per weight
     assert rundir.checkpoint_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1))[1] == 2 * 263168
     usage = namedtuple("usage", "total used free")
-    caplog.set_level("INFO", logger="detlib.engine")
+    caplog.set_level("INFO", logger="detlib.engine.run")
     for free, expect in [(per_ckpt + 2 * weights - 1, "error"), (per_ckpt * 3 + 2 * weights - 1, "warning"),
                          (per_ckpt * 3 + 2 * weights, "info")]:
         monkeypatch.setattr(rundir.shutil, "disk_usage", lambda _, f=free: usage(0, 0, f))
@@ -375,7 +375,7 @@ def test_disk_check_refuses_less_than_one_checkpoint_and_warns_below_the_kept_on
 def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     from accelerate import Accelerator
 
-    from detlib.checkpointer import Checkpointer, read_best_record, summary_lines
+    from detlib.engine.checkpoints import Checkpointer, read_best_record, summary_lines
 
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(3, 2))
@@ -405,7 +405,7 @@ def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
 
 
 def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path):
-    from detlib.resume import ResumeError, check_same_classes
+    from detlib.engine.resume import ResumeError, check_same_classes
 
     (tmp_path / "model_config.json").write_text(json.dumps({"num_classes": 2, "classes": ["cat", "dog"]}))
     check_same_classes(str(tmp_path), {"num_classes": 2, "classes": ["cat", "dog"]})  # same list: fine
@@ -429,7 +429,7 @@ def test_console_has_our_info_lines_and_only_the_warnings_of_other_libraries(tmp
     console and train.log unless --verbose; ours and every library's warnings stay."""
     import logging
 
-    from detlib.runtime import setup_logging
+    from detlib.engine.tracking import setup_logging
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -437,7 +437,7 @@ def test_console_has_our_info_lines_and_only_the_warnings_of_other_libraries(tmp
         for verbose in (False, True):
             out = tmp_path / f"verbose_{verbose}"
             setup_logging(str(out), is_main=True, verbose=verbose)
-            logging.getLogger("detlib.engine").info("ours")
+            logging.getLogger("detlib.engine.run").info("ours")
             logging.getLogger("train_retinanet").info("the script's")
             logging.getLogger("onnxscript.optimizer").info("initializer_deduplication: Replaced initializer 'x'")
             logging.getLogger("faster_coco_eval.core").info("theirs")
@@ -454,7 +454,7 @@ def test_every_script_logs_under_a_name_the_console_shows():
     """A script's logger outside runtime.OWN_LOGGERS would have its INFO lines hidden like another library's."""
     import re
 
-    from detlib.runtime import OWN_LOGGERS
+    from detlib.engine.tracking import OWN_LOGGERS
 
     names = {m for f in (REPO / "scripts").glob("*.py") for m in re.findall(r'getLogger\("([\w.]+)"\)', f.read_text())}
     assert names and all(n.split(".")[0] in OWN_LOGGERS for n in names), names
@@ -462,7 +462,7 @@ def test_every_script_logs_under_a_name_the_console_shows():
 
 def test_offline_wandb_prints_nothing_of_its_own_unless_verbose(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from detlib.runtime import resolve_trackers
+    from detlib.engine.tracking import resolve_trackers
 
     for verbose in (False, True):
         env = {"HOME": str(tmp_path), "WANDB_BASE_URL": "http://127.0.0.1:9"}  # no key, no ~/.netrc

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from detlib.anchors import AnchorGenerator
-from detlib.decode import decode_detections
-from detlib.export import canvas_size, compare_detections, head_candidates, prepare_input
-from detlib.images import load_rgb
-from detlib.model import build_retinanet_from_config
+from detlib.data.images import load_rgb
+from detlib.retinanet.anchors import AnchorGenerator
+from detlib.retinanet.decode import decode_detections
+from detlib.retinanet.export import canvas_size, compare_detections, head_candidates, prepare_input
+from detlib.retinanet.model import build_retinanet_from_config
 
 from conftest import COCO_SUBSET, needs_coco_subset, run_script
 from detlib.weights import load_model_weights

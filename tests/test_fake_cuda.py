@@ -15,10 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from conftest import REPO
-from detlib.anchors import AnchorGenerator, torchvision_anchor_settings
-from detlib.decode import decode_candidates
-from detlib.loss import retinanet_loss
-from detlib.model import RetinaNet
+from detlib.retinanet.anchors import AnchorGenerator, torchvision_anchor_settings
+from detlib.retinanet.decode import decode_candidates
+from detlib.retinanet.loss import retinanet_loss
+from detlib.retinanet.model import RetinaNet
 
 
 class CpuTensorLog(TorchDispatchMode):

@@ -24,15 +24,15 @@ from torchvision.models.detection._utils import Matcher
 from torchvision.ops import batched_nms, box_area, box_iou, sigmoid_focal_loss
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from detlib import box_coder
-from detlib.anchors import AnchorGenerator
-from detlib.box_ops import clip_boxes_to_image
-from detlib.coco_eval import STAT_NAMES, evaluate_coco
-from detlib.decode import decode_detections
+from detlib.boxes import clip_boxes_to_image
+from detlib.evaluation.coco import STAT_NAMES, evaluate_coco
 from detlib.labels import BACKGROUND, IGNORE
-from detlib.loss import retinanet_loss
-from detlib.matching import match_anchors, pairwise_iou
-from detlib.model import RetinaNet, _Conv2dFrozenBN
+from detlib.retinanet import box_coder
+from detlib.retinanet.anchors import AnchorGenerator
+from detlib.retinanet.decode import decode_detections
+from detlib.retinanet.loss import retinanet_loss
+from detlib.retinanet.matching import match_anchors, pairwise_iou
+from detlib.retinanet.model import RetinaNet, _Conv2dFrozenBN
 
 from conftest import assert_same_detections, cap_cut, level_cuts
 from devtools.peers import COCO_SUBSET_JSON, coco_eval_inputs, head_output_gap, torchvision_retinanet

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from conftest import REPO, write_coco, write_image
-from detlib import flags
-from detlib.runtime import save_config
+from detlib.engine import flags
+from detlib.engine.tracking import save_config
 
 SCRIPTS = ("train_retinanet", "train_catsdogs")
 
@@ -119,7 +119,7 @@ def test_missing_config_file_is_a_one_line_error(script, tmp_path, capsys):
 
 
 def test_evaluate_only_config_writes_where_the_evaluation_did(script, tmp_path):
-    # detlib.engine.Run records OUTPUT_DIR/evaluate_only as the output_dir of an evaluation-only run
+    # detlib.engine.run.Run records OUTPUT_DIR/evaluate_only as the output_dir of an evaluation-only run
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"evaluate_only": "runs/a/best", "output_dir": "runs/a/evaluate_only"}))
     args = script.parse_args(["--config", str(path)])

@@ -1,4 +1,4 @@
-"""Pascal VOC and YOLO data sets (detlib.formats): read into the same data as the COCO json they were written from,
+"""Pascal VOC and YOLO data sets (detlib.data.formats): read into the same data as the COCO json they were written from,
 trained and evaluated like it, and their own faults reported by the data check."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_coco_subset, write_image
-from detlib.cococheck import check_coco
-from detlib.datacheck import DataReport
-from detlib.formats import check_coco_for_training, data_dir_paths, detect_format, read_data_dir_splits
+from detlib.data.formats import check_coco_for_training, data_dir_paths, detect_format, read_data_dir_splits
+from detlib.datacheck.coco import check_coco
+from detlib.datacheck.report import DataReport
 from formats_fixtures import reference_coco, voc_xml, write_voc, write_yolo
 
 
@@ -28,7 +28,7 @@ def report_of(root: Path, **kw) -> DataReport:
     paths = data_dir_paths(str(root), None, None, None)
     report = DataReport()
     dicts = read_data_dir_splits(paths, {"train": None, "val": None}, report=report)
-    from detlib.cococheck import check_coco_data
+    from detlib.datacheck.coco import check_coco_data
 
     check_coco_data(paths, converted=dicts, report=report, **kw)
     return report
@@ -190,7 +190,7 @@ def test_voc_xmin_ymin_are_one_based_and_difficult_objects_are_ignore_regions(tm
     assert report.summaries["val (voc)"]["difficult (ignored, as crowd)"] == 1
     assert report.summaries["val (voc)"]["truncated"] == 1
     # in training the difficult box is an ignore region, not a target
-    from detlib.data import CocoDetection
+    from detlib.data.coco import CocoDetection
 
     ds = CocoDetection(str(root / "JPEGImages"), v, train=False)
     item = ds[0]

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from detlib import box_coder
-from detlib.anchors import AnchorGenerator, cell_anchors
-from detlib.box_ops import (box_cxcywh_to_xyxy, box_ioa, box_iou, box_xywh_to_xyxy, box_xyxy_to_cxcywh,
-                            box_xyxy_to_xywh, clip_boxes_to_image)
+from detlib.boxes import (box_cxcywh_to_xyxy, box_ioa, box_iou, box_xywh_to_xyxy, box_xyxy_to_cxcywh,
+                          box_xyxy_to_xywh, clip_boxes_to_image)
+from detlib.retinanet import box_coder
+from detlib.retinanet.anchors import AnchorGenerator, cell_anchors
 
 
 def test_xywh_to_xyxy_worked_value_case_b03():

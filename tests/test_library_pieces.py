@@ -9,7 +9,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from detlib import classification, imagefolder, model, synthetic
+from detlib import classification
+from detlib.data import imagefolder
+from detlib.data import builtin as synthetic
+from detlib.retinanet import model
 from detlib.weights import load_state_dict_file
 
 # ---- ImageNet statistics: timm's constants, in 0-1 units (classifier) and 0-255 units (RetinaNet)

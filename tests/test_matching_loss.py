@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from detlib.anchors import AnchorGenerator
 from detlib.labels import BACKGROUND, IGNORE
-from detlib.loss import retinanet_loss
-from detlib.matching import match_anchors
-from detlib.model import RetinaNet
+from detlib.retinanet.anchors import AnchorGenerator
+from detlib.retinanet.loss import retinanet_loss
+from detlib.retinanet.matching import match_anchors
+from detlib.retinanet.model import RetinaNet
 
 
 def _gt(boxes, labels):

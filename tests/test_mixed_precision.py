@@ -7,9 +7,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from detlib.anchors import AnchorGenerator
-from detlib.loss import retinanet_loss
-from detlib.model import RetinaNet
+from detlib.retinanet.anchors import AnchorGenerator
+from detlib.retinanet.loss import retinanet_loss
+from detlib.retinanet.model import RetinaNet
 
 
 def _grad_norm(model, mixed_precision, batch):
@@ -47,7 +47,7 @@ def test_bf16_autocast_keeps_fp32_weights_and_grad_norm_case_b16():
     assert n16 == pytest.approx(n32, rel=0.1)  # the clipped norm is the real (unscaled) one
 
 
-# ---- fp16 on a CPU (accelerate itself runs fp16 on a CPU in fp32: detlib.runtime.enable_cpu_fp16)
+# ---- fp16 on a CPU (accelerate itself runs fp16 on a CPU in fp32: detlib.engine.tracking.enable_cpu_fp16)
 
 def test_losses_are_fp32_from_fp16_logits_under_autocast_case_b17():
     """Focal and box losses come out float32 from fp16 logits and deltas, inside fp16 autocast, and equal the
@@ -86,7 +86,7 @@ def test_loss_stays_finite_with_saturated_fp16_logits_case_b17():
 
 
 def test_enable_cpu_fp16_refuses_other_settings():
-    from detlib.runtime import enable_cpu_fp16
+    from detlib.engine.tracking import enable_cpu_fp16
 
     AcceleratorState._reset_state(True)
     try:

@@ -2,8 +2,8 @@
 
 import torch
 
-from detlib.anchors import AnchorGenerator
-from detlib.model import RetinaNet
+from detlib.retinanet.anchors import AnchorGenerator
+from detlib.retinanet.model import RetinaNet
 
 
 def _p6_from(model, c5, p5):

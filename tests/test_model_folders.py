@@ -178,7 +178,7 @@ def test_convert_weights_writes_a_model_card(tmp_path):
     from huggingface_hub import ModelCard
     from torchvision.models.detection import retinanet_resnet50_fpn
 
-    from detlib.torchvision_weights import torchvision_coco_categories
+    from detlib.retinanet.torchvision_weights import torchvision_coco_categories
 
     _, names = torchvision_coco_categories()
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import stat
 import pytest
 import torch
 
-from detlib import checkpoint as ckpt
+from detlib.engine import checkpoint_io as ckpt
 from detlib.weights import load_model_weights, save_model_weights
 
 

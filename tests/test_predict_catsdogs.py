@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from detlib.classification import build_classifier, classification_transform
-from detlib.images import load_rgb
+from detlib.data.images import load_rgb
 
 from conftest import SHARED_DATA, run_script
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest import write_coco, write_image
-from detlib.data import CocoDetection
-from detlib.model import RetinaNet, freeze_backbone_stages
+from detlib.data.coco import CocoDetection
+from detlib.retinanet.model import RetinaNet, freeze_backbone_stages
 
 
 @pytest.mark.parametrize("freeze_bn", [True, False])
@@ -61,7 +61,7 @@ def test_train_scales_draw_a_size_per_sample_and_the_boxes_follow(tmp_path):
     write_image(tmp_path / "img" / "0.png", 200, 100, seed=0)  # W 200, H 100
     ann = write_coco(tmp_path / "a.json", [{"id": 1, "file_name": "0.png", "width": 200, "height": 100}],
                      [{"image_id": 1, "category_id": 1, "bbox": [20, 10, 100, 50]}])
-    from detlib.transforms import build_transform
+    from detlib.data.transforms import build_transform
 
     ds = CocoDetection(str(tmp_path / "img"), str(ann), build_transform([50, 80, 120], "none", max_size=1000), seed=0)
     seen = set()
@@ -79,7 +79,7 @@ def test_train_scales_draw_a_size_per_sample_and_the_boxes_follow(tmp_path):
 
 
 def test_ema_loss_normalizer_by_hand():
-    from detlib.loss import EmaLossNormalizer, retinanet_loss
+    from detlib.retinanet.loss import EmaLossNormalizer, retinanet_loss
 
     ema = EmaLossNormalizer()
     assert float(ema(torch.tensor(10.0))) == pytest.approx(0.9 * 100 + 0.1 * 10)  # 91

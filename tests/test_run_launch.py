@@ -1,4 +1,4 @@
-"""End-to-end runs of the run machinery (detlib.engine) through `accelerate launch`: divergence (C11), kill -9
+"""End-to-end runs of the run machinery (detlib.engine.run) through `accelerate launch`: divergence (C11), kill -9
 and SIGTERM mid-epoch with exact resume, launcher death, damaged checkpoints (C07), another process count
 (C08), the partial accumulation window (C09), a training set too small for the processes (C10), the
 output-folder guards, and two "machines" on loopback.
@@ -265,7 +265,7 @@ def test_planted_pickle_payload_never_runs_on_resume(tmp_path, capsys):
     checkpoint, saying why; the command never runs. (Every kind of state file: tests/test_checkpoint.py.)"""
     from helpers import plant
 
-    from detlib.checkpoint import list_checkpoints
+    from detlib.engine.checkpoint_io import list_checkpoints
 
     data = make_tiny_folder(tmp_path / "data", [4, 4])
     out, marker = tmp_path / "run", tmp_path / "MARKER"
@@ -393,7 +393,7 @@ def test_output_folder_guards(tmp_path, capsys):
     code, stdout, _ = run_main("train_retinanet", data + TINY + ["--output_dir", str(tmp_path / "typo"), "--max_steps", "1",
                                                                  "--resume_from_checkpoint", "latest", "--num_workers", "0"], capsys)
     assert code == 0
-    assert f"WARNING detlib.checkpoint: --resume_from_checkpoint latest: no usable checkpoint in {tmp_path / 'typo'}" in stdout
+    assert f"WARNING detlib.engine.checkpoint_io: --resume_from_checkpoint latest: no usable checkpoint in {tmp_path / 'typo'}" in stdout
 
 
 @pytest.mark.slow  # in-process, but a training and an evaluation (seconds)

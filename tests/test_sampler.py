@@ -1,4 +1,4 @@
-"""Aspect-ratio grouped batches (detlib.sampler): pure groups, every index once per epoch, a new order each epoch,
+"""Aspect-ratio grouped batches (detlib.data.sampler): pure groups, every index once per epoch, a new order each epoch,
 the same order when replayed (resume), disjoint shards on 2 processes."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from detlib.sampler import GroupedBatchSampler, aspect_groups
+from detlib.data.sampler import GroupedBatchSampler, aspect_groups
 
 
 def test_aspect_groups_from_sizes():

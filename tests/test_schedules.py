@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from detlib.schedules import build_lr_scheduler, lr_factor
+from detlib.engine.schedules import build_lr_scheduler, lr_factor
 
 
 def test_multistep_with_warmup_worked_values():
@@ -41,7 +41,7 @@ def test_constant_warms_up_too_and_the_first_step_is_one_step_into_the_ramp():
 
 
 def test_a_warmup_as_long_as_the_run_is_a_warning_once_at_the_start(caplog):
-    from detlib.schedules import RunPosition, build_scheduler
+    from detlib.engine.schedules import RunPosition, build_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     start = RunPosition(steps_per_epoch=20, total_steps=200)

@@ -8,8 +8,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from detlib.data import CocoDetection
-from detlib.synthetic import make_synthetic_coco
+from detlib.data.builtin import make_synthetic_coco
+from detlib.data.coco import CocoDetection
 
 from conftest import read_metrics, run_script
 

@@ -16,8 +16,8 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator as TVAncho
 from torchvision.models.detection.image_list import ImageList
 
 from conftest import COCO_SUBSET, assert_same_detections, cap_cut, needs_coco_subset, run_script
-from detlib.anchors import AnchorGenerator, anchor_config, anchor_generator_from_config, torchvision_anchor_settings
-from detlib.box_ops import box_xywh_to_xyxy
+from detlib.boxes import box_xywh_to_xyxy
+from detlib.retinanet.anchors import AnchorGenerator, anchor_config, anchor_generator_from_config, torchvision_anchor_settings
 from helpers import load_script, run_main
 from tiny_retinanet import subset_json
 
@@ -58,7 +58,7 @@ def _torchvision_retinanet():
     10 `N/A` ids) pushed to -1e4 as in the trained checkpoint, where they never had a positive and never score."""
     from torchvision.models.detection import retinanet_resnet50_fpn
 
-    from detlib.torchvision_weights import torchvision_coco_categories
+    from detlib.retinanet.torchvision_weights import torchvision_coco_categories
 
     torch.manual_seed(0)
     model = retinanet_resnet50_fpn(weights=None, weights_backbone=None, min_size=MIN_SIZE, max_size=MAX_SIZE).eval()
@@ -204,13 +204,13 @@ def test_v2_conversion_equals_torchvision_in_process():
     detlib's evaluation pieces (transform, collate, model, anchors, decoding): torchvision's detections."""
     from torchvision.models.detection import retinanet_resnet50_fpn_v2
 
-    from detlib.coco_eval import detections_to_coco
-    from detlib.data import collate_detection
-    from detlib.decode import decode_detections
-    from detlib.model import build_retinanet_from_config
-    from detlib.torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories,
-                                            torchvision_model_config, torchvision_version)
-    from detlib.transforms import build_transform, make_sample
+    from detlib.data.coco import collate_detection
+    from detlib.data.transforms import build_transform, make_sample
+    from detlib.evaluation.coco import detections_to_coco
+    from detlib.retinanet.decode import decode_detections
+    from detlib.retinanet.model import build_retinanet_from_config
+    from detlib.retinanet.torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories,
+                                                      torchvision_model_config, torchvision_version)
 
     torch.manual_seed(0)
     tv_model = retinanet_resnet50_fpn_v2(weights=None, weights_backbone=None, min_size=MIN_SIZE, max_size=MAX_SIZE).eval()
@@ -256,7 +256,7 @@ def test_load_matching_weights_between_timm_backbones():
     """--init_from's loader on our own detectors: same backbone, other class count -> everything but the class
     output loads, the output gets the prior bias; a resnet34 detector into a resnet18 one -> the blocks resnet18
     has load, resnet34's extra blocks are skipped."""
-    from detlib.model import RetinaNet, load_matching_weights
+    from detlib.retinanet.model import RetinaNet, load_matching_weights
 
     torch.manual_seed(0)
     src = RetinaNet(5, "resnet34", fpn_channels=16)

@@ -1,4 +1,4 @@
-"""Videos in the predict scripts (detlib.video, PyAV): a video predicted frame by frame equals the same frames
+"""Videos in the predict scripts (detlib.data.video, PyAV): a video predicted frame by frame equals the same frames
 predicted as images; files that are neither image nor video are named unsupported, not unreadable."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from conftest import COCO_SUBSET, REPO, needs_coco_subset
 
 av = pytest.importorskip("av")
 
-from detlib.video import VideoWriter, video_frames, video_info  # noqa: E402
+from detlib.data.video import VideoWriter, video_frames, video_info  # noqa: E402
 
 FRAMES, FPS = 10, 5
 
@@ -33,7 +33,7 @@ def detector(tmp_path_factory) -> Path:
     """A freshly initialised tiny RetinaNet folder (seeded): what predict reads, without a training run."""
     from safetensors.torch import save_file
 
-    from detlib.model import build_retinanet_from_config
+    from detlib.retinanet.model import build_retinanet_from_config
 
     folder = tmp_path_factory.mktemp("detector")
     config = {"num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,

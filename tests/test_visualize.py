@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from detlib.coco_eval import evaluate_coco
-from detlib.visualize import (GT_COLOR, OUTLINE_COLOR, SAMPLE_DISPLAY_SIZE, class_color, exif_transpose_boxes,
-                              sample_detections, sample_layout, select_sample_ids)
+from detlib.evaluation.coco import evaluate_coco
+from detlib.evaluation.drawing import (GT_COLOR, OUTLINE_COLOR, SAMPLE_DISPLAY_SIZE, class_color, exif_transpose_boxes,
+                                       sample_detections, sample_layout, select_sample_ids)
 
 from conftest import COCO_SUBSET, REPO, needs_coco_subset
 
@@ -137,7 +137,7 @@ def test_log_evaluation_extras_wandb_offline_and_tensorboard_read_back(tmp_path,
     from accelerate.utils import ProjectConfiguration
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from detlib.dashboard import log_evaluation_extras
+    from detlib.evaluation.report import log_evaluation_extras
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -225,7 +225,7 @@ def test_log_evaluation_extras_without_trackers_or_detections(tmp_path):
     """No tracker and an evaluation that detected nothing (no COCOeval object): the files are still written."""
     from accelerate import Accelerator
 
-    from detlib.dashboard import log_evaluation_extras
+    from detlib.evaluation.report import log_evaluation_extras
 
     gt = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())
     per_class = log_evaluation_extras(Accelerator(cpu=True), str(tmp_path), None, 0, gt, [], None, str(COCO_SUBSET / "images"),
@@ -244,7 +244,7 @@ def test_log_evaluation_extras_without_trackers_or_detections(tmp_path):
 def test_labels_of_neighbouring_boxes_do_not_cover_each_other():
     """Two detections side by side: the higher score's tag goes above its box, the other's, which would cover it
     there, below its own box (outside it too); predict's drawing keeps the image size."""
-    from detlib.visualize import draw_detections
+    from detlib.evaluation.drawing import draw_detections
 
     image = torch.full((3, 200, 200), 90, dtype=torch.uint8)
     boxes = torch.tensor([[20.0, 60.0, 100.0, 120.0], [30.0, 62.0, 110.0, 122.0]])

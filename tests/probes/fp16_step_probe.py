@@ -2,7 +2,7 @@
 scripts' own step (clip, `Run.all_finite`, `optimizer.step()`, `Run.end_step`, as in scripts/train_*.py).
 
 accelerate runs `mixed_precision: fp16` on a CPU in fp32 (no autocast, no GradScaler), so the probe switches
-on `torch.autocast("cpu", torch.float16)` and `torch.amp.GradScaler("cpu")` with detlib.runtime.enable_cpu_fp16.
+on `torch.autocast("cpu", torch.float16)` and `torch.amp.GradScaler("cpu")` with detlib.engine.tracking.enable_cpu_fp16.
 At step INF_STEP rank 1 alone gets an inf gradient (a hook on the class logits); the gradients are all-reduced,
 so every rank's GradScaler sees it. The probe records per rank and step: the scale before and after, whether the
 weights changed and by how much, the unscaled gradient norm computed here from the scaled gradients, and the class head's output
@@ -17,10 +17,10 @@ import sys
 import torch
 from accelerate.utils import gather_object
 
-from detlib.engine import Run, RunSettings
-from detlib.flags import run_argument_parser
-from detlib.model import RetinaNet
-from detlib.runtime import enable_cpu_fp16
+from detlib.engine.flags import run_argument_parser
+from detlib.engine.run import Run, RunSettings
+from detlib.engine.tracking import enable_cpu_fp16
+from detlib.retinanet.model import RetinaNet
 
 INF_STEP = 2  # 1-based optimizer step whose gradient rank 1 makes inf
 STEPS = 4
@@ -51,8 +51,8 @@ def main():
     run = Run(RunSettings.from_flags(args), metric="AP")
     acc = run.accelerator
     enable_cpu_fp16(acc)
-    from detlib.anchors import AnchorGenerator
-    from detlib.loss import retinanet_loss
+    from detlib.retinanet.anchors import AnchorGenerator
+    from detlib.retinanet.loss import retinanet_loss
 
     torch.manual_seed(0)
     model = RetinaNet(3, "resnet18", fpn_channels=16, freeze_backbone_bn=False)
@@ -63,7 +63,7 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     loader = torch.utils.data.DataLoader(batches(), batch_size=1, shuffle=False, collate_fn=collate)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    from detlib.schedules import build_scheduler
+    from detlib.engine.schedules import build_scheduler
 
     scheduler, schedule = build_scheduler(optimizer, "constant", run.resume_point(loader), 1, warmup_steps=0)
     run.resume(model, optimizer, scheduler, schedule)

@@ -6,8 +6,8 @@ import sys
 
 from accelerate.utils import gather_object
 
-from detlib.runtime import make_accelerator
-from detlib.visualize import select_sample_ids
+from detlib.engine.tracking import make_accelerator
+from detlib.evaluation.drawing import select_sample_ids
 
 annotations, out_path = sys.argv[1], sys.argv[2]
 accelerator = make_accelerator(None, 1, "none", "/tmp", seed=0)

@@ -1,0 +1,25 @@
+"""Data: reading images, box-aware transforms, the COCO-format data set and its collate, per-image records,
+aspect-ratio grouping, the ImageFolder data set, VOC / YOLO read as COCO, video frames, and the built-in sets.
+
+`images` (files to RGB, damaged files survived), `transforms` (augmentation, resizing, the input conventions),
+`coco` (the detection data set, the batch), `records` (compact per-image arrays), `sampler` (aspect grouping),
+`imagefolder` (the classification data set), `formats` (VOC / YOLO, and the data check of a data folder in any
+format), `video` (PyAV frames), `builtin` (the synthetic sets both scripts train on without data).
+"""
+
+from .builtin import make_synthetic_coco, make_synthetic_image_folder
+from .coco import PAD_VALUE, CocoDetection, collate_detection
+from .formats import FORMATS, check_coco_for_training, data_dir_paths, read_data_dir_splits
+from .imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
+from .images import IMAGE_ERRORS, load_rgb
+from .sampler import GroupedBatchSampler, aspect_groups
+from .transforms import AUGMENTATIONS, INPUT_DIVISIBILITY, build_transform
+from .video import INSTALL_HINT, VideoWriter, av_available, video_frames, video_info
+
+__all__ = [
+    "make_synthetic_coco", "make_synthetic_image_folder", "PAD_VALUE", "CocoDetection", "collate_detection", "FORMATS",
+    "check_coco_for_training", "data_dir_paths", "read_data_dir_splits", "VERIFY_MODES", "ImageFolderDataset",
+    "scan_image_folder", "IMAGE_ERRORS", "load_rgb", "GroupedBatchSampler", "aspect_groups", "AUGMENTATIONS",
+    "INPUT_DIVISIBILITY", "build_transform", "INSTALL_HINT", "VideoWriter", "av_available", "video_frames",
+    "video_info"
+]

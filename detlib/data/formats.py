@@ -1,0 +1,615 @@
+"""Detection data sets in the Pascal VOC and YOLO (ultralytics) layouts, read as COCO-format dicts in memory, so
+the one data check (`detlib.datacheck.coco`: errors, repairs, warnings, data_report.json), the data set and the COCO
+evaluation apply to them unchanged.
+
+Layouts (`data_dir_paths` finds which one a folder holds; `detect_format`):
+
+  coco  ROOT/annotations/instances_{set}.json, images in ROOT/{set} or ROOT/images/{set}
+  voc   ROOT/Annotations/<id>.xml, ROOT/JPEGImages/<id>.jpg, ROOT/ImageSets/Main/{set}.txt (one id a line): the
+        devkit's VOC2007 / VOC2012 folder, or any set in that layout (LabelImg, CVAT's "Pascal VOC" export)
+  yolo  ROOT/data.yaml with `names` (a list, or {index: name}) and `train:` / `val:` (an image folder, searched
+        recursively, a .txt list of image paths, or a list of them; relative to the yaml's `path:`, else to the
+        yaml's folder); each image's labels in the .txt beside it under `labels/` instead of `images/`
+        (ultralytics' `img2label_paths`), one `class cx cy w h` row per box, normalised to 0..1 (a polygon row
+        `class x1 y1 x2 y2 ...` gives its extent)
+
+What the conversion decides (boxes inside detlib are xyxy pixels; the COCO dicts carry COCO's xywh pixels):
+
+* VOC boxes are 1-based pixel indices, inclusive: `xmin=1, xmax=W` covers the whole image. As detectron2's
+  `load_voc_instances`, xmin and ymin lose 1: the box is [xmin - 1, ymin - 1, xmax, ymax] in pixel coordinates.
+* VOC `difficult` objects become `iscrowd: 1`: ignore regions, neither positives nor negatives in training and
+  left out of the evaluation's matching (as mmdetection's `ignore_flag` and the VOC evaluation treat them;
+  detectron2 trains on them: `--include_crowd` does that). `truncated` is kept on the annotation and counted;
+  a truncated object is a whole box of the visible part, nothing to repair.
+* VOC classes are the sorted names found in every xml of Annotations/ (all splits), numbered 1..K, so train,
+  val and an `--evaluate_only` run on val alone number them alike (the VOC 20 are alphabetical anyway).
+* YOLO classes keep their index as the category id (0..K-1), named by `names`.
+* Image ids: the file stems when all are distinct integers (COCO-style names), else 1..N in sorted order
+  (VOC's own id then kept as `original_id`, which predictions carry).
+
+Faults of each layout are findings in the same report (`detlib.datacheck.report`), listed in VOC_FINDINGS and
+YOLO_FINDINGS; a missing xml leaves its image out, an image without a label file has no boxes (a background
+image, counted), a label file without an image is warned about.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import xml.etree.ElementTree as ET
+
+from ..datacheck.coco import check_coco_data
+from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS, DataReport, Findings, publish_report, read_image_headers
+
+FORMATS = ("coco", "voc", "yolo")
+# File name extensions read as images in a YOLO image folder (ultralytics' IMG_FORMATS, lower case).
+YOLO_IMAGE_EXTENSIONS = (".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm", ".heic")
+# Image files looked for under JPEGImages/ for a VOC id, in this order, when the xml's <filename> is not there.
+VOC_IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".JPG", ".JPEG", ".PNG", ".bmp")
+YOLO_YAML_NAMES = ("data.yaml", "dataset.yaml", "data.yml")
+# A YOLO box whose corners lie further outside 0..1 than this is not normalised (pixels?) and is dropped; a
+# little outside is rounding, clipped by the data check.
+YOLO_OUTSIDE_TOLERANCE = 0.01
+# Corners outside 0..1 by no more than this are the rounding of a label file's decimals: clamped without a finding.
+YOLO_ROUNDING = 1e-4
+# The split names when --train_set / --val_set are not given.
+DEFAULT_SPLITS = {"coco": ("train2017", "val2017"), "voc": ("train", "val"), "yolo": ("train", "val")}
+
+VOC_FINDINGS = {
+    "no_xml": ("repair", "images", "ids in the split list without Annotations/<id>.xml: left out (their boxes are "
+               "unknown)"),
+    "bad_xml": ("repair", "structure", "xml files that do not parse: left out with their image"),
+    "twice": ("repair", "ids", "ids listed twice in the split list: kept once"),
+    "no_name": ("repair", "boxes", "objects without a <name>: dropped"),
+    "no_bndbox": ("repair", "boxes", "objects without 4 numbers in <bndbox> (xmin, ymin, xmax, ymax): dropped"),
+    "size_from_file": ("repair", "images", "xml without a usable <size>: width and height taken from the image file"),
+    "zero_based": ("warning", "boxes", "boxes with xmin or ymin 0: VOC coordinates are 1-based, so they were "
+                   "probably written 0-based (the data check clips them to the image)"),
+}
+VOC_UNLISTED = ("warning", "ids", "Annotations/*.xml in no ImageSets/Main list: not used")
+YOLO_FINDINGS = {
+    "no_image": ("repair", "images", "images listed that do not exist: left out"),
+    "twice": ("repair", "ids", "images listed twice: kept once"),
+    "bad_row": ("repair", "boxes", "label rows that are not `class cx cy w h` numbers (or a polygon): dropped"),
+    "bad_class": ("repair", "categories", "label rows whose class id is not one of names (0..{last}): dropped"),
+    "not_normalised": ("repair", "boxes", "label rows with coordinates outside 0..1 (pixels instead of normalised?): "
+                       "dropped"),
+    "duplicate_row": ("repair", "boxes", "duplicate label rows: kept once"),
+    "unreadable_label": ("repair", "images", "label files that cannot be read as text: the image left out"),
+    "orphan_label": ("warning", "images", "label files without an image: not used"),
+}
+
+
+def _yaml_in(root: str) -> str | None:
+    if os.path.isfile(root) and root.lower().endswith((".yaml", ".yml")):
+        return root
+    for name in YOLO_YAML_NAMES:
+        if os.path.isfile(os.path.join(root, name)):
+            return os.path.join(root, name)
+    return None
+
+
+def detect_format(root: str) -> str:
+    """The layout of a data set root: "voc" (Annotations/ and JPEGImages/), "yolo" (data.yaml, or the yaml
+    itself), "coco" (annotations/, or COCO's image folders train2017/, val2017/, images/).
+
+    Raises:
+        FileNotFoundError: `root` does not exist or holds none of the three (names what was looked for).
+    """
+    if not os.path.exists(root):
+        raise FileNotFoundError(f"data folder not found: {root}")
+    if os.path.isdir(os.path.join(root, "Annotations")) and os.path.isdir(os.path.join(root, "JPEGImages")):
+        return "voc"
+    if _yaml_in(root):
+        return "yolo"
+    if any(os.path.isdir(os.path.join(root, d)) for d in ("annotations", "train2017", "val2017", "images")):
+        return "coco"  # COCO's image folders without annotations/: the missing json is named next
+    hint = ""
+    if os.path.isdir(root):
+        inner = sorted(d for d in os.listdir(root) if d.upper().startswith("VOC") and os.path.isdir(os.path.join(root, d)))
+        if inner:
+            hint = f" (a VOCdevkit folder? give one of its sets: {', '.join(os.path.join(root, d) for d in inner)})"
+    raise FileNotFoundError(f"{root} is not a data set root of a known layout: COCO (annotations/instances_*.json), "
+                            f"VOC (Annotations/, JPEGImages/, ImageSets/Main/) or YOLO (data.yaml){hint}")
+
+
+def data_dir_paths(root: str, fmt: str | None, train_set: str | None, val_set: str | None,
+                   need_train: bool = True) -> dict[str, str | None]:
+    """The data of a `--data_dir ROOT`: its format and, per split, the image folder and the annotation source.
+
+    Args:
+        fmt: "coco", "voc", "yolo", or None to detect it (`detect_format`).
+        train_set, val_set: split names (default DEFAULT_SPLITS of the format: COCO's train2017 / val2017, VOC's
+            ImageSets/Main/{train,val}.txt, YOLO's `train:` / `val:` keys).
+        need_train: False: the training split is neither looked for nor returned (evaluation only).
+    Returns:
+        {"format", "train_images", "train_annotations", "val_images", "val_annotations"}: for COCO the json
+        files, for VOC the split lists, for YOLO the yaml (converted by `read_split`); train ones None unless
+        `need_train`.
+    Raises:
+        FileNotFoundError: a folder or file of the layout is missing (names it, and the splits there are).
+        ValueError: a YOLO yaml without the split's key or `names`.
+    """
+    fmt = fmt or detect_format(root)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown data format {fmt!r} (one of {', '.join(FORMATS)})")
+    default_train, default_val = DEFAULT_SPLITS[fmt]
+    splits = {"val": val_set or default_val}
+    if need_train:
+        splits["train"] = train_set or default_train
+    out: dict[str, str | None] = {"format": fmt, "train_images": None, "train_annotations": None}
+    for key, name in splits.items():
+        if fmt == "coco":
+            images, annotations = _coco_split(root, name)
+        elif fmt == "voc":
+            images, annotations = _voc_split(root, name)
+        else:
+            images, annotations = _yolo_split(root, name)
+        out[f"{key}_images"], out[f"{key}_annotations"] = images, annotations
+    return out
+
+
+def _coco_split(root: str, name: str) -> tuple[str, str]:
+    cands = (os.path.join(root, name), os.path.join(root, "images", name))
+    images = next((c for c in cands if os.path.isdir(c)), None)
+    if images is None:
+        raise FileNotFoundError(f"image folder not found: {cands[0]} (nor {cands[1]})")
+    return images, os.path.join(root, "annotations", f"instances_{name}.json")
+
+
+def _voc_split(root: str, name: str) -> tuple[str, str]:
+    listing = os.path.join(root, "ImageSets", "Main", f"{name}.txt")
+    if not os.path.isfile(listing):
+        there = sorted(os.path.splitext(f)[0] for f in os.listdir(os.path.dirname(listing))
+                       if f.endswith(".txt") and "_" not in f) if os.path.isdir(os.path.dirname(listing)) else []
+        raise FileNotFoundError(f"VOC split list not found: {listing}" + (f" (splits there: {', '.join(there)})" if there
+                                                                          else " (ImageSets/Main/ holds none)"))
+    return os.path.join(root, "JPEGImages"), listing
+
+
+def _yolo_split(root: str, name: str) -> tuple[str, str]:
+    yaml_path = _yaml_in(root)
+    if yaml_path is None:
+        raise FileNotFoundError(f"no {' / '.join(YOLO_YAML_NAMES)} in {root}")
+    cfg = read_yolo_yaml(yaml_path)
+    images = _yolo_image_entries(cfg, yaml_path, name)
+    folder = images[0] if len(images) == 1 and os.path.isdir(images[0]) else os.path.commonpath(
+        [p if os.path.isdir(p) else os.path.dirname(p) for p in images])
+    return folder, yaml_path
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def read_split(fmt: str, annotations: str, split_name: str, *, report: DataReport, split: str,
+               cache_file: str | None = None, progress: bool = True) -> dict:
+    """One split of a VOC or YOLO set as a COCO-format dict (checked afterwards by `detlib.datacheck.coco.check_coco`).
+
+    Args:
+        fmt: "voc" or "yolo".
+        annotations: the split's annotation source from `data_dir_paths` (VOC: ImageSets/Main/<split>.txt, YOLO:
+            the yaml).
+        split_name: the split's own name (VOC: the list's, YOLO: the yaml key).
+        report, split: the report and the split name ("train", "val") its findings are added under.
+        cache_file, progress: of the image header pass (`read_image_headers`; YOLO needs every image's size).
+    Returns:
+        {"info", "licenses", "images", "annotations", "categories"}: images {"id", "file_name" (relative to the
+        split's image folder of `data_dir_paths`), "width", "height"}; annotations {"id", "image_id",
+        "category_id", "bbox" [x, y, w, h] pixels, "area", "iscrowd"} (+ VOC's "difficult", "truncated").
+    Raises:
+        FileNotFoundError: the split list, yaml or a folder it names is missing.
+        ValueError: a yaml that does not say what the layout needs (names, the split).
+    """
+    if fmt == "voc":
+        return read_voc_split(annotations, report=report, split=split, cache_file=cache_file)
+    if fmt == "yolo":
+        return read_yolo_split(annotations, split_name, report=report, split=split, cache_file=cache_file,
+                               progress=progress)
+    raise ValueError(f"read_split reads voc and yolo sets, not {fmt!r}")
+
+
+def _image_ids(stems: list[str]) -> tuple[list[int], bool]:
+    """Integer ids for the images of a split: their stems when all are distinct integers, else 1..N."""
+    if stems and all(s.isdigit() for s in stems) and len({int(s) for s in stems}) == len(stems):
+        return [int(s) for s in stems], True
+    return list(range(1, len(stems) + 1)), False
+
+
+def _dataset(images: list[dict], annotations: list[dict], categories: list[dict], description: str) -> dict:
+    for i, a in enumerate(annotations, 1):
+        a["id"] = i
+    return {"info": {"description": description}, "licenses": [], "images": images, "annotations": annotations,
+            "categories": categories}
+
+
+# ---- VOC
+
+
+def _voc_root(listing: str) -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(listing))))
+
+
+def _text(node, tag: str) -> str | None:
+    child = node.find(tag) if node is not None else None
+    return child.text.strip() if child is not None and child.text and child.text.strip() else None
+
+
+def _number(node, tag: str) -> float | None:
+    t = _text(node, tag)
+    try:
+        v = float(t) if t is not None else None
+    except ValueError:
+        return None
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _parse_voc_xml(path: str):
+    try:
+        return ET.parse(path).getroot()
+    except (ET.ParseError, OSError, UnicodeDecodeError):
+        return None
+
+
+def voc_class_names(root: str) -> list[str]:
+    """The sorted object names of every Annotations/*.xml of a VOC root (unparsable files skipped)."""
+    names = set()
+    for f in glob.glob(os.path.join(root, "Annotations", "*.xml")):
+        r = _parse_voc_xml(f)
+        if r is not None:
+            names.update(n for n in (_text(o, "name") for o in r.iter("object")) if n)
+    return sorted(names)
+
+
+def read_voc_split(listing: str, *, report: DataReport, split: str, cache_file: str | None = None) -> dict:
+    """A VOC split list (ImageSets/Main/<split>.txt) and its xml files as a COCO dict (see `read_split`)."""
+    root = _voc_root(listing)
+    with open(listing) as f:
+        ids_listed = [line.split()[0] for line in f if line.strip()]
+    found = Findings(VOC_FINDINGS)
+    seen, ids = set(), []
+    for i in ids_listed:
+        if i in seen:
+            found["twice"].append(i)
+        else:
+            seen.add(i)
+            ids.append(i)
+    names = voc_class_names(root)
+    cat_of = {n: k for k, n in enumerate(names, 1)}
+    parsed = []
+    for vid in ids:
+        xml = os.path.join(root, "Annotations", f"{vid}.xml")
+        if not os.path.isfile(xml):
+            found["no_xml"].append(vid)
+            continue
+        r = _parse_voc_xml(xml)
+        if r is None:
+            found["bad_xml"].append(f"{vid}.xml")
+            continue
+        parsed.append((vid, r))
+    image_ids, numeric = _image_ids([vid for vid, _ in parsed])
+    images, annotations = [], []
+    difficult = truncated = 0
+    need_size = []
+    for (vid, r), iid in zip(parsed, image_ids):
+        size = r.find("size")
+        w, h = _number(size, "width"), _number(size, "height")
+        im = {"id": iid, "file_name": _voc_image_file(root, vid, _text(r, "filename")),
+              "width": int(w) if w and w > 0 else None, "height": int(h) if h and h > 0 else None}
+        if not numeric:
+            im["original_id"] = vid
+        if im["width"] is None or im["height"] is None:
+            need_size.append(im)
+        images.append(im)
+        for obj in r.iter("object"):
+            name = _text(obj, "name")
+            if name is None:
+                found["no_name"].append(vid)
+                continue
+            box = obj.find("bndbox")
+            xyxy = [_number(box, k) for k in ("xmin", "ymin", "xmax", "ymax")]
+            if None in xyxy:
+                found["no_bndbox"].append(f"{vid} {name}")
+                continue
+            if xyxy[0] == 0 or xyxy[1] == 0:
+                found["zero_based"].append(f"{vid} {name}")
+            # 1-based inclusive pixel indices -> pixel coordinates (detectron2's load_voc_instances)
+            x1, y1, x2, y2 = xyxy[0] - 1.0, xyxy[1] - 1.0, xyxy[2], xyxy[3]
+            is_difficult = int(_number(obj, "difficult") or 0) == 1
+            is_truncated = int(_number(obj, "truncated") or 0) == 1
+            difficult += is_difficult
+            truncated += is_truncated
+            annotations.append({"image_id": iid, "category_id": cat_of[name], "bbox": [x1, y1, x2 - x1, y2 - y1],
+                                "area": max(x2 - x1, 0.0) * max(y2 - y1, 0.0), "iscrowd": int(is_difficult),
+                                "difficult": int(is_difficult), "truncated": int(is_truncated)})
+    if need_size:
+        image_dir = os.path.join(root, "JPEGImages")
+        for im, (status, fw, fh, _) in zip(need_size, read_image_headers(
+                [os.path.join(image_dir, im["file_name"]) for im in need_size], progress=False, cache_file=cache_file)):
+            if status == "ok":
+                im["width"], im["height"] = fw, fh
+                found["size_from_file"].append(im["file_name"])
+    found.add_to(report, split)
+    report.summaries[f"{split} (voc)"] = {"list": listing, "difficult (ignored, as crowd)": difficult,
+                                          "truncated": truncated}
+    categories = [{"id": k, "name": n} for n, k in cat_of.items()]
+    return _dataset(images, annotations, categories, f"converted from Pascal VOC {listing}")
+
+
+def _voc_image_file(root: str, vid: str, filename: str | None) -> str:
+    """JPEGImages/<id>.<ext> as the devkit names it (detectron2 and mmdetection use the id, not <filename>);
+    the xml's <filename> when no such file is there; <id>.jpg (reported missing by the image check) else."""
+    folder = os.path.join(root, "JPEGImages")
+    for ext in VOC_IMAGE_EXTENSIONS:
+        if os.path.isfile(os.path.join(folder, vid + ext)):
+            return vid + ext
+    if filename and os.path.isfile(os.path.join(folder, filename)):
+        return filename
+    return vid + ".jpg"
+
+
+def _voc_unlisted(root: str) -> list[str]:
+    listed = set()
+    for f in glob.glob(os.path.join(root, "ImageSets", "Main", "*.txt")):
+        with open(f) as fh:
+            listed.update(line.split()[0] for line in fh if line.strip())
+    return sorted(os.path.basename(f) for f in glob.glob(os.path.join(root, "Annotations", "*.xml"))
+                  if os.path.splitext(os.path.basename(f))[0] not in listed)
+
+
+# ---- YOLO
+
+
+def read_yolo_yaml(path: str) -> dict:
+    """A YOLO data.yaml with `names` as {index: name} (a list becomes 0..K-1).
+
+    Raises:
+        ValueError: not yaml, no `names`, indices that are not 0..K-1, or an `nc` that disagrees with `names`.
+    """
+    import yaml
+
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not yaml ({type(e).__name__})") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("names"), (list, dict)) or not cfg["names"]:
+        raise ValueError(f"{path} has no `names` (the class names, a list or {{index: name}})")
+    names = cfg["names"]
+    names = dict(enumerate(names)) if isinstance(names, list) else names
+    try:
+        names = {int(k): str(v) for k, v in names.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: `names` keys must be class indices 0..K-1") from None
+    if sorted(names) != list(range(len(names))):
+        raise ValueError(f"{path}: `names` indices must be 0..{len(names) - 1}, got {sorted(names)[:10]}")
+    if "nc" in cfg and cfg["nc"] != len(names):
+        raise ValueError(f"{path}: nc: {cfg['nc']} but `names` lists {len(names)} classes")
+    return {**cfg, "names": names}
+
+
+def _yolo_base(cfg: dict, yaml_path: str) -> str:
+    base = os.path.dirname(os.path.abspath(yaml_path))
+    if cfg.get("path"):
+        p = str(cfg["path"])
+        cand = p if os.path.isabs(p) else os.path.join(base, p)
+        if os.path.isdir(cand):
+            return os.path.abspath(cand)
+    return base
+
+
+def _yolo_image_entries(cfg: dict, yaml_path: str, key: str) -> list[str]:
+    if not cfg.get(key):
+        raise ValueError(f"{yaml_path} has no `{key}:` (the {key} images: a folder, a .txt list, or a list of them)")
+    base = _yolo_base(cfg, yaml_path)
+    entries = cfg[key] if isinstance(cfg[key], list) else [cfg[key]]
+    out = []
+    for e in entries:
+        p = str(e) if os.path.isabs(str(e)) else os.path.join(base, str(e))
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"{yaml_path}: `{key}: {e}` not found ({p})")
+        out.append(os.path.abspath(p))
+    return out
+
+
+def yolo_label_path(image_path: str) -> str:
+    """The label file of an image: the last `/images/` of its path becomes `/labels/`, the extension `.txt`
+    (ultralytics' `img2label_paths`)."""
+    sa, sb = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
+    return os.path.splitext(sb.join(image_path.rsplit(sa, 1)))[0] + ".txt"
+
+
+def _yolo_images(entries: list[str], found: Findings) -> list[str]:
+    """The image files of a split's entries (folders searched recursively, .txt lists read), sorted, unique."""
+    files = []
+    for e in entries:
+        if os.path.isdir(e):
+            for dirpath, dirnames, filenames in os.walk(e, followlinks=True):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                files += [os.path.join(dirpath, f) for f in filenames
+                          if not f.startswith(".") and f.lower().endswith(YOLO_IMAGE_EXTENSIONS)]
+        else:
+            with open(e) as f:
+                for line in f:
+                    line = line.strip()
+                    if not line:
+                        continue
+                    p = line if os.path.isabs(line) else os.path.join(os.path.dirname(e), line)
+                    p = os.path.abspath(p)
+                    if os.path.isfile(p):
+                        files.append(p)
+                    else:
+                        found["no_image"].append(line)
+    out, seen = [], set()
+    for p in sorted(files):
+        if p in seen:
+            found["twice"].append(p)
+        else:
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str, cache_file: str | None = None,
+                    progress: bool = True) -> dict:
+    """The `key` split of a YOLO data set (its yaml) as a COCO dict (see `read_split`).
+
+    Every image's size comes from its header (YOLO labels are normalised), read once and cached in `cache_file`,
+    where the data check's image pass then finds it.
+    """
+    cfg = read_yolo_yaml(yaml_path)
+    names = cfg["names"]
+    entries = _yolo_image_entries(cfg, yaml_path, key)
+    found = Findings(YOLO_FINDINGS)
+    files = _yolo_images(entries, found)
+    folder = entries[0] if len(entries) == 1 and os.path.isdir(entries[0]) else (
+        os.path.commonpath([os.path.dirname(p) for p in files]) if files else os.path.dirname(entries[0]))
+    heads = read_image_headers(files, progress=progress, cache_file=cache_file)
+    image_ids, _ = _image_ids([os.path.splitext(os.path.basename(p))[0] for p in files])
+    images, annotations = [], []
+    background = 0
+    for path, iid, (status, fw, fh, orientation) in zip(files, image_ids, heads):
+        # the boxes are normalised to the image as shown (ultralytics applies the EXIF turn, exif_size)
+        sw, sh = (fh, fw) if status == "ok" and orientation in (5, 6, 7, 8) else (fw, fh)
+        im = {"id": iid, "file_name": os.path.relpath(path, folder), "width": sw if status == "ok" else None,
+              "height": sh if status == "ok" else None}
+        label = yolo_label_path(path)
+        rows = None
+        if os.path.isfile(label):
+            try:
+                with open(label) as f:
+                    rows = [line.split() for line in f if line.strip()]
+            except (OSError, UnicodeDecodeError):
+                found["unreadable_label"].append(os.path.relpath(label, folder))
+                continue
+        images.append(im)
+        if not rows:
+            background += 1
+            continue
+        if status != "ok":
+            continue  # the image check reports the file; its boxes go with it
+        seen_rows = set()
+        for n, row in enumerate(rows, 1):
+            where = f"{os.path.relpath(label, folder)}:{n}"
+            box = _yolo_row(row, len(names), found, where)
+            if box is None:
+                continue
+            if tuple(row) in seen_rows:
+                found["duplicate_row"].append(where)
+                continue
+            seen_rows.add(tuple(row))
+            cls, cx, cy, w, h = box
+            x1, y1, bw, bh = (cx - w / 2) * sw, (cy - h / 2) * sh, w * sw, h * sh
+            # a box that ends at the border must not pass it by a float rounding (a "clipped" repair otherwise)
+            bw = min(bw, sw - x1) if x1 + bw > sw and x1 + bw - sw < 1e-6 * sw else bw
+            bh = min(bh, sh - y1) if y1 + bh > sh and y1 + bh - sh < 1e-6 * sh else bh
+            annotations.append({"image_id": iid, "category_id": cls, "bbox": [x1, y1, bw, bh], "area": bw * bh,
+                                "iscrowd": 0})
+    found["orphan_label"].extend(_yolo_orphan_labels(entries, files))
+    found.add_to(report, split, last=len(names) - 1)
+    report.summaries[f"{split} (yolo)"] = {"yaml": yaml_path, "split": key, "images without a label file or rows "
+                                           "(background)": background}
+    categories = [{"id": k, "name": names[k]} for k in sorted(names)]
+    return _dataset(images, annotations, categories, f"converted from YOLO {yaml_path} ({key})")
+
+
+def _yolo_row(row: list[str], num_classes: int, found: Findings, where: str):
+    """(class, cx, cy, w, h) normalised of a label row; None (with its finding) when it is dropped."""
+    try:
+        values = [float(v) for v in row]
+    except ValueError:
+        values = None
+    if (values is None or len(values) < 5 or (len(values) > 5 and len(values) % 2 == 0)
+            or not all(map(math.isfinite, values)) or not values[0].is_integer()):
+        found["bad_row"].append(where)
+        return None
+    cls = int(values[0])
+    if not 0 <= cls < num_classes:
+        found["bad_class"].append(f"{where} (class {cls})")
+        return None
+    if len(values) == 5:
+        cx, cy, w, h = values[1:]
+        x1, y1, x2, y2 = cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
+    else:  # a segment: its polygon's extent, as ultralytics' segments2boxes
+        xs, ys = values[1::2], values[2::2]
+        x1, y1, x2, y2 = min(xs), min(ys), max(xs), max(ys)
+        cx, cy, w, h = (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1
+    t = YOLO_OUTSIDE_TOLERANCE
+    if min(x1, y1) < -t or max(x2, y2) > 1 + t:
+        found["not_normalised"].append(where)
+        return None
+    if min(x1, y1) < 0 <= min(x1, y1) + YOLO_ROUNDING or 1 < max(x2, y2) <= 1 + YOLO_ROUNDING:
+        # written with a few decimals, a box at the border overshoots it by the rounding: not a fault to report
+        x1, y1, x2, y2 = max(x1, 0.0), max(y1, 0.0), min(x2, 1.0), min(y2, 1.0)
+        cx, cy, w, h = (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1
+    return cls, cx, cy, w, h
+
+
+def _yolo_orphan_labels(entries: list[str], files: list[str]) -> list[str]:
+    """Label files under the labels/ folder of a split's image folder that no image of the split has."""
+    wanted = {yolo_label_path(p) for p in files}
+    out = []
+    for e in entries:
+        if not os.path.isdir(e):
+            continue
+        labels = os.path.dirname(yolo_label_path(os.path.join(e, "x.jpg")))
+        if os.path.abspath(labels) == os.path.abspath(e):
+            continue  # labels beside the images: any other .txt there is no label of ours to judge
+        for dirpath, _, filenames in os.walk(labels):
+            out += [os.path.join(dirpath, f) for f in filenames
+                    if f.endswith(".txt") and f != "classes.txt" and os.path.join(dirpath, f) not in wanted]
+    return sorted(out)
+
+
+def read_data_dir_splits(paths: dict, splits: dict[str, str], *, report: DataReport, cache_file: str | None = None,
+                         progress: bool = True) -> dict[str, dict]:
+    """The COCO dicts of a VOC or YOLO `data_dir_paths` result, by report split: {"train": ..., "val": ...} for
+    the splits whose annotations `paths` holds; {} for a COCO set (its json files are read by the check).
+
+    Args:
+        splits: {"train": train split name, "val": val split name} (VOC list names, YOLO yaml keys).
+    """
+    fmt = paths["format"]
+    if fmt == "coco":
+        return {}
+    out = {}
+    for split in ("train", "val"):
+        if paths.get(f"{split}_annotations"):
+            out[split] = read_split(fmt, paths[f"{split}_annotations"], splits[split] or DEFAULT_SPLITS[fmt][split == "val"],
+                                    report=report, split=split, cache_file=cache_file, progress=progress)
+    if fmt == "voc" and out:  # a fault of the data set, not of a split: reported once
+        report.add(VOC_UNLISTED[0], VOC_UNLISTED[1], next(iter(out)), VOC_UNLISTED[2],
+                   _voc_unlisted(_voc_root(paths[f"{next(iter(out))}_annotations"])))
+    return out
+
+
+def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images: bool = True,
+                            max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
+                            is_main: bool = True, data_format: str = "coco",
+                            splits: dict[str, str | None] | None = None,
+                            include_crowd: bool = False) -> tuple[dict | None, dict]:
+    """The training script's data check in one call: `check_coco_data` + `publish_report`.
+
+    Every process runs it, so every process holds the same repaired data without sending it around (the json
+    part is fast: see benchmarks/datacheck_118k.py). The image headers are read by the main process (the
+    script calls this under `main_process_first`) and cached in `output_dir/image_header_cache.json`, where the
+    other processes find them: read once per run when `output_dir` is on a disk all machines share (otherwise the
+    processes of the other machines read them again).
+    A VOC or YOLO set (`data_format`; `paths` from `detlib.data.formats.data_dir_paths`, `splits` its split names) is
+    converted first (`detlib.data.formats.read_data_dir_splits`), its own faults in the same report.
+    Returns:
+        (train normalised json or None, val normalised json).
+    Raises:
+        DataCheckError (a ValueError) on errors, after logging the report; FileNotFoundError for a missing json.
+    """
+    cache = os.path.join(output_dir, "image_header_cache.json") if output_dir and check_images else None
+    report = DataReport(strict)
+    converted = {}
+    if data_format != "coco":
+        converted = read_data_dir_splits({**paths, "format": data_format}, splits or {"train": None, "val": None},
+                                         report=report, cache_file=cache, progress=is_main)
+    train, val, report = check_coco_data(paths, check_images=check_images, max_image_pixels=max_image_pixels,
+                                         strict=strict, progress=is_main, cache_file=cache, converted=converted,
+                                         report=report, include_crowd=include_crowd)
+    publish_report(report, output_dir, is_main)
+    return train, val

@@ -1,0 +1,160 @@
+"""Box-aware augmentation and resizing on `torchvision.transforms.v2` with `tv_tensors`.
+
+A sample is a dict {"image": tv_tensors.Image uint8 [3, H, W], "boxes": tv_tensors.BoundingBoxes
+[N, 4] XYXY pixels, "labels": int64 [N], "iscrowd": bool [N]}: crowd regions travel in the same
+BoundingBoxes so they are flipped, cropped and moved exactly like the targets. After the geometric
+transforms, `SanitizeBoundingBoxes` drops boxes that became smaller than 1 px (an object cropped away),
+together with their labels and crowd flags, so an image can end with no box at all: that is a
+valid all-background sample.
+
+Augmentation levels (`--augmentation`):
+  none                 resize only
+  flip                 horizontal flip (p = 0.5)
+  flip_crop_translate  flip, a random crop keeping 60-100 % of each side (p = 0.5), and a random
+                       translation of up to 10 % of each side (p = 0.5; the uncovered area filled with
+                       `PAD_VALUE`, as the batch padding): the seed recipe's "-aug".
+Every level ends with a resize to `image_size` (aspect ratio kept; see `ResizeKeepAspect`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+AUGMENTATIONS = ("none", "flip", "flip_crop_translate")
+# ImageNet statistics of the RGB channels, for backbones pretrained on ImageNet, in pixel units [0, 255]: RetinaNet
+# takes images in [0, 255] and normalises them itself. timm's constants are in [0, 1] units, hence the x 255.
+IMAGENET_MEAN = tuple(255 * v for v in IMAGENET_DEFAULT_MEAN)  # (123.675, 116.28, 103.53)
+IMAGENET_STD = tuple(255 * v for v in IMAGENET_DEFAULT_STD)  # (58.395, 57.12, 57.375)
+# Inputs are padded to a multiple of the backbone's output stride, so C3-C5 have exactly H / s rows (torchvision's
+# GeneralizedRCNNTransform `size_divisible`); the anchors check it (detlib.retinanet.anchors).
+INPUT_DIVISIBILITY = 32
+# Padding colour of the batch (detlib.data.coco) and of the area a translation uncovers: the ImageNet mean in uint8,
+# so both are ~0 after normalisation, and the model never learns that a black band means "edge of the image".
+PAD_VALUE = (124, 116, 104)
+RESIZE_MODES = ("antialias", "torchvision")
+
+
+def _box_fields(sample):
+    # SanitizeBoundingBoxes filters these along with the boxes.
+    return sample["labels"], sample["iscrowd"]
+
+
+class RandomCropFraction:
+    """Crop a random window whose sides are `min_fraction`..1 of the image's, with probability `p`.
+
+    Boxes are clipped to the window (their parts outside it are cut off); boxes left empty are removed
+    later by `SanitizeBoundingBoxes`.
+    """
+
+    def __init__(self, min_fraction: float = 0.6, p: float = 0.5):
+        self.min_fraction = min_fraction
+        self.p = p
+
+    def __call__(self, sample: dict) -> dict:
+        if random.random() >= self.p:
+            return sample
+        h, w = sample["image"].shape[-2:]
+        ch = max(1, int(round(h * random.uniform(self.min_fraction, 1.0))))
+        cw = max(1, int(round(w * random.uniform(self.min_fraction, 1.0))))
+        top = random.randint(0, h - ch)
+        left = random.randint(0, w - cw)
+        out = dict(sample)
+        out["image"] = F.crop(sample["image"], top, left, ch, cw)
+        out["boxes"] = F.clamp_bounding_boxes(F.crop(sample["boxes"], top, left, ch, cw))
+        return out
+
+
+class ResizeKeepAspect:
+    """Resize keeping the aspect ratio (boxes follow).
+
+    With `max_size=None` the longer side becomes `size` (the seed recipe's "600 px"). With `max_size` the
+    shorter side becomes `size` unless that makes the longer side exceed `max_size` (Detectron's
+    "800 / 1333" convention of the standard COCO recipes).
+
+    Records `scale` = (new_h / old_h, new_w / old_w) in the sample, which decoding divides out to give
+    boxes in the original image's pixels.
+
+    `size` may be a list: each sample then draws one of them (multi-scale training, detectron2's
+    `MIN_SIZE_TRAIN` with `RandomChoice`), from the sample's own seeded stream (see `CocoDetection`).
+
+    `mode`:
+      "antialias"   (default) the new sides are rounded, the uint8 image is resized with antialiasing and
+                    stays uint8.
+      "torchvision" torchvision's GeneralizedRCNNTransform, for its converted weights: the new sides are
+                    floored (`interpolate(scale_factor=..., recompute_scale_factor=True)`), the image is
+                    resized as float32 (values 0-255) by plain bilinear interpolation (align_corners=False, no
+                    antialiasing) and stays float32, not rounded back to uint8. Torchvision normalises before
+                    resizing; a bilinear resize is an affine combination of pixels with weights summing to 1,
+                    so it commutes with the per-channel normalisation the model applies (up to float rounding).
+    Raises:
+        ValueError: for another mode.
+    """
+
+    def __init__(self, size: int | list[int], max_size: int | None = None, mode: str = "antialias"):
+        if mode not in RESIZE_MODES:
+            raise ValueError(f"resize mode must be one of {RESIZE_MODES}, got {mode!r}")
+        self.sizes = [int(s) for s in size] if isinstance(size, (list, tuple)) else [int(size)]
+        self.max_size = max_size
+        self.mode = mode
+
+    def __call__(self, sample: dict) -> dict:
+        h, w = sample["image"].shape[-2:]
+        size = self.sizes[0] if len(self.sizes) == 1 else random.choice(self.sizes)
+        if self.max_size is None:
+            ratio = size / max(h, w)
+        else:
+            ratio = min(size / min(h, w), self.max_size / max(h, w))
+        out = dict(sample)
+        if self.mode == "torchvision":
+            nh, nw = max(1, math.floor(h * ratio)), max(1, math.floor(w * ratio))
+            image = torch.nn.functional.interpolate(sample["image"][None].as_subclass(torch.Tensor).float(), size=[nh, nw],
+                                                    mode="bilinear", align_corners=False)[0]
+            out["image"] = tv_tensors.Image(image)
+        else:
+            nh, nw = max(1, int(round(h * ratio))), max(1, int(round(w * ratio)))
+            out["image"] = F.resize(sample["image"], [nh, nw], antialias=True)
+        out["boxes"] = F.resize(sample["boxes"], [nh, nw])
+        out["scale"] = (nh / h, nw / w)
+        return out
+
+
+def build_transform(image_size: int | list[int], augmentation: str = "none", max_size: int | None = None,
+                    resize_mode: str = "antialias") -> v2.Compose:
+    """The sample transform for training (`augmentation` as above) or evaluation (`"none"`).
+
+    `image_size` is the longer side, or with `max_size` the shorter side (see `ResizeKeepAspect`); a list of
+    sizes draws one per sample (multi-scale training); `resize_mode` "torchvision" gives float32 images resized
+    as torchvision's detection models do.
+
+    Raises:
+        ValueError: for an unknown augmentation name.
+    """
+    if augmentation not in AUGMENTATIONS:
+        raise ValueError(f"augmentation must be one of {AUGMENTATIONS}, got {augmentation!r}")
+    steps = []
+    if augmentation in ("flip", "flip_crop_translate"):
+        steps.append(v2.RandomHorizontalFlip(p=0.5))
+    if augmentation == "flip_crop_translate":
+        steps.append(RandomCropFraction(min_fraction=0.6, p=0.5))
+        steps.append(v2.RandomApply([v2.RandomAffine(degrees=0.0, translate=(0.1, 0.1), fill=list(PAD_VALUE))], p=0.5))
+    steps.append(ResizeKeepAspect(image_size, max_size, resize_mode))
+    steps.append(v2.SanitizeBoundingBoxes(min_size=1.0, labels_getter=_box_fields))
+    return v2.Compose(steps)
+
+
+def make_sample(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, iscrowd: torch.Tensor) -> dict:
+    """Wrap plain tensors as a transform sample. image: [3, H, W] uint8; boxes: [N, 4] xyxy pixels."""
+    h, w = image.shape[-2:]
+    return {
+        "image": tv_tensors.Image(image),
+        "boxes": tv_tensors.BoundingBoxes(boxes.reshape(-1, 4).float(), format="XYXY", canvas_size=(h, w)),
+        "labels": labels.reshape(-1).long(),
+        "iscrowd": iscrowd.reshape(-1).bool(),
+    }

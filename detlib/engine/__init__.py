@@ -1,0 +1,23 @@
+"""The run machinery both training scripts share: the run folder and its lock, signals and preemption, flags,
+checkpoints and resume, LR schedules, logs, metrics and trackers.
+
+`run` (the `Run` the scripts call around their loop: its bookkeeping, and `StepWindow`, the finite check's
+memory and the train line's window), `flags` (the shared flags, --config), `run_folder` (the folder, the lock,
+run_status.json, signals, DataLoader workers), `checkpoint_io` (the checkpoint format: write, list, read),
+`checkpoints` (what a run saves: rotation, best/, last/), `resume` (where a resumed run starts), `schedules`
+(LR schedules, built by the scripts), `tracking` (the Accelerator, logs, metrics.jsonl, trackers, collectives).
+"""
+
+from .flags import (HelpFormatter, data_defaults_table, float_range, format_given, given_flags, int_at_least,
+                    parse_with_config, resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
+from .run import Run, RunSettings
+from .run_folder import worker_loader_kwargs
+from .schedules import build_scheduler
+from .tracking import broadcast_object, check_shared_memory, setup_console_logging
+
+__all__ = [
+    "HelpFormatter", "data_defaults_table", "float_range", "format_given", "given_flags", "int_at_least",
+    "parse_with_config", "resolve_data_defaults", "run_argument_parser", "show_data_defaults", "stop", "Run",
+    "RunSettings", "worker_loader_kwargs", "build_scheduler", "broadcast_object", "check_shared_memory",
+    "setup_console_logging"
+]

@@ -1,0 +1,346 @@
+"""Checkpoints that survive a killed run, a full disk and a damaged file (weights files: `detlib.weights`).
+
+Layout under `output_dir`:
+  checkpoints/epoch_0003/       `accelerator.save_state` (model, optimizer, scheduler, GradScaler, RNG states)
+  checkpoints/step_00001200/    plus `trainer_state.json` (TrainState) and `model_config.json`
+                                (and `model_ema.safetensors`, the EMA weights, with --model_ema)
+  last/, best/                  weights files (detlib.weights)
+
+A checkpoint is written into `<name>.tmp` and renamed when complete, so a run killed while saving never
+leaves a half-written checkpoint that `--resume_from_checkpoint latest` would pick. A save that fails (disk
+full) removes its `.tmp` folder and raises `CheckpointSaveError`; the older checkpoints stay. The oldest
+complete checkpoints beyond `total_limit` are removed only after the new one is in place, so the newest
+complete one is never removed. `latest` verifies each candidate (`verify_checkpoint`), newest first, and
+skips a damaged one with a warning that says what is wrong.
+
+Nothing read from a checkpoint folder runs code (folders are shared on clusters and downloaded from colleagues):
+the state files are torch pickles, and every one is read with `torch.load(weights_only=True)`, which accepts
+tensors and plain values only (plus numpy's RNG state, `RNG_STATE_GLOBALS`); the verification reads each one
+so, and `load_checkpoint` makes accelerate's `load_state` do the same (`weights_only_loads`). A file that
+names any other global (a planted `__reduce__` calling os.system) is refused before any of it runs.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import warnings
+import zipfile
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+
+from ..weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, describe_write_failure, readable_as_umask_allows,
+                       refusal_reason, verify_safetensors, weights_only_loads)
+
+logger = logging.getLogger(__name__)
+
+_CKPT_RE = re.compile(r"^(epoch|step)_(\d+)$")
+
+# What `np.random.get_state()` pickles to in accelerate's random_states_*.pkl (a uint32 ndarray, its dtype, bytes
+# through codecs.encode): data, not code, so weights_only=True may build it (accelerate's own reader allows the
+# same). Every other state file is tensors and plain values, which weights_only=True reads without a list.
+RNG_STATE_GLOBALS = [getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct, np.ndarray, np.dtype,
+                     type(np.dtype(np.uint32)), codecs.encode]
+
+
+@dataclass
+class TrainState:
+    """The run's own counters, saved with every checkpoint as `trainer_state.json`.
+
+    epoch: the epochs done, = the 0-based index of the epoch to run next (or of the one in progress when
+        `step_in_epoch` > 0); checkpoints/epoch_NNNN has NNNN = epoch (detlib.engine.run.FIRST_EPOCH).
+    step_in_epoch: optimizer steps already done in `epoch` (0 at an epoch boundary).
+    global_step: optimizer steps done since the start of training (skipped non-finite steps included).
+    best_metric: best validation metric so far (AP or accuracy), -1 before the first evaluation.
+    run_id: the tracker run id, so a resumed run logs into the same wandb run.
+    num_processes, steps_per_epoch, samples_per_step: the geometry the counters were counted in, so a
+        resume on another process count or batch size can convert them (`detlib.engine.resume`).
+    schedule: the per-step LR schedule's resolved settings (kind, total_steps, warmup_steps, anchor).
+    epoch_loss_sum, epoch_images: the epoch's loss summed over its images and the image count, over all
+        processes, so the epoch mean that drives ReduceLROnPlateau covers the whole epoch after a resume.
+    skipped_steps: optimizer steps skipped as non-finite (or by the fp16 GradScaler) since the start.
+    eval_pending: the epoch ended but its evaluation was interrupted (preemption): run it first on resume.
+    tracker_offset: added to `global_step` for tracker steps after a resume from an older checkpoint.
+    """
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    best_metric: float = -1.0
+    run_id: str | None = None
+    num_processes: int | None = None
+    steps_per_epoch: int | None = None
+    samples_per_step: int | None = None
+    schedule: dict = field(default_factory=dict)
+    epoch_loss_sum: float = 0.0
+    epoch_images: float = 0.0
+    skipped_steps: int = 0
+    eval_pending: bool = False
+    tracker_offset: int = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Set the fields found in `state`; keys of other versions are ignored, missing ones keep defaults."""
+        names = {f.name for f in fields(self)}
+        for k, v in state.items():
+            if k in names:
+                setattr(self, k, v)
+
+
+def checkpoint_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def _candidates(output_dir: str) -> list[str]:
+    root = checkpoint_dir(output_dir)
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, n) for n in os.listdir(root) if _CKPT_RE.match(n) and os.path.isdir(os.path.join(root, n))]
+
+
+def _order_key(path: str) -> tuple:
+    """Newest written last: the folder's time (set when its last file was written, kept by the rename), then
+    the global step. Time, not step alone: after a resume from an older checkpoint the new checkpoints have
+    lower steps than the abandoned ones, and a damaged trainer_state.json has no step at all."""
+    try:
+        step = read_train_state(path).global_step
+    except CheckpointError:
+        step = -1
+    return (os.path.getmtime(path), step)
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """Checkpoint folders whose trainer_state.json reads, oldest first (see `_order_key`). Never raises for a
+    damaged folder: it is left out (see `verify_checkpoint` for the full check)."""
+    readable = []
+    for path in _candidates(output_dir):
+        try:
+            read_train_state(path)
+        except CheckpointError:
+            continue
+        readable.append(path)
+    return sorted(readable, key=_order_key)
+
+
+def read_train_state(path: str) -> TrainState:
+    """TrainState of a checkpoint folder.
+
+    Raises:
+        CheckpointError: (a FileNotFoundError too when the file is absent) naming the path and the fault.
+    """
+    f = os.path.join(path, "trainer_state.json")
+    if not os.path.isfile(f):
+        raise _NotACheckpoint(f"{path} is not a complete checkpoint (no trainer_state.json)")
+    try:
+        with open(f) as fh:
+            raw = json.load(fh)
+        if not isinstance(raw, dict) or not isinstance(raw.get("global_step"), int):
+            raise ValueError("no integer global_step")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f} is damaged ({type(e).__name__}: {e})") from None
+    state = TrainState()
+    state.load_state_dict(raw)
+    return state
+
+
+class _NotACheckpoint(CheckpointError, FileNotFoundError):
+    pass
+
+
+def _refusal(path: str, e: pickle.UnpicklingError) -> str:
+    """One line for a pickle that weights_only=True refused, with torch's reason (the global it names)."""
+    return (f"{path} holds pickled objects other than tensors and plain values ({refusal_reason(e)}): refused, "
+            "nothing in it was run")
+
+
+def read_state_file(path: str):
+    """Read a torch state file (optimizer.bin, scheduler, GradScaler, sampler, RNG, custom_checkpoint_*.pkl)
+    without running code: `torch.load(weights_only=True)`, numpy's RNG state allowed (`RNG_STATE_GLOBALS`);
+    a zip archive is memory-mapped, so its tensors are not read.
+
+    Raises:
+        CheckpointError: one line naming the file: it holds other pickled objects (refused before anything in
+        it runs), or it does not load (truncated, damaged, not a torch file).
+    """
+    try:
+        zipped = zipfile.is_zipfile(path)
+        if zipped:
+            with zipfile.ZipFile(path) as z:
+                bad = z.testzip()
+            if bad is not None:
+                raise ValueError(f"member {bad} fails its CRC")
+        with warnings.catch_warnings(), torch.serialization.safe_globals(RNG_STATE_GLOBALS):
+            warnings.simplefilter("ignore")  # torch warns about the pickle protocol of a foreign file
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(_refusal(path, e)) from None
+    except Exception as e:  # any failure to read means the file cannot be resumed from
+        raise CheckpointError(f"{path} does not load ({type(e).__name__}: {e})") from None
+
+
+def load_checkpoint(accelerator, path: str) -> None:
+    """`accelerator.load_state(path)` (collective) with every state file read by `weights_only=True`
+    (`weights_only_loads`): the model from model.safetensors, the optimizer, the registered objects and the
+    RNG states; nothing in the folder runs code, even a file changed after `verify_checkpoint` passed it.
+
+    Raises:
+        CheckpointError: a state file holds pickled objects other than tensors and plain values (one line).
+        RuntimeError, KeyError, ValueError: accelerate's and torch's, for states that do not fit this run.
+    """
+    try:
+        with weights_only_loads():
+            accelerator.load_state(path)
+    except pickle.UnpicklingError as e:
+        verify_checkpoint(path)  # names the refused file (changed after the verification passed the folder)
+        raise CheckpointError(_refusal(f"a state file of {path}", e)) from None
+
+
+def verify_checkpoint(path: str) -> None:
+    """Check that a checkpoint folder can be resumed from, without loading it into a model.
+
+    Checks: every .json file parses (trainer_state.json with a global step); a model weights file is there;
+    every .safetensors file is whole; every other state file (optimizer, scheduler, GradScaler, sampler, RNG,
+    registered objects) reads back with `read_state_file`, so without unpickling anything but tensors and
+    plain values. Other files are never read by a resume and are not checked.
+    Raises:
+        CheckpointError: one line naming the file and what is wrong with it.
+    """
+    read_train_state(path)
+    names = os.listdir(path)
+    if not any(n in names for n in WEIGHT_FILES):
+        raise CheckpointError(f"{path} holds no model weights ({' / '.join(WEIGHT_FILES)})")
+    for name in sorted(names):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            continue
+        if name.endswith(".json"):
+            try:
+                with open(f) as fh:
+                    json.load(fh)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{f} is damaged ({type(e).__name__}: {e})") from None
+            continue
+        if os.path.getsize(f) == 0:
+            raise CheckpointError(f"{f} is empty")
+        if name.endswith(".safetensors"):
+            verify_safetensors(f)
+        elif name.endswith((".bin", ".pt", ".pth", ".pkl")):
+            read_state_file(f)
+
+
+def resolve_resume(output_dir: str, resume: str | None) -> str | None:
+    """`--resume_from_checkpoint` value -> checkpoint folder, or None to start fresh.
+
+    "latest": the newest checkpoint of `output_dir` that passes `verify_checkpoint`; damaged newer ones are
+    skipped with a warning naming what is wrong. None, with a warning naming the folder, when there is none.
+    An explicit PATH must pass `verify_checkpoint`.
+    Raises:
+        CheckpointError: for an explicit path that is damaged or not a checkpoint (a FileNotFoundError too
+        when it holds no trainer_state.json).
+    """
+    if not resume:
+        return None
+    if resume != "latest":
+        verify_checkpoint(resume)
+        return resume
+    candidates = sorted(_candidates(output_dir), key=_order_key)
+    for path in reversed(candidates):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as e:
+            logger.warning("skipping damaged checkpoint %s: %s", os.path.basename(path), e)
+    logger.warning("--resume_from_checkpoint latest: no usable checkpoint in %s; starting from scratch",
+                   checkpoint_dir(output_dir))
+    return None
+
+
+def folder_size(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit: int | None = None,
+                    model_config: dict | None = None, needed_bytes: int | None = None,
+                    extra_weights: dict[str, dict] | None = None) -> str:
+    """Save the full training state atomically. Collective: call on every process.
+
+    Writes `<name>.tmp`, then renames it; then removes the oldest checkpoints beyond `total_limit` (0 or
+    None: keep all). Returns the checkpoint folder, named after the epoch at an epoch boundary, else after
+    the global step. `needed_bytes`: the expected size of a checkpoint (for the message of a failed save;
+    default: the previous checkpoint's size). `extra_weights` {name: state dict}: written beside the model as
+    `name.safetensors` by the main process (the EMA weights, `model_ema`).
+    Raises:
+        CheckpointError: on every process when any process failed to write, naming the cause
+        (`describe_write_failure`: no space left with the free and the needed space, permission, a symlink
+        whose target is missing, a file where a folder has to be); the partial folder is removed, older
+        checkpoints are kept.
+    """
+    name = f"epoch_{state.epoch:04d}" if state.step_in_epoch == 0 else f"step_{state.global_step:08d}"
+    final = os.path.join(checkpoint_dir(output_dir), name)
+    tmp = final + ".tmp"
+    error = None
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            os.makedirs(tmp, exist_ok=True)
+        except OSError as e:  # save_state below fails the same way on every rank, so the ranks stay together
+            error = e
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(tmp)  # every rank writes its RNG state; the main rank the rest
+        if accelerator.is_main_process:
+            for fname, obj in (("trainer_state.json", state.state_dict()), ("model_config.json", model_config)):
+                if obj is not None:
+                    with open(os.path.join(tmp, fname), "w") as f:
+                        json.dump(obj, f, indent=1)
+            if extra_weights:
+                from safetensors.torch import save_file
+
+                for fname, sd in extra_weights.items():
+                    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()},
+                              os.path.join(tmp, f"{fname}.safetensors"))
+    except WRITE_ERRORS as e:
+        error = error or e
+    failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")
+    if float(failed) > 0:
+        if accelerator.is_main_process and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(_save_failure_message(output_dir, tmp, error, needed_bytes))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        for entry in os.listdir(tmp):
+            readable_as_umask_allows(os.path.join(tmp, entry))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if total_limit and total_limit > 0:
+            for old in list_checkpoints(output_dir)[:-total_limit]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _save_failure_message(output_dir: str, tmp: str, error: BaseException | None, needed_bytes: int | None) -> str:
+    previous = list_checkpoints(output_dir)
+    kept = f"the previous checkpoint {previous[-1]} is kept" if previous else "no earlier checkpoint exists"
+    if error is None:
+        return f"another process failed to write checkpoint {tmp}; {kept}"
+    needed = max(needed_bytes or 0, folder_size(previous[-1]) if previous else 0) or None
+    cause = describe_write_failure(error, tmp, needed)
+    return f"could not write checkpoint {tmp}: {cause}; removed the partial folder, {kept}"

@@ -1,0 +1,354 @@
+"""The command-line flags both training scripts share, `--config FILE.yaml`, and argparse types that refuse values
+that cannot work.
+
+A nonsense value (`--epochs 0`, `--lr -1`, `--log_interval 0`) is an argparse error at start (exit code 2, one
+line naming the flag), never a traceback or a lost epoch later; a value read from a `--config` file goes through
+the same checks.
+
+`--config` is timm's two-stage parse: a first parser reads only `--config`, the file's `flag: value` lines become
+the parser's defaults, and the full parse lets the command line override them. A run's own
+`OUTPUT_DIR/config.yaml` is such a file: fed back, it re-runs the run (the keys the run recorded beside its
+flags, e.g. `num_processes`, are read as what they are, a record, and not applied; nor are
+`resume_from_checkpoint` and `overwrite_output_dir`, which say what to do with the folder this time).
+
+Defaults that depend on the data (the built-in synthetic set or real data) and on the optimizer are written once
+per script, as a table `{flag: (built-in data, real data)}` or `{flag: {optimizer: (built-in, real)}}`;
+`data_defaults_table`, `show_data_defaults` and `resolve_data_defaults` print it in the docstring and `--help`
+and apply it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import difflib
+import math
+import os
+import shlex
+import sys
+from typing import NoReturn
+
+import yaml
+
+REPORT_TO = ("wandb", "tensorboard", "all", "none")
+# The default tracker: TensorBoard writes OUTPUT_DIR/tensorboard on this machine, needs no account and prints
+# nothing; wandb (an account, or offline files to sync later) is there when asked (`--report_to wandb`).
+DEFAULT_REPORT_TO = "tensorboard"
+
+GROUPS = ("data", "model", "optimization", "evaluation", "checkpointing", "logging")
+# Keys both scripts' `main` write to config.yaml beside the flags: what the run found, not what it was told.
+RUN_RECORD_KEYS = ("num_processes", "synthetic_data")
+# What to do with the output folder this time, not part of the recipe: a config.yaml re-run must not resume
+# or wipe a folder because the recorded run did. Given on the command line only.
+FOLDER_ACTION_KEYS = ("resume_from_checkpoint", "overwrite_output_dir")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# detlib.engine.run.Run writes an evaluation-only run into OUTPUT_DIR/evaluate_only and records that folder as output_dir.
+EVALUATE_ONLY_SUBDIR = "evaluate_only"
+
+
+def int_at_least(lo: int):
+    """argparse type: an integer >= `lo`."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text}")
+        return value
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def float_range(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False):
+    """argparse type: a finite number in [lo, hi] (the ends left out with `lo_open` / `hi_open`)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        if (not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo)
+                or (hi_open and value == hi)):
+            raise argparse.ArgumentTypeError(f"must be a number {'>' if lo_open else '>='} {lo}"
+                                             + (f" and {'<' if hi_open else '<='} {hi}" if hi != math.inf else "")
+                                             + f", got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written (the script's docstring: commands to copy) and every flag's default, appended
+    unless the help already states it (a help that says "default")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings or action.required:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS \
+                and not action.required:
+            action = copy.copy(action)  # argparse prints no help line for a flag without help, so no default either
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+
+def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
+    """A parser with `--config` and the run machinery's flags (detlib.engine.run) in the groups both scripts use.
+
+    `defaults` set the script's own defaults of these flags (e.g. `output_dir`, `eval_interval`). Returns the
+    parser and its groups by name, so the script adds its own flags beside them; parse with `parse_with_config`.
+    """
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p.add_argument("--config", metavar="FILE.yaml",
+                   help="flag: value lines used as defaults; flags on the command line override them. A run's "
+                        "OUTPUT_DIR/config.yaml re-runs it (its record keys, e.g. num_processes, and --resume_from_checkpoint / "
+                        "--overwrite_output_dir are not applied from a file); "
+                        "an unknown key is an error (default: none)")
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    g = groups["data"]
+    g.add_argument("--num_workers", type=int_at_least(0), default=4, help="DataLoader workers per process")
+    g = groups["model"]
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model for training (accelerate's TorchDynamoPlugin, around the DDP "
+                        "wrapper so DDP's gradient buckets are kept). Shapes: torch's automatic dynamic shapes, the "
+                        "first input shape compiles static, the second with the sizes that changed symbolic, and that "
+                        "graph serves every later one (a side of at most 128 px, where P7 is 1x1, gets a graph of its "
+                        "own); evaluation runs uncompiled. The run's summary says how many graphs it compiled; saved "
+                        "weights and checkpoints keep their names (no _orig_mod.)")
+    g.add_argument("--compile_backend", default="inductor", choices=COMPILE_BACKENDS,
+                   help="torch.compile backend: inductor (generated kernels), aot_eager (the traced forward and "
+                        "backward graphs run by eager kernels: checks the tracing without inductor's compile time), "
+                        "eager (dynamo only)")
+    g.add_argument("--compile_mode", default="default", choices=COMPILE_MODES, help="inductor's mode")
+    g = groups["optimization"]
+    g.add_argument("--epochs", type=int_at_least(1), help="epochs to train")
+    g.add_argument("--max_steps", type=int_at_least(0), default=0, help="stop after this many optimizer steps (0: no limit)")
+    g.add_argument("--per_device_batch_size", type=int_at_least(1), help="images per device and step")
+    g.add_argument("--gradient_accumulation_steps", type=int_at_least(1), default=1,
+                   help="micro-batches per optimizer step (the step's batch grows by this factor)")
+    g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="AdamW, or SGD with --momentum")
+    g.add_argument("--momentum", type=float_range(0, 1), default=0.9, help="SGD momentum")
+    g.add_argument("--max_grad_norm", type=float_range(0), help="gradient clipping norm (0: off)")
+    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
+    g.add_argument("--seed", type=int, default=0, help="seed of the weights' initialisation, the data order and the "
+                   "augmentation")
+    g.add_argument("--max_nonfinite_steps", type=int_at_least(1), default=5,
+                   help="stop after this many non-finite optimizer steps in a row, each skipped")
+    g.add_argument("--model_ema", metavar="DECAY", type=float_range(0, 1, lo_open=True, hi_open=True),
+                   help="keep an exponential moving average of the weights (timm's ModelEmaV3, updated after every "
+                        "optimizer step that is not skipped), e.g. 0.9998; evaluated beside the trained weights "
+                        "(ema_* metrics), best/ takes whichever scores higher, last_ema/ holds the final average; "
+                        "checkpointed as model_ema.safetensors (default: none)")
+    g.add_argument("--model_ema_warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="warm the EMA decay up as timm does, 1 - step ** -0.75 capped at DECAY (0.9 after about 20 "
+                        "steps, 0.99 after 460, 0.999 after 10,000), so the average is not held near the random initial "
+                        "weights for the first 1 / (1 - DECAY) steps")
+    g = groups["evaluation"]
+    g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last")
+    g.add_argument("--per_device_eval_batch_size", type=int_at_least(1), help="images per device and evaluation batch")
+    g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a run folder, best/, last/, a checkpoint folder "
+                   "or a model.safetensors and exit (results in OUTPUT_DIR/evaluate_only/; default: train)")
+    g = groups["checkpointing"]
+    g.add_argument("--output_dir", help="the run folder (config.yaml, train.log, metrics.jsonl, checkpoints/, best/, "
+                   "last/, ...)")
+    g.add_argument("--checkpoint_total_limit", type=int_at_least(0), default=2,
+                   help="keep the newest N checkpoints, epoch and step ones together (0: all)")
+    g.add_argument("--checkpoint_interval", type=int_at_least(1), default=1, help="checkpoint every N epochs and at the end")
+    g.add_argument("--checkpoint_steps", type=int_at_least(0), default=0,
+                   help="also checkpoint every N optimizer steps, mid-epoch included (0: off)")
+    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH",
+                   help="latest: the newest intact checkpoint of OUTPUT_DIR; or a checkpoint folder (default: a new run)")
+    g.add_argument("--overwrite_output_dir", action="store_true",
+                   help="start a new run in a folder that holds another run, deleting its checkpoints, best/, last/ and logs")
+    g = groups["logging"]
+    g.add_argument("--report_to", default=DEFAULT_REPORT_TO, choices=REPORT_TO,
+                   help="trackers: tensorboard writes OUTPUT_DIR/tensorboard (no account, nothing printed); wandb "
+                        "needs an account or logs offline to OUTPUT_DIR/wandb; metrics.jsonl and plots/ are written "
+                        "either way")
+    g.add_argument("--project", help="tracker project name")
+    g.add_argument("--run_name", help="tracker run name (default: the name of OUTPUT_DIR)")
+    g.add_argument("--log_interval", type=int_at_least(1), help="optimizer steps between train log lines")
+    g.add_argument("--verbose", action="store_true", help="also the INFO lines of the libraries (accelerate, wandb, "
+                   "the COCO evaluation) on the console and in train.log")
+    p.set_defaults(**defaults)
+    return p, groups
+
+
+# ---- defaults that depend on the data and the optimizer
+
+def _fmt(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _pair(builtin, real) -> str:
+    return _fmt(builtin) if builtin == real else f"built-in data {_fmt(builtin)}, real data {_fmt(real)}"
+
+
+def data_default_text(entry) -> str:
+    """One table entry as help text: `(160, 600)` -> "built-in data 160, real data 600"; `{"adamw": (1e-3, 1e-4),
+    "sgd": (0.01, 0.01)}` -> "adamw: built-in data 0.001, real data 0.0001; sgd: 0.01"."""
+    if isinstance(entry, dict):
+        return "; ".join(f"{optimizer}: {_pair(*pair)}" for optimizer, pair in entry.items())
+    return _pair(*entry)
+
+
+def data_defaults_table(table: dict) -> str:
+    """The table as docstring text: one line per flag (per flag and optimizer where it depends on the optimizer)."""
+    rows = [("flag", "built-in data", "real data")]
+    for flag, entry in table.items():
+        if isinstance(entry, dict):
+            rows += [(f"--{flag} with --optimizer {opt}", _fmt(b), _fmt(r)) for opt, (b, r) in entry.items()]
+        else:
+            rows.append((f"--{flag}", _fmt(entry[0]), _fmt(entry[1])))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"    {a:<{widths[0]}}   {b:<{widths[1]}}   {c}" for a, b, c in rows) + "\n"
+
+
+def show_data_defaults(p: argparse.ArgumentParser, table: dict) -> None:
+    """Append each table flag's defaults to its help ("(default: built-in data 160, real data 600)")."""
+    for action in p._actions:
+        if action.dest in table:
+            action.help = f"{action.help} (default: {data_default_text(table[action.dest])})"
+
+
+def resolve_data_defaults(args: argparse.Namespace, table: dict, synthetic: bool) -> None:
+    """Set each table flag left unset (None) to its default for the data (`synthetic`: the built-in set) and
+    `args.optimizer`. A value given on the command line or in --config is kept."""
+    for flag, entry in table.items():
+        if getattr(args, flag) is None:
+            builtin, real = entry[args.optimizer] if isinstance(entry, dict) else entry
+            setattr(args, flag, builtin if synthetic else real)
+
+
+# ---- --config: timm's two-stage parse
+
+def parse_with_config(p: argparse.ArgumentParser, argv: list[str] | None = None,
+                      record_keys: tuple[str, ...] = ()) -> argparse.Namespace:
+    """Parse `argv` (default: sys.argv[1:]) with the values of `--config FILE.yaml` as the parser's defaults.
+
+    `record_keys`: keys the script writes to config.yaml beside its flags; they are not applied (besides
+    `RUN_RECORD_KEYS` and `config` itself). An unreadable file, a file that is not a mapping, an unknown key or a
+    value a flag refuses is one line naming the file and the key, exit code 2.
+    """
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config")
+    known, _ = first.parse_known_args(argv)
+    if known.config:
+        p.set_defaults(**read_config(p, known.config, record_keys))
+    return p.parse_args(argv)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET = _Unset()
+
+
+def given_flags(p: argparse.ArgumentParser, argv: list[str] | None = None, record_keys: tuple[str, ...] = ()) -> set[str]:
+    """The flags the user chose: given on the command line (`argv`, default sys.argv[1:]) or in its --config file,
+    whatever their value (`--epochs 30` is given even where 30 is the default). Call after `parse_with_config`
+    has accepted the same `argv` (this parse prints nothing)."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config")
+    known, _ = first.parse_known_args(argv)
+    from_file = set(read_config(p, known.config, record_keys, notes=False)) if known.config else set()
+    # argparse sets a default only where the namespace has no value yet: what keeps the marker was not given
+    ns = argparse.Namespace(**{a.dest: _UNSET for a in p._actions if a.dest != "help"})
+    p.parse_args(argv, namespace=ns)
+    return {k for k, v in vars(ns).items() if v is not _UNSET and k != "config"} | from_file
+
+
+def format_given(p: argparse.ArgumentParser, config: dict, given: set[str]) -> str:
+    """The values in `config` of the `given` flags as a command line (`--epochs 2 --no-aspect_grouping --lr_steps 8
+    11`), in `config`'s order; "" when none is given."""
+    actions = {a.dest: a for a in p._actions if a.option_strings}
+    parts = []
+    for key, value in config.items():
+        action = actions.get(key)
+        if key not in given or action is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            parts.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:  # store_true
+            parts.append(flag if value else "")
+        elif isinstance(value, (list, tuple)):
+            parts.append(" ".join([flag, *(shlex.quote(str(v)) for v in value)]))
+        else:
+            parts.append(f"{flag} {shlex.quote(str(value))}")
+    return " ".join(x for x in parts if x)
+
+
+def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, ...] = (), notes: bool = True) -> dict:
+    """The flag values of a --config file, each checked and converted as the flag's own type and choices do it
+    (so `lr: 1e-4`, which YAML reads as a string, is the number 1e-4). Exits as `parse_with_config` says.
+    `notes`: print the note on folder actions that are not applied from a file."""
+    def fail(message: str):
+        p.exit(2, f"{p.prog}: error: --config {path}: {message}\n")
+
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+    except OSError as e:
+        fail(e.strerror or str(e))
+    except yaml.YAMLError as e:
+        fail("not valid YAML: " + " ".join(str(e).split()))
+    if not isinstance(cfg, dict):
+        fail(f"must be a mapping of flag names to values (one `flag: value` per line), not {type(cfg).__name__}")
+    flags = {a.dest: a for a in p._actions if a.option_strings and a.default is not argparse.SUPPRESS}
+    ignored = {"config", *RUN_RECORD_KEYS, *record_keys}
+    out = {}
+    for key, value in cfg.items():
+        if key in ignored:
+            continue
+        if key in FOLDER_ACTION_KEYS:
+            if value and notes and _first_process():
+                print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
+                      "command line)", file=sys.stderr, flush=True)
+            continue
+        if key not in flags:
+            close = difflib.get_close_matches(str(key), list(flags), n=1)
+            fail(f"unknown key {key!r}: not a flag of {p.prog}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        try:
+            out[key] = _flag_value(flags[key], value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            fail(f"{key}: {e}")
+    if out.get("evaluate_only") and os.path.basename(os.path.normpath(out.get("output_dir") or "")) == EVALUATE_ONLY_SUBDIR:
+        # the recorded folder of an evaluation-only run: re-running it writes to the same place, not one level down
+        out["output_dir"] = os.path.dirname(os.path.normpath(out["output_dir"]))
+    return out
+
+
+def _flag_value(action: argparse.Action, value):
+    """`value` from YAML as the flag would have parsed it. Raises ValueError / ArgumentTypeError."""
+    if value is None:
+        if action.default is not None:
+            raise ValueError(f"needs a value (the flag's default is {action.default!r})")
+        return None
+    if action.nargs == 0:  # store_true, --flag / --no-flag
+        if not isinstance(value, bool):
+            raise ValueError(f"must be true or false, got {value!r}")
+        return value
+    many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
+    if many != isinstance(value, list) or isinstance(value, dict):
+        raise ValueError(f"must be {'a list' if many else 'one value'}, got {value!r}")
+    values = [action.type(str(v)) if action.type else str(v) for v in (value if many else [value])]
+    for v in values:
+        if action.choices is not None and v not in action.choices:
+            raise ValueError(f"must be one of {', '.join(map(str, action.choices))}, got {v!r}")
+    return values if many else values[0]
+
+
+def stop(message: str, code: int = 2) -> NoReturn:
+    """Stop on a problem found before the run exists (before its accelerator and logging): one `error:` line on
+    stderr from the first process only (the launcher's `RANK`), so a 2-process launch does not print it twice;
+    every process exits with `code` (2: bad flags, 1: a file they name is unusable)."""
+    if _first_process():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def _first_process() -> bool:
+    """Rank 0 of a launch (torchrun / accelerate set RANK), or a plain `python` run: the one that prints what
+    is found before the run, and its accelerator, exist."""
+    return os.environ.get("RANK", "0") == "0"

@@ -1,0 +1,341 @@
+"""A run's output folder and processes: the lock, the start-up checks, how the run ended, and the signals.
+
+* `output_dir/run.lock` (PID, host, start time, command) lets one live run write to a folder; a stale lock of
+  a process that no longer runs on this host is replaced with a note.
+* A folder that holds another run (`RUN_FILES`) is never mixed into: a new run there must resume it or be
+  told to overwrite it.
+* `output_dir/run_status.json` records how the run ended (finished, preempted, diverged, failed), because
+  launchers report a worker's exit code each in their own way.
+  Exit codes of the training process: 0 done; 1 error (bad data, damaged checkpoint, disk full); 2 bad flag
+  values (argparse); EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary
+  failure, retry") preempted, checkpoint written, resume with `--resume_from_checkpoint latest`. The launcher
+  reports them in its own way (accelerate's 1-process launcher: "returned non-zero exit status 75"; torchrun:
+  exit 1 with the worker's code in its summary), hence run_status.json.
+* The disk-space check: room for the checkpoints the run keeps, best/ and last/.
+* The preemption signals only set a flag the training loop polls (`PreemptionSignals`); DataLoader workers
+  leave them to their training process and end with it (`worker_init_fn`, `stop_dataloader_workers`), and
+  under a launcher each training process asks the kernel for SIGTERM when its launcher dies, so no process of
+  a run outlives it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+
+import torch
+
+# The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
+logger = logging.getLogger("detlib.engine.run")
+
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+EXIT_DIVERGED = 3  # non-finite optimizer steps in a row
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL, "temporary failure, retry": a checkpoint was written, resume
+LOCK_FILE = "run.lock"
+# Files a run leaves in its output folder: any of them means the folder already holds a run.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "best", "last")
+# What --overwrite_output_dir removes besides RUN_FILES.
+OTHER_RUN_FILES = ("train.log", "predictions_val.json", "predictions_val.csv", "tensorboard", "wandb",
+                   "run_status.json", "data_report.json", "plots", "samples")
+EXIT_STATUS = {0: "finished", EXIT_DIVERGED: "diverged", EXIT_PREEMPTED: "preempted"}
+# A Ctrl-C may reach a process twice at once (from the terminal's process group and forwarded by a launcher):
+# only a SIGINT this many seconds or more after the first is the user's second Ctrl-C.
+SECOND_SIGINT_AFTER_S = 1.0
+# How often a DataLoader worker checks that its training process still runs (worker_init_fn).
+WORKER_PARENT_POLL_S = 0.5
+
+
+def worker_init_fn(worker_id: int) -> None:
+    """DataLoader workers outlive no one and die for no one but their training process.
+
+    A Ctrl-C reaches the terminal's whole process group, and SLURM / torchrun send SIGTERM (or SIGUSR1) to every
+    process of the job: a worker killed by it would make its training process raise ("DataLoader worker is
+    killed by signal") in the middle of the preemption checkpoint, or fail the next evaluation batch. So SIGINT,
+    SIGTERM and SIGUSR1 are blocked in the worker and read by one thread (`sigtimedwait`, Linux), which ends the
+    worker (exit 0) on a SIGTERM sent by its own training process (multiprocessing's exit handler and the
+    DataLoader's shutdown send exactly that) or as soon as the training process is gone (even by kill -9); the
+    others are dropped. Elsewhere (no `sigtimedwait`) only SIGINT is ignored.
+    """
+    signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
+    if not hasattr(signal, "sigtimedwait"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # blocked by WorkerProcess.start
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return
+    # blocked since the fork (WorkerProcess), so every later thread (OpenMP's) inherits the mask
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    threading.Thread(target=_worker_signal_loop, args=(os.getppid(), signals), name="detlib-worker-signals",
+                     daemon=True).start()
+
+
+def _worker_signal_loop(parent: int, signals: set) -> None:
+    while True:
+        info = signal.sigtimedwait(signals, WORKER_PARENT_POLL_S)
+        if os.getppid() != parent:  # the training process is gone: nothing will read this worker's batches
+            os._exit(0)
+        if info is not None and info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)  # 0, not killed by a signal: the DataLoader's SIGCHLD check then raises nothing
+
+
+class WorkerProcess(multiprocessing.get_context().Process):
+    """A DataLoader worker process started with the preemption signals blocked, so that a Ctrl-C or SIGTERM
+    arriving between the fork and `worker_init_fn` waits for the worker's own handling instead of killing it."""
+
+    def start(self):
+        signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _WorkerContext(type(multiprocessing.get_context())):
+    Process = WorkerProcess
+
+
+def worker_loader_kwargs(num_workers: int) -> dict:
+    """The DataLoader arguments of a training script's loaders with `num_workers` workers: `worker_init_fn` and
+    a multiprocessing context whose workers start with the preemption signals blocked (none for 0 workers)."""
+    if num_workers == 0:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers, "worker_init_fn": worker_init_fn, "multiprocessing_context": _WorkerContext()}
+
+
+def stop_dataloader_workers(loaders) -> None:
+    """End the worker processes of `loaders` (torch DataLoaders, accelerate's prepared ones included) now: a
+    persistent loader keeps its workers until the loader itself is freed, which may be never before interpreter
+    exit. Safe to call more than once, and on loaders without workers."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            loader._iterator = None
+
+
+class Refusal(str):
+    """A start-up check's message that is a refusal (the folder holds or is running another run), not a fault:
+    printed as `stopped: ...`."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
+    """Take `output_dir/run.lock` for this process. Returns (error, note): error when another live run holds
+    it (or one on another host: we cannot tell), note when a stale lock of a dead process was replaced."""
+    path = os.path.join(output_dir, LOCK_FILE)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+          "argv": sys.argv}
+    note = None
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    other = json.load(f)
+            except (OSError, ValueError):
+                other = {}
+            pid, host = other.get("pid"), other.get("host")
+            if host == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
+                note = f"replaced a stale lock of process {pid} (no longer running) in {output_dir}"
+                os.remove(path)
+                continue
+            if host not in (None, me["host"]):
+                return Refusal(f"{output_dir} is locked by a run on host {host} (pid {pid}, since {other.get('started')}); "
+                               f"if that run is dead, delete {path}"), None
+            return Refusal(f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; "
+                           "use another --output_dir"), None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return None, note
+    return f"could not take the lock {path}", None
+
+
+def release_lock(output_dir: str) -> None:
+    """Remove `output_dir/run.lock` if this process holds it."""
+    path = os.path.join(output_dir, LOCK_FILE)
+    try:
+        with open(path) as f:
+            if json.load(f).get("pid") == os.getpid():
+                os.remove(path)
+    except (OSError, ValueError):
+        pass
+
+
+def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwrite: bool) -> tuple[str | None, list[str], bool]:
+    """Start-up checks of the main process: the folder is writable, holds no other run (unless resumed or
+    overwritten), is not locked by a live run; then the lock is taken, an overwritten run's files and killed
+    saves' `.tmp` folders are removed. Returns (error or None, notes to log, lock taken)."""
+    notes = []
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write_test_{uuid.uuid4().hex[:8]}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        return f"cannot write to --output_dir {out}: {e.strerror or e}", notes, False
+    present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))
+               and (n != "checkpoints" or os.listdir(os.path.join(out, n)))]
+    if present and not evaluate_only and not resume and not overwrite:
+        return Refusal(f"{out} holds another run ({', '.join(present)}); to continue it pass --resume_from_checkpoint "
+                       "latest, to keep it choose a new --output_dir, to replace it pass --overwrite_output_dir"), notes, False
+    error, note = acquire_lock(out)
+    if error:
+        return error, notes, False
+    if note:
+        notes.append(note)
+    if overwrite and present and not evaluate_only:
+        for name in RUN_FILES + OTHER_RUN_FILES:
+            path = os.path.join(out, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+        notes.append(f"--overwrite_output_dir: removed the previous run's {', '.join(present)} from {out}")
+    root = os.path.join(out, "checkpoints")
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.endswith(".tmp"):  # a save that was killed half-way
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            notes.append(f"removed the unfinished checkpoint folder {name} (a save that was interrupted)")
+    return None, notes, True
+
+
+def checkpoint_bytes(model: torch.nn.Module, optimizer) -> tuple[int, int]:
+    """Returns (bytes of the model's weights, bytes of one checkpoint: weights and optimizer state) for the
+    disk-space check (`check_disk_space`). `optimizer` may be accelerate's wrapper."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    bare = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    # Adam keeps two tensors per weight (exp_avg, exp_avg_sq), SGD one (its momentum buffer)
+    opt_state = 2 if isinstance(bare, torch.optim.Adam | torch.optim.AdamW) else 1
+    return weights, weights * (1 + opt_state)
+
+
+def check_disk_space(output_dir: str, model, optimizer, num_checkpoints: int) -> str | None:
+    """Free space in `output_dir` for `num_checkpoints` checkpoints of `model` and `optimizer` (accelerate's
+    wrapper or a bare one) plus the one being written, best/ and last/. Main process.
+
+    Returns an error (one line) when not even one checkpoint with best/ and last/ fits; otherwise logs the
+    start-up checks' line (free and needed GiB), as a warning when there is less than needed, and returns None.
+    """
+    weights, per_ckpt = checkpoint_bytes(model, optimizer)
+    needed = per_ckpt * (num_checkpoints + 1) + 2 * weights  # + the one being written, best/ and last/
+    free = shutil.disk_usage(output_dir).free
+    line = (f"start-up checks: {output_dir} writable and locked; {free / 2**30:.1f} GiB free, "
+            f"{needed / 2**30:.2f} GiB needed for {num_checkpoints} checkpoints of ~{per_ckpt / 2**20:.0f} MiB "
+            "+ best/ + last/")
+    if free < per_ckpt + 2 * weights:
+        return (f"not enough disk space in {output_dir}: {free / 2**20:.0f} MiB free, one checkpoint needs "
+                f"~{per_ckpt / 2**20:.0f} MiB")
+    if free < needed:
+        logger.warning("%s: less than needed, lower --checkpoint_total_limit or free space", line)
+    else:
+        logger.info("%s", line)
+    return None
+
+
+def write_run_status(output_dir: str, code: int, message: str = "", **counters) -> None:
+    """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message",
+    and the counters given (global_step, epoch)}, for schedulers and scripts (slurm/ reads it to requeue)."""
+    try:
+        with open(os.path.join(output_dir, "run_status.json"), "w") as f:
+            json.dump({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters},
+                      f, indent=1)
+    except OSError:
+        pass
+
+
+def set_parent_death_signal() -> None:
+    """Linux: SIGTERM this process when its parent (the launcher) dies, even by kill -9, so no training
+    process outlives its launcher; the SIGTERM then takes the preemption path (checkpoint, exit)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        return
+    if os.getppid() == 1:  # the launcher died before the call above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def launched() -> bool:
+    """True under `accelerate launch` / torchrun (the parent is a launcher, not an interactive shell, whose exit
+    must not stop a `nohup python train.py`)."""
+    return "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
+
+
+class PreemptionSignals:
+    """SIGTERM, SIGUSR1 and a first SIGINT only set `received` (the signal number); the training loop acts on
+    it at its next poll, on every rank together (`detlib.engine.run.Run.poll_preemption`). A second SIGINT, a second
+    or more after the first, raises KeyboardInterrupt at once. Under a launcher the process also asks for
+    SIGTERM when the launcher dies (`set_parent_death_signal`).
+    """
+
+    def __init__(self):
+        self.received: int | None = None
+        self._pid = os.getpid()
+        self._first_sigint: float | None = None
+        self._old_handlers: dict = {}
+
+    def install(self) -> None:
+        """Handle the preemption signals in this process (main thread only: Python allows no other)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in PREEMPT_SIGNALS:
+            sig = getattr(signal, name)
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        if launched():
+            set_parent_death_signal()
+
+    def _on_signal(self, signum, frame) -> None:
+        if os.getpid() != self._pid:
+            # a forked child (a multiprocessing pool worker) inherited this handler: it must still die from
+            # SIGTERM, or the pool's terminate() waits for it forever
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        # Only set a flag: the training loop acts on it at the next step, on every rank together.
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_sigint is not None and now - self._first_sigint > SECOND_SIGINT_AFTER_S:
+                raise KeyboardInterrupt("second SIGINT: stopping at once, without a checkpoint")
+            self._first_sigint = self._first_sigint or now
+        if self.received is None:
+            self.received = signum
+
+    def poll(self, accelerator) -> str | None:
+        """Collective (every rank calls it at the same points): the name of the signal when any process got
+        one, through accelerate's trigger ("a signal to another process" on the ranks that got none); else None."""
+        if self.received is not None:
+            accelerator.set_trigger()
+        if not accelerator.check_trigger():
+            return None
+        return signal.Signals(self.received).name if self.received else "a signal to another process"
+
+    def restore(self) -> None:
+        """Put back the handlers `install` replaced."""
+        for sig, handler in self._old_handlers.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, TypeError):
+                pass

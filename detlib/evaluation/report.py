@@ -1,0 +1,185 @@
+"""What an evaluation adds to the run folder and the trackers, beside its 12 stats.
+
+`log_evaluation_extras` is the one call a training script makes after each COCO evaluation (main process
+does the work; it is not collective). It writes
+
+  output_dir/plots/epoch_NNNN/   per_class_ap, pr_curve, confusion_matrix, f1_curve (.png + .json, `detlib.evaluation.metrics`)
+  output_dir/plots/training_curves.png   loss and AP curves from output_dir/metrics.jsonl (no tracker needed)
+  output_dir/samples/epoch_NNNN/ the fixed sample of val images with detections and ground truth drawn
+
+and, for the trackers the Accelerator was built with:
+
+  wandb        per_class/table (wandb.Table), per_class/AP_bar (bar chart), samples (wandb.Image with boxes=,
+               toggled by class and filtered by score in the UI), plots/* (the PNGs)
+  tensorboard  per_class/AP/<class> and per_class/AP50/<class> scalars, per_class/table (text),
+               samples/<image id> (drawn images, one tag per image so the step slider scrubs epochs), plots/*
+
+Everything is logged at the training step of the evaluation, the step the stats were logged with.
+
+`log_classification_extras` does the same for the classifier: `plots/epoch_NNNN/per_class.json`,
+`confusion_matrix.{json,png}` (the full K x K matrix in the json; the PNG shows up to 30 classes, those with the
+most errors), wandb `val_per_class` (table) and `plots/confusion_matrix`, tensorboard `per_class/table` (text) and
+`plots/confusion_matrix`. The log line only summarises them (detlib.classification.per_class_summary).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+
+from . import metrics as analysis
+from . import drawing as visualize
+
+logger = logging.getLogger(__name__)
+
+
+def _tracker(accelerator, name: str):
+    if not any(getattr(t, "name", "") == name for t in accelerator.trackers):
+        return None
+    return accelerator.get_tracker(name, unwrap=True)
+
+
+def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step: int, coco_gt: dict,
+                          results: list[dict], coco_eval, image_dir: str, num_log_images: int = 16,
+                          display_thresh: float = 0.3, confusion_score_thresh: float = 0.25, seed: int = 0,
+                          category_names: dict[int, str] | None = None, sample_format: str = "png",
+                          best_f1: dict | None = None) -> dict | None:
+    """Per-class AP table, plots and sample images of one evaluation, to files and every tracker.
+
+    Call on every process after `CocoEvaluator.evaluate()`; only the main process works (no collective),
+    the others return None at once.
+
+    Args:
+        accelerator: the run's Accelerator (its trackers are looked up by name; none is fine).
+        output_dir: the run folder (plots/ and samples/ are created in it; metrics.jsonl is read from it).
+        epoch: the epoch evaluated, counted from 1 (`Run.epoch_number`; names the folders; None -> "final");
+            step: the tracker step.
+        coco_gt: the validation ground truth as a COCO dict; `image_dir`: its image folder.
+        results: the gathered detections in COCO results format (xywh pixels, category ids, scores).
+        coco_eval: the accumulated COCOeval object (`CocoEvaluator.coco_eval`), or None when nothing was detected.
+        num_log_images: size of the fixed sample of val images (`visualize.select_sample_ids` with `seed`).
+        display_thresh: lowest score drawn on the sample images (the wandb UI can still filter above it).
+        confusion_score_thresh: lowest score counted in the confusion matrix.
+        category_names: {category id: name}; default the json's names.
+        sample_format: "png" (the default: sharp lines and text) or "jpg" for the files under samples/.
+        best_f1: `analysis.best_f1_thresholds` of the evaluation (with its curves): the F1 curve plot too.
+    Returns:
+        (main process) {category name: {"AP", "AP50", "num_gt"}} for the classes with ground truth, the
+        object to put into the evaluation line of metrics.jsonl; None on the other processes.
+    """
+    if not accelerator.is_main_process:
+        return None
+    t0 = time.perf_counter()
+    names = category_names or {c["id"]: str(c.get("name", c["id"])) for c in coco_gt["categories"]}
+    tag = "final" if epoch is None else f"epoch_{int(epoch):04d}"
+    plots_dir = os.path.join(output_dir, "plots")
+    evaluated = coco_eval.params.imgIds if coco_eval is not None else [im["id"] for im in coco_gt["images"]]
+    plots = analysis.write_evaluation_plots(plots_dir, epoch, coco_eval, coco_gt, results,
+                                            confusion_score_thresh=confusion_score_thresh, image_ids=evaluated,
+                                            best_f1=best_f1)
+    per_class = plots["per_class"]
+    logger.info("per-class AP at step %d (%d classes with ground truth):\n%s", step, len(per_class),
+                analysis.format_per_class(per_class, full_table=plots["files"].get("per_class_ap_json")))
+    curves = analysis.plot_training_curves(os.path.join(output_dir, "metrics.jsonl"),
+                                           os.path.join(plots_dir, "training_curves.png"))
+    if curves:
+        plots["files"]["training_curves"] = curves
+
+    ids = visualize.select_sample_ids(evaluated, num_log_images, seed)
+    samples = visualize.sample_detections(coco_gt, results, image_dir, ids, names, display_thresh)
+    encoded = visualize.save_samples(samples, os.path.join(output_dir, "samples", tag), ext=sample_format)
+    pngs = {k: v for k, v in plots["files"].items()
+            if k in ("per_class_ap", "pr_curve", "confusion_matrix", "training_curves", "f1_curve")}
+
+    run = _tracker(accelerator, "wandb")
+    if run is not None:
+        import wandb
+
+        table = wandb.Table(columns=["class", "AP", "AP50", "num_gt"],
+                            data=[[k, v["AP"], v["AP50"], v["num_gt"]] for k, v in per_class.items()])
+        log = {"per_class/table": table,
+               "per_class/AP_bar": wandb.plot.bar(table, "class", "AP", title="per-class AP (IoU 0.50:0.95)"),
+               # the undrawn image: wandb draws the boxes itself, toggled by class and filtered by score
+               **{f"samples/{s['image_id']}": wandb.Image(s["image"].permute(1, 2, 0).numpy(), file_type="jpg",
+                                                          boxes=visualize.wandb_boxes(s, names), caption=s["file_name"])
+                  for s in samples}}
+        log.update({f"plots/{k}": wandb.Image(p) for k, p in pngs.items()})
+        run.log(log, step=step)
+
+    writer = _tracker(accelerator, "tensorboard")
+    if writer is not None:
+        for name, v in per_class.items():
+            writer.add_scalar(f"per_class/AP/{name}", v["AP"], step)
+            writer.add_scalar(f"per_class/AP50/{name}", v["AP50"], step)
+        table = "| class | AP | AP50 | #gt |\n|---|---|---|---|\n" + "\n".join(
+            f"| {k} | {v['AP']:.4f} | {v['AP50']:.4f} | {v['num_gt']} |" for k, v in per_class.items())
+        writer.add_text("per_class/table", table, step)
+        for s, data in zip(samples, encoded):
+            _tb_encoded_image(writer, f"samples/{s['image_id']}", data, *s["drawn"].shape[-2:], step)
+        for k, p in pngs.items():
+            with open(p, "rb") as f:
+                data = f.read()
+            _tb_encoded_image(writer, f"plots/{k}", data, *visualize.image_size(p), step)
+        writer.flush()
+    logger.info("evaluation extras (plots, %d sample images, trackers) took %.2f s", len(samples), time.perf_counter() - t0)
+    return per_class
+
+
+
+def _tb_encoded_image(writer, tag: str, data: bytes, height: int, width: int, step: int) -> None:
+    """An image summary from already encoded JPEG / PNG bytes.
+
+    `SummaryWriter.add_image` would re-encode every image as PNG (~40 ms for 640x480, ten times the rest of
+    the work per image); TensorBoard shows any encoding the browser decodes, so the files written anyway go in
+    as they are.
+    """
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    image = Summary.Image(height=int(height), width=int(width), colorspace=3, encoded_image_string=data)
+    writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+
+
+# wandb logs at most this many rows of a table (wandb.Table.MAX_ROWS; it truncates beyond with a warning)
+WANDB_TABLE_ROWS = 10_000
+TENSORBOARD_TEXT_ROWS = 1_000
+
+
+def log_classification_extras(accelerator, output_dir: str, epoch: int | None, step: int, classes: list[str],
+                              confusion: list[list[int]], per_class: dict[str, dict]) -> dict:
+    """A classifier evaluation's per-class numbers and confusion matrix, to files and every tracker.
+
+    Call on the main process (not collective). `per_class`: `classification.per_class_table(classes, confusion)`;
+    `confusion`: [K][K] counts, rows = true class. Tables go worst recall first; wandb gets at most
+    `WANDB_TABLE_ROWS` rows, tensorboard's text `TENSORBOARD_TEXT_ROWS` (the json files have every class).
+    Returns {"folder": the evaluation's folder, "files": {name: path}}.
+    """
+    folder = os.path.join(output_dir, "plots", "final" if epoch is None else f"epoch_{int(epoch):04d}")
+    files = {"per_class_json": analysis.write_json(per_class, os.path.join(folder, "per_class.json")),
+             "confusion_matrix_json": analysis.write_json({"names": list(classes), "matrix": confusion},
+                                                           os.path.join(folder, "confusion_matrix.json")),
+             "confusion_matrix": analysis.plot_class_confusion(classes, confusion,
+                                                               os.path.join(folder, "confusion_matrix.png"))}
+    ranked = sorted(per_class.items(), key=lambda kv: (kv[1]["recall"], kv[0]))
+    columns = ["class", "precision", "recall", "f1", "support", "predicted"]
+    rows = [[c, v["precision"], v["recall"], v["f1"], v["support"], v["predicted"]] for c, v in ranked]
+    run = _tracker(accelerator, "wandb")
+    if run is not None:
+        import wandb
+
+        run.log({"val_per_class": wandb.Table(columns=columns, data=rows[:WANDB_TABLE_ROWS]),
+                 "plots/confusion_matrix": wandb.Image(files["confusion_matrix"])}, step=step)
+    writer = _tracker(accelerator, "tensorboard")
+    if writer is not None:
+        shown = rows[:TENSORBOARD_TEXT_ROWS]
+        note = f"\n\n{len(rows) - len(shown)} more classes in {files['per_class_json']}" if len(rows) > len(shown) else ""
+        header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+        body = "\n".join(f"| {c} | {p:.4f} | {r:.4f} | {f:.4f} | {n} | {k} |" for c, p, r, f, n, k in shown)
+        writer.add_text("per_class/table", header + body + note, step)
+        with open(files["confusion_matrix"], "rb") as f:
+            data = f.read()
+        size = visualize.image_size(files["confusion_matrix"])
+        _tb_encoded_image(writer, "plots/confusion_matrix", data, *size, step)
+        writer.flush()
+    return {"folder": folder, "files": files}

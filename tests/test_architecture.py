@@ -1,0 +1,112 @@
+"""The package layout is the architecture: imports between detlib's packages run one way (docs/architecture.md).
+
+Each detlib module belongs to a unit: its sub-package (`retinanet`, `data`, ...) or, for a module at the root, the
+module itself. Units are in layers; a module may import its own unit and the units of lower layers, never a higher
+one, and no two units of one layer import each other (the shared root modules excepted, which import each other
+without a cycle). Imports under `if TYPE_CHECKING:` are type hints only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import detlib
+
+PACKAGE = pathlib.Path(detlib.__file__).parent
+LAYERS = [
+    ("boxes", "labels", "logtext", "files", "weights", "hub", "backbones"),  # shared conventions and files
+    ("datacheck",),  # the report and the checks of COCO json and ImageFolder trees
+    ("data",),  # images, transforms, data sets, VOC/YOLO, the built-in sets
+    ("retinanet", "classification"),  # the models
+    ("evaluation",),  # COCO evaluation, per-class numbers, plots, drawn samples, model cards
+    ("engine",),  # the run: folder, flags, checkpoints, resume, schedules, logs and trackers
+    ("inference",),  # what the predict scripts share
+]
+LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit_of(name: str) -> str | None:
+    """The unit of a dotted module name under detlib (None for `detlib` itself)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def imported_modules(path: pathlib.Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every detlib import of the module at `path` (its text, or `source` read as
+    if it were there), type-hint-only imports left out."""
+    tree = ast.parse(path.read_text() if source is None else source)
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for b in node.body for n in ast.walk(b))
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "detlib"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != "detlib":
+                continue
+            if node.module is None or mod in ("detlib",) or (PACKAGE.parent / mod.replace(".", "/")).is_dir():
+                found += [(node.lineno, f"{mod}.{a.name}") for a in node.names]  # `from pkg import module`
+            else:
+                found.append((node.lineno, mod))
+    return found
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def test_every_module_has_a_unit_in_a_layer():
+    units = {unit_of(module_name(p)) for p in MODULES} - {None}
+    assert units <= set(LAYER), f"units in no layer: {sorted(units - set(LAYER))}"
+    assert set(LAYER) <= units, f"layers name units that do not exist: {sorted(set(LAYER) - units)}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_run_one_way(path):
+    own = unit_of(module_name(path))
+    wrong = []
+    for line, target in imported_modules(path):
+        unit = unit_of(target)
+        if unit is None:
+            wrong.append(f"line {line}: imports the top package `detlib` itself")
+        elif own is not None and unit != own and LAYER[unit] >= LAYER[own] and LAYER[own] > 0:
+            wrong.append(f"line {line}: {target} ({unit}, layer {LAYER[unit]}) from layer {LAYER[own]}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_shared_root_modules_import_no_cycle():
+    shared = LAYERS[0]
+    graph = {u: {unit_of(t) for _, t in imported_modules(PACKAGE / f"{u}.py")} - {u} for u in shared}
+    assert all(deps <= set(shared) for deps in graph.values()), graph  # the shared layer imports nothing above it
+
+    def reaches(start, goal, seen=()):
+        return any(d == goal or (d not in seen and reaches(d, goal, (*seen, d))) for d in graph[start])
+
+    assert not [u for u in shared if reaches(u, u)], graph
+
+
+def test_the_check_finds_an_import_that_runs_up():
+    """The check itself can fail: an upward import added to a low module is found, a type hint is not."""
+    low = PACKAGE / "data" / "images.py"
+    source = low.read_text() + "\nfrom ..engine.flags import stop\nif TYPE_CHECKING:\n    from ..evaluation import coco\n"
+    found = [t for _, t in imported_modules(low, source)]
+    assert "detlib.engine.flags" in found and LAYER["engine"] > LAYER["data"]
+    assert "detlib.evaluation.coco" not in found
