@@ -366,13 +366,13 @@ def test_image_file_faults_missing_unreadable_sizes_and_exif(tmp_path):
 
 
 def test_header_pass_in_worker_processes_matches_the_serial_one(tmp_path, monkeypatch):
-    from detlib.datacheck import report as datacheck
+    from detlib.datacheck import report
 
     paths = [str(write_image(tmp_path / f"{i}.png", 8 + i, 5)) for i in range(6)] + [str(tmp_path / "none.png")]
     limit = Image.MAX_IMAGE_PIXELS
-    serial = datacheck.read_image_headers(paths, num_workers=1)
-    monkeypatch.setattr(datacheck, "PARALLEL_MIN_IMAGES", 2)
-    parallel = datacheck.read_image_headers(paths, num_workers=2, progress=False)
+    serial = report.read_image_headers(paths, num_workers=1)
+    monkeypatch.setattr(report, "PARALLEL_MIN_IMAGES", 2)
+    parallel = report.read_image_headers(paths, num_workers=2, progress=False)
     assert parallel == serial and serial[0] == ("ok", 8, 5, 1) and serial[-1] == ("missing", 0, 0, 1)
     assert Image.MAX_IMAGE_PIXELS == limit  # lifted in the readers only
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from conftest import REPO
 from detlib.engine import checkpoint_io as ckpt
-from detlib.engine import run_folder as rundir
+from detlib.engine import run_folder
 from detlib.engine.schedules import build_lr_scheduler, lr_factor, set_position
 from detlib.weights import load_model_weights
 from test_checkpoint import fake_checkpoint
@@ -129,21 +129,21 @@ def test_failed_save_removes_its_folder_keeps_the_previous_and_says_no_space(tmp
 
 def test_lock_refuses_a_live_run_and_replaces_a_stale_one(tmp_path):
     out = str(tmp_path)
-    error, note = rundir.acquire_lock(out)
+    error, note = run_folder.acquire_lock(out)
     assert error is None and note is None
-    error, _ = rundir.acquire_lock(out)  # this (live) process holds it
+    error, _ = run_folder.acquire_lock(out)  # this (live) process holds it
     assert error and f"pid {os.getpid()}" in error and "another run" in error
-    rundir.release_lock(out)
-    assert not os.path.exists(tmp_path / rundir.LOCK_FILE)
+    run_folder.release_lock(out)
+    assert not os.path.exists(tmp_path / run_folder.LOCK_FILE)
 
     dead = 2**22 + 12345  # above the default pid_max: no such process
-    (tmp_path / rundir.LOCK_FILE).write_text(json.dumps({"pid": dead, "host": socket.gethostname()}))
-    error, note = rundir.acquire_lock(out)
+    (tmp_path / run_folder.LOCK_FILE).write_text(json.dumps({"pid": dead, "host": socket.gethostname()}))
+    error, note = run_folder.acquire_lock(out)
     assert error is None and f"stale lock of process {dead}" in note
-    rundir.release_lock(out)
+    run_folder.release_lock(out)
 
-    (tmp_path / rundir.LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "node-17"}))
-    error, _ = rundir.acquire_lock(out)
+    (tmp_path / run_folder.LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "node-17"}))
+    error, _ = run_folder.acquire_lock(out)
     assert "host node-17" in error and "delete" in error
 
 
@@ -328,19 +328,19 @@ def test_tracker_offset_continues_after_the_last_logged_step(tmp_path):
 def test_preemption_signals_set_a_flag_and_a_late_second_sigint_stops(monkeypatch):
     import signal
 
-    signals = rundir.PreemptionSignals()
+    signals = run_folder.PreemptionSignals()
     before = signal.getsignal(signal.SIGUSR1)
     signals.install()
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert signals.received == signal.SIGUSR1
         clock = [100.0]
-        monkeypatch.setattr(rundir.time, "monotonic", lambda: clock[0])
+        monkeypatch.setattr(run_folder.time, "monotonic", lambda: clock[0])
         signals._on_signal(signal.SIGINT, None)
         clock[0] += 0.5  # the same Ctrl-C forwarded by the launcher: still only the flag
         signals._on_signal(signal.SIGINT, None)
         assert signals.received == signal.SIGUSR1  # the first signal is the one named
-        clock[0] += rundir.SECOND_SIGINT_AFTER_S
+        clock[0] += run_folder.SECOND_SIGINT_AFTER_S
         with pytest.raises(KeyboardInterrupt):
             signals._on_signal(signal.SIGINT, None)
     finally:
@@ -353,16 +353,16 @@ def test_disk_check_refuses_less_than_one_checkpoint_and_warns_below_the_kept_on
 
     model = torch.nn.Linear(256, 256)  # 65,792 float32 = 263,168 bytes
     opt = torch.optim.AdamW(model.parameters())
-    weights, per_ckpt = rundir.checkpoint_bytes(model, opt)
+    weights, per_ckpt = run_folder.checkpoint_bytes(model, opt)
     assert (weights, per_ckpt) == (263168, 3 * 263168)  # Adam: exp_avg and exp_avg_sq per weight
-    assert rundir.checkpoint_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1))[1] == 2 * 263168
+    assert run_folder.checkpoint_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1))[1] == 2 * 263168
     usage = namedtuple("usage", "total used free")
     caplog.set_level("INFO", logger="detlib.engine.run")
     for free, expect in [(per_ckpt + 2 * weights - 1, "error"), (per_ckpt * 3 + 2 * weights - 1, "warning"),
                          (per_ckpt * 3 + 2 * weights, "info")]:
-        monkeypatch.setattr(rundir.shutil, "disk_usage", lambda _, f=free: usage(0, 0, f))
+        monkeypatch.setattr(run_folder.shutil, "disk_usage", lambda _, f=free: usage(0, 0, f))
         caplog.clear()
-        error = rundir.check_disk_space(str(tmp_path), model, opt, num_checkpoints=2)
+        error = run_folder.check_disk_space(str(tmp_path), model, opt, num_checkpoints=2)
         if expect == "error":
             assert error.startswith(f"not enough disk space in {tmp_path}: 1 MiB free, one checkpoint needs ~1 MiB")
             assert not caplog.records

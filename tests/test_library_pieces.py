@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from detlib import classification
 from detlib.data import imagefolder
-from detlib.data import builtin as synthetic
+from detlib.data import builtin
 from detlib.retinanet import model
 from detlib.weights import load_state_dict_file
 
@@ -74,15 +74,15 @@ def test_missing_and_foreign_files_are_named(tmp_path):
 
 def test_built_in_data_sets_keep_their_cache_folders(tmp_path, monkeypatch):
     monkeypatch.setenv("DETLIB_CACHE", str(tmp_path))
-    assert synthetic.cache_root() == str(tmp_path)
-    dirs = synthetic.make_synthetic_image_folder(num_train=1, num_val=1, image_size=16)
+    assert builtin.cache_root() == str(tmp_path)
+    dirs = builtin.make_synthetic_image_folder(num_train=1, num_val=1, image_size=16)
     assert dirs == {"train_dir": str(tmp_path / "synthetic_imagefolder_v2" / "train"),
                     "val_dir": str(tmp_path / "synthetic_imagefolder_v2" / "val")}
     assert json.loads((tmp_path / "synthetic_imagefolder_v2" / "generator.json").read_text()) == {
         "version": 2, "num_train": 1, "num_val": 1, "image_size": 16, "seed": 0}
-    paths = synthetic.make_synthetic_coco(num_train=1, num_val=1, image_size=64, min_object=12, max_object=30)
+    paths = builtin.make_synthetic_coco(num_train=1, num_val=1, image_size=64, min_object=12, max_object=30)
     assert paths["train_annotations"] == str(tmp_path / "synthetic_shapes_v2" / "annotations" / "instances_train.json")
     assert paths["train_images"] == str(tmp_path / "synthetic_shapes_v2" / "images")
     assert json.loads((tmp_path / "synthetic_shapes_v2" / "generator.json").read_text())["version"] == 2
     monkeypatch.delenv("DETLIB_CACHE")
-    assert synthetic.cache_root().endswith("/.cache/detlib")
+    assert builtin.cache_root().endswith("/.cache/detlib")

@@ -29,8 +29,8 @@ import os
 import time
 
 
-from . import metrics as analysis
-from . import drawing as visualize
+from . import metrics
+from . import drawing
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +59,12 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
         coco_gt: the validation ground truth as a COCO dict; `image_dir`: its image folder.
         results: the gathered detections in COCO results format (xywh pixels, category ids, scores).
         coco_eval: the accumulated COCOeval object (`CocoEvaluator.coco_eval`), or None when nothing was detected.
-        num_log_images: size of the fixed sample of val images (`visualize.select_sample_ids` with `seed`).
+        num_log_images: size of the fixed sample of val images (`drawing.select_sample_ids` with `seed`).
         display_thresh: lowest score drawn on the sample images (the wandb UI can still filter above it).
         confusion_score_thresh: lowest score counted in the confusion matrix.
         category_names: {category id: name}; default the json's names.
         sample_format: "png" (the default: sharp lines and text) or "jpg" for the files under samples/.
-        best_f1: `analysis.best_f1_thresholds` of the evaluation (with its curves): the F1 curve plot too.
+        best_f1: `metrics.best_f1_thresholds` of the evaluation (with its curves): the F1 curve plot too.
     Returns:
         (main process) {category name: {"AP", "AP50", "num_gt"}} for the classes with ground truth, the
         object to put into the evaluation line of metrics.jsonl; None on the other processes.
@@ -76,20 +76,20 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
     tag = "final" if epoch is None else f"epoch_{int(epoch):04d}"
     plots_dir = os.path.join(output_dir, "plots")
     evaluated = coco_eval.params.imgIds if coco_eval is not None else [im["id"] for im in coco_gt["images"]]
-    plots = analysis.write_evaluation_plots(plots_dir, epoch, coco_eval, coco_gt, results,
+    plots = metrics.write_evaluation_plots(plots_dir, epoch, coco_eval, coco_gt, results,
                                             confusion_score_thresh=confusion_score_thresh, image_ids=evaluated,
                                             best_f1=best_f1)
     per_class = plots["per_class"]
     logger.info("per-class AP at step %d (%d classes with ground truth):\n%s", step, len(per_class),
-                analysis.format_per_class(per_class, full_table=plots["files"].get("per_class_ap_json")))
-    curves = analysis.plot_training_curves(os.path.join(output_dir, "metrics.jsonl"),
+                metrics.format_per_class(per_class, full_table=plots["files"].get("per_class_ap_json")))
+    curves = metrics.plot_training_curves(os.path.join(output_dir, "metrics.jsonl"),
                                            os.path.join(plots_dir, "training_curves.png"))
     if curves:
         plots["files"]["training_curves"] = curves
 
-    ids = visualize.select_sample_ids(evaluated, num_log_images, seed)
-    samples = visualize.sample_detections(coco_gt, results, image_dir, ids, names, display_thresh)
-    encoded = visualize.save_samples(samples, os.path.join(output_dir, "samples", tag), ext=sample_format)
+    ids = drawing.select_sample_ids(evaluated, num_log_images, seed)
+    samples = drawing.sample_detections(coco_gt, results, image_dir, ids, names, display_thresh)
+    encoded = drawing.save_samples(samples, os.path.join(output_dir, "samples", tag), ext=sample_format)
     pngs = {k: v for k, v in plots["files"].items()
             if k in ("per_class_ap", "pr_curve", "confusion_matrix", "training_curves", "f1_curve")}
 
@@ -103,7 +103,7 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
                "per_class/AP_bar": wandb.plot.bar(table, "class", "AP", title="per-class AP (IoU 0.50:0.95)"),
                # the undrawn image: wandb draws the boxes itself, toggled by class and filtered by score
                **{f"samples/{s['image_id']}": wandb.Image(s["image"].permute(1, 2, 0).numpy(), file_type="jpg",
-                                                          boxes=visualize.wandb_boxes(s, names), caption=s["file_name"])
+                                                          boxes=drawing.wandb_boxes(s, names), caption=s["file_name"])
                   for s in samples}}
         log.update({f"plots/{k}": wandb.Image(p) for k, p in pngs.items()})
         run.log(log, step=step)
@@ -121,7 +121,7 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
         for k, p in pngs.items():
             with open(p, "rb") as f:
                 data = f.read()
-            _tb_encoded_image(writer, f"plots/{k}", data, *visualize.image_size(p), step)
+            _tb_encoded_image(writer, f"plots/{k}", data, *drawing.image_size(p), step)
         writer.flush()
     logger.info("evaluation extras (plots, %d sample images, trackers) took %.2f s", len(samples), time.perf_counter() - t0)
     return per_class
@@ -156,10 +156,10 @@ def log_classification_extras(accelerator, output_dir: str, epoch: int | None, s
     Returns {"folder": the evaluation's folder, "files": {name: path}}.
     """
     folder = os.path.join(output_dir, "plots", "final" if epoch is None else f"epoch_{int(epoch):04d}")
-    files = {"per_class_json": analysis.write_json(per_class, os.path.join(folder, "per_class.json")),
-             "confusion_matrix_json": analysis.write_json({"names": list(classes), "matrix": confusion},
+    files = {"per_class_json": metrics.write_json(per_class, os.path.join(folder, "per_class.json")),
+             "confusion_matrix_json": metrics.write_json({"names": list(classes), "matrix": confusion},
                                                            os.path.join(folder, "confusion_matrix.json")),
-             "confusion_matrix": analysis.plot_class_confusion(classes, confusion,
+             "confusion_matrix": metrics.plot_class_confusion(classes, confusion,
                                                                os.path.join(folder, "confusion_matrix.png"))}
     ranked = sorted(per_class.items(), key=lambda kv: (kv[1]["recall"], kv[0]))
     columns = ["class", "precision", "recall", "f1", "support", "predicted"]
@@ -179,7 +179,7 @@ def log_classification_extras(accelerator, output_dir: str, epoch: int | None, s
         writer.add_text("per_class/table", header + body + note, step)
         with open(files["confusion_matrix"], "rb") as f:
             data = f.read()
-        size = visualize.image_size(files["confusion_matrix"])
+        size = drawing.image_size(files["confusion_matrix"])
         _tb_encoded_image(writer, "plots/confusion_matrix", data, *size, step)
         writer.flush()
     return {"folder": folder, "files": files}
