@@ -7,14 +7,21 @@ more than the standard library and numpy to build (PIL, torch, detlib)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pickle
+import signal
+import subprocess
 import sys
+import threading
+import time
 from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from conftest import launch_command, launch_env  # the suite's conftest, not a test module
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,3 +161,125 @@ def plant(path, marker, fmt: str) -> None:
         torch.save(obj, path)
     else:
         path.write_bytes(pickle.dumps(obj))
+
+
+# ---- launches watched from outside (tests/test_exit_paths.py, tests/test_synthetic.py)
+HANG_S = 150  # a launch that has not returned by then hangs
+
+
+def process_table() -> dict[int, tuple[int, int, str]]:
+    """{pid: (parent pid, process group, state)} of every process, from /proc."""
+    table = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                table[int(d)] = (int(fields[1]), int(fields[2]), fields[0])
+            except (OSError, IndexError, ValueError):
+                pass
+    return table
+
+
+class Launch:
+    """A script under `accelerate launch`, in its own session, its output read as it comes (with the time of each
+    chunk) and its process tree sampled every 0.1 s, so a test can wait for a marker, signal it, and check that
+    the whole tree is gone at the end."""
+
+    def __init__(self, script: str, args: list, config: str | None = "cpu.yaml"):
+        repo = Path(__file__).resolve().parents[1]
+        command = (launch_command(script, args, config) if config else  # None: `python scripts/...`, no launcher
+                   [sys.executable, str(repo / "scripts" / script), *map(str, args)])
+        self.proc = subprocess.Popen(command, cwd=repo,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=launch_env({"PYTHONUNBUFFERED": "1"}))
+        self.output, self.last_output = b"", time.time()
+        self.seen: dict[int, int] = {}  # pid -> process group, of every process seen under the launcher
+        self._readers = [threading.Thread(target=self._read, daemon=True), threading.Thread(target=self._watch, daemon=True)]
+        for t in self._readers:
+            t.start()
+
+    def _read(self) -> None:
+        fd = self.proc.stdout.fileno()
+        while chunk := os.read(fd, 65536):
+            self.output += chunk
+            self.last_output = time.time()
+
+    def _watch(self) -> None:
+        while self.proc.poll() is None:
+            table = process_table()
+            frontier = [self.proc.pid]
+            while frontier:
+                p = frontier.pop()
+                for c, (pp, pg, state) in table.items():
+                    if pp == p and state != "Z":
+                        self.seen[c] = pg
+                        frontier.append(c)
+            time.sleep(0.1)
+
+    @property
+    def text(self) -> str:
+        return self.output.decode(errors="replace")
+
+    def trainers(self) -> list[int]:
+        """The training processes (the launcher's children that run the script)."""
+        table = process_table()
+        return [c for c, (pp, _, state) in table.items() if pp == self.proc.pid and state != "Z"]
+
+    def wait_for(self, marker: str, timeout: float = HANG_S) -> None:
+        t0 = time.time()
+        while marker.encode() not in self.output:
+            if self.proc.poll() is not None or time.time() - t0 > timeout:
+                self.kill()
+                raise AssertionError(f"no {marker!r} before the run ended or {timeout} s:\n{self.text[-3000:]}")
+            time.sleep(0.05)
+
+    def wait_for_step(self, out: Path, step: int, timeout: float = HANG_S) -> None:
+        """Until metrics.jsonl holds a train line of `step`."""
+        t0 = time.time()
+        while True:
+            try:
+                lines = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+                if any(m.get("step", 0) >= step and "loss" in m for m in lines):
+                    return
+            except (OSError, ValueError):
+                pass
+            if self.proc.poll() is not None or time.time() - t0 > timeout:
+                self.kill()
+                raise AssertionError(f"no step {step} before the run ended or {timeout} s:\n{self.text[-3000:]}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        for pg in {self.proc.pid, *self.seen.values()}:
+            try:
+                os.killpg(pg, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def finish(self, label: str, timeout: float = HANG_S) -> tuple[int, float]:
+        """Wait for the launcher and then for every process of the run. Returns (launcher's exit code, seconds
+        from the last output to the end of the last process); a hang kills the tree and fails the test."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            left = self.alive()
+            self.kill()
+            raise AssertionError(f"{label}: the launcher did not return within {timeout} s (still running: {left})\n"
+                                 f"{self.text[-3000:]}") from None
+        t0 = time.time()
+        while self.alive() and time.time() - t0 < 20:
+            time.sleep(0.05)
+        left = self.alive()
+        self.kill()
+        assert not left, f"{label}: processes of the run left after the launcher returned: {left}"
+        for t in self._readers:
+            t.join(timeout=5)
+        seconds = time.time() - self.last_output if not left else float("inf")
+        print(f"exit path {label}: exit code {code}, last process gone {seconds:.1f} s after the last output")
+        return code, seconds
+
+    def alive(self) -> list[int]:
+        """Processes of the run still running: those seen under the launcher, and any in their process groups."""
+        groups = {self.proc.pid, *self.seen.values()}
+        table = process_table()
+        return sorted(p for p, (_, pg, state) in table.items() if state != "Z" and (pg in groups or p in self.seen))

@@ -110,3 +110,16 @@ def test_the_check_finds_an_import_that_runs_up():
     found = [t for _, t in imported_modules(low, source)]
     assert "detlib.engine.flags" in found and LAYER["engine"] > LAYER["data"]
     assert "detlib.evaluation.coco" not in found
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in tests/helpers.py and tests/conftest.py (and devtools/ for benchmarks too)."""
+    tests = pathlib.Path(__file__).parent
+    wrong = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            wrong += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[-1].startswith("test_") or n.startswith("tests.test_")]
+    assert not wrong, wrong

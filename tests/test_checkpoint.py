@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from detlib.engine import checkpoint_io as ckpt
 from detlib.retinanet.model import RetinaNet
 from detlib.weights import load_model_weights, load_state_dict_file
-from helpers import fake_checkpoint, plant  # noqa: F401  (fake_checkpoint: tests/test_engine.py imports it from here)
+from helpers import fake_checkpoint, plant
 
 
 @pytest.fixture(scope="module")

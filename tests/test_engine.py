@@ -19,7 +19,7 @@ from detlib.engine import checkpoint_io as ckpt
 from detlib.engine import run_folder
 from detlib.engine.schedules import build_lr_scheduler, lr_factor, set_position
 from detlib.weights import load_model_weights
-from test_checkpoint import fake_checkpoint
+from helpers import fake_checkpoint
 
 
 def load_script(name: str):

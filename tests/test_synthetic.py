@@ -78,7 +78,7 @@ def test_default_run_without_data_uses_the_builtin_set(tmp_path):
 @pytest.mark.slow
 def test_builtin_run_stopped_by_ctrl_c_says_its_model_is_not_ready(tmp_path, monkeypatch):
     """A user who stops the built-in run early is told the weights are not worth using yet, in the stop line."""
-    from test_exit_paths import Launch
+    from helpers import Launch
 
     monkeypatch.setenv("DETLIB_CACHE", str(tmp_path / "cache"))
     run = Launch("train_retinanet.py", ["--num_workers", "0", "--output_dir", tmp_path / "o", "--report_to", "none"], None)
