@@ -36,8 +36,8 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from detlib.classification import classification_transform
-from detlib.data import INSTALL_HINT, av_available, video_frames, video_info
-from detlib.engine import int_at_least, worker_loader_kwargs
+from detlib.data import INSTALL_HINT, av_available, video_frames, video_info, worker_loader_kwargs
+from detlib.engine import int_at_least
 from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_media_files, load_classifier, output_names,
                               prediction_parser, run_prediction, shard_batches, start_prediction)
 from detlib.weights import complete_model_config, weights_path

@@ -48,9 +48,9 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from detlib.data import (INSTALL_HINT, CocoDetection, VideoWriter, av_available, build_transform, collate_detection,
-                         data_dir_paths, read_data_dir_splits, video_frames, video_info)
+                         data_dir_paths, read_data_dir_splits, video_frames, video_info, worker_loader_kwargs)
 from detlib.datacheck import DataReport, check_coco
-from detlib.engine import float_range, int_at_least, worker_loader_kwargs
+from detlib.engine import float_range, int_at_least
 from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, save_image,
                                upright_image_and_boxes)
 from detlib.inference import (DetectionImageFiles, detection_item, earlier_outputs, list_media_files, load_retinanet,

@@ -42,12 +42,12 @@ from tqdm.auto import tqdm
 
 from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
                                    classification_transform, per_class_summary, per_class_table)
-from detlib.data import VERIFY_MODES, ImageFolderDataset, make_synthetic_image_folder, scan_image_folder
+from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
 from detlib.datacheck import check_folders_for_training
 from detlib.engine import checkpoint_io as ckpt
-from detlib.engine import (Run, RunSettings, build_scheduler, check_shared_memory, data_defaults_table, float_range,
+from detlib.engine import (Run, RunSettings, build_scheduler, data_defaults_table, float_range,
                            format_given, given_flags, int_at_least, parse_with_config, resolve_data_defaults,
-                           run_argument_parser, show_data_defaults, stop, worker_loader_kwargs)
+                           run_argument_parser, show_data_defaults, stop)
 from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
 from detlib.files import atomic_write
 from detlib.logtext import short_list
@@ -146,10 +146,9 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
 
     # Batches leave the workers as float32 (4 bytes per value) through /dev/shm.
     bytes_per_batch = 4 * 3 * args.image_size ** 2 * max(args.per_device_batch_size, args.per_device_eval_batch_size)
-    workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
+    common, msg = loader_settings(args.num_workers, bytes_per_batch, persistent=True)
     if msg:
         logger.warning(msg)
-    common = dict(pin_memory=torch.cuda.is_available(), persistent_workers=workers > 0, **worker_loader_kwargs(workers))
     val_ds = ImageFolderDataset(scans["val"], classification_transform(args.image_size, train=False), train=False)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.per_device_eval_batch_size, shuffle=False, **common)
     train_ds = train_loader = None

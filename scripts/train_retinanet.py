@@ -51,13 +51,13 @@ from timm.optim import param_groups_weight_decay
 from tqdm.auto import tqdm
 
 from detlib.data import (AUGMENTATIONS, FORMATS, INPUT_DIVISIBILITY, CocoDetection, GroupedBatchSampler, aspect_groups,
-                         build_transform, check_coco_for_training, collate_detection, data_dir_paths,
+                         build_transform, check_coco_for_training, collate_detection, data_dir_paths, loader_settings,
                          make_synthetic_coco)
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
 from detlib.engine import checkpoint_io as ckpt
-from detlib.engine import (Run, RunSettings, broadcast_object, build_scheduler, check_shared_memory,
+from detlib.engine import (Run, RunSettings, broadcast_object, build_scheduler,
                            data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
-                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop, worker_loader_kwargs)
+                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, best_f1_thresholds, command_line, detections_to_coco,
                                detector_card, format_best_f1, log_evaluation_extras, per_class_ap,
                                per_class_without_detections, write_card)
@@ -287,12 +287,12 @@ def build_dataloaders(args, paths: dict[str, str]):
     side = max(args.train_scales or [args.image_size])
     bytes_per_batch = (3 * side * (args.max_size or side) * args.per_device_batch_size
                        * (4 if args.resize_mode == "torchvision" else 1))  # float32 images in torchvision's resize
-    workers, msg = check_shared_memory(min(args.num_workers, os.cpu_count() or 1), bytes_per_batch)
-    if msg:
-        logger.warning(msg)
     # Workers are not persistent: each epoch's workers get a fresh copy of the data set with its epoch set
     # (the augmentation stream, see CocoDetection.set_epoch).
-    common = dict(collate_fn=collate_detection, pin_memory=torch.cuda.is_available(), **worker_loader_kwargs(workers))
+    common, msg = loader_settings(args.num_workers, bytes_per_batch)
+    if msg:
+        logger.warning(msg)
+    common["collate_fn"] = collate_detection
     train_loader = None
     if train_ds is not None:
         drop_last = len(train_ds) >= args.per_device_batch_size

@@ -214,12 +214,12 @@ def test_errors_at_start_and_mid_run(script, cats_data, detection_data, tmp_path
 
 
 def test_worker_ends_with_its_training_process_and_survives_a_stray_sigterm(tmp_path):
-    """The worker rule itself (detlib.engine.run_folder.worker_loader_kwargs), in a plain Python process: a SIGTERM from outside
+    """The worker rule itself (detlib.data.loaders.worker_loader_kwargs), in a plain Python process: a SIGTERM from outside
     leaves a worker serving, the interpreter's exit ends it at once (it hung here forever before), and a worker
     whose training process is killed with -9 ends within a second or so."""
     code = """
 import os, signal, subprocess, sys, time, torch
-from detlib.engine.run_folder import worker_loader_kwargs
+from detlib.data.loaders import worker_loader_kwargs
 ds = list(range(1000))
 loader = torch.utils.data.DataLoader(ds, batch_size=1, persistent_workers=True, **worker_loader_kwargs(2))
 it = iter(loader)

@@ -11,13 +11,12 @@ run_status.json, signals, DataLoader workers), `checkpoint_io` (the checkpoint f
 from .flags import (HelpFormatter, data_defaults_table, float_range, format_given, given_flags, int_at_least,
                     parse_with_config, resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
 from .run import Run, RunSettings
-from .run_folder import worker_loader_kwargs
 from .schedules import build_scheduler
-from .tracking import broadcast_object, check_shared_memory, setup_console_logging
+from .tracking import broadcast_object, setup_console_logging
 
 __all__ = [
     "HelpFormatter", "data_defaults_table", "float_range", "format_given", "given_flags", "int_at_least",
     "parse_with_config", "resolve_data_defaults", "run_argument_parser", "show_data_defaults", "stop", "Run",
-    "RunSettings", "worker_loader_kwargs", "build_scheduler", "broadcast_object", "check_shared_memory",
+    "RunSettings", "build_scheduler", "broadcast_object",
     "setup_console_logging"
 ]

@@ -71,6 +71,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..data.loaders import stop_dataloader_workers
 from ..weights import load_model_weights
 from . import checkpoint_io as ckpt
 from .checkpoints import EMA_WEIGHTS, Checkpointer, summary_lines
@@ -78,7 +79,7 @@ from .flags import DEFAULT_REPORT_TO, EVALUATE_ONLY_SUBDIR
 from .resume import (ResumeError, check_same_classes, convert_position, load_ema_weights, replaced_by_checkpoint,
                      resolve_checkpoint, run_length, set_tracker_offset)
 from .run_folder import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
-                         release_lock, stop_dataloader_workers, write_run_status)
+                         release_lock, write_run_status)
 from .schedules import RunPosition, set_position
 from .tracking import (MetricsLogger, TrackerError, broadcast_object, compile_summary, finish_trackers, init_trackers,
                        log_run_setup, make_accelerator, min_over_processes, save_config, setup_logging)

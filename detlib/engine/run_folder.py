@@ -13,7 +13,7 @@
   exit 1 with the worker's code in its summary), hence run_status.json.
 * The disk-space check: room for the checkpoints the run keeps, best/ and last/.
 * The preemption signals only set a flag the training loop polls (`PreemptionSignals`); DataLoader workers
-  leave them to their training process and end with it (`worker_init_fn`, `stop_dataloader_workers`), and
+  leave them to their training process and end with it (`detlib.data.loaders`), and
   under a launcher each training process asks the kernel for SIGTERM when its launcher dies, so no process of
   a run outlives it.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -35,10 +34,11 @@ import uuid
 
 import torch
 
+from ..data.loaders import PREEMPT_SIGNALS
+
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger("detlib.engine.run")
 
-PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 EXIT_DIVERGED = 3  # non-finite optimizer steps in a row
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL, "temporary failure, retry": a checkpoint was written, resume
 LOCK_FILE = "run.lock"
@@ -51,75 +51,6 @@ EXIT_STATUS = {0: "finished", EXIT_DIVERGED: "diverged", EXIT_PREEMPTED: "preemp
 # A Ctrl-C may reach a process twice at once (from the terminal's process group and forwarded by a launcher):
 # only a SIGINT this many seconds or more after the first is the user's second Ctrl-C.
 SECOND_SIGINT_AFTER_S = 1.0
-# How often a DataLoader worker checks that its training process still runs (worker_init_fn).
-WORKER_PARENT_POLL_S = 0.5
-
-
-def worker_init_fn(worker_id: int) -> None:
-    """DataLoader workers outlive no one and die for no one but their training process.
-
-    A Ctrl-C reaches the terminal's whole process group, and SLURM / torchrun send SIGTERM (or SIGUSR1) to every
-    process of the job: a worker killed by it would make its training process raise ("DataLoader worker is
-    killed by signal") in the middle of the preemption checkpoint, or fail the next evaluation batch. So SIGINT,
-    SIGTERM and SIGUSR1 are blocked in the worker and read by one thread (`sigtimedwait`, Linux), which ends the
-    worker (exit 0) on a SIGTERM sent by its own training process (multiprocessing's exit handler and the
-    DataLoader's shutdown send exactly that) or as soon as the training process is gone (even by kill -9); the
-    others are dropped. Elsewhere (no `sigtimedwait`) only SIGINT is ignored.
-    """
-    signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
-    if not hasattr(signal, "sigtimedwait"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # blocked by WorkerProcess.start
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        return
-    # blocked since the fork (WorkerProcess), so every later thread (OpenMP's) inherits the mask
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    threading.Thread(target=_worker_signal_loop, args=(os.getppid(), signals), name="detlib-worker-signals",
-                     daemon=True).start()
-
-
-def _worker_signal_loop(parent: int, signals: set) -> None:
-    while True:
-        info = signal.sigtimedwait(signals, WORKER_PARENT_POLL_S)
-        if os.getppid() != parent:  # the training process is gone: nothing will read this worker's batches
-            os._exit(0)
-        if info is not None and info.si_signo == signal.SIGTERM and info.si_pid == parent:
-            os._exit(0)  # 0, not killed by a signal: the DataLoader's SIGCHLD check then raises nothing
-
-
-class WorkerProcess(multiprocessing.get_context().Process):
-    """A DataLoader worker process started with the preemption signals blocked, so that a Ctrl-C or SIGTERM
-    arriving between the fork and `worker_init_fn` waits for the worker's own handling instead of killing it."""
-
-    def start(self):
-        signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-        try:
-            super().start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-class _WorkerContext(type(multiprocessing.get_context())):
-    Process = WorkerProcess
-
-
-def worker_loader_kwargs(num_workers: int) -> dict:
-    """The DataLoader arguments of a training script's loaders with `num_workers` workers: `worker_init_fn` and
-    a multiprocessing context whose workers start with the preemption signals blocked (none for 0 workers)."""
-    if num_workers == 0:
-        return {"num_workers": 0}
-    return {"num_workers": num_workers, "worker_init_fn": worker_init_fn, "multiprocessing_context": _WorkerContext()}
-
-
-def stop_dataloader_workers(loaders) -> None:
-    """End the worker processes of `loaders` (torch DataLoaders, accelerate's prepared ones included) now: a
-    persistent loader keeps its workers until the loader itself is freed, which may be never before interpreter
-    exit. Safe to call more than once, and on loaders without workers."""
-    for loader in loaders:
-        iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-            loader._iterator = None
 
 
 class Refusal(str):

@@ -14,7 +14,6 @@ import math
 import netrc
 import os
 import re
-import shutil
 import sys
 import time
 import uuid
@@ -350,26 +349,3 @@ class MetricsLogger:
                     self._defined.add("epoch")
                 for k in new:
                     run.define_metric(k, step_metric="epoch")
-
-
-def check_shared_memory(num_workers: int, bytes_per_batch: int, prefetch_factor: int = 2,
-                        shm_path: str = "/dev/shm") -> tuple[int, str | None]:
-    """Check that /dev/shm can hold the batches the DataLoader workers keep in flight.
-
-    Docker's default /dev/shm is 64 MB; workers pass batches through it and die with "Bus error" when it
-    fills. Returns (num_workers to use, a one-line message or None). When it is too small, the workers fall
-    back to 0 (batches built in the main process, no shared memory).
-    """
-    if num_workers <= 0:
-        return num_workers, None
-    try:
-        free = shutil.disk_usage(shm_path).free
-    except OSError:
-        return num_workers, None
-    needed = num_workers * prefetch_factor * bytes_per_batch * 2  # x2: the batch and its pinned / collated copy
-    if free >= needed:
-        return num_workers, None
-    msg = (f"{shm_path} has {free / 2**20:.0f} MiB free but {num_workers} DataLoader workers need about "
-           f"{needed / 2**20:.0f} MiB: using num_workers=0. In Docker, start the container with "
-           f"--shm-size=8g (or --ipc=host) to use workers.")
-    return 0, msg

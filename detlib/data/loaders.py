@@ -1,0 +1,123 @@
+"""The DataLoader set-up both training scripts and both predict scripts share: workers that end with their
+training process, the /dev/shm check, and the loader arguments built from them.
+
+DataLoader workers leave the preemption signals (SIGTERM, SIGUSR1, SIGINT) to their training process and end
+with it (`worker_init_fn`); a run shuts its loaders' workers down itself at the end (`stop_dataloader_workers`)
+instead of leaving them to the interpreter's exit, where multiprocessing would wait on them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import threading
+
+import torch
+
+# The signals that preempt a run (detlib.engine.run_folder.PreemptionSignals); workers leave them to it.
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+# How often a DataLoader worker checks that its training process still runs (worker_init_fn).
+WORKER_PARENT_POLL_S = 0.5
+
+
+def worker_init_fn(worker_id: int) -> None:
+    """DataLoader workers outlive no one and die for no one but their training process.
+
+    A Ctrl-C reaches the terminal's whole process group, and SLURM / torchrun send SIGTERM (or SIGUSR1) to every
+    process of the job: a worker killed by it would make its training process raise ("DataLoader worker is
+    killed by signal") in the middle of the preemption checkpoint, or fail the next evaluation batch. So SIGINT,
+    SIGTERM and SIGUSR1 are blocked in the worker and read by one thread (`sigtimedwait`, Linux), which ends the
+    worker (exit 0) on a SIGTERM sent by its own training process (multiprocessing's exit handler and the
+    DataLoader's shutdown send exactly that) or as soon as the training process is gone (even by kill -9); the
+    others are dropped. Elsewhere (no `sigtimedwait`) only SIGINT is ignored.
+    """
+    signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
+    if not hasattr(signal, "sigtimedwait"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # blocked by WorkerProcess.start
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return
+    # blocked since the fork (WorkerProcess), so every later thread (OpenMP's) inherits the mask
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    threading.Thread(target=_worker_signal_loop, args=(os.getppid(), signals), name="detlib-worker-signals",
+                     daemon=True).start()
+
+
+def _worker_signal_loop(parent: int, signals: set) -> None:
+    while True:
+        info = signal.sigtimedwait(signals, WORKER_PARENT_POLL_S)
+        if os.getppid() != parent:  # the training process is gone: nothing will read this worker's batches
+            os._exit(0)
+        if info is not None and info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)  # 0, not killed by a signal: the DataLoader's SIGCHLD check then raises nothing
+
+
+class WorkerProcess(multiprocessing.get_context().Process):
+    """A DataLoader worker process started with the preemption signals blocked, so that a Ctrl-C or SIGTERM
+    arriving between the fork and `worker_init_fn` waits for the worker's own handling instead of killing it."""
+
+    def start(self):
+        signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _WorkerContext(type(multiprocessing.get_context())):
+    Process = WorkerProcess
+
+
+def worker_loader_kwargs(num_workers: int) -> dict:
+    """The DataLoader arguments of a training script's loaders with `num_workers` workers: `worker_init_fn` and
+    a multiprocessing context whose workers start with the preemption signals blocked (none for 0 workers)."""
+    if num_workers == 0:
+        return {"num_workers": 0}
+    return {"num_workers": num_workers, "worker_init_fn": worker_init_fn, "multiprocessing_context": _WorkerContext()}
+
+
+def stop_dataloader_workers(loaders) -> None:
+    """End the worker processes of `loaders` (torch DataLoaders, accelerate's prepared ones included) now: a
+    persistent loader keeps its workers until the loader itself is freed, which may be never before interpreter
+    exit. Safe to call more than once, and on loaders without workers."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            loader._iterator = None
+
+
+def check_shared_memory(num_workers: int, bytes_per_batch: int, prefetch_factor: int = 2,
+                        shm_path: str = "/dev/shm") -> tuple[int, str | None]:
+    """Check that /dev/shm can hold the batches the DataLoader workers keep in flight.
+
+    Docker's default /dev/shm is 64 MB; workers pass batches through it and die with "Bus error" when it
+    fills. Returns (num_workers to use, a one-line message or None). When it is too small, the workers fall
+    back to 0 (batches built in the main process, no shared memory).
+    """
+    if num_workers <= 0:
+        return num_workers, None
+    try:
+        free = shutil.disk_usage(shm_path).free
+    except OSError:
+        return num_workers, None
+    needed = num_workers * prefetch_factor * bytes_per_batch * 2  # x2: the batch and its pinned / collated copy
+    if free >= needed:
+        return num_workers, None
+    msg = (f"{shm_path} has {free / 2**20:.0f} MiB free but {num_workers} DataLoader workers need about "
+           f"{needed / 2**20:.0f} MiB: using num_workers=0. In Docker, start the container with "
+           f"--shm-size=8g (or --ipc=host) to use workers.")
+    return 0, msg
+
+
+def loader_settings(num_workers: int, bytes_per_batch: int, persistent: bool = False) -> tuple[dict, str | None]:
+    """The DataLoader arguments of a training script's loaders: `num_workers` capped at the CPU count and at what
+    /dev/shm holds (`check_shared_memory`), the workers of `worker_loader_kwargs`, pinned memory on CUDA, and
+    persistent workers when `persistent` (and there are any). Returns (kwargs, a one-line warning or None)."""
+    workers, message = check_shared_memory(min(num_workers, os.cpu_count() or 1), bytes_per_batch)
+    kwargs = dict(pin_memory=torch.cuda.is_available(), **worker_loader_kwargs(workers))
+    if persistent and workers > 0:
+        kwargs["persistent_workers"] = True
+    return kwargs, message
