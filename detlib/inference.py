@@ -26,6 +26,7 @@ from PIL import Image
 from .data.coco import unreadable_item
 from .data.imagefolder import IMG_EXTENSIONS, is_hidden
 from .data.images import IMAGE_ERRORS, load_rgb
+from .data.loaders import quiet_resource_sharer_errors
 from .data.transforms import make_sample
 from .labels import CategoryMap
 from .retinanet.model import build_retinanet_from_config
@@ -373,6 +374,7 @@ def run_prediction(main) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
+    quiet_resource_sharer_errors()  # a batch in flight at the stop must not print a traceback after our line
     try:
         main()
     except Interrupted as e:

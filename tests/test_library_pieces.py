@@ -86,3 +86,53 @@ def test_built_in_data_sets_keep_their_cache_folders(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "synthetic_shapes_v2" / "generator.json").read_text())["version"] == 2
     monkeypatch.delenv("DETLIB_CACHE")
     assert builtin.cache_root().endswith("/.cache/detlib")
+
+
+def test_resource_sharer_closed_listener_traceback_is_dropped_and_others_are_not(monkeypatch, capsys):
+    """A Ctrl-C to a predict script with workers: multiprocessing's fd-passing thread may fail on its closed
+    listener after the `stopped:` line; that traceback is dropped, any other uncaught exception still prints."""
+    import multiprocessing.resource_sharer as rs
+    import sys
+
+    from detlib.data.loaders import quiet_resource_sharer_errors
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: seen.append(exc[0]))
+    quiet_resource_sharer_errors()
+    quiet_resource_sharer_errors()  # installed once
+
+    class Conn:  # the second accept: the stop message, which ends the thread's loop
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def recv(self):
+            return None
+
+    class Closed:
+        calls = 0
+
+        def accept(self):
+            Closed.calls += 1
+            if Closed.calls == 1:
+                raise ValueError("I/O operation on closed file.")
+            return Conn()
+
+    sharer = rs._ResourceSharer()
+    sharer._listener = Closed()
+    monkeypatch.setattr(rs.util, "is_exiting", lambda: False)  # not at exit: the thread reports the error
+    import signal
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    try:
+        sharer._serve()  # what the thread runs (it blocks every signal first): reports through sys.excepthook
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    assert seen == [] and Closed.calls == 2
+    try:
+        raise ValueError("ours")
+    except ValueError:
+        sys.excepthook(*sys.exc_info())
+    assert seen == [ValueError]

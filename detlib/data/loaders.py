@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import threading
 
 import torch
@@ -33,6 +34,7 @@ def worker_init_fn(worker_id: int) -> None:
     DataLoader's shutdown send exactly that) or as soon as the training process is gone (even by kill -9); the
     others are dropped. Elsewhere (no `sigtimedwait`) only SIGINT is ignored.
     """
+    quiet_resource_sharer_errors()
     signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
     if not hasattr(signal, "sigtimedwait"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # blocked by WorkerProcess.start
@@ -42,6 +44,32 @@ def worker_init_fn(worker_id: int) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     threading.Thread(target=_worker_signal_loop, args=(os.getppid(), signals), name="detlib-worker-signals",
                      daemon=True).start()
+
+
+def quiet_resource_sharer_errors() -> None:
+    """Drop the traceback multiprocessing's fd-passing thread prints when its listener is closed under it.
+
+    Batches leave DataLoader workers as file descriptors passed through `multiprocessing.resource_sharer`; when a
+    run stops while a batch is in flight (a Ctrl-C to a predict script on a busy machine), that thread's `accept`
+    can fail on its closed listener with "ValueError: I/O operation on closed file", and it reports that through
+    `sys.excepthook` after the run's last line. Only that exception of that thread is dropped; every other
+    uncaught exception still reaches the previous hook."""
+    previous = sys.excepthook
+    if getattr(previous, "_detlib_quiet", False):
+        return
+
+    def hook(kind, value, tb):
+        frames, t = [], tb
+        while t is not None:
+            frames.append((t.tb_frame.f_code.co_filename, t.tb_frame.f_code.co_name))
+            t = t.tb_next
+        if issubclass(kind, (ValueError, OSError)) and frames and frames[0][1] == "_serve" \
+                and frames[0][0].endswith(os.path.join("multiprocessing", "resource_sharer.py")):
+            return
+        previous(kind, value, tb)
+
+    hook._detlib_quiet = True
+    sys.excepthook = hook
 
 
 def _worker_signal_loop(parent: int, signals: set) -> None:
