@@ -207,8 +207,13 @@ def test_errors_at_start_and_mid_run(script, cats_data, detection_data, tmp_path
     run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--checkpoint_steps", "6",
                                          "--output_dir", mid], "cpu.yaml")
     run.wait_for_step(mid, 2)
-    shutil.rmtree(mid / "checkpoints", ignore_errors=True)  # an error mid-run: the checkpoint folder is now a file
-    (mid / "checkpoints").write_text("not a folder")
+    for _ in range(50):  # an error mid-run: the checkpoint folder is now a file (the run may recreate it meanwhile)
+        shutil.rmtree(mid / "checkpoints", ignore_errors=True)
+        try:
+            (mid / "checkpoints").write_text("not a folder")
+            break
+        except IsADirectoryError:
+            time.sleep(0.1)
     code, _ = run.finish(f"{script} error mid-run (checkpoint save fails)")
     assert code != 0 and status(mid)["status"] == "failed", run.text[-3000:]
 
