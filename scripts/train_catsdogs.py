@@ -130,19 +130,13 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
         scans["train"] = scan_image_folder(dirs["train_dir"], verify=args.verify_images, cache_file=cache)
     val_scan = scan_image_folder(dirs["val_dir"], verify=args.verify_images, cache_file=cache)
     scans["val"] = val_scan
-    # errors (class lists that differ, an empty train class) stop here; report in output_dir/data_report.json
+    # errors (class lists that differ, a train class without a usable image) stop here, a val class without one is a
+    # warning; the report is logged and written to output_dir/data_report.json
     scans = check_folders_for_training(scans, args.output_dir, strict=getattr(args, "strict_data", False), is_main=is_main)
     for name, scan in scans.items():
         if is_main:  # the other processes read the same folders; one report is enough
             for level, line in scan.report(name):
                 logger.log(level, line)
-        empty = [c for c, n in zip(scan.classes, scan.class_counts()) if n == 0]
-        if empty and name == "train":
-            raise ValueError(f"{scan.root}: no usable image for class(es) {short_list(empty)}; a class needs "
-                             "training images")
-        if empty and is_main:
-            logger.warning("%s: no usable image for class(es) %s; their recall is reported as 0", scan.root,
-                           short_list(empty))
 
     # Batches leave the workers as float32 (4 bytes per value) through /dev/shm.
     bytes_per_batch = 4 * 3 * args.image_size ** 2 * max(args.per_device_batch_size, args.per_device_eval_batch_size)
