@@ -48,7 +48,7 @@ from detlib.engine import checkpoint_io as ckpt
 from detlib.engine import (Run, RunSettings, build_scheduler, data_defaults_table, float_range,
                            format_given, given_flags, int_at_least, parse_with_config, resolve_data_defaults,
                            run_argument_parser, show_data_defaults, stop)
-from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
+from detlib.evaluation import classifier_card, command_line, log_classification_extras, record_evaluation, write_card
 from detlib.files import atomic_write
 from detlib.logtext import short_list
 from detlib.weights import complete_model_config, read_model_config, weights_path
@@ -246,12 +246,8 @@ def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, w
     predictions_val.csv, the per-class files (plots/epoch_NNNN/: per_class.json, confusion_matrix.json / .png, also
     to the trackers) and the wandb extras; one log line of bounded length summarises it whatever the number of
     classes."""
-    accelerator, epoch = run.accelerator, run.epoch_number if not weights else None
-    step = (run.state.global_step if not weights else 0) + run.metrics.step_offset  # the trackers' step
-    if weights:  # evaluation only: record which weights were scored
-        run.metrics.log({"epoch": None, "step": 0, **stats, "weights": os.path.abspath(weights)}, step=0)
-    else:
-        run.report_evaluation(stats, model, ema_stats=ema_stats)
+    accelerator = run.accelerator
+    epoch, step = record_evaluation(run, stats, model, weights=weights, ema_stats=ema_stats)  # evaluating only: weights
     m = classification_metrics(preds["pred"], preds["label"], len(val_ds.classes))
     per_class = per_class_table(val_ds.classes, m["confusion"])
     where = ""
