@@ -257,8 +257,9 @@ def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, w
                                            per_class)
         log_wandb_extras(accelerator, val_ds, preds, step, args.num_misclassified)
         where = f"; per class and confusion matrix in {extras['folder']}"
-    logger.info("epoch %s eval on %d images: accuracy %.4f, loss %.4f; %s%s", epoch, stats["num_val_samples"],
-                stats["val_accuracy"], stats["val_loss"], per_class_summary(per_class, m["confusion"]), where)
+    logger.info("%s on %d images: accuracy %.4f, loss %.4f; %s%s", f"evaluation of {weights}" if weights else
+                f"epoch {epoch} eval", stats["num_val_samples"], stats["val_accuracy"], stats["val_loss"],
+                per_class_summary(per_class, m["confusion"]), where)
 
 
 def match_classifier_classes(run: Run, model, weights: str, classes: list[str], by_name: bool) -> None:
