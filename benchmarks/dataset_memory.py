@@ -32,12 +32,23 @@ def _kib(field: str, path: str) -> int:
     return 0
 
 
+def dict_records(records) -> list[dict]:
+    """The peer of `detlib.data.records.CompactRecords`: one Python dict per image with its own small arrays, as the
+    data set held its records before (`CocoDetection._index` builds them so)."""
+    return [{**r, "boxes": r["boxes"].copy(), "labels": r["labels"].copy(), "iscrowd": r["iscrowd"].copy()}
+            for r in records]
+
+
 def measure(json_path: str, image_dir: str, compact: bool) -> dict:
+    """`compact`: the data set as detlib builds it (flat arrays, the json dropped); else its peer, the records as a
+    list of dicts (`dict_records`) beside the json dict."""
     from detlib.data.coco import CocoDetection
 
     gc.collect()
     before = _kib("VmRSS:", "/proc/self/status")
-    ds = CocoDetection(image_dir, json_path, compact=compact)
+    ds = CocoDetection(image_dir, json_path, train=compact)  # an evaluation set keeps the json, as the peer did
+    if not compact:
+        ds.records = dict_records(ds.records)
     gc.collect()
     after = _kib("VmRSS:", "/proc/self/status")
     r, w = os.pipe()

@@ -18,6 +18,7 @@ import argparse
 import glob
 import logging
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ from .data.imagefolder import IMG_EXTENSIONS, is_hidden
 from .data.images import IMAGE_ERRORS, load_rgb
 from .data.loaders import quiet_resource_sharer_errors
 from .data.transforms import make_sample
+from .files import atomic_write
 from .labels import CategoryMap
 from .retinanet.model import build_retinanet_from_config
 from .weights import REQUIRED, complete_model_config, load_model_weights, read_model_config, weights_path
@@ -168,6 +170,38 @@ def shard_batches(num_items: int, batch_size: int, rank: int, world_size: int) -
     items [b * batch_size, (b + 1) * batch_size), and process r takes batches r, r + world_size, ..."""
     batches = [list(range(i, min(i + batch_size, num_items))) for i in range(0, num_items, batch_size)]
     return batches[rank::world_size]
+
+
+def predict_videos(paths: list[str], predict: Callable[[int], list[dict]], rank: int, world_size: int
+                   ) -> tuple[dict[int, list[dict]], list[str]]:
+    """This process's videos, each whole on one process (video v on process v % `world_size`), as `shard_batches`
+    splits the images.
+
+    `predict(v)`: the rows of video `paths[v]`, raising ValueError when it cannot be decoded as a video.
+    Returns ({v: predict(v)} of this process's readable videos, "path (unreadable video)" of the others, each logged
+    once as a warning: the lines skipped.txt lists them by, `write_skipped`).
+    """
+    rows: dict[int, list[dict]] = {}
+    unreadable: list[str] = []
+    for v in range(rank, len(paths), world_size):
+        try:
+            rows[v] = predict(v)
+        except ValueError as e:  # not a readable video: listed like an unreadable image
+            logger.warning("skipping unreadable video: %s", e)
+            unreadable.append(f"{paths[v]} (unreadable video)")
+    return rows, unreadable
+
+
+def write_skipped(output_dir: str, skipped: list[str]) -> str:
+    """`output_dir/skipped.txt`: one line per input a prediction left out ("path (why)": unreadable, unsupported),
+    empty when none was (main process); a warning line counts them and names the first. Returns the file's path."""
+    path = os.path.join(output_dir, "skipped.txt")
+    with atomic_write(path) as f:
+        f.write("".join(f"{p}\n" for p in skipped))
+    if skipped:
+        logger.warning("skipped %d files, unreadable or unsupported (listed in %s/skipped.txt), e.g. %s", len(skipped),
+                       output_dir, skipped[:3])
+    return path
 
 
 class DetectionImageFiles(torch.utils.data.Dataset):

@@ -39,7 +39,8 @@ from detlib.classification import classification_transform
 from detlib.data import INSTALL_HINT, av_available, video_frames, video_info, worker_loader_kwargs
 from detlib.engine import int_at_least
 from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_media_files, load_classifier, output_names,
-                              prediction_parser, run_prediction, shard_batches, start_prediction)
+                              predict_videos, prediction_parser, run_prediction, shard_batches, start_prediction,
+                              write_skipped)
 from detlib.weights import complete_model_config, weights_path
 
 logger = logging.getLogger("predict_catsdogs")
@@ -83,12 +84,7 @@ def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int,
                        + ([r.get("frame", ""), r.get("time", "")] if frames else []))
     with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
         json.dump(rows, f)
-    skipped = sorted(skipped) + list(unsupported)
-    with open(os.path.join(args.output_dir, "skipped.txt"), "w") as f:
-        f.write("".join(f"{p}\n" for p in skipped))
-    if skipped:
-        logger.warning("skipped %d files, unreadable or unsupported (listed in %s/skipped.txt), e.g. %s", len(skipped),
-                       args.output_dir, skipped[:3])
+    write_skipped(args.output_dir, sorted(skipped) + list(unsupported))
     top1 = Counter(r["topk"][0]["class"] for r in rows)
     logger.info("%d images%s classified: %s", len(merged), f" and {sum(map(len, frames.values()))} video frames"
                 if frames else "", ", ".join(f"{c} {top1[c]}" for c in classes if top1[c]) or "none")
@@ -179,15 +175,10 @@ def main(argv=None):
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 shutil.copy2(paths[index], dst)
 
-    per_video: dict[int, list[dict]] = {}
-    failed_videos: list[str] = []
-    for v in range(accelerator.process_index, len(videos), accelerator.num_processes):  # each video on one process
-        try:
-            per_video[v] = classify_video(videos[v], os.path.relpath(videos[v], root), model, ds.transform, classes, k,
-                                          args.batch_size, accelerator)
-        except ValueError as e:
-            logger.warning("skipping unreadable video: %s", e)
-            failed_videos.append(f"{videos[v]} (unreadable video)")
+    per_video, failed_videos = predict_videos(  # each video on one process, frame by frame
+        videos, lambda v: classify_video(videos[v], os.path.relpath(videos[v], root), model, ds.transform, classes, k,
+                                         args.batch_size, accelerator),
+        accelerator.process_index, accelerator.num_processes)
 
     shards = gather_object([(rows, failed, per_video, failed_videos)])
     merged = None

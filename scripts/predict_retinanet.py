@@ -54,8 +54,8 @@ from detlib.engine import float_range, int_at_least
 from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, save_image,
                                upright_image_and_boxes)
 from detlib.inference import (DetectionImageFiles, detection_item, earlier_outputs, list_media_files, load_retinanet,
-                              output_names, prediction_parser, retinanet_input_size, run_prediction, shard_batches,
-                              start_prediction)
+                              output_names, prediction_parser, predict_videos, retinanet_input_size, run_prediction,
+                              shard_batches, start_prediction, write_skipped)
 from detlib.labels import describe_mapping, match_categories
 from detlib.retinanet import anchor_generator_from_config, decode_detections
 from detlib.weights import CheckpointError, read_score_thresholds, weights_path
@@ -181,11 +181,7 @@ def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, s
     results = [r for k in sorted(merged) for r in merged[k]] + [r for k in sorted(videos) for r in videos[k]]
     with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
         json.dump(results, f)
-    with open(os.path.join(args.output_dir, "skipped.txt"), "w") as f:
-        f.write("".join(s + "\n" for s in skipped))
-    if skipped:
-        logger.warning("skipped %d files, unreadable or unsupported (listed in %s/skipped.txt), e.g. %s", len(skipped),
-                       args.output_dir, skipped[:3])
+    write_skipped(args.output_dir, skipped)
     per_class = Counter(names.get(r["category_id"], r["category_id"]) for r in results)
     frames = len({(r["file_name"], r["frame"]) for k in videos for r in videos[k]})
     logger.info("%d images%s, %d detections with score >= %s: %s", len(merged),
@@ -401,17 +397,10 @@ def main(argv=None):
                                 out_name=out_names[index])
 
     # ---- videos, each on one process (video v on process v % n), frame by frame in batches of --batch_size
-    per_video: dict[int, list[dict]] = {}
-    failed_videos: list[str] = []
-    transform = ds.transform
-    for v in range(accelerator.process_index, len(ds.videos), accelerator.num_processes):
-        path, name = ds.videos[v]
-        try:
-            per_video[v] = predict_video(args, path, name, video_out_names[v], detect, transform, names,
-                                         not accelerator.is_local_main_process)
-        except ValueError as e:  # not a readable video: listed like an unreadable image
-            logger.warning("skipping unreadable video: %s", e)
-            failed_videos.append(f"{path} (unreadable video)")
+    per_video, failed_videos = predict_videos(
+        [path for path, _ in ds.videos], lambda v: predict_video(args, *ds.videos[v], video_out_names[v], detect,
+                                                                 ds.transform, names, not accelerator.is_local_main_process),
+        accelerator.process_index, accelerator.num_processes)
 
     # ---- merge (every process's share, by index: no image twice) and write
     shards = gather_object([(per_image, failed, per_video, failed_videos)])

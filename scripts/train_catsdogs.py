@@ -48,7 +48,7 @@ from detlib.engine import checkpoint_io as ckpt
 from detlib.engine import (Run, RunSettings, build_scheduler, data_defaults_table, float_range,
                            format_given, given_flags, int_at_least, parse_with_config, resolve_data_defaults,
                            run_argument_parser, show_data_defaults, stop)
-from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
+from detlib.evaluation import classifier_card, command_line, log_classification_extras, record_evaluation, write_card
 from detlib.files import atomic_write
 from detlib.logtext import short_list
 from detlib.weights import complete_model_config, read_model_config, weights_path
@@ -130,19 +130,13 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
         scans["train"] = scan_image_folder(dirs["train_dir"], verify=args.verify_images, cache_file=cache)
     val_scan = scan_image_folder(dirs["val_dir"], verify=args.verify_images, cache_file=cache)
     scans["val"] = val_scan
-    # errors (class lists that differ, an empty train class) stop here; report in output_dir/data_report.json
+    # errors (class lists that differ, a train class without a usable image) stop here, a val class without one is a
+    # warning; the report is logged and written to output_dir/data_report.json
     scans = check_folders_for_training(scans, args.output_dir, strict=getattr(args, "strict_data", False), is_main=is_main)
     for name, scan in scans.items():
         if is_main:  # the other processes read the same folders; one report is enough
             for level, line in scan.report(name):
                 logger.log(level, line)
-        empty = [c for c, n in zip(scan.classes, scan.class_counts()) if n == 0]
-        if empty and name == "train":
-            raise ValueError(f"{scan.root}: no usable image for class(es) {short_list(empty)}; a class needs "
-                             "training images")
-        if empty and is_main:
-            logger.warning("%s: no usable image for class(es) %s; their recall is reported as 0", scan.root,
-                           short_list(empty))
 
     # Batches leave the workers as float32 (4 bytes per value) through /dev/shm.
     bytes_per_batch = 4 * 3 * args.image_size ** 2 * max(args.per_device_batch_size, args.per_device_eval_batch_size)
@@ -252,12 +246,8 @@ def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, w
     predictions_val.csv, the per-class files (plots/epoch_NNNN/: per_class.json, confusion_matrix.json / .png, also
     to the trackers) and the wandb extras; one log line of bounded length summarises it whatever the number of
     classes."""
-    accelerator, epoch = run.accelerator, run.epoch_number if not weights else None
-    step = (run.state.global_step if not weights else 0) + run.metrics.step_offset  # the trackers' step
-    if weights:  # evaluation only: record which weights were scored
-        run.metrics.log({"epoch": None, "step": 0, **stats, "weights": os.path.abspath(weights)}, step=0)
-    else:
-        run.report_evaluation(stats, model, ema_stats=ema_stats)
+    accelerator = run.accelerator
+    epoch, step = record_evaluation(run, stats, model, weights=weights, ema_stats=ema_stats)  # evaluating only: weights
     m = classification_metrics(preds["pred"], preds["label"], len(val_ds.classes))
     per_class = per_class_table(val_ds.classes, m["confusion"])
     where = ""
@@ -267,8 +257,9 @@ def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, w
                                            per_class)
         log_wandb_extras(accelerator, val_ds, preds, step, args.num_misclassified)
         where = f"; per class and confusion matrix in {extras['folder']}"
-    logger.info("epoch %s eval on %d images: accuracy %.4f, loss %.4f; %s%s", epoch, stats["num_val_samples"],
-                stats["val_accuracy"], stats["val_loss"], per_class_summary(per_class, m["confusion"]), where)
+    logger.info("%s on %d images: accuracy %.4f, loss %.4f; %s%s", f"evaluation of {weights}" if weights else
+                f"epoch {epoch} eval", stats["num_val_samples"], stats["val_accuracy"], stats["val_loss"],
+                per_class_summary(per_class, m["confusion"]), where)
 
 
 def match_classifier_classes(run: Run, model, weights: str, classes: list[str], by_name: bool) -> None:

@@ -39,7 +39,6 @@ Defaults that depend on the data (built-in: no --data_dir / --train_images / --v
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -60,7 +59,8 @@ from detlib.engine import (Run, RunSettings, broadcast_object, build_scheduler,
                            resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, best_f1_thresholds, command_line, detections_to_coco,
                                detector_card, format_best_f1, log_evaluation_extras, per_class_ap,
-                               per_class_without_detections, write_card)
+                               per_class_without_detections, record_evaluation, write_card)
+from detlib.files import write_json
 from detlib.hub import check_push, local_weights, push_folder
 from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
@@ -581,30 +581,27 @@ def main(argv=None):
             best_f1 = best_f1_thresholds(val_ds.dataset, results, image_ids)
         return per_class, best_f1
 
-    def report(stats: dict, epoch: int | None, weights: str | None = None, ema: tuple | None = None) -> None:
-        """metrics.jsonl (+ per-class AP and best-F1 thresholds) and best/, predictions_val.json, then plots and
-        sample images. `ema`: (stats, extra) of the EMA weights' evaluation, logged beside as ema_*."""
+    def report(stats: dict, weights: str | None = None, ema: tuple | None = None) -> None:
+        """metrics.jsonl (+ per-class AP and best-F1 thresholds) and best/ (evaluating only: the `weights` scored),
+        predictions_val.json, then plots and sample images. `ema`: (stats, extra) of the EMA weights' evaluation,
+        logged beside as ema_*."""
         per_class, best_f1 = evaluation_extra()
         if best_f1 is not None:
             logger.info("%s", format_best_f1(best_f1))
         extra = {"per_class": per_class, "best_f1": {k: v for k, v in (best_f1 or {}).items() if k != "curves"}}
-        if weights:  # evaluation only: record which weights were scored
-            run.metrics.log({"epoch": None, "step": 0, **stats, **extra, "weights": weights}, step=0)
-        else:
-            run.report_evaluation(stats, model, extra=extra, ema_stats=ema[0] if ema else None,
-                                  ema_extra=ema[1] if ema else None)
+        epoch, step = record_evaluation(run, stats, model, weights=weights, extra=extra,
+                                        ema_stats=ema[0] if ema else None, ema_extra=ema[1] if ema else None)
         if accelerator.is_main_process:
-            with open(os.path.join(args.output_dir, "predictions_val.json"), "w") as f:
-                json.dump(evaluator.results, f)
-            log_evaluation_extras(accelerator, args.output_dir, epoch, run.state.global_step + run.metrics.step_offset,
-                                  val_ds.dataset, evaluator.results, evaluator.coco_eval, paths["val_images"],
-                                  num_log_images=args.num_log_images, seed=args.seed, best_f1=best_f1)
+            write_json(evaluator.results, os.path.join(args.output_dir, "predictions_val.json"))
+            log_evaluation_extras(accelerator, args.output_dir, epoch, step, val_ds.dataset, evaluator.results,
+                                  evaluator.coco_eval, paths["val_images"], num_log_images=args.num_log_images,
+                                  seed=args.seed, best_f1=best_f1)
 
     if args.evaluate_only:
         model, val_loader = accelerator.prepare(model, val_loader)
         run.init_trackers()
         stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, run, args)
-        report(stats, None, weights=os.path.abspath(weights))
+        report(stats, weights=weights)
         logger.info("evaluation of %s: %s", weights, " ".join(f"{k}={v:.4f}" for k, v in stats.items()))
         run.finish()
         return stats
@@ -678,7 +675,7 @@ def main(argv=None):
                                    "best_f1": {k: v for k, v in (ema_best_f1 or {}).items() if k != "curves"}})
             stats = evaluate(models[""], val_loader, anchor_gen, evaluator, category_map, run, args, train_model=model)
             logger.info("epoch %d eval: %s", run.epoch_number, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
-            report(stats, run.epoch_number, ema=ema)
+            report(stats, ema=ema)
         run.checkpoint_if_due(model)
     run.finish(model)
     if args.push_to_hub and accelerator.is_main_process:

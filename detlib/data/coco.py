@@ -61,7 +61,7 @@ class CocoDetection(torch.utils.data.Dataset):
         include_crowd: use crowd annotations as ordinary targets instead of ignore regions.
         min_box_size: boxes with width or height <= this many pixels (after clipping) are dropped.
         train: on a decode failure, substitute the next image (training) instead of returning an invalid
-            sample (evaluation).
+            sample (evaluation); training also drops the json dict (`dataset` None) once the records are built.
         category_map: use this mapping instead of building one from the file (val must share train's).
         seed: when given, the random augmentation of a sample is a function of (seed, epoch, index) alone
             (see `set_epoch`), so it does not depend on the number of workers or processes, and a run
@@ -71,9 +71,6 @@ class CocoDetection(torch.utils.data.Dataset):
         filter_empty: leave out images with no usable (non-crowd) box, as torchvision's and detectron2's
             training sets do (`DATASETS.FILTER_EMPTY_ANNOTATIONS`); the count is logged. For training only:
             an evaluation must keep every image.
-        compact: keep the per-image records in flat arrays (`detlib.data.records.CompactRecords`), and for training
-            (`train=True`) drop the json dict after indexing, so forked DataLoader workers share the records
-            instead of copying them (False: a list of dicts, for comparison in benchmarks/).
     Item: dict with
         image: [3, h, w] uint8 RGB, after the transform
         boxes: [N, 4] float32 xyxy pixels of the transformed image;  labels: [N] int64 in 0..K-1
@@ -97,7 +94,6 @@ class CocoDetection(torch.utils.data.Dataset):
         seed: int | None = None,
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
         filter_empty: bool = False,
-        compact: bool = True,
     ):
         self.seed = seed
         self.epoch = 0
@@ -126,8 +122,10 @@ class CocoDetection(torch.utils.data.Dataset):
                 raise ValueError(f"{source}: no usable (non-crowd, non-degenerate) box in the whole training set; nothing "
                                  "to learn from (use --include_crowd to train on crowd boxes)")
             records = kept
-        self.records = CompactRecords(records) if compact else records
-        if compact and train:  # the records hold all a training sample needs; the json would be copied per worker
+        # Flat arrays, not a list of dicts: forked DataLoader workers share them instead of copying them
+        # (detlib.data.records; benchmarks/dataset_memory.py measures both).
+        self.records = CompactRecords(records)
+        if train:  # the records hold all a training sample needs; the json would be copied per worker
             self.dataset = None
         if not len(self.records):
             raise ValueError(f"no usable image in {source} (image folder {image_dir})")
@@ -195,9 +193,7 @@ class CocoDetection(torch.utils.data.Dataset):
 
     def num_target_boxes(self) -> int:
         """Number of non-crowd boxes over the whole data set (0 means nothing to learn from)."""
-        if isinstance(self.records, CompactRecords):
-            return int((~self.records.iscrowd).sum())
-        return int(sum((~r["iscrowd"]).sum() for r in self.records))
+        return int((~self.records.iscrowd).sum())
 
     def _load(self, index: int) -> dict:
         rec = self.records[index]

@@ -371,6 +371,21 @@ def _save(fig, path: str) -> str:
 
 
 
+def _plot_with_legend_beside(labels: list[str]):
+    """(figure, axes) of a 6 x 4 inch plot with room on its right for the legend of `labels`, as wide as its longest
+    entry needs; `_save_with_legend_beside` draws the legend there."""
+    left, plot_w, legend_w, plot_h = 0.8, 6.0, _text_inches(labels, LABEL_FONTSIZE) + 0.8, 4.0
+    W, H = left + plot_w + legend_w, plot_h + 0.9
+    fig = _figure(W, H, margins=(left / W, 0.6 / H, (left + plot_w) / W, 1 - 0.3 / H))
+    return fig, fig.add_subplot()
+
+
+def _save_with_legend_beside(fig, ax, path: str) -> str:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=LABEL_FONTSIZE, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    return _save(fig, path)
+
+
 def plot_pr_curves(curves: dict, path: str, num_extremes: int = 3) -> str:
     """PNG of the PR curves of `pr_curves`: the mean over all classes, and the `num_extremes` classes with
     the lowest and the highest AP50 (by the area under their curve), the legend beside the plot (as wide as
@@ -384,18 +399,13 @@ def plot_pr_curves(curves: dict, path: str, num_extremes: int = 3) -> str:
         shown += [(name, p, "--", ", worst") for name, p in ranked[:num_extremes]]
     labels = [f"{name} (AP50 {np.mean(p):.2f}{tag})" for name, p, _, tag in shown]
     labels.append(f"all {len(curves['per_class'])} classes (AP50 {np.mean(curves['all']):.3f})")
-    left, plot_w, legend_w, plot_h = 0.8, 6.0, _text_inches(labels, LABEL_FONTSIZE) + 0.8, 4.0
-    W, H = left + plot_w + legend_w, plot_h + 0.9
-    fig = _figure(W, H, margins=(left / W, 0.6 / H, (left + plot_w) / W, 1 - 0.3 / H))
-    ax = fig.add_subplot()
+    fig, ax = _plot_with_legend_beside(labels)
     for (name, p, ls, tag), label in zip(shown, labels):
         ax.plot(recall, p, lw=1.2, ls=ls, label=label)
     ax.plot(recall, curves["all"], color="black", lw=2.5, label=labels[-1])
     ax.set(xlabel="recall", ylabel="precision", xlim=(0, 1), ylim=(0, 1.02),
            title=f"precision-recall at IoU {curves['iou']:.2f}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=LABEL_FONTSIZE, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    return _save(fig, path)
+    return _save_with_legend_beside(fig, ax, path)
 
 
 def plot_f1_curves(best: dict, path: str, num_extremes: int = 3) -> str:
@@ -409,10 +419,7 @@ def plot_f1_curves(best: dict, path: str, num_extremes: int = 3) -> str:
     a = best["all"]
     labels.append(f"all {len(ranked)} classes pooled" + (f" (F1 {a['F1']:.3f} at {a['score_thresh']:.3f})"
                                                          if a["score_thresh"] is not None else ""))
-    left, plot_w, legend_w, plot_h = 0.8, 6.0, _text_inches(labels, LABEL_FONTSIZE) + 0.8, 4.0
-    W, H = left + plot_w + legend_w, plot_h + 0.9
-    fig = _figure(W, H, margins=(left / W, 0.6 / H, (left + plot_w) / W, 1 - 0.3 / H))
-    ax = fig.add_subplot()
+    fig, ax = _plot_with_legend_beside(labels)
     for (name, v), label in zip(shown, labels):
         (line,) = ax.plot(grid, best["curves"][name], lw=1.2, label=label)
         if v["score_thresh"] is not None:
@@ -422,9 +429,7 @@ def plot_f1_curves(best: dict, path: str, num_extremes: int = 3) -> str:
         ax.plot([a["score_thresh"]], [a["F1"]], "o", color="black", ms=6)
     ax.set(xlabel="score threshold (detections with score >= it)", ylabel="F1", xlim=(0, 1), ylim=(0, 1.02),
            title=f"F1 at IoU {best['iou']:.2f} against the score threshold")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=LABEL_FONTSIZE, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    return _save(fig, path)
+    return _save_with_legend_beside(fig, ax, path)
 
 
 def _text_inches(texts: Iterable[str], fontsize: float) -> float:
