@@ -39,6 +39,15 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (damaged, incomplete) or written (disk full); the message is one line."""
 
 
+def read_json(path: str):
+    """The JSON value in the file `path`. Raises CheckpointError: it does not read or parse (one line naming it)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+
+
 # What a failed write raises: the OS's OSError, torch's zip writer a RuntimeError ("unexpected pos",
 # "file write failed") that has lost the errno, safetensors a SafetensorError ("I/O error: ... (os error 28)").
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
@@ -277,13 +286,7 @@ def read_model_config(path: str) -> dict | None:
         CheckpointError: when the file is there but does not parse.
     """
     f = model_config_file(path)
-    if f is None:
-        return None
-    try:
-        with open(f) as fh:
-            return json.load(fh)
-    except ValueError as e:
-        raise CheckpointError(f"{f} is damaged ({e})") from None
+    return None if f is None else read_json(f)
 
 
 def run_config_of(path: str) -> tuple[dict, str | None]:

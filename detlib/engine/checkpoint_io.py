@@ -22,8 +22,6 @@ names any other global (a planted `__reduce__` calling os.system) is refused bef
 
 from __future__ import annotations
 
-import codecs
-import json
 import logging
 import os
 import pickle
@@ -33,21 +31,21 @@ import warnings
 import zipfile
 from dataclasses import asdict, dataclass, field, fields
 
-import numpy as np
 import torch
+from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
-from ..weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, describe_write_failure, readable_as_umask_allows,
-                       refusal_reason, verify_safetensors, weights_only_loads)
+from ..files import write_json
+from ..weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, describe_write_failure, read_json,
+                       readable_as_umask_allows, refusal_reason, verify_safetensors, weights_only_loads)
 
 logger = logging.getLogger(__name__)
 
 _CKPT_RE = re.compile(r"^(epoch|step)_(\d+)$")
 
 # What `np.random.get_state()` pickles to in accelerate's random_states_*.pkl (a uint32 ndarray, its dtype, bytes
-# through codecs.encode): data, not code, so weights_only=True may build it (accelerate's own reader allows the
-# same). Every other state file is tensors and plain values, which weights_only=True reads without a list.
-RNG_STATE_GLOBALS = [getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct, np.ndarray, np.dtype,
-                     type(np.dtype(np.uint32)), codecs.encode]
+# through codecs.encode): data, not code, so weights_only=True may build it; accelerate's own reader's list.
+# Every other state file is tensors and plain values, which weights_only=True reads without a list.
+RNG_STATE_GLOBALS = TORCH_SAFE_GLOBALS
 
 
 @dataclass
@@ -140,13 +138,9 @@ def read_train_state(path: str) -> TrainState:
     f = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(f):
         raise _NotACheckpoint(f"{path} is not a complete checkpoint (no trainer_state.json)")
-    try:
-        with open(f) as fh:
-            raw = json.load(fh)
-        if not isinstance(raw, dict) or not isinstance(raw.get("global_step"), int):
-            raise ValueError("no integer global_step")
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is damaged ({type(e).__name__}: {e})") from None
+    raw = read_json(f)
+    if not isinstance(raw, dict) or not isinstance(raw.get("global_step"), int):
+        raise CheckpointError(f"{f} is damaged (ValueError: no integer global_step)")
     state = TrainState()
     state.load_state_dict(raw)
     return state
@@ -223,11 +217,7 @@ def verify_checkpoint(path: str) -> None:
         if not os.path.isfile(f):
             continue
         if name.endswith(".json"):
-            try:
-                with open(f) as fh:
-                    json.load(fh)
-            except (OSError, ValueError) as e:
-                raise CheckpointError(f"{f} is damaged ({type(e).__name__}: {e})") from None
+            read_json(f)
             continue
         if os.path.getsize(f) == 0:
             raise CheckpointError(f"{f} is empty")
@@ -307,8 +297,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
         if accelerator.is_main_process:
             for fname, obj in (("trainer_state.json", state.state_dict()), ("model_config.json", model_config)):
                 if obj is not None:
-                    with open(os.path.join(tmp, fname), "w") as f:
-                        json.dump(obj, f, indent=1)
+                    write_json(obj, os.path.join(tmp, fname), indent=1)
             if extra_weights:
                 from safetensors.torch import save_file
 

@@ -21,6 +21,7 @@ import uuid
 import torch
 import yaml
 
+from ..files import atomic_write
 from .flags import REPORT_TO
 
 logger = logging.getLogger("detlib")
@@ -74,17 +75,11 @@ def broadcast_object(accelerator, obj):
     """The main process's `obj` (any picklable value) on every process. Collective; a plain return on one process."""
     from accelerate.utils import broadcast_object_list
 
-    if accelerator.num_processes == 1:
-        return obj
-    box = [obj]
-    broadcast_object_list(box)
-    return box[0]
+    return broadcast_object_list([obj])[0]  # a no-op without torch.distributed
 
 
 def min_over_processes(accelerator, value: int) -> int:
     """The smallest of every process's `value`, e.g. a 0/1 flag that must hold on all of them. Collective."""
-    if accelerator.num_processes == 1:
-        return int(value)
     return int(accelerator.gather(torch.tensor([float(value)], device=accelerator.device)).min())
 
 
@@ -149,19 +144,17 @@ def resolve_trackers(report_to: str, verbose: bool = False) -> list[str]:
     """
     if report_to not in REPORT_TO:
         raise ValueError(f"--report_to must be one of {REPORT_TO}, got {report_to!r}")
-    names = {"wandb": ["wandb"], "tensorboard": ["tensorboard"], "all": ["wandb", "tensorboard"], "none": []}[report_to]
     out = []
-    for name in names:
-        module = "wandb" if name == "wandb" else "tensorboard"
+    for name in {"all": ["wandb", "tensorboard"], "none": []}.get(report_to, [report_to]):
         try:
-            __import__(module)
+            __import__(name)  # the tracker's package has its name
         except ImportError:
             logger.warning("--report_to %s: the %s package is not installed (pip install %s); not logging to it",
-                           report_to, module, module)
+                           report_to, name, name)
             continue
         except Exception as e:  # an installed package that fails to import (a protobuf or numpy version clash)
             logger.warning("--report_to %s: the %s package does not import (%s: %s); not logging to it", report_to,
-                           module, type(e).__name__, _one_line(e))
+                           name, type(e).__name__, _one_line(e))
             continue
         if name == "wandb" and "WANDB_MODE" not in os.environ and not wandb_has_credentials():
             os.environ["WANDB_MODE"] = "offline"
@@ -301,8 +294,7 @@ def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log", v
 
 def save_config(config: dict, output_dir: str) -> None:
     """Write the resolved config as `output_dir/config.yaml` (call on the main process)."""
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "config.yaml"), "w") as f:
+    with atomic_write(os.path.join(output_dir, "config.yaml")) as f:
         yaml.safe_dump(config, f, sort_keys=False)
 
 
