@@ -24,6 +24,7 @@ import re
 import shutil
 import struct
 import warnings
+from unittest import mock
 
 import torch
 from safetensors import SafetensorError
@@ -32,7 +33,6 @@ from timm.models import load_state_dict as timm_load_state_dict
 from .files import atomic_path, write_json
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
-_TORCH_FORCE = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 
 
 class CheckpointError(RuntimeError):
@@ -179,16 +179,9 @@ def weights_only_loads():
     pretrained weights). torch's own switch, the environment variable TORCH_FORCE_WEIGHTS_ONLY_LOAD; a
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD of the user's is set aside meanwhile. A refused file raises
     `pickle.UnpicklingError`."""
-    saved = {k: os.environ.pop(k, None) for k in _TORCH_FORCE}
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}):  # the environment is put back after
+        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:

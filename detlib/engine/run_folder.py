@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -35,6 +36,7 @@ import uuid
 import torch
 
 from ..data.loaders import PREEMPT_SIGNALS
+from ..files import write_json
 
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger("detlib.engine.run")
@@ -186,12 +188,9 @@ def check_disk_space(output_dir: str, model, optimizer, num_checkpoints: int) ->
 def write_run_status(output_dir: str, code: int, message: str = "", **counters) -> None:
     """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message",
     and the counters given (global_step, epoch)}, for schedulers and scripts (slurm/ reads it to requeue)."""
-    try:
-        with open(os.path.join(output_dir, "run_status.json"), "w") as f:
-            json.dump({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters},
-                      f, indent=1)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        write_json({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters},
+                   os.path.join(output_dir, "run_status.json"), indent=1)
 
 
 def set_parent_death_signal() -> None:
