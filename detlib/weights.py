@@ -149,10 +149,8 @@ def readable_as_umask_allows(path: str) -> None:
     if os.path.isfile(path):
         umask = os.umask(0)
         os.umask(umask)
-        try:
+        with contextlib.suppress(OSError):
             os.chmod(path, 0o666 & ~umask)
-        except OSError:
-            pass
 
 
 def refusal_reason(e: Exception) -> str:

@@ -121,28 +121,26 @@ def _candidates(output_dir: str) -> list[str]:
     return [os.path.join(root, n) for n in os.listdir(root) if _CKPT_RE.match(n) and os.path.isdir(os.path.join(root, n))]
 
 
+def _step(path: str) -> int | None:
+    """The global step of a checkpoint folder; None when its trainer_state.json does not read."""
+    try:
+        return read_train_state(path).global_step
+    except CheckpointError:
+        return None
+
+
 def _order_key(path: str) -> tuple:
     """Newest written last: the folder's time (set when its last file was written, kept by the rename), then
     the global step. Time, not step alone: after a resume from an older checkpoint the new checkpoints have
     lower steps than the abandoned ones, and a damaged trainer_state.json has no step at all."""
-    try:
-        step = read_train_state(path).global_step
-    except CheckpointError:
-        step = -1
-    return (os.path.getmtime(path), step)
+    step = _step(path)
+    return (os.path.getmtime(path), -1 if step is None else step)
 
 
 def list_checkpoints(output_dir: str) -> list[str]:
     """Checkpoint folders whose trainer_state.json reads, oldest first (see `_order_key`). Never raises for a
     damaged folder: it is left out (see `verify_checkpoint` for the full check)."""
-    readable = []
-    for path in _candidates(output_dir):
-        try:
-            read_train_state(path)
-        except CheckpointError:
-            continue
-        readable.append(path)
-    return sorted(readable, key=_order_key)
+    return sorted((p for p in _candidates(output_dir) if _step(p) is not None), key=_order_key)
 
 
 def read_train_state(path: str) -> TrainState:

@@ -236,12 +236,7 @@ def parse_with_config(p: argparse.ArgumentParser, argv: list[str] | None = None,
     return p.parse_args(argv)
 
 
-class _Unset:
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-_UNSET = _Unset()
+_UNSET = object()  # a flag's value before argparse sets it
 
 
 def given_flags(p: argparse.ArgumentParser, argv: list[str] | None = None, record_keys: tuple[str, ...] = ()) -> set[str]:

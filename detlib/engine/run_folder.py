@@ -30,8 +30,8 @@ import signal
 import socket
 import sys
 import threading
+import tempfile
 import time
-import uuid
 
 import torch
 
@@ -105,12 +105,9 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
 def release_lock(output_dir: str) -> None:
     """Remove `output_dir/run.lock` if this process holds it."""
     path = os.path.join(output_dir, LOCK_FILE)
-    try:
-        with open(path) as f:
-            if json.load(f).get("pid") == os.getpid():
-                os.remove(path)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        if json.load(f).get("pid") == os.getpid():
+            os.remove(path)
 
 
 def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwrite: bool) -> tuple[str | None, list[str], bool]:
@@ -120,10 +117,8 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
     notes = []
     try:
         os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write_test_{uuid.uuid4().hex[:8]}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        with tempfile.TemporaryFile(dir=out):  # created and removed: the folder takes files
+            pass
     except OSError as e:
         return f"cannot write to --output_dir {out}: {e.strerror or e}", notes, False
     present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))
@@ -265,7 +260,5 @@ class PreemptionSignals:
     def restore(self) -> None:
         """Put back the handlers `install` replaced."""
         for sig, handler in self._old_handlers.items():
-            try:
+            with contextlib.suppress(ValueError, TypeError):
                 signal.signal(sig, handler)
-            except (ValueError, TypeError):
-                pass

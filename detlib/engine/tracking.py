@@ -8,6 +8,7 @@ which creates one tracker run on the main process only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -227,10 +228,8 @@ def init_trackers(accelerator, project: str, config: dict, output_dir: str, run_
         started = [t for t in accelerator.trackers if getattr(t, "run", None) or getattr(t, "writer", None)]
         failed = next((t.name for t in accelerator.trackers if t not in started), "a tracker")
         for t in started:
-            try:
+            with contextlib.suppress(Exception):  # closing what started is a courtesy; the start failure is the message
                 t.finish()
-            except Exception:  # closing what started is a courtesy; the start failure is the message
-                pass
         accelerator.trackers.clear()
         raise TrackerError(_start_failure(failed, e, report_to, output_dir, accelerator.logging_dir)) from None
     if accelerator.is_main_process and os.environ.get("WANDB_MODE") == "offline" and any(
