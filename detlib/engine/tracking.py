@@ -51,11 +51,8 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
       shapes dynamic after the first recompile (torch's automatic dynamic shapes). None: the accelerate config's.
     """
     from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, TorchDynamoPlugin, set_seed
+    from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, set_seed
 
-    compile_kwargs = {}
-    if compile_backend:
-        compile_kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend=compile_backend, mode=compile_mode)
     log_with = resolve_trackers(report_to, verbose)
     accelerator = Accelerator(
         cpu=cpu or not torch.cuda.is_available(),
@@ -64,9 +61,8 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
         log_with=log_with or None,
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
-        step_scheduler_with_optimizer=False,
-        **compile_kwargs,
+        step_scheduler_with_optimizer=False,  # DDP keeps its default find_unused_parameters=False
+        **({"dynamo_plugin": TorchDynamoPlugin(backend=compile_backend, mode=compile_mode)} if compile_backend else {}),
     )
     set_seed(seed, device_specific=False)
     return accelerator
