@@ -19,6 +19,7 @@ import contextlib
 import errno
 import json
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -74,12 +75,7 @@ def _mib(n: float) -> str:
 def _not_a_folder(folder: str) -> tuple[str | None, str]:
     """(what stops `folder` from being a folder, or None; its deepest existing ancestor), from the root down:
     a symlink whose target is missing, or a file where a folder has to be."""
-    parts, p = [], os.path.abspath(folder)
-    while True:
-        parts.append(p)
-        if os.path.dirname(p) == p:
-            break
-        p = os.path.dirname(p)
+    parts = [os.path.abspath(folder), *map(str, pathlib.Path(os.path.abspath(folder)).parents)]
     existing = parts[-1]
     for p in reversed(parts):
         if os.path.islink(p) and not os.path.exists(p):
