@@ -157,6 +157,13 @@ def refusal_reason(e: Exception) -> str:
                 type(e).__name__)
 
 
+def refused(path: str, e: Exception) -> CheckpointError:
+    """The error for a file `path` that `weights_only=True` refused (`e`, torch's UnpicklingError): one line with
+    torch's reason (`refusal_reason`)."""
+    return CheckpointError(f"{path} holds pickled objects other than tensors and plain values ({refusal_reason(e)}): "
+                           "refused, nothing in it was run")
+
+
 @contextlib.contextmanager
 def weights_only_loads():
     """Within the block, every `torch.load` reads with `weights_only=True` (tensors and plain values, never
@@ -428,8 +435,7 @@ def load_state_dict_file(path: str | os.PathLike) -> dict:
     except RuntimeError as e:  # timm's, raised from torch's refusal, with advice to load the file unsafely
         if not isinstance(e.__cause__, pickle.UnpicklingError):
             raise
-        raise CheckpointError(f"{path} holds pickled objects other than tensors and plain values "
-                              f"({refusal_reason(e.__cause__)}): refused, nothing in it was run") from None
+        raise refused(path, e.__cause__) from None
     if not isinstance(sd, dict) or not any(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"{path} does not hold a state dict of tensors")
     return _strip_wrapper_prefixes(sd)

@@ -49,7 +49,7 @@ from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
 from ..files import write_json
 from ..weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, all_finite, describe_write_failure, read_json,
-                       readable_as_umask_allows, refusal_reason, save_model_weights, verify_safetensors,
+                       readable_as_umask_allows, refused, save_model_weights, verify_safetensors,
                        weights_only_loads)
 from .run_folder import EXIT_DIVERGED, checkpoint_bytes
 from .tracking import broadcast_object, min_over_processes
@@ -164,12 +164,6 @@ class _NotACheckpoint(CheckpointError, FileNotFoundError):
     pass
 
 
-def _refusal(path: str, e: pickle.UnpicklingError) -> str:
-    """One line for a pickle that weights_only=True refused, with torch's reason (the global it names)."""
-    return (f"{path} holds pickled objects other than tensors and plain values ({refusal_reason(e)}): refused, "
-            "nothing in it was run")
-
-
 def read_state_file(path: str):
     """Read a torch state file (optimizer.bin, scheduler, GradScaler, sampler, RNG, custom_checkpoint_*.pkl)
     without running code: `torch.load(weights_only=True)`, numpy's RNG state allowed (`RNG_STATE_GLOBALS`);
@@ -190,7 +184,7 @@ def read_state_file(path: str):
             warnings.simplefilter("ignore")  # torch warns about the pickle protocol of a foreign file
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(_refusal(path, e)) from None
+        raise refused(path, e) from None
     except Exception as e:  # any failure to read means the file cannot be resumed from
         raise CheckpointError(f"{path} does not load ({type(e).__name__}: {e})") from None
 
@@ -209,7 +203,7 @@ def load_checkpoint(accelerator, path: str) -> None:
             accelerator.load_state(path)
     except pickle.UnpicklingError as e:
         verify_checkpoint(path)  # names the refused file (changed after the verification passed the folder)
-        raise CheckpointError(_refusal(f"a state file of {path}", e)) from None
+        raise refused(f"a state file of {path}", e) from None
 
 
 def verify_checkpoint(path: str) -> None:
