@@ -314,8 +314,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
                               os.path.join(tmp, f"{fname}.safetensors"))
     except WRITE_ERRORS as e:
         error = error or e
-    failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")
-    if float(failed) > 0:
+    if not min_over_processes(accelerator, error is None):
         if accelerator.is_main_process and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(_save_failure_message(output_dir, tmp, error, needed_bytes))
