@@ -19,24 +19,33 @@ import contextlib
 import errno
 import json
 import os
+import pathlib
 import pickle
 import re
 import shutil
-import struct
 import warnings
+from unittest import mock
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from timm.models import load_state_dict as timm_load_state_dict
 
 from .files import atomic_path, write_json
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
-_TORCH_FORCE = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (damaged, incomplete) or written (disk full); the message is one line."""
+
+
+def read_json(path: str):
+    """The JSON value in the file `path`. Raises CheckpointError: it does not read or parse (one line naming it)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e})") from None
 
 
 # What a failed write raises: the OS's OSError, torch's zip writer a RuntimeError ("unexpected pos",
@@ -66,12 +75,7 @@ def _mib(n: float) -> str:
 def _not_a_folder(folder: str) -> tuple[str | None, str]:
     """(what stops `folder` from being a folder, or None; its deepest existing ancestor), from the root down:
     a symlink whose target is missing, or a file where a folder has to be."""
-    parts, p = [], os.path.abspath(folder)
-    while True:
-        parts.append(p)
-        if os.path.dirname(p) == p:
-            break
-        p = os.path.dirname(p)
+    parts = [os.path.abspath(folder), *map(str, pathlib.Path(os.path.abspath(folder)).parents)]
     existing = parts[-1]
     for p in reversed(parts):
         if os.path.islink(p) and not os.path.exists(p):
@@ -124,20 +128,13 @@ def describe_write_failure(error: BaseException, folder: str, needed_bytes: int 
 
 def verify_safetensors(path: str) -> None:
     """Check that a .safetensors file is whole: its header parses and the tensors it lists end exactly at
-    the end of the file (a truncated copy fails). Reads the header only. Raises CheckpointError."""
-    size = os.path.getsize(path)
+    the end of the file (a truncated copy fails; safetensors' own check of the header). Reads the header only.
+    Raises CheckpointError."""
     try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise CheckpointError(f"{path} is truncated or not a safetensors file (its header says {n} bytes, "
-                                      f"the file has {size})")
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except (struct.error, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path} is not a whole safetensors file ({e})") from None
-    if 8 + n + end != size:
-        raise CheckpointError(f"{path} is truncated or padded: {size} bytes, its header says {8 + n + end}")
+        with safe_open(path, "pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is truncated or not a whole safetensors file ({e})") from None
 
 
 def readable_as_umask_allows(path: str) -> None:
@@ -148,10 +145,8 @@ def readable_as_umask_allows(path: str) -> None:
     if os.path.isfile(path):
         umask = os.umask(0)
         os.umask(umask)
-        try:
+        with contextlib.suppress(OSError):
             os.chmod(path, 0o666 & ~umask)
-        except OSError:
-            pass
 
 
 def refusal_reason(e: Exception) -> str:
@@ -162,6 +157,13 @@ def refusal_reason(e: Exception) -> str:
                 type(e).__name__)
 
 
+def refused(path: str, e: Exception) -> CheckpointError:
+    """The error for a file `path` that `weights_only=True` refused (`e`, torch's UnpicklingError): one line with
+    torch's reason (`refusal_reason`)."""
+    return CheckpointError(f"{path} holds pickled objects other than tensors and plain values ({refusal_reason(e)}): "
+                           "refused, nothing in it was run")
+
+
 @contextlib.contextmanager
 def weights_only_loads():
     """Within the block, every `torch.load` reads with `weights_only=True` (tensors and plain values, never
@@ -170,16 +172,9 @@ def weights_only_loads():
     pretrained weights). torch's own switch, the environment variable TORCH_FORCE_WEIGHTS_ONLY_LOAD; a
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD of the user's is set aside meanwhile. A refused file raises
     `pickle.UnpicklingError`."""
-    saved = {k: os.environ.pop(k, None) for k in _TORCH_FORCE}
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}):  # the environment is put back after
+        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:
@@ -277,13 +272,7 @@ def read_model_config(path: str) -> dict | None:
         CheckpointError: when the file is there but does not parse.
     """
     f = model_config_file(path)
-    if f is None:
-        return None
-    try:
-        with open(f) as fh:
-            return json.load(fh)
-    except ValueError as e:
-        raise CheckpointError(f"{f} is damaged ({e})") from None
+    return None if f is None else read_json(f)
 
 
 def run_config_of(path: str) -> tuple[dict, str | None]:
@@ -446,8 +435,7 @@ def load_state_dict_file(path: str | os.PathLike) -> dict:
     except RuntimeError as e:  # timm's, raised from torch's refusal, with advice to load the file unsafely
         if not isinstance(e.__cause__, pickle.UnpicklingError):
             raise
-        raise CheckpointError(f"{path} holds pickled objects other than tensors and plain values "
-                              f"({refusal_reason(e.__cause__)}): refused, nothing in it was run") from None
+        raise refused(path, e.__cause__) from None
     if not isinstance(sd, dict) or not any(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"{path} does not hold a state dict of tensors")
     return _strip_wrapper_prefixes(sd)

@@ -396,7 +396,7 @@ def test_case_d21_other_causes_are_named(tmp_path, monkeypatch):
     import errno
 
     from detlib.engine import checkpoint_io as ckpt
-    from detlib.engine.checkpoints import Checkpointer
+    from detlib.engine.checkpoint_io import Checkpointer
     from detlib.weights import CheckpointError
 
     acc, model, _ = trained_accelerator()

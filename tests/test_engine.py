@@ -194,7 +194,7 @@ def test_set_position_moves_a_lambda_schedule():
     assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 11 / 40)))
 
 
-# ---- the run machinery's parts (detlib.engine.run.StepWindow, detlib.engine.resume, detlib.engine.run_folder, detlib.engine.checkpoints)
+# ---- the run machinery's parts (detlib.engine.run.StepWindow, detlib.engine.resume, detlib.engine.run_folder, detlib.engine.checkpoint_io)
 
 def _guarded_bn_model():
     from accelerate import Accelerator
@@ -375,7 +375,7 @@ def test_disk_check_refuses_less_than_one_checkpoint_and_warns_below_the_kept_on
 def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     from accelerate import Accelerator
 
-    from detlib.engine.checkpoints import Checkpointer, read_best_record, summary_lines
+    from detlib.engine.checkpoint_io import Checkpointer, read_best_record, summary_lines
 
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(3, 2))

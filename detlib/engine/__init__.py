@@ -3,8 +3,8 @@ checkpoints and resume, LR schedules, logs, metrics and trackers.
 
 `run` (the `Run` the scripts call around their loop: its bookkeeping, and `StepWindow`, the finite check's
 memory and the train line's window), `flags` (the shared flags, --config), `run_folder` (the folder, the lock,
-run_status.json, signals, DataLoader workers), `checkpoint_io` (the checkpoint format: write, list, read),
-`checkpoints` (what a run saves: rotation, best/, last/), `resume` (where a resumed run starts), `schedules`
+run_status.json, signals, DataLoader workers), `checkpoint_io` (the checkpoint format: write, list,
+read; what a run saves: rotation, best/, last/), `resume` (where a resumed run starts), `schedules`
 (LR schedules, built by the scripts), `tracking` (the Accelerator, logs, metrics.jsonl, trackers, collectives).
 """
 

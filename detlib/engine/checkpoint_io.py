@@ -8,7 +8,7 @@ Layout under `output_dir`:
 
 A checkpoint is written into `<name>.tmp` and renamed when complete, so a run killed while saving never
 leaves a half-written checkpoint that `--resume_from_checkpoint latest` would pick. A save that fails (disk
-full) removes its `.tmp` folder and raises `CheckpointSaveError`; the older checkpoints stay. The oldest
+full) removes its `.tmp` folder and raises `CheckpointError`; the older checkpoints stay. The oldest
 complete checkpoints beyond `total_limit` are removed only after the new one is in place, so the newest
 complete one is never removed. `latest` verifies each candidate (`verify_checkpoint`), newest first, and
 skips a damaged one with a warning that says what is wrong.
@@ -18,36 +18,50 @@ the state files are torch pickles, and every one is read with `torch.load(weight
 tensors and plain values only (plus numpy's RNG state, `RNG_STATE_GLOBALS`); the verification reads each one
 so, and `load_checkpoint` makes accelerate's `load_state` do the same (`weights_only_loads`). A file that
 names any other global (a planted `__reduce__` calling os.system) is refused before any of it runs.
+
+What a run writes (`Checkpointer`, for `detlib.engine.run.Run`): its checkpoints (rotated), best/ when the
+validation metric beats every earlier value, last/ at the end, and the end-of-run summary that points at them.
+
+* Weights with a non-finite value are never written: the run stops instead (EXIT_DIVERGED), keeping the last
+  good checkpoint.
+* best/ must beat the best/ already on disk too, so a resume from an older checkpoint never replaces it with a
+  worse model.
+* A save that fails (disk full) stops the run with one line, keeping the older checkpoints.
 """
 
 from __future__ import annotations
 
-import codecs
-import json
+import glob
 import logging
+import math
 import os
 import pickle
 import re
 import shutil
+import time
 import warnings
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
-import numpy as np
 import torch
+from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
-from ..weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, describe_write_failure, readable_as_umask_allows,
-                       refusal_reason, verify_safetensors, weights_only_loads)
+from ..files import write_json
+from ..weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, all_finite, describe_write_failure, read_json,
+                       readable_as_umask_allows, refused, save_model_weights, verify_safetensors,
+                       weights_only_loads)
+from .run_folder import EXIT_DIVERGED, checkpoint_bytes
+from .tracking import broadcast_object, min_over_processes
 
 logger = logging.getLogger(__name__)
 
 _CKPT_RE = re.compile(r"^(epoch|step)_(\d+)$")
 
 # What `np.random.get_state()` pickles to in accelerate's random_states_*.pkl (a uint32 ndarray, its dtype, bytes
-# through codecs.encode): data, not code, so weights_only=True may build it (accelerate's own reader allows the
-# same). Every other state file is tensors and plain values, which weights_only=True reads without a list.
-RNG_STATE_GLOBALS = [getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct, np.ndarray, np.dtype,
-                     type(np.dtype(np.uint32)), codecs.encode]
+# through codecs.encode): data, not code, so weights_only=True may build it; accelerate's own reader's list.
+# Every other state file is tensors and plain values, which weights_only=True reads without a list.
+RNG_STATE_GLOBALS = TORCH_SAFE_GLOBALS
 
 
 @dataclass
@@ -107,28 +121,26 @@ def _candidates(output_dir: str) -> list[str]:
     return [os.path.join(root, n) for n in os.listdir(root) if _CKPT_RE.match(n) and os.path.isdir(os.path.join(root, n))]
 
 
+def _step(path: str) -> int | None:
+    """The global step of a checkpoint folder; None when its trainer_state.json does not read."""
+    try:
+        return read_train_state(path).global_step
+    except CheckpointError:
+        return None
+
+
 def _order_key(path: str) -> tuple:
     """Newest written last: the folder's time (set when its last file was written, kept by the rename), then
     the global step. Time, not step alone: after a resume from an older checkpoint the new checkpoints have
     lower steps than the abandoned ones, and a damaged trainer_state.json has no step at all."""
-    try:
-        step = read_train_state(path).global_step
-    except CheckpointError:
-        step = -1
-    return (os.path.getmtime(path), step)
+    step = _step(path)
+    return (os.path.getmtime(path), -1 if step is None else step)
 
 
 def list_checkpoints(output_dir: str) -> list[str]:
     """Checkpoint folders whose trainer_state.json reads, oldest first (see `_order_key`). Never raises for a
     damaged folder: it is left out (see `verify_checkpoint` for the full check)."""
-    readable = []
-    for path in _candidates(output_dir):
-        try:
-            read_train_state(path)
-        except CheckpointError:
-            continue
-        readable.append(path)
-    return sorted(readable, key=_order_key)
+    return sorted((p for p in _candidates(output_dir) if _step(p) is not None), key=_order_key)
 
 
 def read_train_state(path: str) -> TrainState:
@@ -140,13 +152,9 @@ def read_train_state(path: str) -> TrainState:
     f = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(f):
         raise _NotACheckpoint(f"{path} is not a complete checkpoint (no trainer_state.json)")
-    try:
-        with open(f) as fh:
-            raw = json.load(fh)
-        if not isinstance(raw, dict) or not isinstance(raw.get("global_step"), int):
-            raise ValueError("no integer global_step")
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{f} is damaged ({type(e).__name__}: {e})") from None
+    raw = read_json(f)
+    if not isinstance(raw, dict) or not isinstance(raw.get("global_step"), int):
+        raise CheckpointError(f"{f} is damaged (ValueError: no integer global_step)")
     state = TrainState()
     state.load_state_dict(raw)
     return state
@@ -154,12 +162,6 @@ def read_train_state(path: str) -> TrainState:
 
 class _NotACheckpoint(CheckpointError, FileNotFoundError):
     pass
-
-
-def _refusal(path: str, e: pickle.UnpicklingError) -> str:
-    """One line for a pickle that weights_only=True refused, with torch's reason (the global it names)."""
-    return (f"{path} holds pickled objects other than tensors and plain values ({refusal_reason(e)}): refused, "
-            "nothing in it was run")
 
 
 def read_state_file(path: str):
@@ -182,7 +184,7 @@ def read_state_file(path: str):
             warnings.simplefilter("ignore")  # torch warns about the pickle protocol of a foreign file
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(_refusal(path, e)) from None
+        raise refused(path, e) from None
     except Exception as e:  # any failure to read means the file cannot be resumed from
         raise CheckpointError(f"{path} does not load ({type(e).__name__}: {e})") from None
 
@@ -201,7 +203,7 @@ def load_checkpoint(accelerator, path: str) -> None:
             accelerator.load_state(path)
     except pickle.UnpicklingError as e:
         verify_checkpoint(path)  # names the refused file (changed after the verification passed the folder)
-        raise CheckpointError(_refusal(f"a state file of {path}", e)) from None
+        raise refused(f"a state file of {path}", e) from None
 
 
 def verify_checkpoint(path: str) -> None:
@@ -223,11 +225,7 @@ def verify_checkpoint(path: str) -> None:
         if not os.path.isfile(f):
             continue
         if name.endswith(".json"):
-            try:
-                with open(f) as fh:
-                    json.load(fh)
-            except (OSError, ValueError) as e:
-                raise CheckpointError(f"{f} is damaged ({type(e).__name__}: {e})") from None
+            read_json(f)
             continue
         if os.path.getsize(f) == 0:
             raise CheckpointError(f"{f} is empty")
@@ -307,8 +305,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
         if accelerator.is_main_process:
             for fname, obj in (("trainer_state.json", state.state_dict()), ("model_config.json", model_config)):
                 if obj is not None:
-                    with open(os.path.join(tmp, fname), "w") as f:
-                        json.dump(obj, f, indent=1)
+                    write_json(obj, os.path.join(tmp, fname), indent=1)
             if extra_weights:
                 from safetensors.torch import save_file
 
@@ -317,8 +314,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
                               os.path.join(tmp, f"{fname}.safetensors"))
     except WRITE_ERRORS as e:
         error = error or e
-    failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")
-    if float(failed) > 0:
+    if not min_over_processes(accelerator, error is None):
         if accelerator.is_main_process and os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(_save_failure_message(output_dir, tmp, error, needed_bytes))
@@ -344,3 +340,148 @@ def _save_failure_message(output_dir: str, tmp: str, error: BaseException | None
     needed = max(needed_bytes or 0, folder_size(previous[-1]) if previous else 0) or None
     cause = describe_write_failure(error, tmp, needed)
     return f"could not write checkpoint {tmp}: {cause}; removed the partial folder, {kept}"
+
+
+# ---- what a run writes: checkpoints, best/, last/, the summary
+
+# The EMA weights' file in a checkpoint folder, beside accelerate's model.safetensors.
+EMA_WEIGHTS = "model_ema"
+
+class Checkpointer:
+    """Writes a run's checkpoints and weights folders (every method is collective: all ranks call it).
+
+    Args:
+        accelerator: the run's `accelerate.Accelerator`.
+        output_dir: the run's folder (checkpoints/, best/, last/).
+        metric: the validation metric best/ keeps the highest of, e.g. "AP".
+        total_limit: checkpoints kept (0 or None: all).
+        fail: the run's `fail(message, code)`: one error line, then exit (does not return).
+    `model_config` (the model's description, written beside every weights file) is set once it is known, and
+    `ema` (timm's ModelEmaV3 of the run's `--model_ema`, or None) once it is made: its weights go into every
+    checkpoint as `model_ema.safetensors` and, at the end, into last_ema/.
+    """
+
+    def __init__(self, accelerator, output_dir: str, metric: str, total_limit: int | None,
+                 fail: Callable[[str, int], None]):
+        self.accelerator = accelerator
+        self.output_dir = output_dir
+        self.metric = metric
+        self.total_limit = total_limit
+        self.fail = fail
+        self.model_config: dict | None = None
+        # describe(folder, name): what a script writes beside the weights of best/ and last/ (main process), such
+        # as a model card and the evaluation's score thresholds
+        self.describe: Callable[[str, str], None] | None = None
+        # the EMA of the weights (timm ModelEmaV3) whose state a checkpoint carries as model_ema.safetensors
+        self.ema = None
+
+    def _check_finite(self, model, what: str, step: int) -> None:
+        ok = min_over_processes(self.accelerator, int(all_finite(self.accelerator.unwrap_model(model))))
+        if not ok:
+            self.fail(f"the model holds non-finite weights at step {step}: not writing {what}; "
+                      f"the last good checkpoint is kept", EXIT_DIVERGED)
+
+    def save_checkpoint(self, model, state: TrainState, epoch_sums: torch.Tensor, optimizer=None) -> str:
+        """Write a checkpoint of everything a resume needs; `epoch_sums` ([2] float64: this process's loss sum
+        over images, image count) are summed over processes into `state` first. Returns its folder.
+        `optimizer` sizes the checkpoint for the message of a failed save."""
+        self._check_finite(model, "a checkpoint", state.global_step)
+        extra = None
+        if self.ema is not None:
+            self._check_finite(self.ema.module, "a checkpoint (its EMA weights)", state.global_step)
+            extra = {EMA_WEIGHTS: self.ema.module.state_dict()}
+        state.epoch_loss_sum, state.epoch_images = self.accelerator.reduce(epoch_sums, reduction="sum").tolist()
+        needed = checkpoint_bytes(model, optimizer)[1] if optimizer is not None else None
+        t = time.time()
+        try:
+            path = save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config,
+                                        needed_bytes=needed, extra_weights=extra)
+        except CheckpointError as e:
+            self.fail(str(e), 1)
+        logger.info("saved checkpoint %s (%.1f s)", path, time.time() - t)
+        return path
+
+    def save_weights(self, model, name: str, step: int, extra: dict | None = None) -> None:
+        """`output_dir/name/model.safetensors` (+ model_config.json, + best.json from `extra`, + what `describe`
+        writes); a failed write stops the run on every process with one line naming the file and the cause (the old
+        file is kept)."""
+        self._check_finite(model, f"{name}/", step)
+        folder = os.path.join(self.output_dir, name)
+        error = None
+        try:
+            save_model_weights(self.accelerator, model, folder, self.model_config, extra)
+        except CheckpointError as e:  # main process only: the others learn it below
+            error = f"{e}; the checkpoints in {checkpoint_dir(self.output_dir)} are kept"
+        error = broadcast_object(self.accelerator, error)
+        if error:
+            self.fail(error, 1)
+        if self.describe is not None and self.accelerator.is_main_process:
+            self.describe(folder, name)
+
+    def keep_best(self, model, value: float, state: TrainState, epoch: int, weights: str = "trained") -> bool:
+        """Write best/ (best.json records `epoch`, the epoch number from 1, and `weights`: "trained" or "ema", which
+        weights `model` holds) when `value` beats `state.best_metric` and the best/ on disk; raise
+        `state.best_metric` to it (a non-finite value changes nothing). Returns True when best/ was written."""
+        best = self.best_record()
+        on_disk = float(best["value"]) if best else None
+        improved = math.isfinite(value) and value > state.best_metric and (on_disk is None or value > on_disk)
+        if math.isfinite(value):
+            state.best_metric = max(state.best_metric, value)
+        if improved:
+            self.save_weights(model, "best", state.global_step, {"metric": self.metric, "value": value,
+                                                                  "epoch": epoch, "step": state.global_step,
+                                                                  "weights": weights})
+            logger.info("new best %s %.4f (%s weights), saved %s/best/model.safetensors", self.metric, value, weights,
+                        self.output_dir)
+        return improved
+
+    def best_record(self) -> dict | None:
+        """best/best.json as the main process reads it, when it scores this run's metric: {"metric", "value",
+        "epoch", "step"}; None when there is none, it is unreadable, or it scores another metric."""
+        return broadcast_object(self.accelerator, read_best_record(self.output_dir, self.metric)
+                                if self.accelerator.is_main_process else None)
+
+
+def read_best_record(output_dir: str, metric: str) -> dict | None:
+    """`output_dir/best/best.json` when it scores `metric` (see `Checkpointer.best_record`)."""
+    try:
+        best = read_json(os.path.join(output_dir, "best", "best.json"))
+        float(best["value"])
+        return best if best.get("metric") == metric else None
+    except (CheckpointError, ValueError, KeyError, TypeError):
+        return None
+
+
+def summary_lines(output_dir: str, metrics_path: str, metric: str, elapsed_s: float, global_step: int,
+                  skipped_steps: int, best_metric: float, best: dict | None, final: float | None,
+                  images_seen: float, final_also: dict[str, float] | None = None) -> list[str]:
+    """The end-of-run summary: where the weights, checkpoints, metrics, the evaluation's files and the trackers'
+    are (only those that exist), the mean throughput over `images_seen` images (all processes) when any were logged, and last, the
+    verdict: time, steps, best `metric` (with best/'s epoch and step when `best` is its record), the `final` one and
+    the last evaluation's `final_also` stats ({name: value})."""
+    out = output_dir
+
+    def existing(*names: str) -> list[str]:
+        return [os.path.join(out, n) + ("/" if os.path.isdir(os.path.join(out, n)) else "") for n in names
+                if os.path.exists(os.path.join(out, n))]
+
+    weights = ([f"{p} (best)" for p in existing("best")] + [f"{p} (final)" for p in existing("last")]
+               + [f"{p} (final EMA)" for p in existing("last_ema")])
+    lines = []
+    if weights or os.path.isdir(checkpoint_dir(out)):
+        lines.append("weights: " + (", ".join(weights) or "none") + (f"; checkpoints: {checkpoint_dir(out)}"
+                                                                     if os.path.isdir(checkpoint_dir(out)) else ""))
+    evaluation = existing("predictions_val.json", "predictions_val.csv", "plots", "samples")
+    lines.append(f"metrics: {metrics_path}" + (f"; evaluation: {', '.join(evaluation)}" if evaluation else ""))
+    trackers = ([f"tensorboard --logdir {os.path.join(out, 'tensorboard')}"] if os.path.isdir(os.path.join(out, "tensorboard"))
+                else []) + ([f"wandb sync {os.path.join(out, 'wandb', 'offline-run-*')} (offline run)"]
+                            if glob.glob(os.path.join(out, "wandb", "offline-run-*")) else [])
+    if trackers:
+        lines.append("trackers: " + "; ".join(trackers))
+    if images_seen:
+        lines.append(f"mean throughput {images_seen / elapsed_s:.1f} images/s (all processes)")
+    lines.append(f"run finished in {elapsed_s / 60:.1f} min: {global_step} steps, {skipped_steps} skipped; "
+                 f"best {metric} {best_metric:.4f}" + (f" (epoch {best['epoch']}, step {best['step']})" if best else "")
+                 + (f", final {metric} {final:.4f}" if final is not None else "")
+                 + "".join(f", {k} {v:.4f}" for k, v in (final_also or {}).items()))
+    return lines

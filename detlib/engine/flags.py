@@ -228,30 +228,27 @@ def parse_with_config(p: argparse.ArgumentParser, argv: list[str] | None = None,
     `RUN_RECORD_KEYS` and `config` itself). An unreadable file, a file that is not a mapping, an unknown key or a
     value a flag refuses is one line naming the file and the key, exit code 2.
     """
-    first = argparse.ArgumentParser(add_help=False)
-    first.add_argument("--config")
-    known, _ = first.parse_known_args(argv)
-    if known.config:
-        p.set_defaults(**read_config(p, known.config, record_keys))
+    if config := _config_file(argv):
+        p.set_defaults(**read_config(p, config, record_keys))
     return p.parse_args(argv)
 
 
-class _Unset:
-    def __repr__(self) -> str:
-        return "<unset>"
+def _config_file(argv: list[str] | None) -> str | None:
+    """The --config value of `argv` (default sys.argv[1:]), read before the full parse."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config")
+    return first.parse_known_args(argv)[0].config
 
 
-_UNSET = _Unset()
+_UNSET = object()  # a flag's value before argparse sets it
 
 
 def given_flags(p: argparse.ArgumentParser, argv: list[str] | None = None, record_keys: tuple[str, ...] = ()) -> set[str]:
     """The flags the user chose: given on the command line (`argv`, default sys.argv[1:]) or in its --config file,
     whatever their value (`--epochs 30` is given even where 30 is the default). Call after `parse_with_config`
     has accepted the same `argv` (this parse prints nothing)."""
-    first = argparse.ArgumentParser(add_help=False)
-    first.add_argument("--config")
-    known, _ = first.parse_known_args(argv)
-    from_file = set(read_config(p, known.config, record_keys, notes=False)) if known.config else set()
+    config = _config_file(argv)
+    from_file = set(read_config(p, config, record_keys, notes=False)) if config else set()
     # argparse sets a default only where the namespace has no value yet: what keeps the marker was not given
     ns = argparse.Namespace(**{a.dest: _UNSET for a in p._actions if a.dest != "help"})
     p.parse_args(argv, namespace=ns)

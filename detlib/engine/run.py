@@ -37,7 +37,7 @@ What a `Run` guarantees:
   processes (one all-reduce), so every rank steps or skips together; a skipped step leaves the weights as they
   were, and the BatchNorm running statistics, which the forward pass itself changes, are put back to their values
   from before the window. `--max_nonfinite_steps` in a row stop the run (EXIT_DIVERGED) naming the step, the LR and
-  the last checkpoint. No weights with a non-finite value are ever written (detlib.engine.checkpoints). A loss that
+  the last checkpoint. No weights with a non-finite value are ever written (detlib.engine.checkpoint_io). A loss that
   grows by orders of magnitude while staying finite is reported once per order of magnitude.
 * Gradient accumulation: the last, partial window of an epoch is weighted by its real size (`loss_weight`),
   so its gradient is the mean over its batches like a full window's.
@@ -74,7 +74,7 @@ import torch
 from ..data.loaders import stop_dataloader_workers
 from ..weights import load_model_weights
 from . import checkpoint_io as ckpt
-from .checkpoints import EMA_WEIGHTS, Checkpointer, summary_lines
+from .checkpoint_io import EMA_WEIGHTS, Checkpointer, summary_lines
 from .flags import DEFAULT_REPORT_TO, EVALUATE_ONLY_SUBDIR
 from .resume import (ResumeError, check_same_classes, convert_position, load_ema_weights, replaced_by_checkpoint,
                      resolve_checkpoint, run_length, set_tracker_offset)

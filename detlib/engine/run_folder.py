@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -29,12 +30,13 @@ import signal
 import socket
 import sys
 import threading
+import tempfile
 import time
-import uuid
 
 import torch
 
 from ..data.loaders import PREEMPT_SIGNALS
+from ..files import write_json
 
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger("detlib.engine.run")
@@ -103,12 +105,9 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
 def release_lock(output_dir: str) -> None:
     """Remove `output_dir/run.lock` if this process holds it."""
     path = os.path.join(output_dir, LOCK_FILE)
-    try:
-        with open(path) as f:
-            if json.load(f).get("pid") == os.getpid():
-                os.remove(path)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        if json.load(f).get("pid") == os.getpid():
+            os.remove(path)
 
 
 def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwrite: bool) -> tuple[str | None, list[str], bool]:
@@ -118,10 +117,8 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
     notes = []
     try:
         os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write_test_{uuid.uuid4().hex[:8]}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        with tempfile.TemporaryFile(dir=out):  # created and removed: the folder takes files
+            pass
     except OSError as e:
         return f"cannot write to --output_dir {out}: {e.strerror or e}", notes, False
     present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))
@@ -186,12 +183,9 @@ def check_disk_space(output_dir: str, model, optimizer, num_checkpoints: int) ->
 def write_run_status(output_dir: str, code: int, message: str = "", **counters) -> None:
     """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message",
     and the counters given (global_step, epoch)}, for schedulers and scripts (slurm/ reads it to requeue)."""
-    try:
-        with open(os.path.join(output_dir, "run_status.json"), "w") as f:
-            json.dump({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters},
-                      f, indent=1)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        write_json({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters},
+                   os.path.join(output_dir, "run_status.json"), indent=1)
 
 
 def set_parent_death_signal() -> None:
@@ -266,7 +260,5 @@ class PreemptionSignals:
     def restore(self) -> None:
         """Put back the handlers `install` replaced."""
         for sig, handler in self._old_handlers.items():
-            try:
+            with contextlib.suppress(ValueError, TypeError):
                 signal.signal(sig, handler)
-            except (ValueError, TypeError):
-                pass

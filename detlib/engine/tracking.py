@@ -8,6 +8,7 @@ which creates one tracker run on the main process only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ import uuid
 import torch
 import yaml
 
+from ..files import atomic_write
 from .flags import REPORT_TO
 
 logger = logging.getLogger("detlib")
@@ -49,11 +51,8 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
       shapes dynamic after the first recompile (torch's automatic dynamic shapes). None: the accelerate config's.
     """
     from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, TorchDynamoPlugin, set_seed
+    from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, set_seed
 
-    compile_kwargs = {}
-    if compile_backend:
-        compile_kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend=compile_backend, mode=compile_mode)
     log_with = resolve_trackers(report_to, verbose)
     accelerator = Accelerator(
         cpu=cpu or not torch.cuda.is_available(),
@@ -62,9 +61,8 @@ def make_accelerator(mixed_precision: str | None, gradient_accumulation_steps: i
         log_with=log_with or None,
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)],
-        step_scheduler_with_optimizer=False,
-        **compile_kwargs,
+        step_scheduler_with_optimizer=False,  # DDP keeps its default find_unused_parameters=False
+        **({"dynamo_plugin": TorchDynamoPlugin(backend=compile_backend, mode=compile_mode)} if compile_backend else {}),
     )
     set_seed(seed, device_specific=False)
     return accelerator
@@ -74,17 +72,11 @@ def broadcast_object(accelerator, obj):
     """The main process's `obj` (any picklable value) on every process. Collective; a plain return on one process."""
     from accelerate.utils import broadcast_object_list
 
-    if accelerator.num_processes == 1:
-        return obj
-    box = [obj]
-    broadcast_object_list(box)
-    return box[0]
+    return broadcast_object_list([obj])[0]  # a no-op without torch.distributed
 
 
 def min_over_processes(accelerator, value: int) -> int:
     """The smallest of every process's `value`, e.g. a 0/1 flag that must hold on all of them. Collective."""
-    if accelerator.num_processes == 1:
-        return int(value)
     return int(accelerator.gather(torch.tensor([float(value)], device=accelerator.device)).min())
 
 
@@ -149,19 +141,17 @@ def resolve_trackers(report_to: str, verbose: bool = False) -> list[str]:
     """
     if report_to not in REPORT_TO:
         raise ValueError(f"--report_to must be one of {REPORT_TO}, got {report_to!r}")
-    names = {"wandb": ["wandb"], "tensorboard": ["tensorboard"], "all": ["wandb", "tensorboard"], "none": []}[report_to]
     out = []
-    for name in names:
-        module = "wandb" if name == "wandb" else "tensorboard"
+    for name in {"all": ["wandb", "tensorboard"], "none": []}.get(report_to, [report_to]):
         try:
-            __import__(module)
+            __import__(name)  # the tracker's package has its name
         except ImportError:
             logger.warning("--report_to %s: the %s package is not installed (pip install %s); not logging to it",
-                           report_to, module, module)
+                           report_to, name, name)
             continue
         except Exception as e:  # an installed package that fails to import (a protobuf or numpy version clash)
             logger.warning("--report_to %s: the %s package does not import (%s: %s); not logging to it", report_to,
-                           module, type(e).__name__, _one_line(e))
+                           name, type(e).__name__, _one_line(e))
             continue
         if name == "wandb" and "WANDB_MODE" not in os.environ and not wandb_has_credentials():
             os.environ["WANDB_MODE"] = "offline"
@@ -234,10 +224,8 @@ def init_trackers(accelerator, project: str, config: dict, output_dir: str, run_
         started = [t for t in accelerator.trackers if getattr(t, "run", None) or getattr(t, "writer", None)]
         failed = next((t.name for t in accelerator.trackers if t not in started), "a tracker")
         for t in started:
-            try:
+            with contextlib.suppress(Exception):  # closing what started is a courtesy; the start failure is the message
                 t.finish()
-            except Exception:  # closing what started is a courtesy; the start failure is the message
-                pass
         accelerator.trackers.clear()
         raise TrackerError(_start_failure(failed, e, report_to, output_dir, accelerator.logging_dir)) from None
     if accelerator.is_main_process and os.environ.get("WANDB_MODE") == "offline" and any(
@@ -301,8 +289,7 @@ def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log", v
 
 def save_config(config: dict, output_dir: str) -> None:
     """Write the resolved config as `output_dir/config.yaml` (call on the main process)."""
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "config.yaml"), "w") as f:
+    with atomic_write(os.path.join(output_dir, "config.yaml")) as f:
         yaml.safe_dump(config, f, sort_keys=False)
 
 
