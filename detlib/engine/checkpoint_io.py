@@ -395,7 +395,7 @@ class Checkpointer:
         t = time.time()
         try:
             path = save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config,
-                                        needed_bytes=needed, extra_weights=extra)
+                                   needed_bytes=needed, extra_weights=extra)
         except CheckpointError as e:
             self.fail(str(e), 1)
         logger.info("saved checkpoint %s (%.1f s)", path, time.time() - t)
