@@ -357,7 +357,7 @@ def test_disk_check_refuses_less_than_one_checkpoint_and_warns_below_the_kept_on
     assert (weights, per_ckpt) == (263168, 3 * 263168)  # Adam: exp_avg and exp_avg_sq per weight
     assert run_folder.checkpoint_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1))[1] == 2 * 263168
     usage = namedtuple("usage", "total used free")
-    caplog.set_level("INFO", logger="detlib.engine.run")
+    caplog.set_level("INFO", logger="detlib.engine.run_folder")
     for free, expect in [(per_ckpt + 2 * weights - 1, "error"), (per_ckpt * 3 + 2 * weights - 1, "warning"),
                          (per_ckpt * 3 + 2 * weights, "info")]:
         monkeypatch.setattr(run_folder.shutil, "disk_usage", lambda _, f=free: usage(0, 0, f))

@@ -20,7 +20,7 @@ from .checkpoint_io import CheckpointError, TrainState, resolve_resume
 from .tracking import broadcast_object
 
 # The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
-logger = logging.getLogger("detlib.engine.run")
+logger = logging.getLogger(__name__)
 
 
 class ResumeError(Exception):

@@ -84,7 +84,7 @@ from .schedules import RunPosition, set_position
 from .tracking import (MetricsLogger, TrackerError, broadcast_object, compile_summary, finish_trackers, init_trackers,
                        log_run_setup, make_accelerator, min_over_processes, save_config, setup_logging)
 
-logger = logging.getLogger("detlib.engine.run")
+logger = logging.getLogger(__name__)
 
 EVAL_POLL_EVERY = 10  # evaluation batches between preemption checks
 FIRST_EPOCH = 1

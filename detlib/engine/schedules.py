@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from accelerate import PartialState
 
-logger = logging.getLogger("detlib.engine.run")
+logger = logging.getLogger(__name__)
 
 SCHEDULES = ("multistep", "cosine", "constant")
 # ReduceLROnPlateau divides the LR by 10 when the loss stalls: the 10x drop of the classic step schedules.

@@ -25,7 +25,7 @@ import yaml
 from ..files import atomic_write
 from .flags import REPORT_TO
 
-logger = logging.getLogger("detlib")
+logger = logging.getLogger(__name__)
 
 # The loggers whose INFO lines are the run's story: detlib's and its scripts'. Every other library logs at WARNING
 # and above unless --verbose (onnxscript writes 80 "initializer_deduplication" lines per export, accelerate and
