@@ -25,7 +25,7 @@ Several processes (each takes its share of the batches; results merged, no image
 
 Writes OUT/predictions.json (COCO results: image_id, category_id, bbox [x, y, w, h] pixels of the original
 image, score; plus file_name when the source is not a COCO json), OUT/images/<name>.jpg with the detections
-scoring >= --draw_thresh drawn, OUT/json/<name>.json with --save_json_per_image, OUT/skipped.txt listing
+scoring >= --draw_thresh drawn (an image of at most 256 px enlarged 2-4x so its labels stay legible), OUT/json/<name>.json with --save_json_per_image, OUT/skipped.txt listing
 unreadable images and unsupported files, and a summary line of detections per class. A video gives
 OUT/videos/<name>.mp4 (drawn), its frames' results in predictions.json (with file_name, frame from 0, time in
 seconds, image_id = the frame) and with --save_json_per_image OUT/json/<name>.json (a list: one image json per
@@ -51,8 +51,8 @@ from detlib.data import (INSTALL_HINT, CocoDetection, VideoWriter, av_available,
                          data_dir_paths, read_data_dir_splits, video_frames, video_info, worker_loader_kwargs)
 from detlib.datacheck import DataReport, check_coco
 from detlib.engine import float_range, int_at_least
-from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, save_image,
-                               upright_image_and_boxes)
+from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, drawing_scale,
+                               save_image, upright_image_and_boxes)
 from detlib.inference import (DetectionImageFiles, detection_item, earlier_outputs, list_media_files, load_retinanet,
                               output_names, prediction_parser, predict_videos, retinanet_input_size, run_prediction,
                               shard_batches, start_prediction, write_skipped)
@@ -267,7 +267,8 @@ def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dic
         shown = [r for r in res if r["score"] >= args.draw_thresh]
         image, boxes = upright_image_and_boxes(path, boxes_from_coco([r["bbox"] for r in shown]), exif_applied, size)
         labels = [f"{names.get(r['category_id'], r['category_id'])} {r['score']:.2f}" for r in shown]
-        drawn = draw_detections(image, boxes, labels, [class_color(r["category_id"]) for r in shown])
+        drawn = draw_detections(image, boxes, labels, [class_color(r["category_id"]) for r in shown],
+                                scale=drawing_scale(*image.shape[-2:]))  # a thumbnail enlarged: legible labels
         save_image(drawn, os.path.join(args.output_dir, "images", stem + ".jpg"))
     if args.save_json_per_image:
         out = os.path.join(args.output_dir, "json", stem + ".json")

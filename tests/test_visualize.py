@@ -258,3 +258,20 @@ def test_labels_of_neighbouring_boxes_do_not_cover_each_other():
     assert share(drawn[48:58, 22:60], colors[0]) > 0.5  # above the first box
     assert share(drawn[48:58, 102:112], colors[1]) == 0  # nothing of the second tag above, beside the first's
     assert share(drawn[125:135, 32:70], colors[1]) > 0.5  # below the second box
+
+
+def test_predict_draws_a_thumbnail_enlarged_and_a_photo_at_its_own_size():
+    """A 128 px image (the built-in set's) is drawn 4x, pixels repeated, its boxes scaled with it, so 13 px labels
+    do not cover its objects; 257 px and more keep their size."""
+    from detlib.evaluation.drawing import draw_detections, drawing_scale
+
+    assert [drawing_scale(128, 128), drawing_scale(96, 200), drawing_scale(256, 100), drawing_scale(257, 300),
+            drawing_scale(480, 640)] == [4, 3, 2, 1, 1]
+    image = torch.zeros((3, 128, 96), dtype=torch.uint8)
+    image[:, 40:80, 30:60] = 200  # a grey object
+    box = torch.tensor([[30.0, 40.0, 60.0, 80.0]])
+    drawn = _rgb(draw_detections(image, box, ["square 0.95"], [(0, 255, 0)], scale=4))
+    assert drawn.shape[:2] == (512, 384)
+    assert (drawn[200:300, 150:220] == 200).all()  # the object's inside, repeated pixels, no label over it
+    assert (np.abs(drawn[160:320, 120:122] - np.array([0, 255, 0])).max(-1) <= 2).mean() > 0.9  # its box at 4x
+    assert (drawn[0:100, 300:384] == 0).all()  # far from the box: the image itself

@@ -47,6 +47,8 @@ BAND_COLOR = (40, 40, 40)
 # Drawn samples are resized (never shrunk) so their longer side is at least this many pixels: the built-in
 # 128 px images would show 13 px labels over their shapes.
 SAMPLE_DISPLAY_SIZE = 640
+# predict's drawn images: one whose longer side is at most this many px is drawn enlarged (`drawing_scale`)
+SMALL_IMAGE_SIDE = 256
 
 
 def select_sample_ids(image_ids: Iterable[int], num: int, seed: int = 0) -> list[int]:
@@ -248,20 +250,34 @@ def _draw_all(pil: Image.Image, boxes: torch.Tensor, labels: Sequence[str], colo
         _draw_label(draw, spots[i], labels[i], colors[i], font, pad)
 
 
+def drawing_scale(height: int, width: int) -> int:
+    """The integer factor predict draws an image of height x width pixels at: 1 for a photo; for a thumbnail whose
+    longer side is at most SMALL_IMAGE_SIDE px (the built-in set's 128 px), the smallest one that brings that side
+    to 2 * SMALL_IMAGE_SIDE or more, so that its labels (at least 13 px high) do not cover the objects."""
+    side = max(height, width)
+    return 1 if side > SMALL_IMAGE_SIDE or side <= 0 else math.ceil(2 * SMALL_IMAGE_SIDE / side)
+
+
 def draw_detections(image: torch.Tensor, boxes: torch.Tensor, labels: Sequence[str], colors: Sequence[tuple[int, int, int]],
-                    gt_boxes: torch.Tensor | None = None) -> torch.Tensor:
+                    gt_boxes: torch.Tensor | None = None, scale: int = 1) -> torch.Tensor:
     """Draw ground-truth boxes (dashed white on black, unlabelled) and detections (solid, class colour on black,
-    each with its label on a tag outside the box) on the image, at its own size (predict's output).
+    each with its label on a tag outside the box) on the image, at its own size times `scale` (predict's output).
 
     Args:
         image: [3, H, W] uint8 RGB.
         boxes: [N, 4] float xyxy pixels of `image`, highest score first; labels: N strings ("person 0.87");
             colors: N RGB tuples.
         gt_boxes: [G, 4] float xyxy pixels, or None.
+        scale: an integer >= 1: the image is enlarged by it (pixels repeated, not smoothed) before the boxes, scaled
+            with it, are drawn; `drawing_scale` gives predict's.
     Returns:
-        [3, H, W] uint8, a new tensor.
+        [3, H * scale, W * scale] uint8, a new tensor.
     """
     pil = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
+    if scale > 1:
+        pil = pil.resize((pil.width * scale, pil.height * scale), Image.Resampling.NEAREST)
+        boxes = boxes.float() * scale
+        gt_boxes = None if gt_boxes is None else gt_boxes.float() * scale
     width, font_size = _style(max(pil.size))
     _draw_all(pil, boxes.float(), labels, colors, gt_boxes, width, _font(font_size))
     return torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
