@@ -96,6 +96,49 @@ def test_truncated_or_foreign_weights_are_one_line_errors(tmp_path):
         load_model_weights(model, str(tmp_path / "notes.pt"))
 
 
+def test_a_checkpoint_whose_weights_or_state_file_is_a_link_to_nothing_fails_verification(tmp_path):
+    """A dangling symlink (a copy whose links point at a cleaned scratch disk) is no weights file: `latest` skips the
+    checkpoint naming the link (the resume crashed in accelerate's load_state, looking for pytorch_model.bin)."""
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root / "epoch_0001", 5)
+    for i, name in enumerate(("model.safetensors", "optimizer.bin")):
+        newest = fake_checkpoint(root / f"step_0000001{i}", 10 + i)
+        (newest / name).unlink()
+        (newest / name).symlink_to(tmp_path / "gone" / name)
+        with pytest.raises(ckpt.CheckpointError, match=rf"step_0000001{i}/{name} is a symlink whose target "
+                                                       rf"{tmp_path / 'gone' / name} is missing"):
+            ckpt.verify_checkpoint(str(newest))
+    weights_dir = fake_checkpoint(root / "step_00000020", 20)  # a folder where the weights file should be
+    (weights_dir / "model.safetensors").unlink()
+    (weights_dir / "model.safetensors").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="step_00000020 holds no model weights"):
+        ckpt.verify_checkpoint(str(weights_dir))
+    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(root / "epoch_0001")
+
+
+def test_json_files_that_parse_but_hold_the_wrong_thing_are_one_line_errors(tmp_path):
+    from detlib.weights import read_model_config
+
+    deep = "[" * 100_000 + "]" * 100_000  # parses to Python's recursion limit: a RecursionError, not a ValueError
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root / "epoch_0001", 5)
+    nested = fake_checkpoint(root / "epoch_0002", 10)
+    (nested / "trainer_state.json").write_text(deep)
+    with pytest.raises(ckpt.CheckpointError, match=r"epoch_0002/trainer_state.json is damaged \(RecursionError"):
+        ckpt.verify_checkpoint(str(nested))
+    assert ckpt.list_checkpoints(str(tmp_path)) == [str(root / "epoch_0001")]  # never raises for a damaged folder
+    listed = fake_checkpoint(root / "epoch_0003", 15)
+    (listed / "model_config.json").write_text("[]")
+    with pytest.raises(ckpt.CheckpointError, match=r"epoch_0003/model_config.json is damaged \(\[\], not a JSON object"):
+        ckpt.verify_checkpoint(str(listed))
+    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(root / "epoch_0001")
+    # the weights folders the scripts read (predict, --evaluate_only): a model_config.json of another JSON type
+    for text in ("[]", '"resnet18"', "5", "null", deep):
+        (listed / "model_config.json").write_text(text)
+        with pytest.raises(ckpt.CheckpointError, match=r"epoch_0003/model_config.json is damaged"):
+            read_model_config(str(listed))
+
+
 # ---- a save that fails (disk full)
 
 def test_failed_save_removes_its_folder_keeps_the_previous_and_says_no_space(tmp_path, monkeypatch):

@@ -147,3 +147,14 @@ def test_skipped_txt_lists_inputs_in_the_same_order_on_2_processes_as_on_1(tmp_p
                                      "/src/b.jpg (unreadable)", "/src/c.jpg (unreadable)", "/src/e.jpg (unreadable)",
                                      video[0], video[1], video[2]]
     assert texts[1] == texts[0]
+
+
+def test_a_model_config_json_that_is_no_json_object_is_one_line(tmp_path, capsys):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"never read: the config is read first")
+    (weights / "model_config.json").write_text("[]")
+    one = write_image(tmp_path / "one.jpg", 64, 48)
+    code, _, err = run_main("predict_retinanet", ["--weights", weights, "--source", one, "--output_dir", tmp_path / "x"],
+                            capsys)
+    assert code != 0 and f"{weights / 'model_config.json'} is damaged ([], not a JSON object)" in err
