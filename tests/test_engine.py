@@ -190,6 +190,19 @@ def test_lock_refuses_a_live_run_and_replaces_a_stale_one(tmp_path):
     assert "host node-17" in error and "delete" in error
 
 
+
+@pytest.mark.parametrize("content", ["", "{not json", "[]", "5", "null"])
+def test_a_lock_file_that_names_no_run_is_one_line_that_says_what_to_delete(tmp_path, content):
+    """An empty or damaged run.lock (a run killed as it took the lock, a hand-edited file): one refusal that names the
+    file to delete, never an AttributeError traceback (a JSON list or number) nor 'pid None on None'."""
+    out = str(tmp_path)
+    (tmp_path / run_folder.LOCK_FILE).write_text(content)
+    error, note = run_folder.acquire_lock(out)
+    assert error == (f"{tmp_path / run_folder.LOCK_FILE} does not say which run holds {out} (empty or damaged); if no "
+                     "run is writing there, delete it") and note is None
+    run_folder.release_lock(out)  # not this process's lock: kept
+    assert (tmp_path / run_folder.LOCK_FILE).read_text() == content
+
 # ---- flag values: argparse errors at start, never a traceback or a lost epoch later
 
 @pytest.mark.parametrize("script", ["train_retinanet", "train_catsdogs"])

@@ -85,7 +85,11 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
                 with open(path) as f:
                     other = json.load(f)
             except (OSError, ValueError):
-                other = {}
+                other = None
+            if not isinstance(other, dict) or other.get("pid") is None and other.get("host") is None:
+                # a run killed as it took the lock, or one that has just taken it and not yet written it
+                return Refusal(f"{path} does not say which run holds {output_dir} (empty or damaged); if no run is "
+                               "writing there, delete it"), None
             pid, host = other.get("pid"), other.get("host")
             if host == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
                 note = f"replaced a stale lock of process {pid} (no longer running) in {output_dir}"
@@ -106,7 +110,8 @@ def release_lock(output_dir: str) -> None:
     """Remove `output_dir/run.lock` if this process holds it."""
     path = os.path.join(output_dir, LOCK_FILE)
     with contextlib.suppress(OSError, ValueError), open(path) as f:
-        if json.load(f).get("pid") == os.getpid():
+        held = json.load(f)
+        if isinstance(held, dict) and held.get("pid") == os.getpid():
             os.remove(path)
 
 
