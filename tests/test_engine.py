@@ -203,6 +203,23 @@ def test_a_lock_file_that_names_no_run_is_one_line_that_says_what_to_delete(tmp_
     run_folder.release_lock(out)  # not this process's lock: kept
     assert (tmp_path / run_folder.LOCK_FILE).read_text() == content
 
+
+def test_an_output_folder_on_a_full_disk_is_one_line_at_start(tmp_path, monkeypatch):
+    """A full disk still creates an empty file: the folder check writes a byte and the lock's write failing is an error
+    too (it was an OSError traceback from acquire_lock, leaving an empty run.lock that refused the next run).
+    /dev/full stands in for the full disk: every write to it fails with ENOSPC."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(run_folder.tempfile, "TemporaryFile", lambda dir: open("/dev/full", "wb"))
+    error, _, locked = run_folder.prepare_output_dir(str(out), False, None, False)
+    assert error == f"cannot write to --output_dir {out}: No space left on device" and not locked
+    monkeypatch.undo()
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(run_folder.os, "fdopen", lambda fd, mode: (os.close(fd), real_fdopen(os.open("/dev/full",
+                                                                                                     os.O_WRONLY), mode))[1])
+    error, note = run_folder.acquire_lock(str(out))  # the disk filled between the folder check and the lock
+    assert error == f"could not write the lock {out / run_folder.LOCK_FILE}: No space left on device" and note is None
+    assert sorted(os.listdir(out)) == []  # no empty lock left to refuse the next run
+
 # ---- flag values: argparse errors at start, never a traceback or a lost epoch later
 
 @pytest.mark.parametrize("script", ["train_retinanet", "train_catsdogs"])

@@ -100,8 +100,13 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
                                f"if that run is dead, delete {path}"), None
             return Refusal(f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; "
                            "use another --output_dir"), None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except OSError as e:  # the disk filled since the folder check: an empty lock would refuse the next run
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return f"could not write the lock {path}: {e.strerror or e}", None
         return None, note
     return f"could not take the lock {path}", None
 
@@ -122,8 +127,9 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
     notes = []
     try:
         os.makedirs(out, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):  # created and removed: the folder takes files
-            pass
+        with tempfile.TemporaryFile(dir=out) as f:  # created, written and removed: the folder takes files
+            f.write(b"ok")  # a full disk still creates an empty file; it refuses the byte
+            f.flush()
     except OSError as e:
         return f"cannot write to --output_dir {out}: {e.strerror or e}", notes, False
     present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))
