@@ -204,6 +204,7 @@ def test_a_lock_file_that_names_no_run_is_one_line_that_says_what_to_delete(tmp_
     assert (tmp_path / run_folder.LOCK_FILE).read_text() == content
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
 def test_an_output_folder_on_a_full_disk_is_one_line_at_start(tmp_path, monkeypatch):
     """A full disk still creates an empty file: the folder check writes a byte and the lock's write failing is an error
     too (it was an OSError traceback from acquire_lock, leaving an empty run.lock that refused the next run).
