@@ -173,22 +173,23 @@ def shard_batches(num_items: int, batch_size: int, rank: int, world_size: int) -
 
 
 def predict_videos(paths: list[str], predict: Callable[[int], list[dict]], rank: int, world_size: int
-                   ) -> tuple[dict[int, list[dict]], list[str]]:
+                   ) -> tuple[dict[int, list[dict]], dict[int, str]]:
     """This process's videos, each whole on one process (video v on process v % `world_size`), as `shard_batches`
     splits the images.
 
     `predict(v)`: the rows of video `paths[v]`, raising ValueError when it cannot be decoded as a video.
-    Returns ({v: predict(v)} of this process's readable videos, "path (unreadable video)" of the others, each logged
-    once as a warning: the lines skipped.txt lists them by, `write_skipped`).
+    Returns ({v: predict(v)} of this process's readable videos, {v: "path (unreadable video)"} of the others, each
+    logged once as a warning: the lines skipped.txt lists them by, `write_skipped`; keyed by v, so the merged lines
+    keep the input order whatever the number of processes).
     """
     rows: dict[int, list[dict]] = {}
-    unreadable: list[str] = []
+    unreadable: dict[int, str] = {}
     for v in range(rank, len(paths), world_size):
         try:
             rows[v] = predict(v)
         except ValueError as e:  # not a readable video: listed like an unreadable image
             logger.warning("skipping unreadable video: %s", e)
-            unreadable.append(f"{paths[v]} (unreadable video)")
+            unreadable[v] = f"{paths[v]} (unreadable video)"
     return rows, unreadable
 
 

@@ -40,12 +40,22 @@ class CheckpointError(RuntimeError):
 
 
 def read_json(path: str):
-    """The JSON value in the file `path`. Raises CheckpointError: it does not read or parse (one line naming it)."""
+    """The JSON value in the file `path`. Raises CheckpointError: it does not read or parse (one line naming it;
+    nesting deeper than Python's recursion limit included)."""
     try:
         with open(path) as f:
             return json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+
+
+def read_json_object(path: str) -> dict:
+    """The JSON object (a dict) in the file `path`. Raises CheckpointError: it does not read or parse, or holds
+    another JSON value (a list, a string, a number, null)."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is damaged ({json.dumps(value)[:40]}, not a JSON object)")
+    return value
 
 
 # What a failed write raises: the OS's OSError, torch's zip writer a RuntimeError ("unexpected pos",
@@ -269,10 +279,10 @@ def read_model_config(path: str) -> dict | None:
     """model_config.json next to the weights `weights_path(path)` finds (or in their parent folder), if any.
 
     Raises:
-        CheckpointError: when the file is there but does not parse.
+        CheckpointError: when the file is there but does not parse or holds no JSON object.
     """
     f = model_config_file(path)
-    return None if f is None else read_json(f)
+    return None if f is None else read_json_object(f)
 
 
 def run_config_of(path: str) -> tuple[dict, str | None]:

@@ -71,7 +71,7 @@ def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int,
     for part, fail, video_part, video_fail in shards:
         merged.update(part)
         frames.update(video_part)
-        skipped += [f"{paths[i]} (unreadable)" for i in fail] + video_fail
+        skipped += [f"{paths[i]} (unreadable)" for i in fail] + list(video_fail.values())
     names = {i: os.path.relpath(paths[i], root) for i in merged}
     rows = [{"file_name": names[i], "topk": [{"class": c, "prob": p} for c, p in merged[i]]} for i in sorted(merged)]
     rows += [r for v in sorted(frames) for r in frames[v]]

@@ -174,10 +174,16 @@ def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, s
     process's share (main process)."""
     merged: dict[int, list[dict]] = {}
     videos: dict[int, list[dict]] = {}
+    failed: list[int] = []
+    failed_videos: dict[int, str] = {}
     for part, fail, video_part, video_fail in shards:
         merged.update(part)
         videos.update(video_part)
-        skipped = skipped + [ds_path(ds, k) + " (unreadable)" for k in fail] + video_fail
+        failed += fail
+        failed_videos.update(video_fail)
+    # in input order: each process lists only its own batches and videos (dealt round-robin)
+    skipped = (skipped + [ds_path(ds, k) + " (unreadable)" for k in sorted(failed)]
+               + [failed_videos[v] for v in sorted(failed_videos)])
     results = [r for k in sorted(merged) for r in merged[k]] + [r for k in sorted(videos) for r in videos[k]]
     with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
         json.dump(results, f)

@@ -348,8 +348,10 @@ def main(argv=None):
             dirs["train_dir"] = None
         try:
             train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, dirs)
+            error = None
         except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
-            run.fail(str(e))
+            error = str(e)
+    run.fail_together(error)  # out of main_process_first: a main exiting inside it leaves the others at its barrier
     classes = val_ds.classes
 
     # ---- model

@@ -472,8 +472,10 @@ def main(argv=None):
             if args.evaluate_only:
                 paths = {**paths, "train_images": None, "train_annotations": None}
             train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
+            error = None
         except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
-            run.fail(str(e))
+            error = str(e)
+    run.fail_together(error)  # out of main_process_first: a main exiting inside it leaves the others at its barrier
     category_map = val_ds.category_map
 
     # ---- model

@@ -96,6 +96,49 @@ def test_truncated_or_foreign_weights_are_one_line_errors(tmp_path):
         load_model_weights(model, str(tmp_path / "notes.pt"))
 
 
+def test_a_checkpoint_whose_weights_or_state_file_is_a_link_to_nothing_fails_verification(tmp_path):
+    """A dangling symlink (a copy whose links point at a cleaned scratch disk) is no weights file: `latest` skips the
+    checkpoint naming the link (the resume crashed in accelerate's load_state, looking for pytorch_model.bin)."""
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root / "epoch_0001", 5)
+    for i, name in enumerate(("model.safetensors", "optimizer.bin")):
+        newest = fake_checkpoint(root / f"step_0000001{i}", 10 + i)
+        (newest / name).unlink()
+        (newest / name).symlink_to(tmp_path / "gone" / name)
+        with pytest.raises(ckpt.CheckpointError, match=rf"step_0000001{i}/{name} is a symlink whose target "
+                                                       rf"{tmp_path / 'gone' / name} is missing"):
+            ckpt.verify_checkpoint(str(newest))
+    weights_dir = fake_checkpoint(root / "step_00000020", 20)  # a folder where the weights file should be
+    (weights_dir / "model.safetensors").unlink()
+    (weights_dir / "model.safetensors").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="step_00000020 holds no model weights"):
+        ckpt.verify_checkpoint(str(weights_dir))
+    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(root / "epoch_0001")
+
+
+def test_json_files_that_parse_but_hold_the_wrong_thing_are_one_line_errors(tmp_path):
+    from detlib.weights import read_model_config
+
+    deep = "[" * 100_000 + "]" * 100_000  # parses to Python's recursion limit: a RecursionError, not a ValueError
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root / "epoch_0001", 5)
+    nested = fake_checkpoint(root / "epoch_0002", 10)
+    (nested / "trainer_state.json").write_text(deep)
+    with pytest.raises(ckpt.CheckpointError, match=r"epoch_0002/trainer_state.json is damaged \(RecursionError"):
+        ckpt.verify_checkpoint(str(nested))
+    assert ckpt.list_checkpoints(str(tmp_path)) == [str(root / "epoch_0001")]  # never raises for a damaged folder
+    listed = fake_checkpoint(root / "epoch_0003", 15)
+    (listed / "model_config.json").write_text("[]")
+    with pytest.raises(ckpt.CheckpointError, match=r"epoch_0003/model_config.json is damaged \(\[\], not a JSON object"):
+        ckpt.verify_checkpoint(str(listed))
+    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(root / "epoch_0001")
+    # the weights folders the scripts read (predict, --evaluate_only): a model_config.json of another JSON type
+    for text in ("[]", '"resnet18"', "5", "null", deep):
+        (listed / "model_config.json").write_text(text)
+        with pytest.raises(ckpt.CheckpointError, match=r"epoch_0003/model_config.json is damaged"):
+            read_model_config(str(listed))
+
+
 # ---- a save that fails (disk full)
 
 def test_failed_save_removes_its_folder_keeps_the_previous_and_says_no_space(tmp_path, monkeypatch):
@@ -146,6 +189,37 @@ def test_lock_refuses_a_live_run_and_replaces_a_stale_one(tmp_path):
     error, _ = run_folder.acquire_lock(out)
     assert "host node-17" in error and "delete" in error
 
+
+
+@pytest.mark.parametrize("content", ["", "{not json", "[]", "5", "null"])
+def test_a_lock_file_that_names_no_run_is_one_line_that_says_what_to_delete(tmp_path, content):
+    """An empty or damaged run.lock (a run killed as it took the lock, a hand-edited file): one refusal that names the
+    file to delete, never an AttributeError traceback (a JSON list or number) nor 'pid None on None'."""
+    out = str(tmp_path)
+    (tmp_path / run_folder.LOCK_FILE).write_text(content)
+    error, note = run_folder.acquire_lock(out)
+    assert error == (f"{tmp_path / run_folder.LOCK_FILE} does not say which run holds {out} (empty or damaged); if no "
+                     "run is writing there, delete it") and note is None
+    run_folder.release_lock(out)  # not this process's lock: kept
+    assert (tmp_path / run_folder.LOCK_FILE).read_text() == content
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_an_output_folder_on_a_full_disk_is_one_line_at_start(tmp_path, monkeypatch):
+    """A full disk still creates an empty file: the folder check writes a byte and the lock's write failing is an error
+    too (it was an OSError traceback from acquire_lock, leaving an empty run.lock that refused the next run).
+    /dev/full stands in for the full disk: every write to it fails with ENOSPC."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(run_folder.tempfile, "TemporaryFile", lambda dir: open("/dev/full", "wb"))
+    error, _, locked = run_folder.prepare_output_dir(str(out), False, None, False)
+    assert error == f"cannot write to --output_dir {out}: No space left on device" and not locked
+    monkeypatch.undo()
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(run_folder.os, "fdopen", lambda fd, mode: (os.close(fd), real_fdopen(os.open("/dev/full",
+                                                                                                     os.O_WRONLY), mode))[1])
+    error, note = run_folder.acquire_lock(str(out))  # the disk filled between the folder check and the lock
+    assert error == f"could not write the lock {out / run_folder.LOCK_FILE}: No space left on device" and note is None
+    assert sorted(os.listdir(out)) == []  # no empty lock left to refuse the next run
 
 # ---- flag values: argparse errors at start, never a traceback or a lost epoch later
 

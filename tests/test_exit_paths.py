@@ -218,6 +218,33 @@ def test_errors_at_start_and_mid_run(script, cats_data, detection_data, tmp_path
     assert code != 0 and status(mid)["status"] == "failed", run.text[-3000:]
 
 
+@pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
+def test_a_data_check_error_on_2_processes_is_one_line(script, cats_data, detection_data, tmp_path):
+    """The data check stops every process (a train class without images; a val json without boxes): one error line
+    and exit 1, as on 1 process. The main process used to exit inside `main_process_first`, so the other one's barrier
+    failed ('Connection closed by peer') with a traceback through the script."""
+    data, flags = data_and_flags(script, cats_data, detection_data)
+    if script == "train_catsdogs.py":
+        train = tmp_path / "train"
+        shutil.copytree(data[1], train)
+        shutil.rmtree(train / "vertical")
+        (train / "vertical").mkdir()
+        data = ["--train_dir", str(train), *data[2:]]
+        expected = "classes without a usable image (a class needs training images) [1]; e.g. vertical"
+    else:
+        val = json.loads(Path(data[data.index("--val_annotations") + 1]).read_text())
+        write_coco(tmp_path / "val.json", val["images"], [], val["categories"])
+        data = [*data[:data.index("--val_annotations")], "--val_annotations", str(tmp_path / "val.json")]
+        expected = "AP is undefined"
+    out = tmp_path / "run"
+    run = Launch(script, data + flags + ["--epochs", "1", "--output_dir", out], "cpu_2proc.yaml")
+    code, _ = run.finish(f"{script} 2 processes, a data check error")
+    assert code == 1 and not traceback_through_our_code(run.text), run.text[-3000:]
+    errors = [ln for ln in run.text.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "the data check found 1 kinds of error" in errors[0] and expected in run.text
+    assert "Connection closed by peer" not in run.text and status(out)["status"] == "failed"
+
+
 def test_worker_ends_with_its_training_process_and_survives_a_stray_sigterm(tmp_path):
     """The worker rule itself (detlib.data.loaders.worker_loader_kwargs), in a plain Python process: a SIGTERM from outside
     leaves a worker serving, the interpreter's exit ends it at once (it hung here forever before), and a worker

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from conftest import needs_coco_subset, run_script, write_image
-from helpers import run_main
+from helpers import load_script, run_main
 from tiny_retinanet import train_tiny
 
 pytestmark = [needs_coco_subset]  # the launches are marked slow one by one
@@ -123,3 +123,38 @@ def test_missing_weights_is_one_line(tmp_path, capsys):
     code, _, err = run_main("predict_retinanet", ["--weights", tmp_path / "nothing", "--source", one,
                                                   "--output_dir", tmp_path / "x"], capsys)
     assert code != 0 and f"no model weights at {tmp_path / 'nothing'}" in err
+
+
+def test_skipped_txt_lists_inputs_in_the_same_order_on_2_processes_as_on_1(tmp_path):
+    """skipped.txt from the shards of 2 processes (batches and videos dealt round-robin) equals the 1-process file:
+    the unsupported files, then the unreadable images in input order, then the unreadable videos in input order."""
+    import argparse
+
+    predict = load_script("predict_retinanet")
+    paths = [f"/src/{n}.jpg" for n in "abcdef"]
+    ds = argparse.Namespace(paths=paths)
+    video = {v: f"/src/v{v}.mp4 (unreadable video)" for v in range(3)}
+    one = [({}, [0, 1, 2, 4], {}, video)]
+    # batches of 1: process 0 has images 0, 2, 4 and videos 0, 2; process 1 images 1, 3, 5 and video 1
+    two = [({}, [0, 2, 4], {}, {0: video[0], 2: video[2]}), ({}, [1], {}, {1: video[1]})]
+    texts = []
+    for n, shards in ((1, one), (2, two)):
+        args = argparse.Namespace(output_dir=str(tmp_path / str(n)), score_thresh=0.5)
+        (tmp_path / str(n)).mkdir()
+        predict.write_outputs(args, ds, shards, ["/src/notes.txt (unsupported file type .txt)"], {})
+        texts.append((tmp_path / str(n) / "skipped.txt").read_text())
+    assert texts[0].splitlines() == ["/src/notes.txt (unsupported file type .txt)", "/src/a.jpg (unreadable)",
+                                     "/src/b.jpg (unreadable)", "/src/c.jpg (unreadable)", "/src/e.jpg (unreadable)",
+                                     video[0], video[1], video[2]]
+    assert texts[1] == texts[0]
+
+
+def test_a_model_config_json_that_is_no_json_object_is_one_line(tmp_path, capsys):
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"never read: the config is read first")
+    (weights / "model_config.json").write_text("[]")
+    one = write_image(tmp_path / "one.jpg", 64, 48)
+    code, _, err = run_main("predict_retinanet", ["--weights", weights, "--source", one, "--output_dir", tmp_path / "x"],
+                            capsys)
+    assert code != 0 and f"{weights / 'model_config.json'} is damaged ([], not a JSON object)" in err

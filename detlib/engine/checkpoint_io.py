@@ -49,7 +49,7 @@ from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
 from ..files import write_json
 from ..weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, all_finite, describe_write_failure, read_json,
-                       readable_as_umask_allows, refused, save_model_weights, verify_safetensors,
+                       read_json_object, readable_as_umask_allows, refused, save_model_weights, verify_safetensors,
                        weights_only_loads)
 from .run_folder import EXIT_DIVERGED, checkpoint_bytes
 from .tracking import broadcast_object, min_over_processes
@@ -218,14 +218,18 @@ def verify_checkpoint(path: str) -> None:
     """
     read_train_state(path)
     names = os.listdir(path)
-    if not any(n in names for n in WEIGHT_FILES):
+    for name in sorted(names):  # a link to nothing is no file: accelerate's load_state fails on it
+        f = os.path.join(path, name)
+        if os.path.islink(f) and not os.path.exists(f):
+            raise CheckpointError(f"{f} is a symlink whose target {os.path.realpath(f)} is missing")
+    if not any(os.path.isfile(os.path.join(path, n)) for n in WEIGHT_FILES):
         raise CheckpointError(f"{path} holds no model weights ({' / '.join(WEIGHT_FILES)})")
     for name in sorted(names):
         f = os.path.join(path, name)
         if not os.path.isfile(f):
             continue
         if name.endswith(".json"):
-            read_json(f)
+            (read_json_object if name == "model_config.json" else read_json)(f)
             continue
         if os.path.getsize(f) == 0:
             raise CheckpointError(f"{f} is empty")

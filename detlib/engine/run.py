@@ -347,6 +347,16 @@ class Run:
             print(f"{'stopped' if code == EXIT_PREEMPTED else 'error'}: {message}", file=sys.stderr, flush=True)
         raise SystemExit(code)
 
+    def fail_together(self, error: str | None, code: int = 1) -> None:
+        """`fail(error, code)` on every process when any process has an `error` (collective: all ranks call it, with
+        None where all went well); the line is the main process's error, else the first other one's."""
+        from accelerate.utils import gather_object
+
+        if min_over_processes(self.accelerator, error is None):
+            return
+        errors = gather_object([error])
+        self.fail(next(e for e in errors if e is not None), code)
+
     def _write_status(self, code: int, message: str = "") -> None:
         self._status_written = True
         write_run_status(self.output_dir, code, message, global_step=self.state.global_step, epoch=self.state.epoch)

@@ -85,7 +85,11 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
                 with open(path) as f:
                     other = json.load(f)
             except (OSError, ValueError):
-                other = {}
+                other = None
+            if not isinstance(other, dict) or other.get("pid") is None and other.get("host") is None:
+                # a run killed as it took the lock, or one that has just taken it and not yet written it
+                return Refusal(f"{path} does not say which run holds {output_dir} (empty or damaged); if no run is "
+                               "writing there, delete it"), None
             pid, host = other.get("pid"), other.get("host")
             if host == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
                 note = f"replaced a stale lock of process {pid} (no longer running) in {output_dir}"
@@ -96,8 +100,13 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
                                f"if that run is dead, delete {path}"), None
             return Refusal(f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; "
                            "use another --output_dir"), None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except OSError as e:  # the disk filled since the folder check: an empty lock would refuse the next run
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return f"could not write the lock {path}: {e.strerror or e}", None
         return None, note
     return f"could not take the lock {path}", None
 
@@ -106,7 +115,8 @@ def release_lock(output_dir: str) -> None:
     """Remove `output_dir/run.lock` if this process holds it."""
     path = os.path.join(output_dir, LOCK_FILE)
     with contextlib.suppress(OSError, ValueError), open(path) as f:
-        if json.load(f).get("pid") == os.getpid():
+        held = json.load(f)
+        if isinstance(held, dict) and held.get("pid") == os.getpid():
             os.remove(path)
 
 
@@ -117,8 +127,9 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
     notes = []
     try:
         os.makedirs(out, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):  # created and removed: the folder takes files
-            pass
+        with tempfile.TemporaryFile(dir=out) as f:  # created, written and removed: the folder takes files
+            f.write(b"ok")  # a full disk still creates an empty file; it refuses the byte
+            f.flush()
     except OSError as e:
         return f"cannot write to --output_dir {out}: {e.strerror or e}", notes, False
     present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))
