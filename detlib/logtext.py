@@ -13,6 +13,7 @@ import os
 from typing import Iterable, Sequence
 
 NAME_CHARS = 40  # of a class name in a log line
+EXAMPLE_CHARS = 80  # of an example (a path, an id) in a data check line: five of them fit a line of any data root
 LIST_ITEMS = 8  # items of a list written out in a log line
 EXTREMES = 3  # worst / best classes named in a summary
 COUNT_ITEMS = 10  # classes whose image counts are all written out
@@ -22,6 +23,16 @@ def short_name(name, limit: int = NAME_CHARS) -> str:
     """`name` as text, cut to `limit` characters (an ellipsis marks the cut)."""
     text = str(name)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def short_middle(text, limit: int = EXAMPLE_CHARS) -> str:
+    """`text` cut to `limit` characters in its middle, an ellipsis marking the cut: a long path keeps its start and
+    its file name ("/data/very/long/…/cats/0001.jpg")."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return text[:head] + "…" + text[len(text) - (limit - head - 1):]
 
 
 def short_list(items: Iterable, limit: int = LIST_ITEMS) -> str:

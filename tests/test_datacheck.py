@@ -662,3 +662,20 @@ def test_image_with_one_side_missing_is_a_finding_not_a_crash(missing):
     r = check_coco(gt).report
     assert _find(r, "images without a valid width / height").examples == [img["file_name"]]
     assert not r.ok
+
+
+def test_a_finding_line_stays_readable_whatever_the_data_roots_length(tmp_path):
+    """Case D04's bounded lines with data under a long root: each example of a finding's line is cut in its middle
+    (its start and file name kept), data_report.json keeps every example whole."""
+    from detlib.datacheck import DataReport
+
+    root = "/" + "/".join(["a_rather_long_folder_name"] * 12)  # 313 characters
+    paths = [f"{root}/class_{i:03d}/img_{i}.jpg" for i in range(300)]
+    report = DataReport()
+    report.add("warning", "images", "val", "val files that are also in train (same bytes or same file): val accuracy "
+               "will be optimistic", paths[:5], count=300)
+    line = report.findings[0].line()
+    assert len(line) < 600, len(line)
+    assert line.count("…") == 5 and "/class_004/img_4.jpg" in line and line.startswith("val    images")
+    report.write(str(tmp_path / "r.json"))
+    assert json.loads((tmp_path / "r.json").read_text())["findings"][0]["examples"] == paths[:5]

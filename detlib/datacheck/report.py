@@ -27,6 +27,7 @@ from typing import Iterable
 from PIL import Image
 
 from ..files import file_key, read_json_cache, write_json
+from ..logtext import short_middle
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ class Finding:
     examples: list = field(default_factory=list)
 
     def line(self) -> str:
-        ex = f"; e.g. {', '.join(map(str, self.examples))}" if self.examples else ""
+        # each example cut in its middle (`short_middle`): the line stays readable whatever the data root's length;
+        # data_report.json keeps them whole
+        ex = f"; e.g. {', '.join(map(short_middle, self.examples))}" if self.examples else ""
         more = " ..." if self.count > len(self.examples) and self.examples else ""
         return f"{self.split:<6} {self.kind:<10} {self.message} [{self.count}]{ex}{more}"
 
