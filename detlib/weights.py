@@ -24,7 +24,6 @@ import pickle
 import re
 import shutil
 import warnings
-from unittest import mock
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,6 +32,8 @@ from timm.models import load_state_dict as timm_load_state_dict
 from .files import atomic_path, write_json
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
+# torch's switches of torch.load's default, set and put back by `weights_only_loads`
+_TORCH_FORCE = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 
 
 class CheckpointError(RuntimeError):
@@ -182,9 +183,17 @@ def weights_only_loads():
     pretrained weights). torch's own switch, the environment variable TORCH_FORCE_WEIGHTS_ONLY_LOAD; a
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD of the user's is set aside meanwhile. A refused file raises
     `pickle.UnpicklingError`."""
-    with mock.patch.dict(os.environ, {"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}):  # the environment is put back after
-        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    # only these two variables are touched and put back (not the whole environment: other threads may set theirs)
+    saved = {k: os.environ.pop(k, None) for k in _TORCH_FORCE}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
         yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:
