@@ -23,6 +23,7 @@ above --score_thresh) is no pass: exit 1, with what to do.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -181,10 +182,23 @@ def verdict(report: list[dict], args) -> tuple[str, str]:
     return "pass", what
 
 
+# What --format onnx needs beyond requirements.txt: the exporter (torch.onnx's dynamo path uses onnxscript), the
+# opset check (onnx) and the parity run (onnxruntime); pyproject's `export` extra installs them.
+ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+
+
+def missing_onnx_packages() -> list[str]:
+    """The ONNX_PACKAGES that are not installed (checked without importing them)."""
+    return [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
+
+
 @torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
     setup_console_logging(args.verbose)
+    if args.format in ("onnx", "both") and (missing := missing_onnx_packages()):
+        raise SystemExit(f"error: --format {args.format} needs {', '.join(missing)} (not installed): pip install -e "
+                         "'.[export]' (or -r requirements-dev.txt); --format pt2 needs nothing more")
     notes: list[str] = []  # what an old model_config.json lacked, flags this export does not use: one line each
     try:
         model, config, category_map = load_retinanet(args.weights, notes)

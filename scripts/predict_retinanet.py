@@ -194,6 +194,10 @@ def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, s
                 f" and {len(videos)} videos ({frames} frames with detections)" if videos else "", len(results),
                 args.score_thresh if args.score_thresh == "best_f1" else f"{args.score_thresh:g}",
                 ", ".join(f"{k} {v}" for k, v in per_class.most_common()) or "none")
+    if not args.no_images:  # the json keeps every detection >= --score_thresh (what AP needs), the pictures fewer
+        logger.info("%d of them drawn in %s (score >= %g, --draw_thresh)", sum(r["score"] >= args.draw_thresh
+                                                                             for r in results),
+                    os.path.join(args.output_dir, "images"), args.draw_thresh)
     return results
 
 

@@ -467,3 +467,21 @@ def test_case_d17_resume_with_another_lr_is_said_and_another_optimizer_refused(t
         script.main([*common, "--epochs", "3", "--optimizer", "sgd", "--resume_from_checkpoint", "latest"])
     err = capsys.readouterr().err
     assert e.value.code == 1 and "its optimizer is another one than this run's" in err and "Traceback" not in err
+
+
+def test_export_without_the_onnx_packages_is_one_line_that_says_what_to_install(tmp_path, monkeypatch):
+    """The README's export after its first command (requirements.txt only): no onnxscript. One line naming what is
+    missing and the install command, before any model is loaded; --format pt2 needs none of it."""
+    script = load_script("export_retinanet")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("onnxscript", "onnxruntime") else real_find_spec(name, *a))
+    assert script.missing_onnx_packages() == ["onnxscript", "onnxruntime"]
+    for fmt in ("onnx", "both"):
+        with pytest.raises(SystemExit) as e:
+            script.main(["--weights", str(tmp_path / "no_such_run"), "--output", str(tmp_path / "m.onnx"), "--format", fmt])
+        assert str(e.value) == (f"error: --format {fmt} needs onnxscript, onnxruntime (not installed): pip install -e "
+                                "'.[export]' (or -r requirements-dev.txt); --format pt2 needs nothing more")
+    with pytest.raises(SystemExit) as e:  # pt2 goes on to the weights, which are missing here
+        script.main(["--weights", str(tmp_path / "no_such_run"), "--output", str(tmp_path / "m.onnx"), "--format", "pt2"])
+    assert str(e.value).startswith("error: no model weights at ") and "not installed" not in str(e.value)
