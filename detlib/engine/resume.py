@@ -19,7 +19,6 @@ import os
 from .checkpoint_io import CheckpointError, TrainState, resolve_resume
 from .tracking import broadcast_object
 
-# The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger(__name__)
 
 

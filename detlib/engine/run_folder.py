@@ -38,7 +38,6 @@ import torch
 from ..data.loaders import PREEMPT_SIGNALS
 from ..files import write_json
 
-# The run machinery logs under one name whichever of its modules writes the line (train.log shows the name).
 logger = logging.getLogger(__name__)
 
 EXIT_DIVERGED = 3  # non-finite optimizer steps in a row
