@@ -135,11 +135,14 @@ def test_case_d03_detection_val_sets_whose_ap_is_undefined_or_trivially_zero(tmp
 
 # ---- D04: log lines of bounded length whatever the number of classes
 
-MAX_LINE = 600  # characters of a console / train.log line (paths of the test's tmp folder included)
+MAX_LINE = 600  # characters of a console / train.log line, the test's tmp folder counted as "TMP" wherever it is
 
 
-def long_lines(text: str) -> list[str]:
-    return [f"{len(line)}: {line[:200]}" for line in text.splitlines() if len(line) > MAX_LINE]
+def long_lines(text: str, tmp_path) -> list[str]:
+    """Lines over MAX_LINE once each occurrence of `tmp_path` is 3 characters: the bound is on our words, not on
+    how deep the machine's temporary folder is (xdist's popen-gwN/ made a CI-length path cross it)."""
+    lines = [line.replace(str(tmp_path), "TMP") for line in text.splitlines()]
+    return [f"{len(line)}: {line[:200]}" for line in lines if len(line) > MAX_LINE]
 
 
 @needs_catsdogs
@@ -158,7 +161,7 @@ def test_case_d04_300_classes_keep_console_and_train_log_readable(tmp_path, caps
     console = capsys.readouterr()
     log = (out / "train.log").read_text()
     for text in (log, console.out, console.err):
-        assert not long_lines(text), long_lines(text)
+        assert not long_lines(text, tmp_path), long_lines(text, tmp_path)
     assert len(log) < 20_000  # was 278,822 characters on one line
     (line,) = [ln for ln in log.splitlines() if " eval on 300 images" in ln]
     assert "300 classes, mean precision " in line and "lowest recall (images): class_" in line and "; highest: " in line
@@ -251,7 +254,7 @@ def test_case_d04_detector_per_class_table_at_90_classes_is_bounded_and_in_a_fil
                                       str(tmp_path / "img"), num_log_images=0)
     (record,) = [r for r in caplog.records if r.getMessage().startswith("per-class AP at step 40")]
     lines = record.getMessage().splitlines()
-    assert len(lines) <= 16 and max(map(len, lines)) <= 200
+    assert len(lines) <= 16 and max(len(line.replace(str(tmp_path), "TMP")) for line in lines) <= 200
     full = tmp_path / "run" / "plots" / "epoch_0004" / "per_class_ap.json"
     assert lines[8] == f"... 78 classes between (mean AP 0.500); all 90: {full}"
     assert len(json.loads(full.read_text())) == 90 == len(per_class)
