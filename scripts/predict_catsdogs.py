@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
-import json
 import logging
 import os
 import shutil
@@ -38,6 +37,7 @@ from tqdm.auto import tqdm
 from detlib.classification import classification_transform
 from detlib.data import INSTALL_HINT, av_available, video_frames, video_info, worker_loader_kwargs
 from detlib.engine import int_at_least
+from detlib.files import atomic_write, write_json
 from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_media_files, load_classifier, output_names,
                               predict_videos, prediction_parser, run_prediction, shard_batches, start_prediction,
                               write_skipped)
@@ -75,15 +75,14 @@ def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int,
     names = {i: os.path.relpath(paths[i], root) for i in merged}
     rows = [{"file_name": names[i], "topk": [{"class": c, "prob": p} for c, p in merged[i]]} for i in sorted(merged)]
     rows += [r for v in sorted(frames) for r in frames[v]]
-    with open(os.path.join(args.output_dir, "predictions.csv"), "w", newline="") as f:
+    with atomic_write(os.path.join(args.output_dir, "predictions.csv"), newline="") as f:
         w = csv.writer(f)
         w.writerow(["file"] + [c for j in range(1, k + 1) for c in (f"class_{j}", f"prob_{j}")]
                    + (["frame", "time"] if frames else []))
         for r in rows:
             w.writerow([r["file_name"]] + [v for t in r["topk"] for v in (t["class"], f"{t['prob']:.6f}")]
                        + ([r.get("frame", ""), r.get("time", "")] if frames else []))
-    with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
-        json.dump(rows, f)
+    write_json(rows, os.path.join(args.output_dir, "predictions.json"))
     write_skipped(args.output_dir, sorted(skipped) + list(unsupported))
     top1 = Counter(r["topk"][0]["class"] for r in rows)
     logger.info("%d images%s classified: %s", len(merged), f" and {sum(map(len, frames.values()))} video frames"

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import os
 from collections import Counter
@@ -53,6 +52,7 @@ from detlib.datacheck import DataReport, check_coco
 from detlib.engine import float_range, int_at_least
 from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, drawing_scale,
                                save_image, upright_image_and_boxes)
+from detlib.files import write_json
 from detlib.inference import (DetectionImageFiles, detection_item, earlier_outputs, list_media_files, load_retinanet,
                               output_names, prediction_parser, predict_videos, retinanet_input_size, run_prediction,
                               shard_batches, start_prediction, write_skipped)
@@ -185,8 +185,7 @@ def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, s
     skipped = (skipped + [ds_path(ds, k) + " (unreadable)" for k in sorted(failed)]
                + [failed_videos[v] for v in sorted(failed_videos)])
     results = [r for k in sorted(merged) for r in merged[k]] + [r for k in sorted(videos) for r in videos[k]]
-    with open(os.path.join(args.output_dir, "predictions.json"), "w") as f:
-        json.dump(results, f)
+    write_json(results, os.path.join(args.output_dir, "predictions.json"))
     write_skipped(args.output_dir, skipped)
     per_class = Counter(names.get(r["category_id"], r["category_id"]) for r in results)
     frames = len({(r["file_name"], r["frame"]) for k in videos for r in videos[k]})
@@ -248,10 +247,7 @@ def predict_video(args, path: str, name: str, out_name: str, detect, transform, 
         if writer is not None:
             writer.close()
     if args.save_json_per_image:
-        out = os.path.join(args.output_dir, "json", out_name + ".json")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(per_frame, f, indent=1)
+        write_json(per_frame, os.path.join(args.output_dir, "json", out_name + ".json"), indent=1)
     logger.info("video %s: %d frames (%.1f fps), %d detections%s", name, len(per_frame), info["fps"], len(results),
                 "" if writer is None else f", drawn into {os.path.join(args.output_dir, 'videos', out_name + '.mp4')}")
     return results
@@ -281,11 +277,9 @@ def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dic
                                 scale=drawing_scale(*image.shape[-2:]))  # a thumbnail enlarged: legible labels
         save_image(drawn, os.path.join(args.output_dir, "images", stem + ".jpg"))
     if args.save_json_per_image:
-        out = os.path.join(args.output_dir, "json", stem + ".json")
-        os.makedirs(os.path.dirname(out), exist_ok=True)
         dets = [per_image_detection(r, names) for r in res]
-        with open(out, "w") as f:
-            json.dump({"file_name": name, "image_id": image_id, "detections": dets}, f, indent=1)
+        write_json({"file_name": name, "image_id": image_id, "detections": dets},
+                   os.path.join(args.output_dir, "json", stem + ".json"), indent=1)
 
 
 @torch.no_grad()
