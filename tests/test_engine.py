@@ -494,6 +494,10 @@ def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path)
     (tmp_path / "model_config.json").write_text(json.dumps({"category_ids": [1, 3], "category_names": ["a", "b"]}))
     with pytest.raises(ResumeError, match="category_ids"):
         check_same_classes(str(tmp_path), {"category_ids": [1, 2], "category_names": ["a", "b"]})
+    for damaged in ("[1, 2]", "{not json"):  # a list, or no JSON: one line naming the file, not a traceback
+        (tmp_path / "model_config.json").write_text(damaged)
+        with pytest.raises(ResumeError, match=r"^cannot resume from .*model_config.json is damaged"):
+            check_same_classes(str(tmp_path), {"category_ids": [1, 2]})
 
 
 # ---- a quiet console

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 
+from ..weights import read_json_object
 from .checkpoint_io import CheckpointError, TrainState, resolve_resume
 from .tracking import broadcast_object
 
@@ -62,13 +63,12 @@ def check_same_classes(checkpoint: str, model_config: dict | None) -> None:
     """Raise ResumeError when the checkpoint's `model_config.json` lists other classes (ids, names or their
     order) than this run's data (`model_config`); a checkpoint without the lists passes."""
     path = os.path.join(checkpoint, "model_config.json")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except FileNotFoundError:
+    if not os.path.exists(path):
         return
-    except ValueError as e:
-        raise ResumeError(f"cannot resume from {checkpoint}: {path} is damaged ({e})") from None
+    try:
+        saved = read_json_object(path)  # a list or a number in it is damaged too, not an AttributeError below
+    except CheckpointError as e:
+        raise ResumeError(f"cannot resume from {checkpoint}: {e}") from None
     for key in CLASS_LIST_KEYS:
         ours, theirs = (model_config or {}).get(key), saved.get(key)
         if ours is None or theirs is None or list(ours) == list(theirs):
