@@ -140,7 +140,8 @@ def _order_key(path: str) -> tuple:
 def list_checkpoints(output_dir: str) -> list[str]:
     """Checkpoint folders whose trainer_state.json reads, oldest first (see `_order_key`). Never raises for a
     damaged folder: it is left out (see `verify_checkpoint` for the full check)."""
-    return sorted((p for p in _candidates(output_dir) if _step(p) is not None), key=_order_key)
+    keys = {p: _order_key(p) for p in _candidates(output_dir)}  # each trainer_state.json read once
+    return sorted((p for p, key in keys.items() if key[1] >= 0), key=keys.__getitem__)
 
 
 def read_train_state(path: str) -> TrainState:
