@@ -10,7 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+
+# One thread per pytest process: the suite's two xdist workers and the processes they launch share 2 cores, and
+# torch's default (a thread per core) in both workers makes their OpenMP threads wait on each other's cores.
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
