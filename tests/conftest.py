@@ -83,6 +83,16 @@ def start_script(script: str | Path, args: list[str], config: str = "cpu.yaml", 
                             stderr=stderr, text=True, start_new_session=True, env=launch_env(env))
 
 
+def pytest_collection_modifyitems(items):
+    """The test files with the most `slow` tests first (each file's tests keep their order). xdist's `loadfile` hands
+    out whole files in this order, so the long files start first and the two workers end together instead of one
+    waiting on the other's last launch file."""
+    slow = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])
+
+
 @pytest.fixture(autouse=True)
 def _count_launches(request, monkeypatch):
     """With DETLIB_COUNT_LAUNCHES=FILE: one line per Python process a test starts (a launch, a script, a probe),
