@@ -133,10 +133,6 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     # errors (class lists that differ, a train class without a usable image) stop here, a val class without one is a
     # warning; the report is logged and written to output_dir/data_report.json
     scans = check_folders_for_training(scans, args.output_dir, strict=getattr(args, "strict_data", False), is_main=is_main)
-    for name, scan in scans.items():
-        if is_main:  # the other processes read the same folders; one report is enough
-            for level, line in scan.report(name):
-                logger.log(level, line)
 
     # Batches leave the workers as float32 (4 bytes per value) through /dev/shm.
     bytes_per_batch = 4 * 3 * args.image_size ** 2 * max(args.per_device_batch_size, args.per_device_eval_batch_size)

@@ -22,6 +22,7 @@ from detlib.classification import (build_classifier, classification_metrics, cla
                                    load_pretrained_weights)
 from detlib.data.builtin import STRIPES_CLASSES, make_synthetic_image_folder
 from detlib.data.imagefolder import ImageFolderDataset, find_classes, scan_image_folder
+from detlib.datacheck.imagefolder import check_folder_scans
 from detlib.weights import load_model_weights
 from helpers import _noise, make_bad_folder, make_tiny_folder, write_good_images
 from helpers import load_script as _load_script
@@ -62,8 +63,12 @@ def test_case_b24_b25_scan_skips_unreadable_files_with_reasons(tmp_path):
     labels = {Path(p).name: t for p, t in scan.samples}
     assert labels["cmyk.jpg"] == 0 and labels["pal.png"] == 1
     assert scan.class_counts() == [6 + 2, 6 + 2]
-    lines = [msg for _, msg in scan.report("train")]
-    assert any("skipped 3 unreadable image files" in m and "trunc.jpg" in m for m in lines), lines
+    _, report = check_folder_scans({"train": scan})
+    left_out = [f for f in report.findings if f.message.startswith("image files that cannot be read")]
+    assert [f.message for f in left_out] == ["image files that cannot be read: left out (1 empty file, 1 not an "
+                                             "image, 1 truncated)"] and left_out[0].count == 3, report.findings
+    assert any("trunc.jpg (truncated)" in e for e in left_out[0].examples)
+    assert report.summaries["train"]["ignored files"].startswith("3 (")
     # header-only checking cannot see truncation: the truncated file is kept, the others still skipped
     header = scan_image_folder(str(bad.root), verify="header")
     assert {Path(p).name for p, _ in header.skipped} == {"0.jpg", "fake.jpg"}

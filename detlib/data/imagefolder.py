@@ -30,7 +30,7 @@ from PIL import Image
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..files import file_key, read_json_cache, write_json
-from ..logtext import LIST_ITEMS, class_counts, short_list
+from ..logtext import LIST_ITEMS, short_list
 from .images import check_image_file, load_rgb, load_skipping_unreadable
 
 logger = logging.getLogger(__name__)
@@ -106,23 +106,6 @@ class FolderScan:
     def class_counts(self) -> list[int]:
         counts = Counter(t for _, t in self.samples)
         return [counts.get(i, 0) for i in range(len(self.classes))]
-
-    def report(self, name: str, max_paths: int = 5) -> list[tuple[int, str]]:
-        """Log lines as (logging level, message): the counts, then what was skipped or ignored."""
-        counts = class_counts(self.classes, self.class_counts())
-        lines = [(logging.INFO, f"{name}: {len(self.samples)} images in {len(self.classes)} classes ({counts}) "
-                                f"from {self.root}")]
-        if self.skipped:
-            reasons = Counter(r.split(":")[0] for _, r in self.skipped)
-            first = "; ".join(f"{p} ({r})" for p, r in self.skipped[:max_paths])
-            lines.append((logging.WARNING, f"{name}: skipped {len(self.skipped)} unreadable image files "
-                                           f"({', '.join(f'{n} {r}' for r, n in reasons.most_common())}); first: {first}"))
-        if self.ignored:
-            lines.append((logging.INFO, f"{name}: ignored {len(self.ignored)} hidden or non-image files, "
-                                        f"e.g. {self.ignored[:max_paths]}"))
-        if self.hidden:
-            lines.append((logging.INFO, f"{name}: hidden entries are not classes: {_names(self.hidden)}"))
-        return lines
 
 
 def _list_files(root: str, classes: list[str]) -> tuple[list[tuple[str, int]], list[str], list[str]]:

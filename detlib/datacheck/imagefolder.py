@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -60,6 +60,15 @@ def _same_bytes(paths: list[str]) -> dict[str, str]:
     return out
 
 
+def ignored_files(scan: FolderScan, shown: int = 3) -> str | int:
+    """The summary's "ignored files": how many files the scan left out unchecked (hidden files, names without an
+    image extension), with the first few, relative to the root; 0 when none."""
+    if not scan.ignored:
+        return 0
+    first = ", ".join(os.path.relpath(p, scan.root) for p in scan.ignored[:shown])
+    return f"{len(scan.ignored)} ({first}{', ...' if len(scan.ignored) > shown else ''})"
+
+
 def check_folder_scans(scans: dict[str, FolderScan], report: DataReport | None = None,
                        strict: bool = False) -> tuple[dict[str, FolderScan], DataReport]:
     """Judge ImageFolder scans ("train" and / or "val") and leave out the files that carry two labels.
@@ -75,7 +84,10 @@ def check_folder_scans(scans: dict[str, FolderScan], report: DataReport | None =
     for split, scan in scans.items():
         add = lambda level, msg, ex=(), count=None, s=split: report.add(level, "images", s, msg, ex, count)  # noqa: E731
         add("warning", "hidden entries of the root are not classes", scan.hidden)
-        add("repair", "image files that cannot be read: left out", [f"{p} ({r})" for p, r in scan.skipped])
+        reasons = Counter(r.split(":")[0] for _, r in scan.skipped)
+        add("repair", "image files that cannot be read: left out"
+            + (f" ({', '.join(f'{n} {r}' for r, n in reasons.most_common())})" if reasons else ""),
+            [f"{p} ({r})" for p, r in scan.skipped])
         add("warning", "folders reached again through a symlink (a loop or a second link): not followed again",
             scan.revisited)
         real = [os.path.realpath(p) for p, _ in scan.samples]
@@ -121,7 +133,7 @@ def check_folder_scans(scans: dict[str, FolderScan], report: DataReport | None =
         report.summaries[split] = {"root": scan.root, "images": len(kept),
                                    "classes": class_counts(scan.classes, counts) if len(counts) <= COUNT_ITEMS
                                    else f"{len(counts)} ({class_counts(scan.classes, counts)})",
-                                   "ignored files": len(scan.ignored)}
+                                   "ignored files": ignored_files(scan)}
         out[split] = scan
     if "train" in out and "val" in out:
         train, val = out["train"], out["val"]
