@@ -303,7 +303,7 @@ def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts
     guard.snapshot_buffers(model)
     loss = model(x).pow(2).mean()
     loss.backward()
-    guard.add({"loss": loss}, 4)
+    guard.add_losses({"loss": loss}, 4)
     before = model[0].weight.detach().clone()
     skipped, sums = _script_step(acc, guard, model, opt, loss), guard.sums
     assert not skipped and not torch.equal(model[0].weight, before)
@@ -316,7 +316,7 @@ def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts
         guard.snapshot_buffers(model)
         loss = model(x).sum() * float("nan")  # the forward moves the running mean, the loss is NaN
         loss.backward()
-        guard.add({"loss": loss}, 4)
+        guard.add_losses({"loss": loss}, 4)
         skipped, sums = _script_step(acc, guard, model, opt, loss), guard.sums
         assert skipped and sums[0] == 1.0
         assert torch.equal(model[0].weight, weights) and torch.equal(model[1].running_mean, running_mean)
@@ -335,8 +335,8 @@ def test_step_guard_window_line_is_the_mean_over_images_and_restarts():
     acc = Accelerator(cpu=True)
     guard = StepWindow(acc, max_nonfinite_steps=3)
     assert guard.window_line({"epoch": 0, "step": 0}, 0.1, 0, [{"lr": 0.1}]) is None  # no step yet
-    guard.add({"loss": torch.tensor(2.0), "cls_loss": torch.tensor(1.0)}, 3)
-    guard.add({"loss": torch.tensor(6.0), "cls_loss": torch.tensor(5.0)}, 1)
+    guard.add_losses({"loss": torch.tensor(2.0), "cls_loss": torch.tensor(1.0)}, 3)
+    guard.add_losses({"loss": torch.tensor(6.0), "cls_loss": torch.tensor(5.0)}, 1)
     guard.sums = (0.0, 0.0, 6.0, 0.5)
     guard.record(1, 0.1)
     line, images = guard.window_line({"epoch": 0, "step": 1}, 0.1, 0, [{"lr": 0.1}, {"lr": 0.01}])

@@ -145,8 +145,10 @@ class RunSettings:
 
 
 class StepWindow:
-    """The optimizer steps since the last train line: the non-finite check, the divergence streak, the explosion
-    watch and the logged values' sums. Held by `Run`; every collective method is called by all ranks together.
+    """The step's bookkeeping, the part of `Run` that needs no run folder (`Run` is a StepWindow; its tests build one
+    on a bare Accelerator): the losses of the micro-batches, the non-finite check, the divergence streak, the
+    explosion watch, the BatchNorm buffers of the window and the logged values' sums since the last train line.
+    Every collective method is called by all ranks together.
 
     Args:
         accelerator: the run's `accelerate.Accelerator` (device, process count, GradScaler, reduce).
@@ -159,15 +161,17 @@ class StepWindow:
         self.streak = 0  # non-finite optimizer steps in a row
         self.last_grad_norm = math.nan  # mean over processes of the last step's pre-clip norm; nan when non-finite
         self.sums = (0.0, 0.0, 0.0, 0.0)  # `all_finite`'s, for `record`
-        self._ema = self._ema_low = None
+        self._loss_ema = self._loss_low = None
         self._warned_loss = 0.0
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._bad = torch.zeros((), device=accelerator.device)  # non-finite micro-batch losses this window
         self._values: torch.Tensor | None = None  # the logged values summed over images
         self._keys: list[str] = []
-        self.images = self.steps = 0
+        # this process's loss summed over the epoch's images, and their count (float64: a long epoch's sum)
+        self._epoch_sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+        self.window_images = self.window_steps = 0
         self.data_time = 0.0
-        self.t_start = time.time()
+        self.window_start = time.time()
 
     def snapshot_buffers(self, model: torch.nn.Module) -> None:
         """Keep the floating-point buffers (BatchNorm running statistics) from before an accumulation window:
@@ -180,18 +184,23 @@ class StepWindow:
             for b, saved in self._buffers:
                 b.copy_(saved)
 
-    def add(self, values: dict[str, torch.Tensor], num_images: int) -> None:
-        """Add one micro-batch's scalar losses (0-d tensors, "loss" the one trained on) to the window."""
+    def add_losses(self, values: dict[str, torch.Tensor], num_images: int) -> None:
+        """One micro-batch's scalar losses (0-d tensors; "loss" is the one trained on, unweighted) into the log
+        window (logged as means over images) and the epoch's mean loss."""
+        loss = values["loss"].detach()
         stacked = torch.stack([v.detach().float() for v in values.values()])
         if self._values is None or self._values.numel() != stacked.numel():
             self._keys, self._values = list(values), torch.zeros_like(stacked)
         self._values += stacked * num_images
-        self.images += num_images
-        self._bad = self._bad + (~torch.isfinite(values["loss"].detach())).float()
+        self.window_images += num_images
+        self._bad = self._bad + (~torch.isfinite(loss)).float()
+        self._epoch_sums += torch.stack([loss.double() * num_images, torch.tensor(
+            float(num_images), device=self._epoch_sums.device, dtype=torch.float64)])
 
     def all_finite(self, loss: torch.Tensor, grad_norm) -> bool:
-        """True when every micro-batch loss of the window and the gradient norm are finite on every process.
-        Collective (one all-reduce), so every rank gets the same answer.
+        """Whether to take the optimizer step: every micro-batch loss of the window and the gradient norm finite on
+        every process. Collective (one all-reduce), so every rank steps or skips together; call it on the last
+        micro-batch of a window, before `optimizer.step()`.
 
         Args:
             loss: the last micro-batch's loss, 0-d tensor.
@@ -201,9 +210,8 @@ class StepWindow:
         """
         acc = self.accelerator
         grad_norm = torch.as_tensor(grad_norm, device=acc.device).float()
-        flags = torch.stack([self._bad, (~torch.isfinite(grad_norm)).float(), torch.nan_to_num(
-            loss.detach().float(), nan=0.0, posinf=0.0, neginf=0.0), torch.nan_to_num(grad_norm, nan=0.0, posinf=0.0,
-                                                                                       neginf=0.0)])
+        flags = torch.stack([self._bad, (~torch.isfinite(grad_norm)).float(),
+                             *(t.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) for t in (loss.detach().float(), grad_norm))])
         self.sums = tuple(acc.reduce(flags, reduction="sum").tolist())
         self._bad = torch.zeros((), device=acc.device)
         return not (self.sums[0] or self.sums[1])
@@ -225,18 +233,18 @@ class StepWindow:
         elif bad_grad:  # fp16: an overflow of the scaled gradients is routine while the scaler finds its level
             logger.info("step %d: fp16 gradient overflow: the GradScaler skipped the step on every process and "
                         "lowered the loss scale to %g", step, acc.scaler.get_scale())
-        self.steps += 1
+        self.window_steps += 1
         return self.streak >= self.max_nonfinite_steps
 
     def _watch_explosion(self, loss: float, lr: float, step: int) -> None:
-        if self._ema_low is not None and loss > EXPLOSION_FACTOR * max(self._ema_low, LOSS_LEVEL_FLOOR) \
+        if self._loss_low is not None and loss > EXPLOSION_FACTOR * max(self._loss_low, LOSS_LEVEL_FLOOR) \
                 and loss > REWARN_FACTOR * self._warned_loss:
             logger.warning("step %d: loss %.4g is over %dx its lowest running level %.4g (lr %.3g): the run may be "
                            "diverging; consider a lower --lr or --max_grad_norm", step, loss,
-                           int(EXPLOSION_FACTOR), self._ema_low, lr)
+                           int(EXPLOSION_FACTOR), self._loss_low, lr)
             self._warned_loss = loss
-        self._ema = loss if self._ema is None else (1 - LOSS_EMA_WEIGHT) * self._ema + LOSS_EMA_WEIGHT * loss
-        self._ema_low = self._ema if self._ema_low is None else min(self._ema_low, self._ema)
+        self._loss_ema = loss if self._loss_ema is None else (1 - LOSS_EMA_WEIGHT) * self._loss_ema + LOSS_EMA_WEIGHT * loss
+        self._loss_low = self._loss_ema if self._loss_low is None else min(self._loss_low, self._loss_ema)
 
     def window_line(self, head: dict, lr: float, skipped_steps: int,
                     param_groups: list[dict]) -> tuple[dict, float] | None:
@@ -248,11 +256,11 @@ class StepWindow:
         window's image count over all processes. None when no optimizer step was taken since the last line.
         """
         acc = self.accelerator
-        if self._values is None or self.steps == 0:
+        if self._values is None or self.window_steps == 0:
             return None
-        totals = acc.reduce(torch.cat([self._values, torch.tensor([float(self.images)], device=acc.device)]),
+        totals = acc.reduce(torch.cat([self._values, torch.tensor([float(self.window_images)], device=acc.device)]),
                             reduction="sum").tolist()
-        images, elapsed = totals[-1], max(1e-9, time.time() - self.t_start)
+        images, elapsed = totals[-1], max(1e-9, time.time() - self.window_start)
         line = {**head, **{k: v / max(images, 1) for k, v in zip(self._keys, totals[:-1])}}
         line.update(lr=lr, grad_norm=self.last_grad_norm, images_per_s=images / elapsed,
                     data_time_fraction=min(1.0, self.data_time / elapsed), skipped_steps=skipped_steps)
@@ -265,12 +273,12 @@ class StepWindow:
 
     def reset_window(self) -> None:
         self._values.zero_()
-        self.images = self.steps = 0
+        self.window_images = self.window_steps = 0
         self.data_time = 0.0
-        self.t_start = time.time()
+        self.window_start = time.time()
 
 
-class Run:
+class Run(StepWindow):
     """One training (or evaluation-only) run of a script. See the module docstring for what it guarantees.
 
     Args:
@@ -288,15 +296,14 @@ class Run:
         self.evaluate_only = s.evaluate_only
         self.output_dir = os.path.join(s.output_dir, EVALUATE_ONLY_SUBDIR) if s.evaluate_only else s.output_dir
         # evaluation runs uncompiled (evaluation_models), --evaluate_only too
-        self.accelerator = make_accelerator(s.mixed_precision, s.gradient_accumulation_steps, s.report_to,
-                                            self.output_dir, seed=s.seed, verbose=s.verbose,
-                                            compile_backend=s.compile_backend if s.compile and not s.evaluate_only
-                                            else None, compile_mode=s.compile_mode)
+        super().__init__(make_accelerator(s.mixed_precision, s.gradient_accumulation_steps, s.report_to,
+                                          self.output_dir, seed=s.seed, verbose=s.verbose,
+                                          compile_backend=s.compile_backend if s.compile and not s.evaluate_only
+                                          else None, compile_mode=s.compile_mode), s.max_nonfinite_steps)
         self.state = ckpt.TrainState()
         self.config: dict = {}
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, metric, s.checkpoint_total_limit, self.fail)
         self.signals = PreemptionSignals()
-        self.window = StepWindow(self.accelerator, s.max_nonfinite_steps)
         self.progress = None  # the tqdm bar of the training steps, from resume on
         self.optimizer = self.model = None
         self.last_stats: dict | None = None  # the last evaluation's stats (report_evaluation)
@@ -481,7 +488,6 @@ class Run:
         if error:
             self.fail(error)
         # epoch sums: restored (global) on the main rank only, so the reduce over ranks counts them once
-        self._epoch_sums = torch.zeros(2, device=acc.device, dtype=torch.float64)
         if acc.is_main_process and st.step_in_epoch:
             self._epoch_sums += torch.tensor([st.epoch_loss_sum, st.epoch_images], device=acc.device, dtype=torch.float64)
         self._ckpt_due = False
@@ -542,37 +548,23 @@ class Run:
         loader.set_epoch(self.epoch)
         i = start = st.step_in_epoch * G
         it = iter(self.accelerator.skip_first_batches(loader, start) if start else loader)
-        self.window.t_start = time.time()
+        self.window_start = time.time()
         while st.global_step < self.total_steps:
             t = time.time()
             try:
                 batch = next(it)
             except StopIteration:
                 return
-            self.window.data_time += time.time() - t
-            window_start = (i // G) * G
-            self.loss_weight = G / min(G, self.batches_per_epoch - window_start)
-            if i == window_start:
-                self.window.snapshot_buffers(self.model)
+            self.data_time += time.time() - t
+            first = (i // G) * G  # the window's first batch
+            self.loss_weight = G / min(G, self.batches_per_epoch - first)
+            if i == first:
+                self.snapshot_buffers(self.model)
+                self._lr = self.optimizer.param_groups[0]["lr"]  # the LR of the window's optimizer step
             i += 1
             yield batch
 
     loss_weight = 1.0
-
-    def add_losses(self, values: dict[str, torch.Tensor], num_images: int) -> None:
-        """One micro-batch's scalar losses (0-d tensors; "loss" is the one trained on, unweighted) into the log
-        window (logged as means over images) and the epoch's mean loss."""
-        self.window.add(values, num_images)
-        self._epoch_sums += torch.stack([values["loss"].detach().double() * num_images,
-                                         torch.tensor(float(num_images), device=self.accelerator.device,
-                                                      dtype=torch.float64)])
-
-    def all_finite(self, loss: torch.Tensor, grad_norm) -> bool:
-        """Whether to take the optimizer step: every loss of the window and the gradient norm finite on every
-        process (one all-reduce: every rank steps or skips together; `StepWindow.all_finite`). Call on the
-        last micro-batch of a window, before `optimizer.step()`; it also notes the LR that step uses."""
-        self._lr = self.optimizer.param_groups[0]["lr"]
-        return self.window.all_finite(loss, grad_norm)
 
     def end_step(self, model, stepped: bool) -> None:
         """The bookkeeping after an optimizer step (collective; after `zero_grad` and a per-step `scheduler.step`).
@@ -587,14 +579,14 @@ class Run:
         st.step_in_epoch += 1
         self.progress.update(1)
         st.skipped_steps += not stepped
-        if self.window.sums[0] or self.window.sums[1]:
-            self.window.restore_buffers()
-        diverged = self.window.record(st.global_step, lr)
+        if self.sums[0] or self.sums[1]:
+            self.restore_buffers()
+        diverged = self.record(st.global_step, lr)
         if st.global_step % s.log_interval == 0 or st.global_step == self.total_steps or diverged:
             self._log_window(lr)
         if diverged:
             last = ckpt.list_checkpoints(self.output_dir) if self.accelerator.is_main_process else []
-            self.fail(f"training diverged: {self.window.streak} non-finite steps in a row up to step {st.global_step} "
+            self.fail(f"training diverged: {self.streak} non-finite steps in a row up to step {st.global_step} "
                       f"(epoch {self.epoch_number}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
                       f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --lr "
                       "or --max_grad_norm", EXIT_DIVERGED)
@@ -608,7 +600,7 @@ class Run:
     def _log_window(self, lr: float) -> None:
         """One train line: means over the images since the last line, over all processes."""
         st = self.state
-        window = self.window.window_line({"epoch": self.epoch_number, "step": st.global_step}, lr, st.skipped_steps,
+        window = self.window_line({"epoch": self.epoch_number, "step": st.global_step}, lr, st.skipped_steps,
                                          self.optimizer.param_groups)
         if window is None:
             return
@@ -616,7 +608,7 @@ class Run:
         self.progress.set_postfix(loss=f"{line['loss']:.4f}", lr=f"{lr:.2e}")
         self.metrics.log(line, step=st.global_step, tracker_epoch=self.epoch + st.step_in_epoch / self.steps_per_epoch)
         self.images_seen += images
-        self.window.reset_window()
+        self.reset_window()
 
     def end_epoch(self) -> float | None:
         """Close the epoch: flush its last train line, log the epoch line. Returns the epoch's mean loss over all
