@@ -268,7 +268,7 @@ def test_set_position_moves_a_lambda_schedule():
     assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 11 / 40)))
 
 
-# ---- the run machinery's parts (detlib.engine.run.StepWindow, detlib.engine.resume, detlib.engine.run_folder, detlib.engine.checkpoint_io)
+# ---- the run machinery's parts (detlib.engine.run.StepWindow, detlib.engine.run_folder, detlib.engine.checkpoint_io)
 
 def _guarded_bn_model():
     from accelerate import Accelerator
@@ -364,7 +364,7 @@ def test_explosion_is_reported_once_per_order_of_magnitude(caplog):
 
 
 def test_run_length_counts_the_partial_accumulation_window_as_a_step():
-    from detlib.engine.resume import run_length
+    from detlib.engine.run import run_length
 
     # 10 batches per process, 3 per step: steps of 3, 3, 3 and 1 batches
     assert run_length(10, num_processes=2, per_device_batch_size=4, accumulation_steps=3, epochs=5,
@@ -373,7 +373,7 @@ def test_run_length_counts_the_partial_accumulation_window_as_a_step():
 
 
 def test_convert_position_keeps_the_samples_seen_on_another_process_count():
-    from detlib.engine.resume import convert_position
+    from detlib.engine.checkpoint_io import convert_position
 
     # 2 processes x 8 samples per step, 10 steps per epoch; now 1 process: 20 steps per epoch of 8 samples
     saved = ckpt.TrainState(epoch=1, step_in_epoch=4, global_step=14, num_processes=2, steps_per_epoch=10,
@@ -387,7 +387,7 @@ def test_convert_position_keeps_the_samples_seen_on_another_process_count():
 
 
 def test_tracker_offset_continues_after_the_last_logged_step(tmp_path):
-    from detlib.engine.resume import set_tracker_offset
+    from detlib.engine.tracking import set_tracker_offset
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4, 5, 6)) + "not json\n")
@@ -479,7 +479,7 @@ def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
 
 
 def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path):
-    from detlib.engine.resume import ResumeError, check_same_classes
+    from detlib.engine.checkpoint_io import ResumeError, check_same_classes
 
     (tmp_path / "model_config.json").write_text(json.dumps({"num_classes": 2, "classes": ["cat", "dog"]}))
     check_same_classes(str(tmp_path), {"num_classes": 2, "classes": ["cat", "dog"]})  # same list: fine

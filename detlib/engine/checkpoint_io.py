@@ -19,6 +19,12 @@ tensors and plain values only (plus numpy's RNG state, `RNG_STATE_GLOBALS`); the
 so, and `load_checkpoint` makes accelerate's `load_state` do the same (`weights_only_loads`). A file that
 names any other global (a planted `__reduce__` calling os.system) is refused before any of it runs.
 
+Whether a checkpoint fits the run that resumes it (for `detlib.engine.run.Run.resume_point` / `Run.resume`): its
+classes (`check_same_classes`), its optimizer and the flags its state replaces (`replaced_by_checkpoint`), and its
+counters moved to this run's geometry (`convert_position`). `latest` skips damaged checkpoints; a checkpoint of
+another process count or batch size continues at the same position in samples seen; another `--epochs` continues a
+cosine schedule from its current LR (`detlib.engine.schedules.build_scheduler`).
+
 What a run writes (`Checkpointer`, for `detlib.engine.run.Run`): its checkpoints (rotated), best/ when the
 validation metric beats every earlier value, last/ at the end, and the end-of-run summary that points at them.
 
@@ -75,7 +81,7 @@ class TrainState:
     best_metric: best validation metric so far (AP or accuracy), -1 before the first evaluation.
     run_id: the tracker run id, so a resumed run logs into the same wandb run.
     num_processes, steps_per_epoch, samples_per_step: the geometry the counters were counted in, so a
-        resume on another process count or batch size can convert them (`detlib.engine.resume`).
+        resume on another process count or batch size can convert them (`convert_position`).
     schedule: the per-step LR schedule's resolved settings (kind, total_steps, warmup_steps, anchor).
     epoch_loss_sum, epoch_images: the epoch's loss summed over its images and the image count, over all
         processes, so the epoch mean that drives ReduceLROnPlateau covers the whole epoch after a resume.
@@ -265,6 +271,110 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
     logger.warning("--resume_from_checkpoint latest: no usable checkpoint in %s; starting from scratch",
                    checkpoint_dir(output_dir))
     return None
+
+
+# ---- resume: whether a checkpoint fits this run (its classes, its optimizer), and where it puts the run
+
+class ResumeError(Exception):
+    """No checkpoint to resume, or one that does not fit this run (another model or optimizer); one line."""
+
+
+# model_config.json keys that list the classes in label order. Resumed onto data whose list differs only in names
+# or order, the weights still load and label i silently trains as another class; another count fails at load.
+CLASS_LIST_KEYS = ("category_ids", "category_names", "classes")
+
+
+def check_same_classes(checkpoint: str, model_config: dict | None) -> None:
+    """Raise ResumeError when the checkpoint's `model_config.json` lists other classes (ids, names or their
+    order) than this run's data (`model_config`); a checkpoint without the lists passes."""
+    path = os.path.join(checkpoint, "model_config.json")
+    if not os.path.exists(path):
+        return
+    try:
+        saved = read_json_object(path)  # a list or a number in it is damaged too, not an AttributeError below
+    except CheckpointError as e:
+        raise ResumeError(f"cannot resume from {checkpoint}: {e}") from None
+    for key in CLASS_LIST_KEYS:
+        ours, theirs = (model_config or {}).get(key), saved.get(key)
+        if ours is None or theirs is None or list(ours) == list(theirs):
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+        raise ResumeError(
+            f"cannot resume from {checkpoint}: its classes differ from this run's data ({key}: {len(theirs)} in the "
+            f"checkpoint, {len(ours)} here; first difference at label {first}: "
+            f"{theirs[first] if first < len(theirs) else 'none'!r} vs {ours[first] if first < len(ours) else 'none'!r}), "
+            "so labels would change meaning; to train on these classes start a new run with --init_from")
+
+
+# Optimizer settings (param-group keys) that a checkpoint's optimizer state brings back over this run's flags.
+RECIPE_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight_decay", "momentum": "--momentum"}
+
+
+def replaced_by_checkpoint(asked: list[dict], loaded: list[dict], saved_schedule: dict | None, checkpoint: str) -> list[str]:
+    """The flags of this run whose values a resumed checkpoint's optimizer state replaced, one line each (flag,
+    value asked for, value used): a resume continues the checkpoint's recipe, and another --lr is said, not
+    silently dropped.
+
+    Args:
+        asked: this run's param groups (without "params") before the checkpoint was loaded.
+        loaded: the param groups after `accelerator.load_state`.
+        saved_schedule: the checkpoint's `TrainState.schedule`; a plateau run's base LR is its `base_lrs` (the
+            groups' `lr` has its drops in it; a checkpoint written before base_lrs was recorded is not compared).
+    Raises:
+        ResumeError: this run's optimizer has settings the checkpoint's lacks (another --optimizer: SGD's momentum
+            against AdamW's betas), which would fail at the first step.
+    """
+    lacking = set(asked[0]) - set(loaded[0]) - {"initial_lr"} if asked and loaded else set()
+    if lacking:
+        raise ResumeError(f"cannot resume from {checkpoint}: its optimizer is another one than this run's (its state "
+                          f"has no {', '.join(sorted(lacking))}: another --optimizer?); resume with the checkpoint's "
+                          "optimizer, or start a new run from its weights with --init_from")
+    lines = []
+    base = (saved_schedule or {}).get("base_lrs")
+    for key, flag in RECIPE_FLAGS.items():
+        for i, (a, g) in enumerate(zip(asked, loaded)):
+            if key == "initial_lr":  # the base LR: the scheduler's, else (plateau) the recorded one
+                ours = a.get("initial_lr", a.get("lr"))
+                theirs = g["initial_lr"] if "initial_lr" in g else (base[i] if base and i < len(base) else None)
+            else:
+                ours, theirs = a.get(key), g.get(key)
+            if not isinstance(ours, (int, float)) or not isinstance(theirs, (int, float)) or ours == theirs:
+                continue
+            lines.append(f"{flag} {ours:g} is not used: the resumed checkpoint's optimizer state brings back its run's "
+                         f"{theirs:g} (a resume continues that recipe; to train with another, start a new run with "
+                         f"--init_from {checkpoint})")
+            break  # one line per flag
+    return lines
+
+
+def convert_position(state: TrainState, saved: TrainState, num_processes: int, samples_per_step: int,
+                     steps_per_epoch: int) -> bool:
+    """Move the counters of a checkpoint counted in another geometry to the same position in samples seen,
+    in this run's steps (`state.step_in_epoch`, `state.global_step`); logs what moved.
+
+    Args:
+        state: this run's counters, already loaded from `saved`.
+        saved: the checkpoint's counters, with the geometry they were counted in.
+        num_processes, samples_per_step, steps_per_epoch: this run's geometry (samples over all processes
+            and accumulation micro-batches per optimizer step).
+    Returns True when the counters moved (the geometry differs), False otherwise.
+    """
+    old_spe = saved.steps_per_epoch
+    if not old_spe or (saved.num_processes == num_processes and saved.samples_per_step == samples_per_step
+                       and old_spe == steps_per_epoch):
+        return False
+    in_epoch = min(steps_per_epoch - 1, round(saved.step_in_epoch * steps_per_epoch / old_spe))
+    state.step_in_epoch = in_epoch if saved.step_in_epoch else 0
+    state.global_step = saved.epoch * steps_per_epoch + state.step_in_epoch
+    logger.warning(
+        "the checkpoint was written by %s process(es) at %s samples per step (%d steps per epoch); this run has %d "
+        "at %d (%d steps per epoch): epoch %d step %d -> step %d, global step %d -> %d, so the LR schedule keeps its "
+        "position in samples seen.%s", saved.num_processes, saved.samples_per_step, old_spe,
+        num_processes, samples_per_step, steps_per_epoch, saved.epoch + 1,  # the epoch it was in, from 1
+        saved.step_in_epoch, state.step_in_epoch, saved.global_step, state.global_step,
+        " The rest of this epoch is read in the new process count's order (some of its images may be seen twice "
+        "or not at all); later epochs are exact." if saved.step_in_epoch else "")
+    return True
 
 
 def folder_size(path: str) -> int:

@@ -44,7 +44,7 @@ What a `Run` guarantees:
 * Preemption (detlib.engine.run_folder): SIGTERM, SIGUSR1 and a first SIGINT only set a flag; all ranks agree through
   accelerate's `set_trigger` / `check_trigger` after each optimizer step and every few evaluation batches,
   write a step checkpoint and exit with EXIT_PREEMPTED. A second SIGINT stops at once.
-* Resume (detlib.engine.resume): from `latest` past damaged checkpoints, on another process count or batch size at the
+* Resume (detlib.engine.checkpoint_io): from `latest` past damaged checkpoints, on another process count or batch size at the
   same position in samples seen, with another `--epochs` on from the current LR (detlib.engine.schedules).
 * Start-up checks (detlib.engine.run_folder): folder writable, disk space, one live run per folder, never mixing into a
   finished run; flag values are checked by argparse (detlib.engine.flags).
@@ -72,17 +72,17 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..data.loaders import stop_dataloader_workers
-from ..weights import load_model_weights
+from ..weights import load_model_weights, load_state_dict_file
 from . import checkpoint_io as ckpt
-from .checkpoint_io import EMA_WEIGHTS, Checkpointer, summary_lines
+from .checkpoint_io import (EMA_WEIGHTS, Checkpointer, CheckpointError, ResumeError, check_same_classes,
+                            convert_position, replaced_by_checkpoint, summary_lines)
 from .flags import DEFAULT_REPORT_TO, EVALUATE_ONLY_SUBDIR
-from .resume import (ResumeError, check_same_classes, convert_position, load_ema_weights, replaced_by_checkpoint,
-                     resolve_checkpoint, run_length, set_tracker_offset)
 from .run_folder import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
                          release_lock, write_run_status)
 from .schedules import RunPosition, set_position
 from .tracking import (MetricsLogger, TrackerError, broadcast_object, compile_summary, finish_trackers, init_trackers,
-                       log_run_setup, make_accelerator, min_over_processes, save_config, setup_logging)
+                       log_run_setup, make_accelerator, min_over_processes, save_config, set_tracker_offset,
+                       setup_logging)
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,18 @@ class RunSettings:
         """The settings of a script's parsed flags (`evaluate_only` PATH -> True)."""
         values = {f.name: getattr(args, f.name) for f in fields(cls)}
         return cls(**{**values, "evaluate_only": bool(values["evaluate_only"])})
+
+
+def run_length(batches_per_epoch: int, num_processes: int, per_device_batch_size: int, accumulation_steps: int,
+               epochs: int, max_steps: int | None) -> tuple[int, int, int]:
+    """Returns (optimizer steps per epoch, samples per step over all processes, total optimizer steps).
+
+    `batches_per_epoch` is one process's; `max_steps` (when set) replaces `epochs` x steps per epoch.
+    """
+    # accumulate() also steps at the end of the loader, so a partial last window is one more step.
+    steps_per_epoch = math.ceil(batches_per_epoch / accumulation_steps)
+    samples_per_step = num_processes * per_device_batch_size * accumulation_steps
+    return steps_per_epoch, samples_per_step, max_steps or epochs * steps_per_epoch
 
 
 class StepWindow:
@@ -419,14 +431,22 @@ class Run(StepWindow):
             self.batches_per_epoch, acc.num_processes, s.per_device_batch_size, s.gradient_accumulation_steps,
             s.epochs, s.max_steps)
         self._resume, self._moved, saved = None, False, None
-        try:
-            if s.resume_from_checkpoint:
-                self._resume = resolve_checkpoint(acc, self.output_dir, s.resume_from_checkpoint)
-            if self._resume:
+        if s.resume_from_checkpoint:  # the main process resolves `latest`, past damaged checkpoints
+            error = None
+            if acc.is_main_process:
+                try:
+                    self._resume = ckpt.resolve_resume(self.output_dir, s.resume_from_checkpoint)
+                except CheckpointError as e:
+                    error = f"--resume_from_checkpoint: {e}"
+            error, self._resume = broadcast_object(acc, (error, self._resume))
+            if error:
+                self.fail(error)
+        if self._resume:
+            try:
                 check_same_classes(self._resume, self.checkpointer.model_config)
-                saved = ckpt.read_train_state(self._resume)
-        except ResumeError as e:
-            self.fail(str(e))
+            except ResumeError as e:
+                self.fail(str(e))
+            saved = ckpt.read_train_state(self._resume)
         if saved:
             st.load_state_dict(saved.state_dict())
             st.eval_pending = bool(saved.eval_pending)
@@ -502,16 +522,27 @@ class Run(StepWindow):
                            "--epochs to train on", st.epoch, s.epochs, st.global_step, self.total_steps)
 
     def _start_ema(self, model, resumed: str | None) -> None:
+        """`self.ema`: timm's ModelEmaV3 of `model`'s (resumed) weights, with the checkpoint `resumed`'s own EMA weights
+        (`checkpoint/model_ema.safetensors`) when it has them; a checkpoint without them (its run had no --model_ema)
+        leaves the average starting from the resumed weights, with a warning. Stops the run with one line when the
+        file does not fit the model."""
         from timm.utils import ModelEmaV3
 
         s = self.settings
         # every process keeps its own copy: the weights are the same on every rank, and so is the average
         self.ema = ModelEmaV3(self.bare(model), decay=s.model_ema, use_warmup=s.model_ema_warmup,
                               warmup_power=EMA_WARMUP_POWER)
-        try:
-            load_ema_weights(self.ema, resumed, EMA_WEIGHTS)
-        except ResumeError as e:
-            self.fail(str(e))
+        path = resumed and os.path.join(resumed, f"{EMA_WEIGHTS}.safetensors")
+        if path and not os.path.isfile(path):
+            logger.warning("--model_ema: %s holds no EMA weights (%s.safetensors; its run had no --model_ema): the "
+                           "average starts from the resumed weights", resumed, EMA_WEIGHTS)
+        elif path:
+            try:
+                self.ema.module.load_state_dict(load_state_dict_file(path), strict=True)
+            except (RuntimeError, ValueError) as e:
+                first = str(e).strip().splitlines()
+                self.fail(f"cannot resume the EMA weights {path}: {first[0][:200] if first else type(e).__name__}")
+            logger.info("resumed the EMA weights from %s", path)
         self.checkpointer.ema = self.ema
         logger.info("--model_ema %g: an average of the weights is kept (warm-up %s), evaluated beside them as ema_%s",
                     s.model_ema, "1 - step ** -%.2f" % EMA_WARMUP_POWER if s.model_ema_warmup else "off", self.metric)
