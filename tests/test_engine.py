@@ -18,7 +18,7 @@ from conftest import REPO
 from detlib.engine import checkpoint_io as ckpt
 from detlib.engine import run_folder
 from detlib.engine.schedules import build_lr_scheduler, lr_factor, set_position
-from detlib.weights import load_model_weights
+from detlib.weights import WeightsFileError, load_model_weights
 from helpers import fake_checkpoint
 
 
@@ -89,10 +89,10 @@ def test_truncated_or_foreign_weights_are_one_line_errors(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 3])
-    with pytest.raises(ckpt.CheckpointError, match="cut.safetensors is truncated"):
+    with pytest.raises(WeightsFileError, match="cut.safetensors is truncated"):
         load_model_weights(model, str(tmp_path / "cut.safetensors"))
     (tmp_path / "notes.pt").write_text("these are not weights")
-    with pytest.raises(ckpt.CheckpointError, match="notes.pt is not a readable weights file"):
+    with pytest.raises(WeightsFileError, match="notes.pt is not a readable weights file"):
         load_model_weights(model, str(tmp_path / "notes.pt"))
 
 
@@ -135,7 +135,7 @@ def test_json_files_that_parse_but_hold_the_wrong_thing_are_one_line_errors(tmp_
     # the weights folders the scripts read (predict, --evaluate_only): a model_config.json of another JSON type
     for text in ("[]", '"resnet18"', "5", "null", deep):
         (listed / "model_config.json").write_text(text)
-        with pytest.raises(ckpt.CheckpointError, match=r"epoch_0003/model_config.json is damaged"):
+        with pytest.raises(WeightsFileError, match=r"epoch_0003/model_config.json is damaged"):
             read_model_config(str(listed))
 
 

@@ -37,6 +37,7 @@ validation metric beats every earlier value, last/ at the end, and the end-of-ru
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import math
@@ -54,7 +55,7 @@ import torch
 from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
 from ..files import write_json
-from ..weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, all_finite, describe_write_failure, read_json,
+from ..weights import (WEIGHT_FILES, WRITE_ERRORS, WeightsFileError, all_finite, describe_write_failure, read_json,
                        read_json_object, readable_as_umask_allows, refused, save_model_weights, verify_safetensors,
                        weights_only_loads)
 from .run_folder import EXIT_DIVERGED, checkpoint_bytes
@@ -68,6 +69,22 @@ _CKPT_RE = re.compile(r"^(epoch|step)_(\d+)$")
 # through codecs.encode): data, not code, so weights_only=True may build it; accelerate's own reader's list.
 # Every other state file is tensors and plain values, which weights_only=True reads without a list.
 RNG_STATE_GLOBALS = TORCH_SAFE_GLOBALS
+
+
+class CheckpointError(WeightsFileError):
+    """A checkpoint that cannot be used (damaged, incomplete) or written (disk full); the message is one line."""
+
+
+@contextlib.contextmanager
+def _checkpoint_file_errors():
+    """What the weights-file readers raise (`WeightsFileError`) for a file in a checkpoint folder is a
+    CheckpointError, with the same line."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except WeightsFileError as e:
+        raise CheckpointError(str(e)) from None
 
 
 @dataclass
@@ -159,7 +176,8 @@ def read_train_state(path: str) -> TrainState:
     f = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(f):
         raise _NotACheckpoint(f"{path} is not a complete checkpoint (no trainer_state.json)")
-    raw = read_json(f)
+    with _checkpoint_file_errors():
+        raw = read_json(f)
     if not isinstance(raw, dict) or not isinstance(raw.get("global_step"), int):
         raise CheckpointError(f"{f} is damaged (ValueError: no integer global_step)")
     state = TrainState()
@@ -191,7 +209,7 @@ def read_state_file(path: str):
             warnings.simplefilter("ignore")  # torch warns about the pickle protocol of a foreign file
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
-        raise refused(path, e) from None
+        raise refused(path, e, CheckpointError) from None
     except Exception as e:  # any failure to read means the file cannot be resumed from
         raise CheckpointError(f"{path} does not load ({type(e).__name__}: {e})") from None
 
@@ -210,7 +228,7 @@ def load_checkpoint(accelerator, path: str) -> None:
             accelerator.load_state(path)
     except pickle.UnpicklingError as e:
         verify_checkpoint(path)  # names the refused file (changed after the verification passed the folder)
-        raise refused(f"a state file of {path}", e) from None
+        raise refused(f"a state file of {path}", e, CheckpointError) from None
 
 
 def verify_checkpoint(path: str) -> None:
@@ -235,15 +253,16 @@ def verify_checkpoint(path: str) -> None:
         f = os.path.join(path, name)
         if not os.path.isfile(f):
             continue
-        if name.endswith(".json"):
-            (read_json_object if name == "model_config.json" else read_json)(f)
-            continue
-        if os.path.getsize(f) == 0:
-            raise CheckpointError(f"{f} is empty")
-        if name.endswith(".safetensors"):
-            verify_safetensors(f)
-        elif name.endswith((".bin", ".pt", ".pth", ".pkl")):
-            read_state_file(f)
+        with _checkpoint_file_errors():
+            if name.endswith(".json"):
+                (read_json_object if name == "model_config.json" else read_json)(f)
+                continue
+            if os.path.getsize(f) == 0:
+                raise CheckpointError(f"{f} is empty")
+            if name.endswith(".safetensors"):
+                verify_safetensors(f)
+            elif name.endswith((".bin", ".pt", ".pth", ".pkl")):
+                read_state_file(f)
 
 
 def resolve_resume(output_dir: str, resume: str | None) -> str | None:
@@ -292,7 +311,7 @@ def check_same_classes(checkpoint: str, model_config: dict | None) -> None:
         return
     try:
         saved = read_json_object(path)  # a list or a number in it is damaged too, not an AttributeError below
-    except CheckpointError as e:
+    except WeightsFileError as e:
         raise ResumeError(f"cannot resume from {checkpoint}: {e}") from None
     for key in CLASS_LIST_KEYS:
         ours, theirs = (model_config or {}).get(key), saved.get(key)
@@ -525,7 +544,7 @@ class Checkpointer:
         error = None
         try:
             save_model_weights(self.accelerator, model, folder, self.model_config, extra)
-        except CheckpointError as e:  # main process only: the others learn it below
+        except WeightsFileError as e:  # main process only: the others learn it below
             error = f"{e}; the checkpoints in {checkpoint_dir(self.output_dir)} are kept"
         error = broadcast_object(self.accelerator, error)
         if error:
@@ -563,7 +582,7 @@ def read_best_record(output_dir: str, metric: str) -> dict | None:
         best = read_json(os.path.join(output_dir, "best", "best.json"))
         float(best["value"])
         return best if best.get("metric") == metric else None
-    except (CheckpointError, ValueError, KeyError, TypeError):
+    except (WeightsFileError, ValueError, KeyError, TypeError):
         return None
 
 
