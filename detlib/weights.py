@@ -27,6 +27,7 @@ import warnings
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from timm.models import load_state_dict as timm_load_state_dict
 
 from .files import atomic_path, write_json
@@ -210,8 +211,6 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
     """
     path = os.path.join(folder, "model.safetensors")
     if accelerator.is_main_process:
-        from safetensors.torch import save_file
-
         # get_state_dict unwraps DDP but keeps torch.compile's wrapper (its `_orig_mod.` prefix): stripped here
         sd = {k: v.detach().contiguous().cpu()
               for k, v in _strip_wrapper_prefixes(accelerator.get_state_dict(model)).items()}

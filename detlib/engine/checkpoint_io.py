@@ -42,6 +42,7 @@ import glob
 import logging
 import math
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -53,6 +54,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from accelerate.utils.other import TORCH_SAFE_GLOBALS
+from safetensors.torch import save_file
 
 from ..files import write_json
 from ..weights import (WEIGHT_FILES, WRITE_ERRORS, WeightsFileError, all_finite, describe_write_failure, read_json,
@@ -397,14 +399,8 @@ def convert_position(state: TrainState, saved: TrainState, num_processes: int, s
 
 
 def folder_size(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
-    return total
+    """Bytes of the files under `path`."""
+    return sum(f.stat().st_size for f in pathlib.Path(path).rglob("*") if f.is_file())
 
 
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit: int | None = None,
@@ -440,12 +436,8 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
             for fname, obj in (("trainer_state.json", state.state_dict()), ("model_config.json", model_config)):
                 if obj is not None:
                     write_json(obj, os.path.join(tmp, fname), indent=1)
-            if extra_weights:
-                from safetensors.torch import save_file
-
-                for fname, sd in extra_weights.items():
-                    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()},
-                              os.path.join(tmp, f"{fname}.safetensors"))
+            for fname, sd in (extra_weights or {}).items():
+                save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, os.path.join(tmp, f"{fname}.safetensors"))
     except WRITE_ERRORS as e:
         error = error or e
     if not min_over_processes(accelerator, error is None):

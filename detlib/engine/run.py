@@ -406,11 +406,9 @@ class Run(StepWindow):
         try:
             self.state.run_id = init_trackers(self.accelerator, s.project, self.config, self.output_dir,
                                               self.state.run_id, s.run_name, s.report_to)
-        except TrackerError as e:  # main process only: the others learn it below
+        except TrackerError as e:  # main process only: the others learn it in fail_together
             error = str(e)
-        error = broadcast_object(self.accelerator, error)
-        if error:
-            self.fail(error)
+        self.fail_together(error)
 
     # ---- training set-up: resume_point, then the script builds its scheduler, then resume
     def resume_point(self, train_loader) -> RunPosition:
@@ -504,9 +502,7 @@ class Run(StepWindow):
             set_tracker_offset(st, self.metrics.path, bool(s.resume_from_checkpoint))
             self.metrics.step_offset = st.tracker_offset
             error = check_disk_space(self.output_dir, model, optimizer, s.checkpoint_total_limit or s.epochs)
-        error = broadcast_object(acc, error)  # every process stops: a lone main exit leaves the others waiting
-        if error:
-            self.fail(error)
+        self.fail_together(error)  # every process stops: a lone main exit leaves the others waiting
         # epoch sums: restored (global) on the main rank only, so the reduce over ranks counts them once
         if acc.is_main_process and st.step_in_epoch:
             self._epoch_sums += torch.tensor([st.epoch_loss_sum, st.epoch_images], device=acc.device, dtype=torch.float64)

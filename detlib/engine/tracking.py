@@ -219,7 +219,9 @@ def init_trackers(accelerator, project: str, config: dict, output_dir: str, run_
     name = run_name or os.path.basename(os.path.abspath(output_dir))
     init_kwargs = {"wandb": {"id": run_id, "resume": "allow", "dir": output_dir, "name": name}}
     try:
-        accelerator.init_trackers(project, config=flat_config(config), init_kwargs=init_kwargs)
+        # the trackers take int / float / str / bool values
+        flat = {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
+        accelerator.init_trackers(project, config=flat, init_kwargs=init_kwargs)
     except Exception as e:  # wandb raises UsageError, CommError, timeouts ...; tensorboard OSError
         started = [t for t in accelerator.trackers if getattr(t, "run", None) or getattr(t, "writer", None)]
         failed = next((t.name for t in accelerator.trackers if t not in started), "a tracker")
@@ -246,11 +248,6 @@ def finish_trackers(accelerator, output_dir: str) -> None:
             logger.warning("the %s tracker did not close cleanly (%s: %s); the run's own files in %s are complete%s",
                            tracker.name, type(e).__name__, _one_line(e), output_dir, where)
     accelerator.trackers.clear()
-
-
-def flat_config(config: dict) -> dict:
-    """Tracker-friendly config: values as int / float / str / bool."""
-    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in config.items()}
 
 
 def set_log_levels(is_main: bool = True, verbose: bool = False) -> None:
