@@ -146,20 +146,14 @@ def _candidates(output_dir: str) -> list[str]:
     return [os.path.join(root, n) for n in os.listdir(root) if _CKPT_RE.match(n) and os.path.isdir(os.path.join(root, n))]
 
 
-def _step(path: str) -> int | None:
-    """The global step of a checkpoint folder; None when its trainer_state.json does not read."""
-    try:
-        return read_train_state(path).global_step
-    except CheckpointError:
-        return None
-
-
 def _order_key(path: str) -> tuple:
     """Newest written last: the folder's time (set when its last file was written, kept by the rename), then
     the global step. Time, not step alone: after a resume from an older checkpoint the new checkpoints have
-    lower steps than the abandoned ones, and a damaged trainer_state.json has no step at all."""
-    step = _step(path)
-    return (os.path.getmtime(path), -1 if step is None else step)
+    lower steps than the abandoned ones, and a damaged trainer_state.json has no step at all (-1)."""
+    try:
+        return (os.path.getmtime(path), read_train_state(path).global_step)
+    except CheckpointError:
+        return (os.path.getmtime(path), -1)
 
 
 def list_checkpoints(output_dir: str) -> list[str]:

@@ -177,13 +177,9 @@ class StepWindow:
         self._warned_loss = 0.0
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._bad = torch.zeros((), device=accelerator.device)  # non-finite micro-batch losses this window
-        self._values: torch.Tensor | None = None  # the logged values summed over images
-        self._keys: list[str] = []
         # this process's loss summed over the epoch's images, and their count (float64: a long epoch's sum)
         self._epoch_sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
-        self.window_images = self.window_steps = 0
-        self.data_time = 0.0
-        self.window_start = time.time()
+        self.reset_window()
 
     def snapshot_buffers(self, model: torch.nn.Module) -> None:
         """Keep the floating-point buffers (BatchNorm running statistics) from before an accumulation window:
@@ -284,7 +280,8 @@ class StepWindow:
         return line, images
 
     def reset_window(self) -> None:
-        self._values.zero_()
+        """Start the next train line's window."""
+        self._values: torch.Tensor | None = None  # the logged values summed over images (`_keys`), from add_losses on
         self.window_images = self.window_steps = 0
         self.data_time = 0.0
         self.window_start = time.time()
