@@ -501,7 +501,7 @@ class Checkpointer:
             self.fail(f"the model holds non-finite weights at step {step}: not writing {what}; "
                       f"the last good checkpoint is kept", EXIT_DIVERGED)
 
-    def save_checkpoint(self, model, state: TrainState, epoch_sums: torch.Tensor, optimizer=None) -> str:
+    def save_checkpoint(self, model, state: TrainState, epoch_sums: torch.Tensor, optimizer) -> str:
         """Write a checkpoint of everything a resume needs; `epoch_sums` ([2] float64: this process's loss sum
         over images, image count) are summed over processes into `state` first. Returns its folder.
         `optimizer` sizes the checkpoint for the message of a failed save."""
@@ -511,11 +511,10 @@ class Checkpointer:
             self._check_finite(self.ema.module, "a checkpoint (its EMA weights)", state.global_step)
             extra = {EMA_WEIGHTS: self.ema.module.state_dict()}
         state.epoch_loss_sum, state.epoch_images = self.accelerator.reduce(epoch_sums, reduction="sum").tolist()
-        needed = checkpoint_bytes(model, optimizer)[1] if optimizer is not None else None
         t = time.time()
         try:
             path = save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config,
-                                   needed_bytes=needed, extra_weights=extra)
+                                   needed_bytes=checkpoint_bytes(model, optimizer)[1], extra_weights=extra)
         except CheckpointError as e:
             self.fail(str(e), 1)
         logger.info("saved checkpoint %s (%.1f s)", path, time.time() - t)
