@@ -261,8 +261,8 @@ def verify_checkpoint(path: str) -> None:
                 read_state_file(f)
 
 
-def resolve_resume(output_dir: str, resume: str | None) -> str | None:
-    """`--resume_from_checkpoint` value -> checkpoint folder, or None to start fresh.
+def resolve_resume(output_dir: str, resume: str) -> str | None:
+    """A `--resume_from_checkpoint` value ("latest" or a PATH) -> checkpoint folder, or None to start fresh.
 
     "latest": the newest checkpoint of `output_dir` that passes `verify_checkpoint`; damaged newer ones are
     skipped with a warning naming what is wrong. None, with a warning naming the folder, when there is none.
@@ -271,8 +271,6 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
         CheckpointError: for an explicit path that is damaged or not a checkpoint (a FileNotFoundError too
         when it holds no trainer_state.json).
     """
-    if not resume:
-        return None
     if resume != "latest":
         verify_checkpoint(resume)
         return resume
