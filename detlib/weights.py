@@ -27,6 +27,7 @@ import warnings
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from timm.models import load_state_dict as timm_load_state_dict
 
 from .files import atomic_path, write_json
@@ -36,26 +37,28 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth
 _TORCH_FORCE = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (damaged, incomplete) or written (disk full); the message is one line."""
+class WeightsFileError(RuntimeError):
+    """A weights file, or a JSON file beside it, that cannot be used (damaged, truncated, refused) or written (disk
+    full); the message is one line. What a checkpoint folder raises is its subclass
+    `detlib.engine.checkpoint_io.CheckpointError`."""
 
 
 def read_json(path: str):
-    """The JSON value in the file `path`. Raises CheckpointError: it does not read or parse (one line naming it;
+    """The JSON value in the file `path`. Raises WeightsFileError: it does not read or parse (one line naming it;
     nesting deeper than Python's recursion limit included)."""
     try:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+        raise WeightsFileError(f"{path} is damaged ({type(e).__name__}: {e})") from None
 
 
 def read_json_object(path: str) -> dict:
-    """The JSON object (a dict) in the file `path`. Raises CheckpointError: it does not read or parse, or holds
+    """The JSON object (a dict) in the file `path`. Raises WeightsFileError: it does not read or parse, or holds
     another JSON value (a list, a string, a number, null)."""
     value = read_json(path)
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path} is damaged ({json.dumps(value)[:40]}, not a JSON object)")
+        raise WeightsFileError(f"{path} is damaged ({json.dumps(value)[:40]}, not a JSON object)")
     return value
 
 
@@ -140,12 +143,12 @@ def describe_write_failure(error: BaseException, folder: str, needed_bytes: int 
 def verify_safetensors(path: str) -> None:
     """Check that a .safetensors file is whole: its header parses and the tensors it lists end exactly at
     the end of the file (a truncated copy fails; safetensors' own check of the header). Reads the header only.
-    Raises CheckpointError."""
+    Raises WeightsFileError."""
     try:
         with safe_open(path, "pt"):
             pass
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path} is truncated or not a whole safetensors file ({e})") from None
+        raise WeightsFileError(f"{path} is truncated or not a whole safetensors file ({e})") from None
 
 
 def readable_as_umask_allows(path: str) -> None:
@@ -168,11 +171,11 @@ def refusal_reason(e: Exception) -> str:
                 type(e).__name__)
 
 
-def refused(path: str, e: Exception) -> CheckpointError:
-    """The error for a file `path` that `weights_only=True` refused (`e`, torch's UnpicklingError): one line with
+def refused(path: str, e: Exception, error: type[WeightsFileError] = WeightsFileError) -> WeightsFileError:
+    """The `error` for a file `path` that `weights_only=True` refused (`e`, torch's UnpicklingError): one line with
     torch's reason (`refusal_reason`)."""
-    return CheckpointError(f"{path} holds pickled objects other than tensors and plain values ({refusal_reason(e)}): "
-                           "refused, nothing in it was run")
+    return error(f"{path} holds pickled objects other than tensors and plain values ({refusal_reason(e)}): "
+                 "refused, nothing in it was run")
 
 
 @contextlib.contextmanager
@@ -203,13 +206,11 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
     written beside and renamed over the old one, with `model_config.json` and, when given, `extra` as
     `best.json` (which metric, epoch, step these weights scored).
     Raises:
-        CheckpointError: the write failed (main process): one line with the file and the cause
+        WeightsFileError: the write failed (main process): one line with the file and the cause
         (`describe_write_failure`); the half-written file is removed, the old one is kept.
     """
     path = os.path.join(folder, "model.safetensors")
     if accelerator.is_main_process:
-        from safetensors.torch import save_file
-
         # get_state_dict unwraps DDP but keeps torch.compile's wrapper (its `_orig_mod.` prefix): stripped here
         sd = {k: v.detach().contiguous().cpu()
               for k, v in _strip_wrapper_prefixes(accelerator.get_state_dict(model)).items()}
@@ -222,7 +223,7 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
                     write_json(obj, os.path.join(folder, fname), indent=1)
         except WRITE_ERRORS as e:
             needed = sum(t.numel() * t.element_size() for t in sd.values())
-            raise CheckpointError(f"could not write {path}: {describe_write_failure(e, folder, needed)}") from None
+            raise WeightsFileError(f"could not write {path}: {describe_write_failure(e, folder, needed)}") from None
     return path
 
 
@@ -245,7 +246,7 @@ def read_score_thresholds(weights: str) -> tuple[dict[int, float], float, str]:
         ({category id: threshold} of the classes that have one, the pooled threshold for the others, the file).
     Raises:
         FileNotFoundError: no score_thresholds.json there (an older run, or weights never evaluated), naming it.
-        CheckpointError: the file does not parse or has no pooled threshold.
+        WeightsFileError: the file does not parse or has no pooled threshold.
     """
     path = os.path.join(os.path.dirname(weights_path(weights)), SCORE_THRESHOLDS)
     if not os.path.isfile(path):
@@ -258,7 +259,7 @@ def read_score_thresholds(weights: str) -> tuple[dict[int, float], float, str]:
         per_class = {int(v["category_id"]): float(v["score_thresh"]) for v in data["per_class"].values()
                      if v.get("score_thresh") is not None}
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path} is damaged or holds no threshold ({type(e).__name__}: {e})") from None
+        raise WeightsFileError(f"{path} is damaged or holds no threshold ({type(e).__name__}: {e})") from None
     return per_class, pooled, path
 
 
@@ -288,7 +289,7 @@ def read_model_config(path: str) -> dict | None:
     """model_config.json next to the weights `weights_path(path)` finds (or in their parent folder), if any.
 
     Raises:
-        CheckpointError: when the file is there but does not parse or holds no JSON object.
+        WeightsFileError: when the file is there but does not parse or holds no JSON object.
     """
     f = model_config_file(path)
     return None if f is None else read_json_object(f)
@@ -380,7 +381,7 @@ def load_model_weights(model: torch.nn.Module, path: str) -> str:
     Returns the weights file read.
     Raises:
         FileNotFoundError: no weights at `path`.
-        CheckpointError: the file is truncated, damaged or not a weights file.
+        WeightsFileError: the file is truncated, damaged or not a weights file.
         RuntimeError: missing or unexpected keys, or shape mismatches (the model built with other settings).
     """
     f = weights_path(path)
@@ -388,10 +389,10 @@ def load_model_weights(model: torch.nn.Module, path: str) -> str:
         verify_safetensors(f)
     try:
         sd = load_state_dict_file(f)
-    except (FileNotFoundError, CheckpointError):
+    except (FileNotFoundError, WeightsFileError):
         raise
     except Exception as e:  # safetensors / pickle / zip errors of a damaged or foreign file
-        raise CheckpointError(f"{f} is not a readable weights file ({type(e).__name__}: {e})") from None
+        raise WeightsFileError(f"{f} is not a readable weights file ({type(e).__name__}: {e})") from None
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as e:
@@ -439,7 +440,7 @@ def load_state_dict_file(path: str | os.PathLike) -> dict:
     Raises:
         FileNotFoundError: naming the path, if it does not exist.
         ValueError: if the file holds no state dict of tensors.
-        CheckpointError (a RuntimeError): a torch file that `weights_only=True` refuses (pickled objects other
+        WeightsFileError (a RuntimeError): a torch file that `weights_only=True` refuses (pickled objects other
             than tensors and plain values, such as code planted with `__reduce__`); nothing in it runs.
     """
     path = os.fspath(path)

@@ -58,7 +58,7 @@ from detlib.inference import (DetectionImageFiles, detection_item, earlier_outpu
                               shard_batches, start_prediction, write_skipped)
 from detlib.labels import describe_mapping, match_categories
 from detlib.retinanet import anchor_generator_from_config, decode_detections
-from detlib.weights import CheckpointError, read_score_thresholds, weights_path
+from detlib.weights import WeightsFileError, read_score_thresholds, weights_path
 
 logger = logging.getLogger("predict_retinanet")
 # OUT/<folder>/<name>: the files written per input (never read as inputs, see list_image_files)
@@ -113,7 +113,7 @@ score_threshold.__name__ = "number or best_f1"
 def class_thresholds(args, category_map) -> torch.Tensor:
     """[K] float32: the lowest score kept for each of the model's classes (label order): --score_thresh, or with
     best_f1 the thresholds of score_thresholds.json beside the weights (the pooled one for classes without their
-    own). Raises FileNotFoundError / CheckpointError (one line) when best_f1 has no file to read."""
+    own). Raises FileNotFoundError / WeightsFileError (one line) when best_f1 has no file to read."""
     if args.score_thresh != "best_f1":
         return torch.full((len(category_map),), float(args.score_thresh))
     per_class, pooled, path = read_score_thresholds(args.weights)
@@ -307,7 +307,7 @@ def main(argv=None):
     names = dict(zip(category_map.category_ids, category_map.names))
     try:
         thresholds = class_thresholds(args, category_map)
-    except (FileNotFoundError, CheckpointError) as e:
+    except (FileNotFoundError, WeightsFileError) as e:
         logger.error("%s", e, extra={"console": False})
         raise SystemExit(f"error: --score_thresh best_f1: {e}") from None
     # decoding keeps scores above its threshold (torchvision's >); a best-F1 threshold keeps its own score too (the

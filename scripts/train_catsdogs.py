@@ -44,14 +44,13 @@ from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_cl
                                    classification_transform, per_class_summary, per_class_table)
 from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import checkpoint_io as ckpt
 from detlib.engine import (Run, RunSettings, build_scheduler, data_defaults_table, float_range,
                            format_given, given_flags, int_at_least, parse_with_config, resolve_data_defaults,
                            run_argument_parser, show_data_defaults, stop)
 from detlib.evaluation import classifier_card, command_line, log_classification_extras, record_evaluation, write_card
 from detlib.files import atomic_write
 from detlib.logtext import short_list
-from detlib.weights import complete_model_config, read_model_config, weights_path
+from detlib.weights import WeightsFileError, complete_model_config, read_model_config, weights_path
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -264,7 +263,7 @@ def match_classifier_classes(run: Run, model, weights: str, classes: list[str], 
     `by_name` each output row moves to the class of its name (a class the weights lack keeps its fresh row)."""
     try:
         theirs = (read_model_config(weights) or {}).get("classes")
-    except ckpt.CheckpointError as e:
+    except WeightsFileError as e:
         run.fail(f"--weights: {e}")
     if not theirs or len(theirs) != len(classes) or list(theirs) == list(classes):
         return  # another class count: build_classifier left the output layer fresh
@@ -297,7 +296,7 @@ def main(argv=None):
         try:
             weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
             saved = read_model_config(args.evaluate_only) or {}
-        except (FileNotFoundError, ckpt.CheckpointError) as e:
+        except (FileNotFoundError, WeightsFileError) as e:
             stop(f"--evaluate_only: {e}", code=1)
         # rebuild the evaluated model as it was trained, at its size; an old model_config.json without them: the
         # run's config.yaml, else the defaults, said in one line

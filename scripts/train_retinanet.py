@@ -53,7 +53,6 @@ from detlib.data import (AUGMENTATIONS, FORMATS, INPUT_DIVISIBILITY, CocoDetecti
                          build_transform, check_coco_for_training, collate_detection, data_dir_paths, loader_settings,
                          make_synthetic_coco)
 from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
-from detlib.engine import checkpoint_io as ckpt
 from detlib.engine import (Run, RunSettings, broadcast_object, build_scheduler,
                            data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
                            resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
@@ -66,8 +65,8 @@ from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
                               anchor_generator_from_config, check_backbone, decode_detections, load_matching_weights,
                               reorder_class_outputs, retinanet_loss)
-from detlib.weights import (complete_model_config, load_state_dict_file, read_model_config, weights_path,
-                            write_score_thresholds)
+from detlib.weights import (WeightsFileError, complete_model_config, load_state_dict_file, read_model_config,
+                            weights_path, write_score_thresholds)
 
 logger = logging.getLogger("train_retinanet")
 
@@ -396,7 +395,7 @@ def main(argv=None):
         if source:
             weights_path(source)  # a wrong path stops here, before the data check
         saved = read_model_config(source) if source else None
-    except (FileNotFoundError, ckpt.CheckpointError) as e:
+    except (FileNotFoundError, WeightsFileError) as e:
         stop(f"{flag}: {e}", code=1)
     notes = []  # what an old model_config.json lacked and flags this run cannot honour: one line each, in train.log
     # How the model sees images: ours by default; an evaluated or initialising model's own settings (a converted

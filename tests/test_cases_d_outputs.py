@@ -377,7 +377,7 @@ def test_case_d17_classifier_old_config_and_topk_beyond_the_classes_are_said(tmp
 
 
 def test_resume_says_which_flags_the_checkpoint_replaces_and_refuses_another_optimizer():
-    from detlib.engine.resume import ResumeError, replaced_by_checkpoint
+    from detlib.engine.checkpoint_io import ResumeError, replaced_by_checkpoint
 
     asked = [{"lr": 1e-5, "initial_lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999)},
              {"lr": 1e-5, "initial_lr": 1e-3, "weight_decay": 0.05, "betas": (0.9, 0.999)}]

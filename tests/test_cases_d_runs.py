@@ -311,8 +311,8 @@ def trained_accelerator():
 @pytest.mark.parametrize("leave_free", [100_000, 400_000], ids=["weights_file_fails", "optimizer_file_fails"])
 def test_case_d21_disk_filling_during_a_checkpoint_save_says_no_space(small_disk, leave_free):
     from detlib.engine import checkpoint_io as ckpt
+    from detlib.engine.checkpoint_io import CheckpointError
     from detlib.engine.run_folder import checkpoint_bytes
-    from detlib.weights import CheckpointError
 
     acc, model, opt = trained_accelerator()
     out = small_disk / "run"
@@ -337,14 +337,14 @@ def test_case_d21_disk_filling_during_a_checkpoint_save_says_no_space(small_disk
 
 
 def test_case_d21_weights_on_a_full_disk_keep_the_old_file(small_disk):
-    from detlib.weights import CheckpointError, load_state_dict_file, save_model_weights
+    from detlib.weights import WeightsFileError, load_state_dict_file, save_model_weights
 
     acc, model, _ = trained_accelerator()
     best = small_disk / "run" / "best"
     save_model_weights(acc, model, str(best))
     before = load_state_dict_file(best / "model.safetensors")
     fill(small_disk, 50_000)
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(WeightsFileError) as e:
         save_model_weights(acc, model, str(best))
     assert str(e.value).startswith(f"could not write {best / 'model.safetensors'}: no space left on device (")
     assert f"MiB free in {best}, ~0.25 MiB needed)" in str(e.value)
@@ -355,14 +355,14 @@ def test_case_d21_weights_on_a_full_disk_keep_the_old_file(small_disk):
 
 def test_case_d21_read_only_disk_is_named(tmp_path):
     from detlib.engine import checkpoint_io as ckpt
-    from detlib.weights import CheckpointError, save_model_weights
+    from detlib.weights import WeightsFileError, save_model_weights
 
     acc, model, _ = trained_accelerator()
     with tmpfs(tmp_path / "ro", "size=1m,ro") as ro:
-        with pytest.raises(CheckpointError, match=rf"^could not write checkpoint {ro}/checkpoints/epoch_0000.tmp: {ro} "
+        with pytest.raises(ckpt.CheckpointError, match=rf"^could not write checkpoint {ro}/checkpoints/epoch_0000.tmp: {ro} "
                            "is on a read-only file system; removed the partial folder, no earlier checkpoint exists$"):
             ckpt.save_checkpoint(acc, str(ro), ckpt.TrainState())
-        with pytest.raises(CheckpointError, match=rf"^could not write {ro}/best/model.safetensors: {ro} is on a "
+        with pytest.raises(WeightsFileError, match=rf"^could not write {ro}/best/model.safetensors: {ro} is on a "
                            "read-only file system$"):
             save_model_weights(acc, model, str(ro / "best"))
 
@@ -373,7 +373,7 @@ def test_case_d21_zip_writer_error_without_errno_is_read_from_the_disk(tmp_path,
 
     from detlib import weights
     from detlib.engine import checkpoint_io as ckpt
-    from detlib.weights import CheckpointError
+    from detlib.engine.checkpoint_io import CheckpointError
 
     acc, model, opt = trained_accelerator()
     first = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=1))
@@ -399,8 +399,7 @@ def test_case_d21_other_causes_are_named(tmp_path, monkeypatch):
     import errno
 
     from detlib.engine import checkpoint_io as ckpt
-    from detlib.engine.checkpoint_io import Checkpointer
-    from detlib.weights import CheckpointError
+    from detlib.engine.checkpoint_io import Checkpointer, CheckpointError
 
     acc, model, _ = trained_accelerator()
     state = ckpt.TrainState(epoch=1, global_step=1)

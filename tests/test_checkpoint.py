@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from detlib.engine import checkpoint_io as ckpt
 from detlib.retinanet.model import RetinaNet
-from detlib.weights import load_model_weights, load_state_dict_file
+from detlib.weights import WeightsFileError, load_model_weights, load_state_dict_file
 from helpers import fake_checkpoint, plant
 
 
@@ -188,7 +188,7 @@ def test_planted_pickle_in_a_weights_file_never_runs(tmp_path, tiny_model, name,
     for given in (tmp_path / name, tmp_path):  # the file, or the folder that holds it
         if given == tmp_path and name == "resnet18.pth":
             continue  # not a name a folder is searched for
-        with pytest.raises(ckpt.CheckpointError, match=f"{name} holds pickled objects other than .*refused"):
+        with pytest.raises(WeightsFileError, match=f"{name} holds pickled objects other than .*refused"):
             load_model_weights(tiny_model, str(given))
     with pytest.raises(RuntimeError, match="refused, nothing in it was run"):
         load_state_dict_file(tmp_path / name)

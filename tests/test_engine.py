@@ -18,7 +18,7 @@ from conftest import REPO
 from detlib.engine import checkpoint_io as ckpt
 from detlib.engine import run_folder
 from detlib.engine.schedules import build_lr_scheduler, lr_factor, set_position
-from detlib.weights import load_model_weights
+from detlib.weights import WeightsFileError, load_model_weights
 from helpers import fake_checkpoint
 
 
@@ -89,10 +89,10 @@ def test_truncated_or_foreign_weights_are_one_line_errors(tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 3])
-    with pytest.raises(ckpt.CheckpointError, match="cut.safetensors is truncated"):
+    with pytest.raises(WeightsFileError, match="cut.safetensors is truncated"):
         load_model_weights(model, str(tmp_path / "cut.safetensors"))
     (tmp_path / "notes.pt").write_text("these are not weights")
-    with pytest.raises(ckpt.CheckpointError, match="notes.pt is not a readable weights file"):
+    with pytest.raises(WeightsFileError, match="notes.pt is not a readable weights file"):
         load_model_weights(model, str(tmp_path / "notes.pt"))
 
 
@@ -135,7 +135,7 @@ def test_json_files_that_parse_but_hold_the_wrong_thing_are_one_line_errors(tmp_
     # the weights folders the scripts read (predict, --evaluate_only): a model_config.json of another JSON type
     for text in ("[]", '"resnet18"', "5", "null", deep):
         (listed / "model_config.json").write_text(text)
-        with pytest.raises(ckpt.CheckpointError, match=r"epoch_0003/model_config.json is damaged"):
+        with pytest.raises(WeightsFileError, match=r"epoch_0003/model_config.json is damaged"):
             read_model_config(str(listed))
 
 
@@ -268,7 +268,7 @@ def test_set_position_moves_a_lambda_schedule():
     assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 11 / 40)))
 
 
-# ---- the run machinery's parts (detlib.engine.run.StepWindow, detlib.engine.resume, detlib.engine.run_folder, detlib.engine.checkpoint_io)
+# ---- the run machinery's parts (detlib.engine.run.StepWindow, detlib.engine.run_folder, detlib.engine.checkpoint_io)
 
 def _guarded_bn_model():
     from accelerate import Accelerator
@@ -303,7 +303,7 @@ def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts
     guard.snapshot_buffers(model)
     loss = model(x).pow(2).mean()
     loss.backward()
-    guard.add({"loss": loss}, 4)
+    guard.add_losses({"loss": loss}, 4)
     before = model[0].weight.detach().clone()
     skipped, sums = _script_step(acc, guard, model, opt, loss), guard.sums
     assert not skipped and not torch.equal(model[0].weight, before)
@@ -316,7 +316,7 @@ def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts
         guard.snapshot_buffers(model)
         loss = model(x).sum() * float("nan")  # the forward moves the running mean, the loss is NaN
         loss.backward()
-        guard.add({"loss": loss}, 4)
+        guard.add_losses({"loss": loss}, 4)
         skipped, sums = _script_step(acc, guard, model, opt, loss), guard.sums
         assert skipped and sums[0] == 1.0
         assert torch.equal(model[0].weight, weights) and torch.equal(model[1].running_mean, running_mean)
@@ -335,8 +335,8 @@ def test_step_guard_window_line_is_the_mean_over_images_and_restarts():
     acc = Accelerator(cpu=True)
     guard = StepWindow(acc, max_nonfinite_steps=3)
     assert guard.window_line({"epoch": 0, "step": 0}, 0.1, 0, [{"lr": 0.1}]) is None  # no step yet
-    guard.add({"loss": torch.tensor(2.0), "cls_loss": torch.tensor(1.0)}, 3)
-    guard.add({"loss": torch.tensor(6.0), "cls_loss": torch.tensor(5.0)}, 1)
+    guard.add_losses({"loss": torch.tensor(2.0), "cls_loss": torch.tensor(1.0)}, 3)
+    guard.add_losses({"loss": torch.tensor(6.0), "cls_loss": torch.tensor(5.0)}, 1)
     guard.sums = (0.0, 0.0, 6.0, 0.5)
     guard.record(1, 0.1)
     line, images = guard.window_line({"epoch": 0, "step": 1}, 0.1, 0, [{"lr": 0.1}, {"lr": 0.01}])
@@ -364,7 +364,7 @@ def test_explosion_is_reported_once_per_order_of_magnitude(caplog):
 
 
 def test_run_length_counts_the_partial_accumulation_window_as_a_step():
-    from detlib.engine.resume import run_length
+    from detlib.engine.run import run_length
 
     # 10 batches per process, 3 per step: steps of 3, 3, 3 and 1 batches
     assert run_length(10, num_processes=2, per_device_batch_size=4, accumulation_steps=3, epochs=5,
@@ -373,7 +373,7 @@ def test_run_length_counts_the_partial_accumulation_window_as_a_step():
 
 
 def test_convert_position_keeps_the_samples_seen_on_another_process_count():
-    from detlib.engine.resume import convert_position
+    from detlib.engine.checkpoint_io import convert_position
 
     # 2 processes x 8 samples per step, 10 steps per epoch; now 1 process: 20 steps per epoch of 8 samples
     saved = ckpt.TrainState(epoch=1, step_in_epoch=4, global_step=14, num_processes=2, steps_per_epoch=10,
@@ -387,7 +387,7 @@ def test_convert_position_keeps_the_samples_seen_on_another_process_count():
 
 
 def test_tracker_offset_continues_after_the_last_logged_step(tmp_path):
-    from detlib.engine.resume import set_tracker_offset
+    from detlib.engine.tracking import set_tracker_offset
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4, 5, 6)) + "not json\n")
@@ -479,7 +479,7 @@ def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
 
 
 def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path):
-    from detlib.engine.resume import ResumeError, check_same_classes
+    from detlib.engine.checkpoint_io import ResumeError, check_same_classes
 
     (tmp_path / "model_config.json").write_text(json.dumps({"num_classes": 2, "classes": ["cat", "dog"]}))
     check_same_classes(str(tmp_path), {"num_classes": 2, "classes": ["cat", "dog"]})  # same list: fine

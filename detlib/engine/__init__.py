@@ -1,11 +1,12 @@
 """The run machinery both training scripts share: the run folder and its lock, signals and preemption, flags,
 checkpoints and resume, LR schedules, logs, metrics and trackers.
 
-`run` (the `Run` the scripts call around their loop: its bookkeeping, and `StepWindow`, the finite check's
-memory and the train line's window), `flags` (the shared flags, --config), `run_folder` (the folder, the lock,
-run_status.json, signals, DataLoader workers), `checkpoint_io` (the checkpoint format: write, list,
-read; what a run saves: rotation, best/, last/), `resume` (where a resumed run starts), `schedules`
-(LR schedules, built by the scripts), `tracking` (the Accelerator, logs, metrics.jsonl, trackers, collectives).
+`run` (the `Run` the scripts call around their loop: its bookkeeping, where a run starts; `StepWindow`, the part
+of a `Run` that is the finite check's memory and the train line's window), `flags` (the shared flags, --config),
+`run_folder` (the folder, the lock, run_status.json, signals, DataLoader workers), `checkpoint_io` (the checkpoint
+format: write, list, read; whether a checkpoint fits a resumed run; what a run saves: rotation, best/, last/),
+`schedules` (LR schedules, built by the scripts), `tracking` (the Accelerator, logs, metrics.jsonl, trackers and
+their steps after a resume, collectives).
 """
 
 from .flags import (HelpFormatter, data_defaults_table, float_range, format_given, given_flags, int_at_least,

@@ -19,6 +19,12 @@ tensors and plain values only (plus numpy's RNG state, `RNG_STATE_GLOBALS`); the
 so, and `load_checkpoint` makes accelerate's `load_state` do the same (`weights_only_loads`). A file that
 names any other global (a planted `__reduce__` calling os.system) is refused before any of it runs.
 
+Whether a checkpoint fits the run that resumes it (for `detlib.engine.run.Run.resume_point` / `Run.resume`): its
+classes (`check_same_classes`), its optimizer and the flags its state replaces (`replaced_by_checkpoint`), and its
+counters moved to this run's geometry (`convert_position`). `latest` skips damaged checkpoints; a checkpoint of
+another process count or batch size continues at the same position in samples seen; another `--epochs` continues a
+cosine schedule from its current LR (`detlib.engine.schedules.build_scheduler`).
+
 What a run writes (`Checkpointer`, for `detlib.engine.run.Run`): its checkpoints (rotated), best/ when the
 validation metric beats every earlier value, last/ at the end, and the end-of-run summary that points at them.
 
@@ -31,10 +37,12 @@ validation metric beats every earlier value, last/ at the end, and the end-of-ru
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import math
 import os
+import pathlib
 import pickle
 import re
 import shutil
@@ -46,9 +54,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from accelerate.utils.other import TORCH_SAFE_GLOBALS
+from safetensors.torch import save_file
 
 from ..files import write_json
-from ..weights import (WEIGHT_FILES, WRITE_ERRORS, CheckpointError, all_finite, describe_write_failure, read_json,
+from ..weights import (WEIGHT_FILES, WRITE_ERRORS, WeightsFileError, all_finite, describe_write_failure, read_json,
                        read_json_object, readable_as_umask_allows, refused, save_model_weights, verify_safetensors,
                        weights_only_loads)
 from .run_folder import EXIT_DIVERGED, checkpoint_bytes
@@ -64,6 +73,22 @@ _CKPT_RE = re.compile(r"^(epoch|step)_(\d+)$")
 RNG_STATE_GLOBALS = TORCH_SAFE_GLOBALS
 
 
+class CheckpointError(WeightsFileError):
+    """A checkpoint that cannot be used (damaged, incomplete) or written (disk full); the message is one line."""
+
+
+@contextlib.contextmanager
+def _checkpoint_file_errors():
+    """What the weights-file readers raise (`WeightsFileError`) for a file in a checkpoint folder is a
+    CheckpointError, with the same line."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except WeightsFileError as e:
+        raise CheckpointError(str(e)) from None
+
+
 @dataclass
 class TrainState:
     """The run's own counters, saved with every checkpoint as `trainer_state.json`.
@@ -75,7 +100,7 @@ class TrainState:
     best_metric: best validation metric so far (AP or accuracy), -1 before the first evaluation.
     run_id: the tracker run id, so a resumed run logs into the same wandb run.
     num_processes, steps_per_epoch, samples_per_step: the geometry the counters were counted in, so a
-        resume on another process count or batch size can convert them (`detlib.engine.resume`).
+        resume on another process count or batch size can convert them (`convert_position`).
     schedule: the per-step LR schedule's resolved settings (kind, total_steps, warmup_steps, anchor).
     epoch_loss_sum, epoch_images: the epoch's loss summed over its images and the image count, over all
         processes, so the epoch mean that drives ReduceLROnPlateau covers the whole epoch after a resume.
@@ -121,20 +146,14 @@ def _candidates(output_dir: str) -> list[str]:
     return [os.path.join(root, n) for n in os.listdir(root) if _CKPT_RE.match(n) and os.path.isdir(os.path.join(root, n))]
 
 
-def _step(path: str) -> int | None:
-    """The global step of a checkpoint folder; None when its trainer_state.json does not read."""
-    try:
-        return read_train_state(path).global_step
-    except CheckpointError:
-        return None
-
-
 def _order_key(path: str) -> tuple:
     """Newest written last: the folder's time (set when its last file was written, kept by the rename), then
     the global step. Time, not step alone: after a resume from an older checkpoint the new checkpoints have
-    lower steps than the abandoned ones, and a damaged trainer_state.json has no step at all."""
-    step = _step(path)
-    return (os.path.getmtime(path), -1 if step is None else step)
+    lower steps than the abandoned ones, and a damaged trainer_state.json has no step at all (-1)."""
+    try:
+        return (os.path.getmtime(path), read_train_state(path).global_step)
+    except CheckpointError:
+        return (os.path.getmtime(path), -1)
 
 
 def list_checkpoints(output_dir: str) -> list[str]:
@@ -153,7 +172,8 @@ def read_train_state(path: str) -> TrainState:
     f = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(f):
         raise _NotACheckpoint(f"{path} is not a complete checkpoint (no trainer_state.json)")
-    raw = read_json(f)
+    with _checkpoint_file_errors():
+        raw = read_json(f)
     if not isinstance(raw, dict) or not isinstance(raw.get("global_step"), int):
         raise CheckpointError(f"{f} is damaged (ValueError: no integer global_step)")
     state = TrainState()
@@ -185,7 +205,7 @@ def read_state_file(path: str):
             warnings.simplefilter("ignore")  # torch warns about the pickle protocol of a foreign file
             return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError as e:
-        raise refused(path, e) from None
+        raise refused(path, e, CheckpointError) from None
     except Exception as e:  # any failure to read means the file cannot be resumed from
         raise CheckpointError(f"{path} does not load ({type(e).__name__}: {e})") from None
 
@@ -204,7 +224,7 @@ def load_checkpoint(accelerator, path: str) -> None:
             accelerator.load_state(path)
     except pickle.UnpicklingError as e:
         verify_checkpoint(path)  # names the refused file (changed after the verification passed the folder)
-        raise refused(f"a state file of {path}", e) from None
+        raise refused(f"a state file of {path}", e, CheckpointError) from None
 
 
 def verify_checkpoint(path: str) -> None:
@@ -229,19 +249,20 @@ def verify_checkpoint(path: str) -> None:
         f = os.path.join(path, name)
         if not os.path.isfile(f):
             continue
-        if name.endswith(".json"):
-            (read_json_object if name == "model_config.json" else read_json)(f)
-            continue
-        if os.path.getsize(f) == 0:
-            raise CheckpointError(f"{f} is empty")
-        if name.endswith(".safetensors"):
-            verify_safetensors(f)
-        elif name.endswith((".bin", ".pt", ".pth", ".pkl")):
-            read_state_file(f)
+        with _checkpoint_file_errors():
+            if name.endswith(".json"):
+                (read_json_object if name == "model_config.json" else read_json)(f)
+                continue
+            if os.path.getsize(f) == 0:
+                raise CheckpointError(f"{f} is empty")
+            if name.endswith(".safetensors"):
+                verify_safetensors(f)
+            elif name.endswith((".bin", ".pt", ".pth", ".pkl")):
+                read_state_file(f)
 
 
-def resolve_resume(output_dir: str, resume: str | None) -> str | None:
-    """`--resume_from_checkpoint` value -> checkpoint folder, or None to start fresh.
+def resolve_resume(output_dir: str, resume: str) -> str | None:
+    """A `--resume_from_checkpoint` value ("latest" or a PATH) -> checkpoint folder, or None to start fresh.
 
     "latest": the newest checkpoint of `output_dir` that passes `verify_checkpoint`; damaged newer ones are
     skipped with a warning naming what is wrong. None, with a warning naming the folder, when there is none.
@@ -250,8 +271,6 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
         CheckpointError: for an explicit path that is damaged or not a checkpoint (a FileNotFoundError too
         when it holds no trainer_state.json).
     """
-    if not resume:
-        return None
     if resume != "latest":
         verify_checkpoint(resume)
         return resume
@@ -267,15 +286,113 @@ def resolve_resume(output_dir: str, resume: str | None) -> str | None:
     return None
 
 
+# ---- resume: whether a checkpoint fits this run (its classes, its optimizer), and where it puts the run
+
+class ResumeError(Exception):
+    """No checkpoint to resume, or one that does not fit this run (another model or optimizer); one line."""
+
+
+# model_config.json keys that list the classes in label order. Resumed onto data whose list differs only in names
+# or order, the weights still load and label i silently trains as another class; another count fails at load.
+CLASS_LIST_KEYS = ("category_ids", "category_names", "classes")
+
+
+def check_same_classes(checkpoint: str, model_config: dict | None) -> None:
+    """Raise ResumeError when the checkpoint's `model_config.json` lists other classes (ids, names or their
+    order) than this run's data (`model_config`); a checkpoint without the lists passes."""
+    path = os.path.join(checkpoint, "model_config.json")
+    if not os.path.exists(path):
+        return
+    try:
+        saved = read_json_object(path)  # a list or a number in it is damaged too, not an AttributeError below
+    except WeightsFileError as e:
+        raise ResumeError(f"cannot resume from {checkpoint}: {e}") from None
+    for key in CLASS_LIST_KEYS:
+        ours, theirs = (model_config or {}).get(key), saved.get(key)
+        if ours is None or theirs is None or list(ours) == list(theirs):
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+        raise ResumeError(
+            f"cannot resume from {checkpoint}: its classes differ from this run's data ({key}: {len(theirs)} in the "
+            f"checkpoint, {len(ours)} here; first difference at label {first}: "
+            f"{theirs[first] if first < len(theirs) else 'none'!r} vs {ours[first] if first < len(ours) else 'none'!r}), "
+            "so labels would change meaning; to train on these classes start a new run with --init_from")
+
+
+# Optimizer settings (param-group keys) that a checkpoint's optimizer state brings back over this run's flags.
+RECIPE_FLAGS = {"initial_lr": "--lr", "weight_decay": "--weight_decay", "momentum": "--momentum"}
+
+
+def replaced_by_checkpoint(asked: list[dict], loaded: list[dict], saved_schedule: dict | None, checkpoint: str) -> list[str]:
+    """The flags of this run whose values a resumed checkpoint's optimizer state replaced, one line each (flag,
+    value asked for, value used): a resume continues the checkpoint's recipe, and another --lr is said, not
+    silently dropped.
+
+    Args:
+        asked: this run's param groups (without "params") before the checkpoint was loaded.
+        loaded: the param groups after `accelerator.load_state`.
+        saved_schedule: the checkpoint's `TrainState.schedule`; a plateau run's base LR is its `base_lrs` (the
+            groups' `lr` has its drops in it; a checkpoint written before base_lrs was recorded is not compared).
+    Raises:
+        ResumeError: this run's optimizer has settings the checkpoint's lacks (another --optimizer: SGD's momentum
+            against AdamW's betas), which would fail at the first step.
+    """
+    lacking = set(asked[0]) - set(loaded[0]) - {"initial_lr"} if asked and loaded else set()
+    if lacking:
+        raise ResumeError(f"cannot resume from {checkpoint}: its optimizer is another one than this run's (its state "
+                          f"has no {', '.join(sorted(lacking))}: another --optimizer?); resume with the checkpoint's "
+                          "optimizer, or start a new run from its weights with --init_from")
+    lines = []
+    base = (saved_schedule or {}).get("base_lrs")
+    for key, flag in RECIPE_FLAGS.items():
+        for i, (a, g) in enumerate(zip(asked, loaded)):
+            if key == "initial_lr":  # the base LR: the scheduler's, else (plateau) the recorded one
+                ours = a.get("initial_lr", a.get("lr"))
+                theirs = g["initial_lr"] if "initial_lr" in g else (base[i] if base and i < len(base) else None)
+            else:
+                ours, theirs = a.get(key), g.get(key)
+            if not isinstance(ours, (int, float)) or not isinstance(theirs, (int, float)) or ours == theirs:
+                continue
+            lines.append(f"{flag} {ours:g} is not used: the resumed checkpoint's optimizer state brings back its run's "
+                         f"{theirs:g} (a resume continues that recipe; to train with another, start a new run with "
+                         f"--init_from {checkpoint})")
+            break  # one line per flag
+    return lines
+
+
+def convert_position(state: TrainState, saved: TrainState, num_processes: int, samples_per_step: int,
+                     steps_per_epoch: int) -> bool:
+    """Move the counters of a checkpoint counted in another geometry to the same position in samples seen,
+    in this run's steps (`state.step_in_epoch`, `state.global_step`); logs what moved.
+
+    Args:
+        state: this run's counters, already loaded from `saved`.
+        saved: the checkpoint's counters, with the geometry they were counted in.
+        num_processes, samples_per_step, steps_per_epoch: this run's geometry (samples over all processes
+            and accumulation micro-batches per optimizer step).
+    Returns True when the counters moved (the geometry differs), False otherwise.
+    """
+    old_spe = saved.steps_per_epoch
+    if not old_spe or (saved.num_processes == num_processes and saved.samples_per_step == samples_per_step
+                       and old_spe == steps_per_epoch):
+        return False
+    in_epoch = min(steps_per_epoch - 1, round(saved.step_in_epoch * steps_per_epoch / old_spe))
+    state.step_in_epoch = in_epoch if saved.step_in_epoch else 0
+    state.global_step = saved.epoch * steps_per_epoch + state.step_in_epoch
+    logger.warning(
+        "the checkpoint was written by %s process(es) at %s samples per step (%d steps per epoch); this run has %d "
+        "at %d (%d steps per epoch): epoch %d step %d -> step %d, global step %d -> %d, so the LR schedule keeps its "
+        "position in samples seen.%s", saved.num_processes, saved.samples_per_step, old_spe,
+        num_processes, samples_per_step, steps_per_epoch, saved.epoch + 1,  # the epoch it was in, from 1
+        saved.step_in_epoch, state.step_in_epoch, saved.global_step, state.global_step,
+        " The rest of this epoch is read in the new process count's order (some of its images may be seen twice "
+        "or not at all); later epochs are exact." if saved.step_in_epoch else "")
+    return True
+
+
 def folder_size(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
-    return total
+    """Bytes of the files under `path`."""
+    return sum(f.stat().st_size for f in pathlib.Path(path).rglob("*") if f.is_file())
 
 
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit: int | None = None,
@@ -311,12 +428,8 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, total_limit
             for fname, obj in (("trainer_state.json", state.state_dict()), ("model_config.json", model_config)):
                 if obj is not None:
                     write_json(obj, os.path.join(tmp, fname), indent=1)
-            if extra_weights:
-                from safetensors.torch import save_file
-
-                for fname, sd in extra_weights.items():
-                    save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()},
-                              os.path.join(tmp, f"{fname}.safetensors"))
+            for fname, sd in (extra_weights or {}).items():
+                save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, os.path.join(tmp, f"{fname}.safetensors"))
     except WRITE_ERRORS as e:
         error = error or e
     if not min_over_processes(accelerator, error is None):
@@ -386,7 +499,7 @@ class Checkpointer:
             self.fail(f"the model holds non-finite weights at step {step}: not writing {what}; "
                       f"the last good checkpoint is kept", EXIT_DIVERGED)
 
-    def save_checkpoint(self, model, state: TrainState, epoch_sums: torch.Tensor, optimizer=None) -> str:
+    def save_checkpoint(self, model, state: TrainState, epoch_sums: torch.Tensor, optimizer) -> str:
         """Write a checkpoint of everything a resume needs; `epoch_sums` ([2] float64: this process's loss sum
         over images, image count) are summed over processes into `state` first. Returns its folder.
         `optimizer` sizes the checkpoint for the message of a failed save."""
@@ -396,11 +509,10 @@ class Checkpointer:
             self._check_finite(self.ema.module, "a checkpoint (its EMA weights)", state.global_step)
             extra = {EMA_WEIGHTS: self.ema.module.state_dict()}
         state.epoch_loss_sum, state.epoch_images = self.accelerator.reduce(epoch_sums, reduction="sum").tolist()
-        needed = checkpoint_bytes(model, optimizer)[1] if optimizer is not None else None
         t = time.time()
         try:
             path = save_checkpoint(self.accelerator, self.output_dir, state, self.total_limit, self.model_config,
-                                   needed_bytes=needed, extra_weights=extra)
+                                   needed_bytes=checkpoint_bytes(model, optimizer)[1], extra_weights=extra)
         except CheckpointError as e:
             self.fail(str(e), 1)
         logger.info("saved checkpoint %s (%.1f s)", path, time.time() - t)
@@ -415,7 +527,7 @@ class Checkpointer:
         error = None
         try:
             save_model_weights(self.accelerator, model, folder, self.model_config, extra)
-        except CheckpointError as e:  # main process only: the others learn it below
+        except WeightsFileError as e:  # main process only: the others learn it below
             error = f"{e}; the checkpoints in {checkpoint_dir(self.output_dir)} are kept"
         error = broadcast_object(self.accelerator, error)
         if error:
@@ -453,7 +565,7 @@ def read_best_record(output_dir: str, metric: str) -> dict | None:
         best = read_json(os.path.join(output_dir, "best", "best.json"))
         float(best["value"])
         return best if best.get("metric") == metric else None
-    except (CheckpointError, ValueError, KeyError, TypeError):
+    except (WeightsFileError, ValueError, KeyError, TypeError):
         return None
 
 

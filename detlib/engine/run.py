@@ -44,7 +44,7 @@ What a `Run` guarantees:
 * Preemption (detlib.engine.run_folder): SIGTERM, SIGUSR1 and a first SIGINT only set a flag; all ranks agree through
   accelerate's `set_trigger` / `check_trigger` after each optimizer step and every few evaluation batches,
   write a step checkpoint and exit with EXIT_PREEMPTED. A second SIGINT stops at once.
-* Resume (detlib.engine.resume): from `latest` past damaged checkpoints, on another process count or batch size at the
+* Resume (detlib.engine.checkpoint_io): from `latest` past damaged checkpoints, on another process count or batch size at the
   same position in samples seen, with another `--epochs` on from the current LR (detlib.engine.schedules).
 * Start-up checks (detlib.engine.run_folder): folder writable, disk space, one live run per folder, never mixing into a
   finished run; flag values are checked by argparse (detlib.engine.flags).
@@ -72,17 +72,17 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..data.loaders import stop_dataloader_workers
-from ..weights import load_model_weights
+from ..weights import load_model_weights, load_state_dict_file
 from . import checkpoint_io as ckpt
-from .checkpoint_io import EMA_WEIGHTS, Checkpointer, summary_lines
+from .checkpoint_io import (EMA_WEIGHTS, Checkpointer, CheckpointError, ResumeError, check_same_classes,
+                            convert_position, replaced_by_checkpoint, summary_lines)
 from .flags import DEFAULT_REPORT_TO, EVALUATE_ONLY_SUBDIR
-from .resume import (ResumeError, check_same_classes, convert_position, load_ema_weights, replaced_by_checkpoint,
-                     resolve_checkpoint, run_length, set_tracker_offset)
 from .run_folder import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
                          release_lock, write_run_status)
 from .schedules import RunPosition, set_position
 from .tracking import (MetricsLogger, TrackerError, broadcast_object, compile_summary, finish_trackers, init_trackers,
-                       log_run_setup, make_accelerator, min_over_processes, save_config, setup_logging)
+                       log_run_setup, make_accelerator, min_over_processes, save_config, set_tracker_offset,
+                       setup_logging)
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +144,23 @@ class RunSettings:
         return cls(**{**values, "evaluate_only": bool(values["evaluate_only"])})
 
 
+def run_length(batches_per_epoch: int, num_processes: int, per_device_batch_size: int, accumulation_steps: int,
+               epochs: int, max_steps: int | None) -> tuple[int, int, int]:
+    """Returns (optimizer steps per epoch, samples per step over all processes, total optimizer steps).
+
+    `batches_per_epoch` is one process's; `max_steps` (when set) replaces `epochs` x steps per epoch.
+    """
+    # accumulate() also steps at the end of the loader, so a partial last window is one more step.
+    steps_per_epoch = math.ceil(batches_per_epoch / accumulation_steps)
+    samples_per_step = num_processes * per_device_batch_size * accumulation_steps
+    return steps_per_epoch, samples_per_step, max_steps or epochs * steps_per_epoch
+
+
 class StepWindow:
-    """The optimizer steps since the last train line: the non-finite check, the divergence streak, the explosion
-    watch and the logged values' sums. Held by `Run`; every collective method is called by all ranks together.
+    """The step's bookkeeping, the part of `Run` that needs no run folder (`Run` is a StepWindow; its tests build one
+    on a bare Accelerator): the losses of the micro-batches, the non-finite check, the divergence streak, the
+    explosion watch, the BatchNorm buffers of the window and the logged values' sums since the last train line.
+    Every collective method is called by all ranks together.
 
     Args:
         accelerator: the run's `accelerate.Accelerator` (device, process count, GradScaler, reduce).
@@ -159,15 +173,13 @@ class StepWindow:
         self.streak = 0  # non-finite optimizer steps in a row
         self.last_grad_norm = math.nan  # mean over processes of the last step's pre-clip norm; nan when non-finite
         self.sums = (0.0, 0.0, 0.0, 0.0)  # `all_finite`'s, for `record`
-        self._ema = self._ema_low = None
+        self._loss_ema = self._loss_low = None
         self._warned_loss = 0.0
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._bad = torch.zeros((), device=accelerator.device)  # non-finite micro-batch losses this window
-        self._values: torch.Tensor | None = None  # the logged values summed over images
-        self._keys: list[str] = []
-        self.images = self.steps = 0
-        self.data_time = 0.0
-        self.t_start = time.time()
+        # this process's loss summed over the epoch's images, and their count (float64: a long epoch's sum)
+        self._epoch_sums = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+        self.reset_window()
 
     def snapshot_buffers(self, model: torch.nn.Module) -> None:
         """Keep the floating-point buffers (BatchNorm running statistics) from before an accumulation window:
@@ -180,18 +192,23 @@ class StepWindow:
             for b, saved in self._buffers:
                 b.copy_(saved)
 
-    def add(self, values: dict[str, torch.Tensor], num_images: int) -> None:
-        """Add one micro-batch's scalar losses (0-d tensors, "loss" the one trained on) to the window."""
+    def add_losses(self, values: dict[str, torch.Tensor], num_images: int) -> None:
+        """One micro-batch's scalar losses (0-d tensors; "loss" is the one trained on, unweighted) into the log
+        window (logged as means over images) and the epoch's mean loss."""
+        loss = values["loss"].detach()
         stacked = torch.stack([v.detach().float() for v in values.values()])
         if self._values is None or self._values.numel() != stacked.numel():
             self._keys, self._values = list(values), torch.zeros_like(stacked)
         self._values += stacked * num_images
-        self.images += num_images
-        self._bad = self._bad + (~torch.isfinite(values["loss"].detach())).float()
+        self.window_images += num_images
+        self._bad = self._bad + (~torch.isfinite(loss)).float()
+        self._epoch_sums += torch.stack([loss.double() * num_images, torch.tensor(
+            float(num_images), device=self._epoch_sums.device, dtype=torch.float64)])
 
     def all_finite(self, loss: torch.Tensor, grad_norm) -> bool:
-        """True when every micro-batch loss of the window and the gradient norm are finite on every process.
-        Collective (one all-reduce), so every rank gets the same answer.
+        """Whether to take the optimizer step: every micro-batch loss of the window and the gradient norm finite on
+        every process. Collective (one all-reduce), so every rank steps or skips together; call it on the last
+        micro-batch of a window, before `optimizer.step()`.
 
         Args:
             loss: the last micro-batch's loss, 0-d tensor.
@@ -201,9 +218,8 @@ class StepWindow:
         """
         acc = self.accelerator
         grad_norm = torch.as_tensor(grad_norm, device=acc.device).float()
-        flags = torch.stack([self._bad, (~torch.isfinite(grad_norm)).float(), torch.nan_to_num(
-            loss.detach().float(), nan=0.0, posinf=0.0, neginf=0.0), torch.nan_to_num(grad_norm, nan=0.0, posinf=0.0,
-                                                                                       neginf=0.0)])
+        flags = torch.stack([self._bad, (~torch.isfinite(grad_norm)).float(),
+                             *(t.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) for t in (loss.detach().float(), grad_norm))])
         self.sums = tuple(acc.reduce(flags, reduction="sum").tolist())
         self._bad = torch.zeros((), device=acc.device)
         return not (self.sums[0] or self.sums[1])
@@ -225,18 +241,18 @@ class StepWindow:
         elif bad_grad:  # fp16: an overflow of the scaled gradients is routine while the scaler finds its level
             logger.info("step %d: fp16 gradient overflow: the GradScaler skipped the step on every process and "
                         "lowered the loss scale to %g", step, acc.scaler.get_scale())
-        self.steps += 1
+        self.window_steps += 1
         return self.streak >= self.max_nonfinite_steps
 
     def _watch_explosion(self, loss: float, lr: float, step: int) -> None:
-        if self._ema_low is not None and loss > EXPLOSION_FACTOR * max(self._ema_low, LOSS_LEVEL_FLOOR) \
+        if self._loss_low is not None and loss > EXPLOSION_FACTOR * max(self._loss_low, LOSS_LEVEL_FLOOR) \
                 and loss > REWARN_FACTOR * self._warned_loss:
             logger.warning("step %d: loss %.4g is over %dx its lowest running level %.4g (lr %.3g): the run may be "
                            "diverging; consider a lower --lr or --max_grad_norm", step, loss,
-                           int(EXPLOSION_FACTOR), self._ema_low, lr)
+                           int(EXPLOSION_FACTOR), self._loss_low, lr)
             self._warned_loss = loss
-        self._ema = loss if self._ema is None else (1 - LOSS_EMA_WEIGHT) * self._ema + LOSS_EMA_WEIGHT * loss
-        self._ema_low = self._ema if self._ema_low is None else min(self._ema_low, self._ema)
+        self._loss_ema = loss if self._loss_ema is None else (1 - LOSS_EMA_WEIGHT) * self._loss_ema + LOSS_EMA_WEIGHT * loss
+        self._loss_low = self._loss_ema if self._loss_low is None else min(self._loss_low, self._loss_ema)
 
     def window_line(self, head: dict, lr: float, skipped_steps: int,
                     param_groups: list[dict]) -> tuple[dict, float] | None:
@@ -248,11 +264,11 @@ class StepWindow:
         window's image count over all processes. None when no optimizer step was taken since the last line.
         """
         acc = self.accelerator
-        if self._values is None or self.steps == 0:
+        if self._values is None or self.window_steps == 0:
             return None
-        totals = acc.reduce(torch.cat([self._values, torch.tensor([float(self.images)], device=acc.device)]),
+        totals = acc.reduce(torch.cat([self._values, torch.tensor([float(self.window_images)], device=acc.device)]),
                             reduction="sum").tolist()
-        images, elapsed = totals[-1], max(1e-9, time.time() - self.t_start)
+        images, elapsed = totals[-1], max(1e-9, time.time() - self.window_start)
         line = {**head, **{k: v / max(images, 1) for k, v in zip(self._keys, totals[:-1])}}
         line.update(lr=lr, grad_norm=self.last_grad_norm, images_per_s=images / elapsed,
                     data_time_fraction=min(1.0, self.data_time / elapsed), skipped_steps=skipped_steps)
@@ -264,13 +280,14 @@ class StepWindow:
         return line, images
 
     def reset_window(self) -> None:
-        self._values.zero_()
-        self.images = self.steps = 0
+        """Start the next train line's window."""
+        self._values: torch.Tensor | None = None  # the logged values summed over images (`_keys`), from add_losses on
+        self.window_images = self.window_steps = 0
         self.data_time = 0.0
-        self.t_start = time.time()
+        self.window_start = time.time()
 
 
-class Run:
+class Run(StepWindow):
     """One training (or evaluation-only) run of a script. See the module docstring for what it guarantees.
 
     Args:
@@ -288,15 +305,14 @@ class Run:
         self.evaluate_only = s.evaluate_only
         self.output_dir = os.path.join(s.output_dir, EVALUATE_ONLY_SUBDIR) if s.evaluate_only else s.output_dir
         # evaluation runs uncompiled (evaluation_models), --evaluate_only too
-        self.accelerator = make_accelerator(s.mixed_precision, s.gradient_accumulation_steps, s.report_to,
-                                            self.output_dir, seed=s.seed, verbose=s.verbose,
-                                            compile_backend=s.compile_backend if s.compile and not s.evaluate_only
-                                            else None, compile_mode=s.compile_mode)
+        super().__init__(make_accelerator(s.mixed_precision, s.gradient_accumulation_steps, s.report_to,
+                                          self.output_dir, seed=s.seed, verbose=s.verbose,
+                                          compile_backend=s.compile_backend if s.compile and not s.evaluate_only
+                                          else None, compile_mode=s.compile_mode), s.max_nonfinite_steps)
         self.state = ckpt.TrainState()
         self.config: dict = {}
         self.checkpointer = Checkpointer(self.accelerator, self.output_dir, metric, s.checkpoint_total_limit, self.fail)
         self.signals = PreemptionSignals()
-        self.window = StepWindow(self.accelerator, s.max_nonfinite_steps)
         self.progress = None  # the tqdm bar of the training steps, from resume on
         self.optimizer = self.model = None
         self.last_stats: dict | None = None  # the last evaluation's stats (report_evaluation)
@@ -387,11 +403,9 @@ class Run:
         try:
             self.state.run_id = init_trackers(self.accelerator, s.project, self.config, self.output_dir,
                                               self.state.run_id, s.run_name, s.report_to)
-        except TrackerError as e:  # main process only: the others learn it below
+        except TrackerError as e:  # main process only: the others learn it in fail_together
             error = str(e)
-        error = broadcast_object(self.accelerator, error)
-        if error:
-            self.fail(error)
+        self.fail_together(error)
 
     # ---- training set-up: resume_point, then the script builds its scheduler, then resume
     def resume_point(self, train_loader) -> RunPosition:
@@ -412,14 +426,22 @@ class Run:
             self.batches_per_epoch, acc.num_processes, s.per_device_batch_size, s.gradient_accumulation_steps,
             s.epochs, s.max_steps)
         self._resume, self._moved, saved = None, False, None
-        try:
-            if s.resume_from_checkpoint:
-                self._resume = resolve_checkpoint(acc, self.output_dir, s.resume_from_checkpoint)
-            if self._resume:
+        if s.resume_from_checkpoint:  # the main process resolves `latest`, past damaged checkpoints
+            error = None
+            if acc.is_main_process:
+                try:
+                    self._resume = ckpt.resolve_resume(self.output_dir, s.resume_from_checkpoint)
+                except CheckpointError as e:
+                    error = f"--resume_from_checkpoint: {e}"
+            error, self._resume = broadcast_object(acc, (error, self._resume))
+            if error:
+                self.fail(error)
+        if self._resume:
+            try:
                 check_same_classes(self._resume, self.checkpointer.model_config)
-                saved = ckpt.read_train_state(self._resume)
-        except ResumeError as e:
-            self.fail(str(e))
+            except ResumeError as e:
+                self.fail(str(e))
+            saved = ckpt.read_train_state(self._resume)
         if saved:
             st.load_state_dict(saved.state_dict())
             st.eval_pending = bool(saved.eval_pending)
@@ -477,11 +499,8 @@ class Run:
             set_tracker_offset(st, self.metrics.path, bool(s.resume_from_checkpoint))
             self.metrics.step_offset = st.tracker_offset
             error = check_disk_space(self.output_dir, model, optimizer, s.checkpoint_total_limit or s.epochs)
-        error = broadcast_object(acc, error)  # every process stops: a lone main exit leaves the others waiting
-        if error:
-            self.fail(error)
+        self.fail_together(error)  # every process stops: a lone main exit leaves the others waiting
         # epoch sums: restored (global) on the main rank only, so the reduce over ranks counts them once
-        self._epoch_sums = torch.zeros(2, device=acc.device, dtype=torch.float64)
         if acc.is_main_process and st.step_in_epoch:
             self._epoch_sums += torch.tensor([st.epoch_loss_sum, st.epoch_images], device=acc.device, dtype=torch.float64)
         self._ckpt_due = False
@@ -496,16 +515,27 @@ class Run:
                            "--epochs to train on", st.epoch, s.epochs, st.global_step, self.total_steps)
 
     def _start_ema(self, model, resumed: str | None) -> None:
+        """`self.ema`: timm's ModelEmaV3 of `model`'s (resumed) weights, with the checkpoint `resumed`'s own EMA weights
+        (`checkpoint/model_ema.safetensors`) when it has them; a checkpoint without them (its run had no --model_ema)
+        leaves the average starting from the resumed weights, with a warning. Stops the run with one line when the
+        file does not fit the model."""
         from timm.utils import ModelEmaV3
 
         s = self.settings
         # every process keeps its own copy: the weights are the same on every rank, and so is the average
         self.ema = ModelEmaV3(self.bare(model), decay=s.model_ema, use_warmup=s.model_ema_warmup,
                               warmup_power=EMA_WARMUP_POWER)
-        try:
-            load_ema_weights(self.ema, resumed, EMA_WEIGHTS)
-        except ResumeError as e:
-            self.fail(str(e))
+        path = resumed and os.path.join(resumed, f"{EMA_WEIGHTS}.safetensors")
+        if path and not os.path.isfile(path):
+            logger.warning("--model_ema: %s holds no EMA weights (%s.safetensors; its run had no --model_ema): the "
+                           "average starts from the resumed weights", resumed, EMA_WEIGHTS)
+        elif path:
+            try:
+                self.ema.module.load_state_dict(load_state_dict_file(path), strict=True)
+            except (RuntimeError, ValueError) as e:
+                first = str(e).strip().splitlines()
+                self.fail(f"cannot resume the EMA weights {path}: {first[0][:200] if first else type(e).__name__}")
+            logger.info("resumed the EMA weights from %s", path)
         self.checkpointer.ema = self.ema
         logger.info("--model_ema %g: an average of the weights is kept (warm-up %s), evaluated beside them as ema_%s",
                     s.model_ema, "1 - step ** -%.2f" % EMA_WARMUP_POWER if s.model_ema_warmup else "off", self.metric)
@@ -542,37 +572,23 @@ class Run:
         loader.set_epoch(self.epoch)
         i = start = st.step_in_epoch * G
         it = iter(self.accelerator.skip_first_batches(loader, start) if start else loader)
-        self.window.t_start = time.time()
+        self.window_start = time.time()
         while st.global_step < self.total_steps:
             t = time.time()
             try:
                 batch = next(it)
             except StopIteration:
                 return
-            self.window.data_time += time.time() - t
-            window_start = (i // G) * G
-            self.loss_weight = G / min(G, self.batches_per_epoch - window_start)
-            if i == window_start:
-                self.window.snapshot_buffers(self.model)
+            self.data_time += time.time() - t
+            first = (i // G) * G  # the window's first batch
+            self.loss_weight = G / min(G, self.batches_per_epoch - first)
+            if i == first:
+                self.snapshot_buffers(self.model)
+                self._lr = self.optimizer.param_groups[0]["lr"]  # the LR of the window's optimizer step
             i += 1
             yield batch
 
     loss_weight = 1.0
-
-    def add_losses(self, values: dict[str, torch.Tensor], num_images: int) -> None:
-        """One micro-batch's scalar losses (0-d tensors; "loss" is the one trained on, unweighted) into the log
-        window (logged as means over images) and the epoch's mean loss."""
-        self.window.add(values, num_images)
-        self._epoch_sums += torch.stack([values["loss"].detach().double() * num_images,
-                                         torch.tensor(float(num_images), device=self.accelerator.device,
-                                                      dtype=torch.float64)])
-
-    def all_finite(self, loss: torch.Tensor, grad_norm) -> bool:
-        """Whether to take the optimizer step: every loss of the window and the gradient norm finite on every
-        process (one all-reduce: every rank steps or skips together; `StepWindow.all_finite`). Call on the
-        last micro-batch of a window, before `optimizer.step()`; it also notes the LR that step uses."""
-        self._lr = self.optimizer.param_groups[0]["lr"]
-        return self.window.all_finite(loss, grad_norm)
 
     def end_step(self, model, stepped: bool) -> None:
         """The bookkeeping after an optimizer step (collective; after `zero_grad` and a per-step `scheduler.step`).
@@ -587,14 +603,14 @@ class Run:
         st.step_in_epoch += 1
         self.progress.update(1)
         st.skipped_steps += not stepped
-        if self.window.sums[0] or self.window.sums[1]:
-            self.window.restore_buffers()
-        diverged = self.window.record(st.global_step, lr)
+        if self.sums[0] or self.sums[1]:
+            self.restore_buffers()
+        diverged = self.record(st.global_step, lr)
         if st.global_step % s.log_interval == 0 or st.global_step == self.total_steps or diverged:
             self._log_window(lr)
         if diverged:
             last = ckpt.list_checkpoints(self.output_dir) if self.accelerator.is_main_process else []
-            self.fail(f"training diverged: {self.window.streak} non-finite steps in a row up to step {st.global_step} "
+            self.fail(f"training diverged: {self.streak} non-finite steps in a row up to step {st.global_step} "
                       f"(epoch {self.epoch_number}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
                       f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --lr "
                       "or --max_grad_norm", EXIT_DIVERGED)
@@ -608,7 +624,7 @@ class Run:
     def _log_window(self, lr: float) -> None:
         """One train line: means over the images since the last line, over all processes."""
         st = self.state
-        window = self.window.window_line({"epoch": self.epoch_number, "step": st.global_step}, lr, st.skipped_steps,
+        window = self.window_line({"epoch": self.epoch_number, "step": st.global_step}, lr, st.skipped_steps,
                                          self.optimizer.param_groups)
         if window is None:
             return
@@ -616,7 +632,7 @@ class Run:
         self.progress.set_postfix(loss=f"{line['loss']:.4f}", lr=f"{lr:.2e}")
         self.metrics.log(line, step=st.global_step, tracker_epoch=self.epoch + st.step_in_epoch / self.steps_per_epoch)
         self.images_seen += images
-        self.window.reset_window()
+        self.reset_window()
 
     def end_epoch(self) -> float | None:
         """Close the epoch: flush its last train line, log the epoch line. Returns the epoch's mean loss over all

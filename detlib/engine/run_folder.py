@@ -33,6 +33,7 @@ import threading
 import tempfile
 import time
 
+import psutil  # accelerate's dependency
 import torch
 
 from ..data.loaders import PREEMPT_SIGNALS
@@ -59,16 +60,6 @@ class Refusal(str):
     printed as `stopped: ...`."""
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
     """Take `output_dir/run.lock` for this process. Returns (error, note): error when another live run holds
     it (or one on another host: we cannot tell), note when a stale lock of a dead process was replaced."""
@@ -90,7 +81,7 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
                 return Refusal(f"{path} does not say which run holds {output_dir} (empty or damaged); if no run is "
                                "writing there, delete it"), None
             pid, host = other.get("pid"), other.get("host")
-            if host == me["host"] and isinstance(pid, int) and not _pid_alive(pid):
+            if host == me["host"] and isinstance(pid, int) and not psutil.pid_exists(pid):
                 note = f"replaced a stale lock of process {pid} (no longer running) in {output_dir}"
                 os.remove(path)
                 continue

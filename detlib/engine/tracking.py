@@ -219,7 +219,9 @@ def init_trackers(accelerator, project: str, config: dict, output_dir: str, run_
     name = run_name or os.path.basename(os.path.abspath(output_dir))
     init_kwargs = {"wandb": {"id": run_id, "resume": "allow", "dir": output_dir, "name": name}}
     try:
-        accelerator.init_trackers(project, config=flat_config(config), init_kwargs=init_kwargs)
+        # the trackers take int / float / str / bool values
+        flat = {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
+        accelerator.init_trackers(project, config=flat, init_kwargs=init_kwargs)
     except Exception as e:  # wandb raises UsageError, CommError, timeouts ...; tensorboard OSError
         started = [t for t in accelerator.trackers if getattr(t, "run", None) or getattr(t, "writer", None)]
         failed = next((t.name for t in accelerator.trackers if t not in started), "a tracker")
@@ -246,11 +248,6 @@ def finish_trackers(accelerator, output_dir: str) -> None:
             logger.warning("the %s tracker did not close cleanly (%s: %s); the run's own files in %s are complete%s",
                            tracker.name, type(e).__name__, _one_line(e), output_dir, where)
     accelerator.trackers.clear()
-
-
-def flat_config(config: dict) -> dict:
-    """Tracker-friendly config: values as int / float / str / bool."""
-    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v)) for k, v in config.items()}
 
 
 def set_log_levels(is_main: bool = True, verbose: bool = False) -> None:
@@ -293,6 +290,36 @@ def save_config(config: dict, output_dir: str) -> None:
         yaml.safe_dump(config, f, sort_keys=False)
 
 
+def last_logged_step(metrics_path: str) -> int:
+    """The highest tracker step in `metrics.jsonl` ("tracker_step", else "step"); -1 when none or no file."""
+    last = -1
+    try:
+        with open(metrics_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                    last = max(last, int(row.get("tracker_step", row.get("step") or 0)))
+                except (ValueError, TypeError):
+                    continue
+    except OSError:
+        pass
+    return last
+
+
+def set_tracker_offset(state, metrics_path: str, resumed: bool) -> None:
+    """Trackers (wandb) drop a step lower than one already logged: after a resume from an older checkpoint,
+    tracker steps continue after the last logged one (`state.tracker_offset`, of the run's
+    `detlib.engine.checkpoint_io.TrainState`); metrics.jsonl keeps the true step. Main process only (it reads
+    `metrics_path`)."""
+    last = last_logged_step(metrics_path)
+    if state.global_step + 1 + state.tracker_offset <= last and resumed:
+        state.tracker_offset = last - state.global_step  # the next step, global_step + 1, is logged at last + 1
+        logger.warning("resumed at step %d but the trackers already hold steps up to %d: tracker steps go on at %d "
+                       "(step + %d); metrics.jsonl keeps the true step, and its lines after step %d are from the "
+                       "abandoned part of the run", state.global_step, last, last + 1, state.tracker_offset,
+                       state.global_step)
+
+
 class MetricsLogger:
     """Appends metric dicts to `metrics.jsonl` and sends them to the trackers (main process only).
 
@@ -304,7 +331,7 @@ class MetricsLogger:
     def __init__(self, accelerator, output_dir: str):
         self.accelerator = accelerator
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.step_offset = 0  # tracker step = step + offset (see detlib.engine.resume, resume from an older checkpoint)
+        self.step_offset = 0  # tracker step = step + offset (`set_tracker_offset`: a resume from an older checkpoint)
         self._defined: set[str] = set()
 
     def log(self, values: dict, step: int, tracker_epoch: float | None = None) -> None:
