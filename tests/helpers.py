@@ -56,6 +56,35 @@ def run_main(name: str, argv: list, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
+def fresh_accelerate() -> None:
+    """Forget the accelerate state of the previous in-process run (accelerate's singletons keep the first
+    Accelerator's settings for the whole process, and refuse another `mixed_precision`): call before and after a
+    `main(argv)` whose settings differ from the others' (fp16, gradient accumulation)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def run_ok(name: str, argv: list, capsys=None) -> str:
+    """`scripts/<name>.py`'s `main(argv)` in this process on a fresh accelerate state (reset again after it), which
+    must succeed: returns its stdout (with `capsys`; without, as a module fixture calls it, the output goes to
+    pytest's capture and "" comes back)."""
+    fresh_accelerate()
+    try:
+        if capsys is not None:
+            code, out, err = run_main(name, argv, capsys)
+            assert code == 0, f"{name} {' '.join(map(str, argv))} exited {code}:\n{out[-3000:]}\n{err[-3000:]}"
+            return out
+        try:
+            load_script(name).main([str(a) for a in argv])
+        except SystemExit as e:
+            assert e.code in (0, None), f"{name} {' '.join(map(str, argv))} exited {e.code}"
+        return ""
+    finally:
+        fresh_accelerate()  # the next in-process run (of any test) starts from the defaults again
+
+
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
 

@@ -1,12 +1,15 @@
-"""End-to-end runs of the run machinery (detlib.engine.run) through `accelerate launch`: divergence (C11), kill -9
-and SIGTERM mid-epoch with exact resume, launcher death, damaged checkpoints (C07), another process count
-(C08), the partial accumulation window (C09), a training set too small for the processes (C10), the
-output-folder guards, and two "machines" on loopback.
+"""End-to-end runs of the run machinery (detlib.engine.run): divergence (C11), kill -9 and SIGTERM mid-epoch with
+exact resume, launcher death, damaged checkpoints (C07), another process count (C08), the partial accumulation
+window (C09), a training set too small for the processes (C10), the output-folder guards, and two "machines" on
+loopback. (An EMA loss normalizer's exact resume is tests/test_train_retinanet.py's B19 test.)
 
 Tiny on purpose: noise images of 64 px with a box or two, resnet18 with a 16-channel head (RetinaNet) or timm's
-`test_resnet` at 32 px (cats/dogs), so each launch takes seconds on 2 CPU cores. The launches are marked `slow`; the guards and one-line errors
-that a process of its own does not change run `main(argv)` in-process (without DataLoader workers: the exit paths
-with workers are tests/test_exit_paths.py's).
+`test_resnet` at 32 px (cats/dogs). A launch costs ~8 s of start-up per process before any work, so only what
+needs a real process is launched: 2 processes (gloo DDP), signals and kill -9, a launcher's death. The rest, the
+reference runs a signal test compares against and the resumes after a kill included, runs `main(argv)`
+in-process (`helpers.run_ok` / `run_main`), without DataLoader workers unless a run is compared with a launched
+one (the exit paths with workers are tests/test_exit_paths.py's). Launches and in-process runs of more than a few
+steps are marked `slow`.
 """
 
 from __future__ import annotations
@@ -26,14 +29,15 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, run_script, start_script, traceback_through_our_code, write_coco, write_image
-from helpers import error_lines, make_tiny_folder, run_main
+from helpers import error_lines, make_tiny_folder, run_main, run_ok
 
-# DataLoader workers on, as users run (2: the default 4 capped at this machine's cores): every exit path and resume
-# below runs through worker processes (the cats/dogs ones persistent)
+# DataLoader workers on, as users run (2: the default 4 capped at this machine's cores): every launched exit path
+# below runs through worker processes (the cats/dogs ones persistent); in-process runs add NO_WORKERS
 TINY = ["--backbone", "resnet18", "--image_size", "64", "--fpn_channels", "16", "--per_device_batch_size", "2",
         "--per_device_eval_batch_size", "4", "--num_workers", "2", "--log_interval", "1", "--report_to", "none",
         "--eval_interval", "100"]
 CATS = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "2", "--log_interval", "1", "--report_to", "none"]
+NO_WORKERS = ["--num_workers", "0"]
 
 
 def make_detection_set(root: Path, n_train: int, n_val: int = 2) -> list[str]:
@@ -145,19 +149,20 @@ def test_exploding_finite_loss_is_reported(tmp_path, capsys):
 # ---- kill -9 and SIGTERM mid-epoch, exact resume
 
 @pytest.mark.slow
-def test_kill9_mid_epoch_resume_redoes_at_most_checkpoint_steps(tmp_path):
+def test_kill9_mid_epoch_resume_redoes_at_most_checkpoint_steps(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 8)
     common = data + TINY + ["--epochs", "2", "--per_device_batch_size", "1", "--optimizer", "sgd", "--lr", "0.01",
                             "--lr_scheduler", "cosine", "--warmup_steps", "2", "--checkpoint_steps", "5"]
     full, part = tmp_path / "full", tmp_path / "part"
-    run_script("train_retinanet.py", common + ["--output_dir", str(full)])
-    proc = start_script("train_retinanet.py", common + ["--output_dir", str(part)])
+    proc = start_script("train_retinanet.py", common + ["--output_dir", str(part)])  # the launch that is killed
     wait_for_step(part, proc, 13)
     os.killpg(proc.pid, signal.SIGKILL)  # launcher and trainer at once: nothing can save
     proc.wait()
     logged = max(m["step"] for m in trains(part))
-    resumed = run_script("train_retinanet.py", common + ["--output_dir", str(part), "--resume_from_checkpoint", "latest"])
-    assert "global step 10" in resumed.stdout and "stale lock" in resumed.stdout  # step_00000010, the killed run's lock
+    # the uninterrupted run and the resume in-process, with the same flags (DataLoader workers included)
+    run_ok("train_retinanet", common + ["--output_dir", full], capsys)
+    resumed = run_ok("train_retinanet", common + ["--output_dir", part, "--resume_from_checkpoint", "latest"], capsys)
+    assert "global step 10" in resumed and "stale lock" in resumed  # step_00000010, the killed run's lock
     assert logged - 10 <= 5
     worst = assert_same_weights(full, part, atol=1e-6)
     print(f"kill -9 at step {logged}: resumed from step 10, {logged - 10} steps redone; max weight difference {worst:.2e}")
@@ -222,10 +227,10 @@ def test_killed_launcher_leaves_no_training_process(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_epoch_run(tmp_path_factory):
-    """One 2-epoch run that the C07 cases copy and damage (one launch for both)."""
+    """One 2-epoch run (in-process) that the C07 cases copy and damage."""
     root = tmp_path_factory.mktemp("c07")
     data = make_detection_set(root / "d", 4)
-    run_script("train_retinanet.py", data + TINY + ["--epochs", "2", "--output_dir", str(root / "run")])
+    run_ok("train_retinanet", data + TINY + NO_WORKERS + ["--epochs", "2", "--output_dir", root / "run"])
     return data, root / "run"
 
 
@@ -235,26 +240,25 @@ def test_case_c07_resume_skips_a_damaged_newest_checkpoint(two_epoch_run, tmp_pa
     data, run = two_epoch_run
     out = tmp_path / "run"
     shutil.copytree(run, out)
-    common = data + TINY + ["--output_dir", str(out)]
+    common = data + TINY + NO_WORKERS + ["--output_dir", str(out)]
     newest = out / "checkpoints" / "epoch_0002"
     if damage == "truncate_weights":
         f = newest / "model.safetensors"
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     else:
         (newest / "trainer_state.json").write_text("")
-    proc = run_script("train_retinanet.py", common + ["--epochs", "3", "--resume_from_checkpoint", "latest"])
-    assert "skipping damaged checkpoint epoch_0002" in proc.stdout
-    assert ("model.safetensors is truncated" in proc.stdout) if damage == "truncate_weights" else ("trainer_state.json is damaged" in proc.stdout)
-    assert "resumed from" in proc.stdout and "epoch_0001" in proc.stdout
-    assert "tracker steps go on at 5" in proc.stdout  # steps 3-4 were logged by the abandoned epoch
+    stdout = run_ok("train_retinanet", common + ["--epochs", "3", "--resume_from_checkpoint", "latest"], capsys)
+    assert "skipping damaged checkpoint epoch_0002" in stdout
+    assert ("model.safetensors is truncated" in stdout) if damage == "truncate_weights" else ("trainer_state.json is damaged" in stdout)
+    assert "resumed from" in stdout and "epoch_0001" in stdout
+    assert "tracker steps go on at 5" in stdout  # steps 3-4 were logged by the abandoned epoch
     m = trains(out)
     assert [t["step"] for t in m] == [1, 2, 3, 4, 3, 4, 5, 6]
     assert [t.get("tracker_step") for t in m[4:]] == [5, 6, 7, 8]
     # named explicitly, a damaged checkpoint is a one-line error
     f = out / "checkpoints" / "epoch_0003" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
-    code, _, err = run_main("train_retinanet", common + ["--epochs", "4", "--resume_from_checkpoint", f.parent,
-                                                         "--num_workers", "0"], capsys)  # in-process
+    code, _, err = run_main("train_retinanet", common + ["--epochs", "4", "--resume_from_checkpoint", f.parent], capsys)
     assert code != 0
     assert f"error: --resume_from_checkpoint: {f} is truncated" in err
 
@@ -300,7 +304,7 @@ def test_evaluate_only_on_truncated_or_foreign_weights_is_one_line(tmp_path, cap
 # ---- another process count (C08)
 
 @pytest.mark.slow
-def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path):
+def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 8)
     out = tmp_path / "run"
     common = data + TINY + ["--lr_scheduler", "cosine", "--warmup_steps", "0", "--lr", "1e-3", "--output_dir", str(out)]
@@ -308,8 +312,9 @@ def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path):
     two = trains(out)
     assert [t["step"] for t in two] == [1, 2, 3, 4]  # 8 images / (2 processes x 2) = 2 steps per epoch
     (out / "checkpoints" / "epoch_0002").rename(tmp_path / "later")  # resume from the end of epoch 1
-    proc = run_script("train_retinanet.py", common + ["--epochs", "2", "--resume_from_checkpoint", "latest"])
-    assert "written by 2 process(es)" in proc.stdout and "global step 2 -> 4" in proc.stdout
+    stdout = run_ok("train_retinanet", common + NO_WORKERS + ["--epochs", "2", "--resume_from_checkpoint", "latest"],
+                    capsys)  # 1 process: in-process
+    assert "written by 2 process(es)" in stdout and "global step 2 -> 4" in stdout
     one = trains(out)[4:]
     assert [t["step"] for t in one] == [5, 6, 7, 8]  # 4 steps per epoch on 1 process
     assert one[0]["lr"] == pytest.approx(two[2]["lr"], rel=1e-9)  # the same position in samples seen
@@ -327,15 +332,15 @@ def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path):
 
 # ---- the partial accumulation window (C09)
 
-@pytest.mark.slow
-def test_case_c09_last_partial_window_gets_its_full_gradient_catsdogs(tmp_path):
+@pytest.mark.slow  # in-process, but two trainings with an evaluation (seconds)
+def test_case_c09_last_partial_window_gets_its_full_gradient_catsdogs(tmp_path, capsys):
     data = make_tiny_folder(tmp_path / "data", [20, 20])
     norms = {}
     for accum in (1, 2):
         out = tmp_path / f"acc{accum}"
-        run_script("train_catsdogs.py", CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "8",
-                                                 "--gradient_accumulation_steps", str(accum), "--lr", "0", "--epochs", "1",
-                                                 "--output_dir", str(out)])
+        run_ok("train_catsdogs", CATS + NO_WORKERS + ["--train_dir", data, "--val_dir", data, "--per_device_batch_size", "8",
+                                                      "--gradient_accumulation_steps", accum, "--lr", "0", "--epochs", "1",
+                                                      "--output_dir", out], capsys)
         norms[accum] = [t["grad_norm"] for t in trains(out)]
     assert len(norms[1]) == 5 and len(norms[2]) == 3  # 5 batches: windows of 2, 2 and 1
     # the last window holds batch 5 alone: its gradient is batch 5's, not half of it
@@ -343,14 +348,14 @@ def test_case_c09_last_partial_window_gets_its_full_gradient_catsdogs(tmp_path):
     assert norms[2][0] != pytest.approx(norms[1][0], rel=1e-3)  # (a full window is a real mean of two batches)
 
 
-@pytest.mark.slow
-def test_case_c09_last_partial_window_gets_its_full_gradient_retinanet(tmp_path):
+@pytest.mark.slow  # in-process, but two trainings with an evaluation (seconds)
+def test_case_c09_last_partial_window_gets_its_full_gradient_retinanet(tmp_path, capsys):
     data = make_detection_set(tmp_path / "d", 10)
     norms = {}
     for accum in (1, 2):
         out = tmp_path / f"acc{accum}"
-        run_script("train_retinanet.py", data + TINY + ["--gradient_accumulation_steps", str(accum), "--lr", "0",
-                                                        "--epochs", "1", "--output_dir", str(out)])
+        run_ok("train_retinanet", data + TINY + NO_WORKERS + ["--gradient_accumulation_steps", accum, "--lr", "0",
+                                                              "--epochs", "1", "--output_dir", out], capsys)
         norms[accum] = [t["grad_norm"] for t in trains(out)]
     assert len(norms[1]) == 5 and len(norms[2]) == 3
     assert norms[2][-1] == pytest.approx(norms[1][-1], rel=1e-5)
@@ -442,7 +447,7 @@ def test_two_machines_on_loopback_equal_two_processes(two_process_reference, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGINT"])
-def test_sigusr1_or_first_ctrl_c_to_the_training_process_checkpoints_and_exits_75(tmp_path, sig):
+def test_sigusr1_or_first_ctrl_c_to_the_training_process_checkpoints_and_exits_75(tmp_path, sig, capsys):
     data = make_tiny_folder(tmp_path / "data", [16, 16])
     out = tmp_path / "run"
     common = CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "2", "--epochs", "30",
@@ -457,9 +462,9 @@ def test_sigusr1_or_first_ctrl_c_to_the_training_process_checkpoints_and_exits_7
     assert status["status"] == "preempted" and f"preempted by {sig}" in status["message"]
     written = Path(status["message"].split("checkpoint ")[1].split(" written")[0])  # step_ or, during an evaluation, epoch_
     assert written.parent == out / "checkpoints" and (written / "trainer_state.json").is_file()
-    proc = run_script("train_catsdogs.py", common[:-4] + ["--epochs", "2", "--output_dir", str(out),
-                                                          "--resume_from_checkpoint", "latest"])
-    assert f"global step {status['global_step']}" in proc.stdout
+    stdout = run_ok("train_catsdogs", common[:-4] + NO_WORKERS + ["--epochs", "2", "--output_dir", out,
+                                                                  "--resume_from_checkpoint", "latest"], capsys)  # in-process
+    assert f"global step {status['global_step']}" in stdout
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
 
 
@@ -532,15 +537,3 @@ def test_resume_with_another_model_is_one_line(tmp_path, capsys):
     assert code != 0 and not traceback_through_our_code(err) and not traceback_through_our_code(out_text)
     (line,) = error_lines(err)
     assert "cannot resume from" in line and "does not fit this run" in line
-
-
-@pytest.mark.slow
-def test_ema_loss_normalizer_resumes_exactly(tmp_path):
-    data = make_detection_set(tmp_path / "d", 6)
-    common = data + TINY + ["--epochs", "2", "--loss_normalizer", "ema", "--optimizer", "sgd", "--lr", "0.01"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    run_script("train_retinanet.py", common + ["--output_dir", str(full)])
-    run_script("train_retinanet.py", common + ["--output_dir", str(part), "--max_steps", "4"])
-    run_script("train_retinanet.py", common + ["--output_dir", str(part), "--resume_from_checkpoint", "latest"])
-    assert_same_weights(full, part, atol=1e-6)  # the running average is in the checkpoint
-    assert [t["loss"] for t in trains(part)] == pytest.approx([t["loss"] for t in trains(full)], rel=1e-5)
