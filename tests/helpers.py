@@ -39,6 +39,15 @@ def load_script(name: str, register: bool = False):
     return module
 
 
+def reset_accelerate_state() -> None:
+    """A fresh accelerate state: it is a singleton that keeps the first `Accelerator`'s settings (mixed precision,
+    dynamo plugin) for the rest of the process and refuses another mixed precision; call it before and after an
+    in-process run whose settings differ from the other runs of the process."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+
+
 def run_main(name: str, argv: list, capsys) -> tuple[int, str, str]:
     """`scripts/<name>.py`'s `main(argv)` in this process, as `accelerate launch` of 1 process would run it:
     returns (exit code, stdout, stderr); 0 when main returns. Any exception other than SystemExit propagates
