@@ -65,6 +65,34 @@ def run_main(name: str, argv: list, capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
+def main_in_process(name: str, argv: list) -> str:
+    """`run_main` without capsys (for a module-scoped fixture): stdout and stderr go to a buffer; a non-zero exit
+    or an exception fails the test with the end of the output. Returns stdout + stderr."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        try:
+            result = load_script(name).main([str(a) for a in argv])
+            code = result if isinstance(result, int) and not isinstance(result, bool) else 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code
+    assert code == 0, f"{name} {argv}: exit {code}\n{printed.getvalue()[-4000:]}"
+    return printed.getvalue()
+
+
+def fresh_root_logging() -> None:
+    """No handlers on the root logger, as in a fresh process: a one-process tool's `logging.basicConfig` (export,
+    data check) then prints to this test's stderr, not to pytest's log capture or to the console and train.log
+    handlers that an earlier in-process training run left behind."""
+    import logging
+
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+
+
 def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("error:")]
 
