@@ -1,5 +1,6 @@
-"""End-to-end runs of scripts/train_catsdogs.py through `accelerate launch`, on tiny folders, asserting on
-what the runs leave behind (metrics.jsonl, predictions, checkpoints, weights, the wandb folder).
+"""End-to-end runs of scripts/train_catsdogs.py on tiny folders (launched where they need processes, else
+in-process), asserting on what the runs leave behind (metrics.jsonl, predictions, checkpoints, weights, the wandb
+folder).
 
 Cases of ../shared/cases/README.md: B13, B16, B19, B21, B24-B27 (a whole run), B31; and the one-line errors of
 wrong weights paths and of weights trained on other classes (train_catsdogs.py and predict_catsdogs.py).
