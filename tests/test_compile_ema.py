@@ -62,7 +62,7 @@ def test_compiled_detector_recompiles_are_bounded():
     reset_dynamo()
 
 
-def square_coco(root, n_train: int = 6, n_val: int = 4, size: int = 128) -> list[str]:
+def square_coco(root, n_train: int = 6, n_val: int = 4, size: int = 160) -> list[str]:
     """A tiny COCO set of `size` x `size` noise images with one box each: every padded batch has the same shape."""
     images = {split: [{"id": i + 1, "file_name": f"{split}_{i}.png", "width": size, "height": size} for i in range(n)]
               for split, n in (("train", n_train), ("val", n_val))}
@@ -75,7 +75,7 @@ def square_coco(root, n_train: int = 6, n_val: int = 4, size: int = 128) -> list
             "--val_images", str(root / "img"), "--val_annotations", str(root / "val.json")]
 
 
-RETINANET_TINY = ["--backbone", "resnet18", "--fpn_channels", "16", "--image_size", "128", "--per_device_batch_size", "2",
+RETINANET_TINY = ["--backbone", "resnet18", "--fpn_channels", "16", "--image_size", "160", "--per_device_batch_size", "2",
                   "--per_device_eval_batch_size", "2", "--epochs", "1", "--eval_interval", "1", "--augmentation", "flip",
                   "--num_workers", "0", "--report_to", "none", "--log_interval", "1", "--lr", "1e-3",
                   "--num_log_images", "0", "--skip_image_check"]
