@@ -68,21 +68,39 @@ def fresh_accelerate() -> None:
 
 def run_ok(name: str, argv: list, capsys=None) -> str:
     """`scripts/<name>.py`'s `main(argv)` in this process on a fresh accelerate state (reset again after it), which
-    must succeed: returns its stdout (with `capsys`; without, as a module fixture calls it, the output goes to
-    pytest's capture and "" comes back)."""
+    must succeed (a non-zero exit fails the test with the end of the output). Returns what it printed: stdout with
+    `capsys`; without it (a module fixture has none) stdout and stderr, caught in a buffer."""
+    import contextlib
+    import io
+
     fresh_accelerate()
     try:
         if capsys is not None:
             code, out, err = run_main(name, argv, capsys)
             assert code == 0, f"{name} {' '.join(map(str, argv))} exited {code}:\n{out[-3000:]}\n{err[-3000:]}"
             return out
-        try:
-            load_script(name).main([str(a) for a in argv])
-        except SystemExit as e:
-            assert e.code in (0, None), f"{name} {' '.join(map(str, argv))} exited {e.code}"
-        return ""
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            try:
+                result = load_script(name).main([str(a) for a in argv])
+                code = result if isinstance(result, int) and not isinstance(result, bool) else 0
+            except SystemExit as e:
+                code = 0 if e.code is None else e.code
+        assert code == 0, f"{name} {' '.join(map(str, argv))} exited {code}:\n{printed.getvalue()[-4000:]}"
+        return printed.getvalue()
     finally:
         fresh_accelerate()  # the next in-process run (of any test) starts from the defaults again
+
+
+def fresh_root_logging() -> None:
+    """No handlers on the root logger, as in a fresh process: a one-process tool's `logging.basicConfig` (export,
+    data check) then prints to this test's stderr, not to pytest's log capture or to the console and train.log
+    handlers that an earlier in-process training run left behind."""
+    import logging
+
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
 
 
 def error_lines(text: str) -> list[str]:

@@ -1,11 +1,13 @@
-"""End-to-end runs of scripts/train_catsdogs.py through `accelerate launch`, on tiny folders, asserting on
-what the runs leave behind (metrics.jsonl, predictions, checkpoints, weights, the wandb folder).
+"""End-to-end runs of scripts/train_catsdogs.py on tiny folders (launched where they need processes, else
+in-process), asserting on what the runs leave behind (metrics.jsonl, predictions, checkpoints, weights, the wandb
+folder).
 
 Cases of ../shared/cases/README.md: B13, B16, B19, B21, B24-B27 (a whole run), B31; and the one-line errors of
 wrong weights paths and of weights trained on other classes (train_catsdogs.py and predict_catsdogs.py).
-Every run uses the tiny timm model `test_resnet` at 32 px, so a launch takes seconds on 2 CPU cores. The one-line
-errors are `main(argv)` called in-process (milliseconds); a launch is kept where the behaviour needs one (2
-processes, a whole run), and those tests are marked `slow`.
+Every run uses the tiny timm model `test_resnet` at 32 px. A launch is kept where the behaviour needs a real
+process: 2 processes (gloo DDP, the one wandb run of B21, B31's shards, a flag error printed once); everything else
+(the one-line errors, a whole run on a bad folder, a resume, mixed precision, the 1-process evaluation of B13) is
+`main(argv)` called in-process, which costs only its work (a launch costs ~8 s of start-up per process).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_script, traceback_through_our_code
-from helpers import error_lines, make_bad_folder, make_tiny_folder, run_main
+from helpers import error_lines, make_bad_folder, make_tiny_folder, fresh_accelerate, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train_catsdogs.py"
@@ -31,6 +33,14 @@ FAST = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "0", "-
 def launch(config: str, args: list[str], script: Path = SCRIPT, timeout: int = 300, env: dict | None = None):
     """`run_script` with the config first, as these tests read best."""
     return run_script(script, args, config, timeout, env)
+
+
+def train_in_process(args: list, capsys) -> str:
+    """scripts/train_catsdogs.py's `main(args)` in this process, as a 1-process launch would run it; fails the test
+    on a non-zero exit. Returns stdout + stderr."""
+    code, out, err = run_main("train_catsdogs", args, capsys)
+    assert code == 0, (out + err)[-4000:]
+    return out + err
 
 
 def train_and_eval_lines(out: Path) -> tuple[list[dict], list[dict]]:
@@ -49,7 +59,7 @@ def assert_processes(out: Path, n: int) -> None:
 
 
 @pytest.mark.slow
-def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path):
+def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path, capsys):
     train = make_tiny_folder(tmp_path / "train", [8, 8])
     val = make_tiny_folder(tmp_path / "val", [3, 2], seed=1)  # 5 images: 2 processes x batch 2 pad to 6 / 8
     out = tmp_path / "run"
@@ -73,11 +83,15 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path)
     table = json.loads(last_table.read_text())
     assert table["columns"][:4] == ["image", "path", "label", "predicted"] and len(table["data"]) == wrong
 
-    # B13: the last weights evaluated by 1 process, and by 2 with another padding (batch 3 -> 6)
-    for config, batch, n in (("cpu.yaml", 2, 1), ("cpu_2proc.yaml", 3, 2)):
+    # B13: the last weights evaluated by 1 process (in-process), and by 2 with another padding (batch 3 -> 6)
+    for n, batch in ((1, 2), (2, 3)):
         ev = tmp_path / f"eval_{n}"
-        launch(config, ["--val_dir", val, "--evaluate_only", out / "last", "--per_device_eval_batch_size", batch,
-                        "--output_dir", ev, "--report_to", "none", "--num_workers", "0"])
+        args = ["--val_dir", val, "--evaluate_only", out / "last", "--per_device_eval_batch_size", batch,
+                "--output_dir", ev, "--report_to", "none", "--num_workers", "0"]
+        if n == 1:
+            train_in_process(args, capsys)
+        else:
+            launch("cpu_2proc.yaml", args)
         ev = ev / "evaluate_only"  # evaluation never writes into the folder of a run
         assert_processes(ev, n)
         (line,) = train_and_eval_lines(ev)[1]
@@ -92,20 +106,24 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path)
 
 
 @pytest.mark.slow
-def test_case_b24_b25_b26_b27_bad_folder_trains_and_reports_skips(tmp_path):
+def test_case_b24_b25_b26_b27_bad_folder_trains_and_reports_skips(tmp_path, capsys):
     bad = make_bad_folder(tmp_path / "train", good_per_class=6)
     val = make_bad_folder(tmp_path / "val", good_per_class=2)  # the val set has the same faults
     out = tmp_path / "run"
     # also the other optimizer, label smoothing and gradient accumulation (4 batches -> 2 optimizer steps)
-    launch("cpu.yaml", [*FAST, "--train_dir", bad.root, "--val_dir", val.root, "--epochs", "1", "--output_dir", out,
-                        "--optimizer", "sgd", "--lr", "0.01", "--label_smoothing", "0.1", "--gradient_accumulation_steps", "2"])
+    train_in_process([*FAST, "--train_dir", bad.root, "--val_dir", val.root, "--epochs", "1", "--output_dir", out,
+                      "--optimizer", "sgd", "--lr", "0.01", "--label_smoothing", "0.1", "--gradient_accumulation_steps", "2"],
+                     capsys)
     log = (out / "train.log").read_text()
-    assert "train: 16 images in 2 classes (cats 8, dogs 8)" in log
-    assert "val: 8 images in 2 classes (cats 4, dogs 4)" in log
-    assert "train: skipped 3 unreadable image files (1 empty file, 1 not an image, 1 truncated)" in log
-    for name in bad.skipped:
-        assert str(bad.root / "cats" / name) in log
-    assert "hidden entries are not classes: ['.ipynb_checkpoints']" in log
+    # the data check says it once: the summaries, the unreadable files by reason, the hidden entries
+    assert f"train: root {bad.root}, images 16, classes cats 8, dogs 8, ignored files 3 (" in log
+    assert f"val: root {val.root}, images 8, classes cats 4, dogs 4, ignored files 3 (" in log
+    assert log.count("image files that cannot be read: left out (1 empty file, 1 not an image, 1 truncated) [3]") == 2
+    assert log.count("hidden entries of the root are not classes [1]; e.g. .ipynb_checkpoints") == 2
+    assert "unreadable image files" not in log  # the scan's own report of the same files is gone
+    findings = json.loads((out / "data_report.json").read_text())["findings"]
+    (unreadable,) = [f for f in findings if f["split"] == "train" and f["message"].startswith("image files that cannot")]
+    assert sorted(e.split(" (")[0] for e in unreadable["examples"]) == sorted(str(bad.root / "cats" / n) for n in bad.skipped)
     train_lines, evals = train_and_eval_lines(out)
     assert [m["step"] for m in train_lines] == [1, 2]  # 16 images / 4 / 2 accumulated: the whole epoch ran
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in train_lines)
@@ -118,17 +136,17 @@ def test_case_b24_b25_b26_b27_bad_folder_trains_and_reports_skips(tmp_path):
 
 
 @pytest.mark.slow
-def test_case_b19_resume_continues_the_same_run(tmp_path):
+def test_case_b19_resume_continues_the_same_run(tmp_path, capsys):
     train = make_tiny_folder(tmp_path / "train", [8, 8])
     val = make_tiny_folder(tmp_path / "val", [2, 2], seed=1)
     common = [*FAST, "--train_dir", train, "--val_dir", val, "--epochs", "3", "--checkpoint_total_limit", "0"]
     full = tmp_path / "full"
-    launch("cpu.yaml", [*common, "--output_dir", full])
+    train_in_process([*common, "--output_dir", full], capsys)
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["epoch_0001", "epoch_0002", "epoch_0003"]
     # a run that stopped after its first epoch: its output folder holds that checkpoint only
     resumed = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "epoch_0001", resumed / "checkpoints" / "epoch_0001")
-    launch("cpu.yaml", [*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"])
+    train_in_process([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], capsys)
     assert "resumed from" in (resumed / "train.log").read_text()
     full_train, full_evals = train_and_eval_lines(full)
     res_train, res_evals = train_and_eval_lines(resumed)
@@ -145,17 +163,21 @@ def test_case_b19_resume_continues_the_same_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_case_b16_mixed_precision_clips_the_fp32_gradient(tmp_path):
+def test_case_b16_mixed_precision_clips_the_fp32_gradient(tmp_path, capsys):
     # On the CPU accelerate autocasts bf16 only (fp16 runs in fp32, without a GradScaler); the fp16 + GradScaler
-    # path is checked where a GPU is present.
-    config, mixed = ("1gpu.yaml", ("bf16", "fp16")) if torch.cuda.is_available() else ("cpu.yaml", ("bf16",))
+    # path is checked where a GPU is present (in-process, the run takes the GPU as a 1-GPU launch would).
+    mixed = ("bf16", "fp16") if torch.cuda.is_available() else ("bf16",)
     train = make_tiny_folder(tmp_path / "train", [4, 4])
     val = make_tiny_folder(tmp_path / "val", [1, 1], seed=1)
     norms = {}
     for precision in ("no", *mixed):
         out = tmp_path / precision
-        launch(config, [*FAST, "--train_dir", train, "--val_dir", val, "--max_steps", "1", "--epochs", "1",
-                            "--max_grad_norm", "1.0", "--mixed_precision", precision, "--output_dir", out])
+        fresh_accelerate()  # the state keeps the first run's mixed precision and refuses another
+        try:
+            train_in_process([*FAST, "--train_dir", train, "--val_dir", val, "--max_steps", "1", "--epochs", "1",
+                              "--max_grad_norm", "1.0", "--mixed_precision", precision, "--output_dir", out], capsys)
+        finally:
+            fresh_accelerate()
         assert f"mixed precision {precision}" in (out / "train.log").read_text()
         (line,) = train_and_eval_lines(out)[0]
         norms[precision] = line["grad_norm"]

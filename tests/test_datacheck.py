@@ -573,8 +573,9 @@ def _faulty_pair(tmp_path):
 
 @needs_coco_subset
 @pytest.mark.slow
-def test_retinanet_two_processes_train_and_evaluate_on_the_repaired_json(tmp_path):
+def test_retinanet_two_processes_train_and_evaluate_on_the_repaired_json(tmp_path, capsys):
     from conftest import read_metrics, run_script
+    from helpers import run_main
 
     out = tmp_path / "run"
     proc = run_script("train_retinanet.py", _faulty_pair(tmp_path) + TINY + ["--score_thresh", "0", "--output_dir", str(out)],
@@ -596,11 +597,11 @@ def test_retinanet_two_processes_train_and_evaluate_on_the_repaired_json(tmp_pat
     assert {p["image_id"] for p in preds} == {163497, 174632}
     headers = json.loads((out / "image_header_cache.json").read_text())
     assert len(headers) == 6  # read once by the main process, the other one reused the cache
-    # evaluation only: the checkpoint's 80 classes, a val json that lists 8 (C19), its faults repaired alike
-    proc = run_script("train_retinanet.py", ["--val_images", IMAGES, "--val_annotations", str(tmp_path / "val.json"),
-                                             "--evaluate_only", str(out / "best"), "--num_workers", "0", "--report_to",
-                                             "none", "--score_thresh", "0", "--output_dir", str(tmp_path / "ev")])
-    assert "COCO evaluation on 2 images" in proc.stdout
+    # evaluation only (in-process): the checkpoint's 80 classes, a val json that lists 8 (C19), its faults repaired alike
+    code, stdout, stderr = run_main("train_retinanet", ["--val_images", IMAGES, "--val_annotations", tmp_path / "val.json",
+                                                        "--evaluate_only", out / "best", "--num_workers", "0", "--report_to",
+                                                        "none", "--score_thresh", "0", "--output_dir", tmp_path / "ev"], capsys)
+    assert code == 0 and "COCO evaluation on 2 images" in stdout, (stdout + stderr)[-4000:]
     ev_only = [m for m in read_metrics(tmp_path / "ev" / "evaluate_only") if "AP" in m]
     assert ev_only[0]["AP"] == pytest.approx(ev[0]["AP"], abs=1e-6)
 
@@ -635,17 +636,19 @@ def test_retinanet_stops_at_start_on_data_errors_with_the_report_case_c03(tmp_pa
 
 @needs_catsdogs
 @pytest.mark.slow
-def test_catsdogs_leaves_out_a_file_in_two_classes_and_reports_it(tmp_path):
-    from conftest import run_script
+def test_catsdogs_leaves_out_a_file_in_two_classes_and_reports_it(tmp_path, capsys):
+    from helpers import run_main
 
     files = {f"train/{c}/{k}.jpg": _real("train", c, k) for c in ("cat", "dog") for k in range(3)}
     files.update({f"val/{c}/{k}.jpg": _real("val", c, k) for c in ("cat", "dog") for k in range(2)})
     files["train/dog/copy_of_cat_0.jpg"] = _real("train", "cat", 0)
     _folder(tmp_path / "d", files)
     out = tmp_path / "run"
-    run_script("train_catsdogs.py", ["--train_dir", str(tmp_path / "d" / "train"), "--val_dir", str(tmp_path / "d" / "val"),
-                                     "--image_size", "32", "--epochs", "1", "--per_device_batch_size", "4",
-                                     "--num_workers", "0", "--report_to", "none", "--output_dir", str(out)])
+    code, stdout, stderr = run_main("train_catsdogs", ["--train_dir", tmp_path / "d" / "train", "--val_dir",
+                                                       tmp_path / "d" / "val", "--image_size", "32", "--epochs", "1",
+                                                       "--per_device_batch_size", "4", "--num_workers", "0", "--report_to",
+                                                       "none", "--output_dir", out], capsys)
+    assert code == 0, (stdout + stderr)[-4000:]
     report = json.loads((out / "data_report.json").read_text())
     f = [f for f in report["findings"] if f["message"].startswith("files in two classes")]
     assert len(f) == 1 and f[0]["count"] == 2 and report["summaries"]["train"]["images"] == 5

@@ -1,5 +1,9 @@
 """scripts/export_retinanet.py: ONNX (and torch.export) parity with PyTorch on 3 real val images, decoding
-inside and outside the graph; the exported graph run here with onnxruntime as a user would."""
+inside and outside the graph; the exported graph run here with onnxruntime as a user would.
+
+The exports run `main(argv)` in-process (nothing here needs a process of its own), the console captured at the
+file descriptors (`capfd`: the exporters' own prints included) with the root logger emptied first, as in a fresh
+process."""
 
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ from detlib.retinanet.decode import decode_detections
 from detlib.retinanet.export import canvas_size, compare_detections, head_candidates, prepare_input
 from detlib.retinanet.model import build_retinanet_from_config
 
-from conftest import COCO_SUBSET, needs_coco_subset, run_script
+from conftest import COCO_SUBSET, needs_coco_subset
 from detlib.weights import load_model_weights
+from helpers import fresh_root_logging, run_main
 
 pytestmark = [needs_coco_subset, pytest.mark.slow]
 ort = pytest.importorskip("onnxruntime")
@@ -59,17 +64,21 @@ def weights(tmp_path_factory):
     return folder
 
 
-def _export(weights, out, *extra):
-    return run_script("export_retinanet.py", ["--weights", str(weights), "--output", str(out),
-                                              "--check_source", str(COCO_SUBSET / "annotations" / "instances_val.json"),
-                                              "--check_images", str(COCO_SUBSET / "images"), *extra])
+def _export(weights, out, capfd, *extra) -> str:
+    """scripts/export_retinanet.py's `main` in-process; returns its console (stdout + stderr)."""
+    fresh_root_logging()  # its logging.basicConfig prints to this test's stderr, as in a process of its own
+    code, stdout, stderr = run_main("export_retinanet", ["--weights", weights, "--output", out, "--check_source",
+                                                         COCO_SUBSET / "annotations" / "instances_val.json",
+                                                         "--check_images", COCO_SUBSET / "images", *extra], capfd)
+    assert code == 0, (stdout + stderr)[-4000:]
+    return stdout + stderr
 
 
-def test_onnx_and_torch_export_parity_decoding_inside(weights, tmp_path):
+def test_onnx_and_torch_export_parity_decoding_inside(weights, tmp_path, capfd):
     out = tmp_path / "retinanet.onnx"
-    proc = _export(weights, out, "--format", "both")
+    console = _export(weights, out, capfd, "--format", "both")
     # a quiet console: our lines only (the ONNX exporter's ~80 INFO lines need --verbose), the verdict last
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    lines = [ln for ln in console.splitlines() if ln.strip()]
     assert lines and all(" export_retinanet: " in ln for ln in lines), lines
     assert "parity on 3 images: pass" in lines[-1]
     parity = json.loads((tmp_path / "retinanet.parity.json").read_text())
@@ -107,9 +116,9 @@ def test_onnx_and_torch_export_parity_decoding_inside(weights, tmp_path):
     assert boxes[:, 2].max() <= pil.width + 1e-3 and boxes[:, 3].max() <= pil.height + 1e-3  # original pixels
 
 
-def test_onnx_parity_decoding_outside(weights, tmp_path):
+def test_onnx_parity_decoding_outside(weights, tmp_path, capfd):
     out = tmp_path / "raw.onnx"
-    _export(weights, out, "--decode", "outside")
+    _export(weights, out, capfd, "--decode", "outside")
     parity = json.loads((tmp_path / "raw.parity.json").read_text())
     assert parity["pass"] and len(parity["images"]) == 3
     assert all(r["max_abs_cls_logits"] <= 1e-3 and r["max_abs_box_deltas"] <= 1e-3 for r in parity["images"])

@@ -1,5 +1,8 @@
 """scripts/predict_catsdogs.py on the real cats/dogs images: the same top-1 class and probability as
-train_catsdogs.py --evaluate_only, 2 processes equal to 1, top-k CSV / JSON, per-class copies, unreadable files."""
+train_catsdogs.py --evaluate_only, 2 processes equal to 1, top-k CSV / JSON, per-class copies, unreadable files.
+
+The one launch is the 2-process prediction; the evaluation and the 1-process predictions run `main(argv)`
+in-process (a launch adds ~8 s of start-up per process)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from detlib.classification import build_classifier, classification_transform
 from detlib.data.images import load_rgb
 
 from conftest import SHARED_DATA, run_script
+from helpers import run_main
 
 CATSDOGS = SHARED_DATA / "catsdogs"
 pytestmark = [pytest.mark.skipif(not (CATSDOGS / "val" / "cat").is_dir(), reason="../shared/data/catsdogs is not present"),
@@ -43,19 +47,26 @@ def weights(tmp_path_factory):
     return folder
 
 
+def in_process(script: str, args: list, capsys) -> str:
+    """scripts/<script>.py's `main(args)` in-process, as a 1-process launch; returns its stdout."""
+    code, out, err = run_main(script, args, capsys)
+    assert code == 0, (out + err)[-4000:]
+    return out
+
+
 def _csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
 
-def test_predict_equals_evaluate_only(weights, tmp_path):
+def test_predict_equals_evaluate_only(weights, tmp_path, capsys):
     ev = tmp_path / "eval"
-    run_script("train_catsdogs.py", ["--val_dir", str(CATSDOGS / "val"), "--evaluate_only", str(weights), "--num_workers", "0",
-                                     "--per_device_eval_batch_size", "32", "--output_dir", str(ev), "--report_to", "none"])
+    in_process("train_catsdogs", ["--val_dir", CATSDOGS / "val", "--evaluate_only", weights, "--num_workers", "0",
+                                  "--per_device_eval_batch_size", "32", "--output_dir", ev, "--report_to", "none"], capsys)
     expected = {r["path"]: r for r in _csv(ev / "evaluate_only" / "predictions_val.csv")}
     out = tmp_path / "pred"
-    proc = run_script("predict_catsdogs.py", ["--weights", str(weights), "--source", str(CATSDOGS / "val"), "--num_workers", "0",
-                                              "--batch_size", "32", "--output_dir", str(out)])
+    stdout = in_process("predict_catsdogs", ["--weights", weights, "--source", CATSDOGS / "val", "--num_workers", "0",
+                                             "--batch_size", "32", "--output_dir", out], capsys)
     rows = _csv(out / "predictions.csv")
     assert len(rows) == len(expected) == 100
     assert list(rows[0]) == ["file", "class_1", "prob_1", "class_2", "prob_2"]  # top-5 capped at the 2 classes
@@ -66,20 +77,24 @@ def test_predict_equals_evaluate_only(weights, tmp_path):
         assert float(r["prob_1"]) + float(r["prob_2"]) == pytest.approx(1.0, abs=2e-6)
     n_cat = sum(r["class_1"] == "cat" for r in rows)
     assert 0 < n_cat < 100  # the probe model is no classifier, but it is not constant either
-    assert f"100 images classified: cat {n_cat}, dog {100 - n_cat}" in proc.stdout
+    assert f"100 images classified: cat {n_cat}, dog {100 - n_cat}" in stdout
 
 
-def test_two_processes_equal_one_topk_json_copies_and_unreadable(weights, tmp_path):
+def test_two_processes_equal_one_topk_json_copies_and_unreadable(weights, tmp_path, capsys):
     src = tmp_path / "src"
     shutil.copytree(CATSDOGS / "odd", src / "odd")
     for f in sorted((CATSDOGS / "val" / "dog").iterdir())[:5]:
         shutil.copy(f, src / f.name)
     (src / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")
     outs = {}
-    for n, config in ((1, "cpu.yaml"), (2, "cpu_2proc.yaml")):
+    for n in (1, 2):  # 1 process in-process, 2 launched
         out = tmp_path / f"out{n}"
-        run_script("predict_catsdogs.py", ["--weights", str(weights), "--source", str(src), "--batch_size", "2", "--topk", "1",
-                                           "--num_workers", "0", "--copy_to_class_folders", "--output_dir", str(out)], config=config)
+        args = ["--weights", weights, "--source", src, "--batch_size", "2", "--topk", "1", "--num_workers", "0",
+                "--copy_to_class_folders", "--output_dir", out]
+        if n == 1:
+            in_process("predict_catsdogs", args, capsys)
+        else:
+            run_script("predict_catsdogs.py", args, config="cpu_2proc.yaml")
         outs[n] = json.loads((out / "predictions.json").read_text())
         assert (out / "skipped.txt").read_text() == f"{src / 'broken.jpg'} (unreadable)\n"
         copied = sorted(str(p.relative_to(out / "by_class")) for p in (out / "by_class").rglob("*") if p.is_file())

@@ -1,5 +1,8 @@
 """scripts/predict_retinanet.py on real COCO images: the same detections as --evaluate_only, the same on 2
-processes as on 1, folders / globs / unreadable files, per-image json, class names."""
+processes as on 1, folders / globs / unreadable files, per-image json, class names.
+
+The one launch is the 2-process prediction; the training, the evaluation and every 1-process prediction run
+`main(argv)` in-process (a launch adds ~8 s of start-up per process)."""
 
 from __future__ import annotations
 
@@ -11,10 +14,10 @@ import pytest
 from PIL import Image
 
 from conftest import needs_coco_subset, run_script, write_image
-from helpers import load_script, run_main
+from helpers import load_script, run_ok, run_main
 from tiny_retinanet import train_tiny
 
-pytestmark = [needs_coco_subset]  # the launches are marked slow one by one
+pytestmark = [needs_coco_subset]  # the runs are marked slow one by one
 
 
 @pytest.fixture(scope="module")
@@ -22,34 +25,41 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_retinanet")
     t = train_tiny(root)
     out = root / "eval"
-    run_script("train_retinanet.py", [f"--val_images={t['images']}", f"--val_annotations={t['val_json']}", "--evaluate_only",
-                                      str(t["run"] / "last"), "--per_device_eval_batch_size", "2", "--score_thresh", "0.0",
-                                      "--num_workers", "0", "--output_dir", str(out), "--report_to", "none"])
+    run_ok("train_retinanet", [f"--val_images={t['images']}", f"--val_annotations={t['val_json']}",
+                                         "--evaluate_only", t["run"] / "last", "--per_device_eval_batch_size", "2",
+                                         "--score_thresh", "0.0", "--num_workers", "0", "--output_dir", out,
+                                         "--report_to", "none"])
     t["eval_predictions"] = json.loads((out / "evaluate_only" / "predictions_val.json").read_text())
     return t
 
 
 @pytest.mark.slow
-def test_predict_on_coco_json_equals_evaluate_only(tiny, tmp_path):
+def predict(args: list, capsys) -> str:
+    """scripts/predict_retinanet.py's `main(args)` in-process, as a 1-process launch; returns its stdout."""
+    code, out, err = run_main("predict_retinanet", args, capsys)
+    assert code == 0, (out + err)[-4000:]
+    return out
+
+
+def test_predict_on_coco_json_equals_evaluate_only(tiny, tmp_path, capsys):
     out = tmp_path / "pred"
-    proc = run_script("predict_retinanet.py", ["--weights", str(tiny["run"] / "last"), "--source", str(tiny["val_json"]),
-                                               "--images", str(tiny["images"]), "--batch_size", "2", "--score_thresh", "0.0",
-                                               "--num_workers", "0", "--output_dir", str(out)])
+    stdout = predict(["--weights", tiny["run"] / "last", "--source", tiny["val_json"], "--images", tiny["images"],
+                      "--batch_size", "2", "--score_thresh", "0.0", "--num_workers", "0", "--output_dir", out], capsys)
     preds = json.loads((out / "predictions.json").read_text())
     assert len(preds) == 6 * 100  # score threshold 0: every image keeps its 100 best
     assert preds == tiny["eval_predictions"]  # the same dicts, the same floats, the same order
     val = json.loads(tiny["val_json"].read_text())
     assert sorted(p.name for p in (out / "images").iterdir()) == sorted(im["file_name"] for im in val["images"])
-    assert "6 images, 600 detections with score >= 0:" in proc.stdout
+    assert "6 images, 600 detections with score >= 0:" in stdout
     # the config has no category_names: the COCO json's names are used
-    summary = proc.stdout.split("600 detections with score >= 0: ")[1].splitlines()[0]
+    summary = stdout.split("600 detections with score >= 0: ")[1].splitlines()[0]
     names = {c["name"] for c in val["categories"]}
     assert summary and all(item.rsplit(" ", 1)[0] in names for item in summary.split(", ")), summary
     assert "file_name" not in preds[0]  # the results carry the json's image ids
 
 
 @pytest.mark.slow
-def test_predict_folder_two_processes_equal_one_and_skips_unreadable(tiny, tmp_path):
+def test_predict_folder_two_processes_equal_one_and_skips_unreadable(tiny, tmp_path, capsys):
     """A folder with the 6 val images, a text file saved as .jpg (sorted last) and a hidden file: 1 and 2
     processes give the same predictions, the broken file is listed, never a crash; the boxes and scores are
     those of the evaluation (same files, same order, same batches)."""
@@ -69,12 +79,12 @@ def test_predict_folder_two_processes_equal_one_and_skips_unreadable(tiny, tmp_p
     (weights / "model_config.json").write_text(json.dumps(cfg))
 
     outs = {}
-    for n, config in ((1, "cpu.yaml"), (2, "cpu_2proc.yaml")):
+    for n in (1, 2):  # 1 process in-process, 2 launched
         out = tmp_path / f"out{n}"
-        proc = run_script("predict_retinanet.py", ["--weights", str(weights / "model.safetensors"), "--source", str(src),
-                                                   "--batch_size", "2", "--score_thresh", "0.0", "--num_workers", "0",
-                                                   "--save_json_per_image", "--output_dir", str(out)], config=config)
-        assert f"{n} process(es)" in proc.stdout
+        args = ["--weights", weights / "model.safetensors", "--source", src, "--batch_size", "2", "--score_thresh", "0.0",
+                "--num_workers", "0", "--save_json_per_image", "--output_dir", out]
+        stdout = predict(args, capsys) if n == 1 else run_script("predict_retinanet.py", args, config="cpu_2proc.yaml").stdout
+        assert f"{n} process(es)" in stdout
         outs[n] = json.loads((out / "predictions.json").read_text())
         assert (out / "skipped.txt").read_text().strip() == f"{src / 'zz' / 'broken.jpg'} (unreadable)"
         assert sorted(p.name for p in (out / "images" / "a").iterdir()) == sorted(im["file_name"] for im in val["images"])
@@ -90,28 +100,28 @@ def test_predict_folder_two_processes_equal_one_and_skips_unreadable(tiny, tmp_p
 
 
 @pytest.mark.slow
-def test_predict_glob_single_file_and_sideways_photo(tiny, tmp_path):
+def test_predict_glob_single_file_and_sideways_photo(tiny, tmp_path, capsys):
     val = json.loads(tiny["val_json"].read_text())
     one = tiny["images"] / val["images"][1]["file_name"]
     out = tmp_path / "one"
-    run_script("predict_retinanet.py", ["--weights", str(tiny["run"]), "--source", str(one), "--score_thresh", "0.0",
-                                        "--no_images", "--num_workers", "0", "--output_dir", str(out)])
+    predict(["--weights", tiny["run"], "--source", one, "--score_thresh", "0.0", "--no_images", "--num_workers", "0",
+             "--output_dir", out], capsys)
     preds = json.loads((out / "predictions.json").read_text())
     assert len(preds) == 100 and {p["file_name"] for p in preds} == {one.name} and {p["image_id"] for p in preds} == {0}
     assert not (out / "images").exists()
     out = tmp_path / "glob"
-    proc = run_script("predict_retinanet.py", ["--weights", str(tiny["run"] / "best"), "--source", str(tiny["images"] / "00000000079*.jpg"),
-                                               "--num_workers", "0", "--score_thresh", "0.0", "--output_dir", str(out)])
+    stdout = predict(["--weights", tiny["run"] / "best", "--source", tiny["images"] / "00000000079*.jpg",
+                      "--num_workers", "0", "--score_thresh", "0.0", "--output_dir", out], capsys)
     n = len(list(tiny["images"].glob("00000000079*.jpg")))
-    assert f"{n} images, {100 * n} detections" in proc.stdout
+    assert f"{n} images, {100 * n} detections" in stdout
     # a photo stored sideways (EXIF orientation 6): predicted and drawn upright, boxes in upright pixels
     arr = np.asarray(Image.open(one).convert("RGB"))[:200, :300]
     exif = Image.Exif()
     exif[0x0112] = 6
     Image.fromarray(arr).save(tmp_path / "side.jpg", exif=exif)
     out = tmp_path / "side"
-    run_script("predict_retinanet.py", ["--weights", str(tiny["run"]), "--source", str(tmp_path / "side.jpg"), "--score_thresh", "0.0",
-                                        "--draw_thresh", "0.0", "--num_workers", "0", "--output_dir", str(out)])
+    predict(["--weights", tiny["run"], "--source", tmp_path / "side.jpg", "--score_thresh", "0.0", "--draw_thresh", "0.0",
+             "--num_workers", "0", "--output_dir", out], capsys)
     boxes = np.array([p["bbox"] for p in json.loads((out / "predictions.json").read_text())])
     assert len(boxes) == 100
     assert (boxes[:, 0] + boxes[:, 2]).max() <= 200 + 1e-3 and (boxes[:, 1] + boxes[:, 3]).max() <= 300 + 1e-3

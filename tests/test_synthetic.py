@@ -1,4 +1,5 @@
-"""The built-in synthetic data set and the main job's no-data default."""
+"""The built-in synthetic data set and the main job's no-data default (in-process; the Ctrl-C stop is launched,
+it needs a signal to a real process)."""
 
 import hashlib
 import json
@@ -11,7 +12,8 @@ import pytest
 from detlib.data.builtin import make_synthetic_coco
 from detlib.data.coco import CocoDetection
 
-from conftest import read_metrics, run_script
+from conftest import read_metrics
+from helpers import run_main
 
 
 def _digest(paths):
@@ -57,13 +59,15 @@ def test_default_set_keeps_every_shape_visible_at_anchor_sizes(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_run_without_data_uses_the_builtin_set(tmp_path):
+def test_default_run_without_data_uses_the_builtin_set(tmp_path, monkeypatch, capsys):
     """The first screen says it is the built-in set, what the run takes and that its model is only useful at the
     end; the heads are the built-in recipe's GroupNorm ones; the summary's verdict gives the AP50 reached."""
     out = tmp_path / "o"
-    proc = run_script("train_retinanet.py", ["--max_steps", "2", "--epochs", "1", "--num_workers", "0", "--output_dir", str(out),
-                                             "--report_to", "none"], env={"DETLIB_CACHE": str(tmp_path / "cache")})
-    lines = proc.stdout.splitlines()
+    monkeypatch.setenv("DETLIB_CACHE", str(tmp_path / "cache"))
+    code, stdout, stderr = run_main("train_retinanet", ["--max_steps", "2", "--epochs", "1", "--num_workers", "0",
+                                                        "--output_dir", out, "--report_to", "none"], capsys)
+    assert code == 0, (stdout + stderr)[-4000:]
+    lines = stdout.splitlines()
     (start,) = [i for i, ln in enumerate(lines) if "no data given" in ln]
     assert start < 5, lines[:start + 1]  # the first screen
     assert ("built-in synthetic shapes data set (resnet18, GroupNorm heads, 128 px, fpn_channels 64, lr 0.001, 1 epochs): "

@@ -1,5 +1,8 @@
 """Torchvision's RetinaNet in detlib: its anchor convention, the conversion of its weights
-(scripts/convert_weights.py), detections equal to its own, and fine-tuning from the converted file (--init_from)."""
+(scripts/convert_weights.py), detections equal to its own, and fine-tuning from the converted file (--init_from).
+
+Nothing here needs a process of its own: the scripts run as `main(argv)` in-process (a launch would add ~8 s of
+start-up to each run)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from torchvision.transforms.functional import pil_to_tensor, to_tensor
 from torchvision.models.detection.anchor_utils import AnchorGenerator as TVAnchorGenerator
 from torchvision.models.detection.image_list import ImageList
 
-from conftest import COCO_SUBSET, assert_same_detections, cap_cut, needs_coco_subset, run_script
+from conftest import COCO_SUBSET, assert_same_detections, cap_cut, needs_coco_subset
 from detlib.boxes import box_xywh_to_xyxy
 from detlib.retinanet.anchors import AnchorGenerator, anchor_config, anchor_generator_from_config, torchvision_anchor_settings
 from helpers import load_script, run_main
@@ -122,14 +125,18 @@ def test_converted_config_and_evaluate_only_and_predict_equal_torchvision(conver
     assert (cfg["image_size"], cfg["max_size"]) == (MIN_SIZE, MAX_SIZE)
     common = ["--score_thresh", "0.05", "--nms_thresh", "0.5", "--detections_per_image", "300", "--num_workers", "0"]
     out = tmp_path / "eval"
-    run_script("train_retinanet.py", [f"--val_images={COCO_SUBSET / 'images'}", f"--val_annotations={converted['val']}",
-                                      "--evaluate_only", str(converted["weights"]), "--per_device_eval_batch_size", "3",
-                                      "--num_log_images", "0", "--output_dir", str(out), "--report_to", "none", *common])
+    code, stdout, err = run_main("train_retinanet", [f"--val_images={COCO_SUBSET / 'images'}",
+                                                     f"--val_annotations={converted['val']}", "--evaluate_only",
+                                                     converted["weights"], "--per_device_eval_batch_size", "3",
+                                                     "--num_log_images", "0", "--output_dir", out, "--report_to", "none",
+                                                     *common], capsys)
+    assert code == 0, (stdout + err)[-4000:]
     _assert_equal_to_torchvision(json.loads((out / "evaluate_only" / "predictions_val.json").read_text()), converted["tv"])
     out = tmp_path / "pred"
-    run_script("predict_retinanet.py", ["--weights", str(converted["weights"]), "--source", str(converted["val"]), "--images",
-                                        str(COCO_SUBSET / "images"), "--batch_size", "3", "--no_images", "--output_dir",
-                                        str(out), *common])
+    code, stdout, err = run_main("predict_retinanet", ["--weights", converted["weights"], "--source", converted["val"],
+                                                       "--images", COCO_SUBSET / "images", "--batch_size", "3",
+                                                       "--no_images", "--output_dir", out, *common], capsys)
+    assert code == 0, (stdout + err)[-4000:]
     _assert_equal_to_torchvision(json.loads((out / "predictions.json").read_text()), converted["tv"])
     # export would build detlib's anchors into the graph: refused in one line, nothing written
     code, _, err = run_main("export_retinanet", ["--weights", converted["weights"], "--output", tmp_path / "m.onnx"], capsys)
@@ -151,7 +158,7 @@ def _three_class_json(path, split: str, n: int, category_ids: list[int]):
 
 @needs_coco_subset
 @pytest.mark.slow
-def test_fine_tune_from_converted_weights_to_three_classes(converted, tmp_path):
+def test_fine_tune_from_converted_weights_to_three_classes(converted, tmp_path, capsys):
     """--init_from the converted file with a 3-class json: every tensor but the 80-class output loads, the output
     is re-initialised (and said so), the run keeps torchvision's settings and trains (one step, 128 px)."""
     from safetensors.torch import load_file
@@ -161,13 +168,13 @@ def test_fine_tune_from_converted_weights_to_three_classes(converted, tmp_path):
     val = _three_class_json(tmp_path / "val3.json", "val", 2, cats)
     run = tmp_path / "ft"
     images = COCO_SUBSET / "images"
-    proc = run_script("train_retinanet.py", [f"--train_images={images}", f"--train_annotations={train}",
-                                             f"--val_images={images}", f"--val_annotations={val}", "--init_from",
-                                             str(converted["weights"]), "--image_size", "128", "--max_size", "160",
-                                             "--per_device_batch_size", "2", "--per_device_eval_batch_size", "2",
-                                             "--max_steps", "1", "--epochs", "1", "--num_workers", "0", "--num_log_images",
-                                             "0", "--output_dir", str(run), "--report_to", "none"])
-    log = proc.stdout + proc.stderr
+    common = [f"--train_images={images}", f"--train_annotations={train}", f"--val_images={images}",
+              f"--val_annotations={val}", "--init_from", converted["weights"], "--image_size", "128", "--max_size", "160",
+              "--per_device_batch_size", "2", "--per_device_eval_batch_size", "2", "--num_workers", "0",
+              "--num_log_images", "0", "--output_dir", run, "--report_to", "none"]
+    code, out, err = run_main("train_retinanet", [*common, "--max_steps", "1", "--epochs", "1"], capsys)
+    log = out + err
+    assert code == 0, log[-4000:]
     source = load_file(converted["weights"] / "model.safetensors")
     n_bn = sum(k.endswith("num_batches_tracked") and k.startswith("backbone.") for k in source)
     # everything loads but the class output (2 tensors) and the frozen backbone BatchNorms' num_batches_tracked
@@ -185,14 +192,9 @@ def test_fine_tune_from_converted_weights_to_three_classes(converted, tmp_path):
     assert (weights["cls_head.out.bias"] - prior).abs().max() < 0.01  # the prior bias, after one small step
 
     # a resume (the same command, as every resume) continues with torchvision's settings
-    proc = run_script("train_retinanet.py", [f"--train_images={images}", f"--train_annotations={train}",
-                                             f"--val_images={images}", f"--val_annotations={val}", "--init_from",
-                                             str(converted["weights"]), "--image_size", "128",
-                                             "--max_size", "160", "--per_device_batch_size", "2", "--per_device_eval_batch_size",
-                                             "2", "--max_steps", "2", "--epochs", "2", "--num_workers", "0", "--num_log_images",
-                                             "0", "--output_dir", str(run), "--report_to", "none", "--resume_from_checkpoint",
-                                             "latest"])
-    assert "resumed from" in proc.stdout + proc.stderr
+    code, out, err = run_main("train_retinanet", [*common, "--max_steps", "2", "--epochs", "2",
+                                                  "--resume_from_checkpoint", "latest"], capsys)
+    assert code == 0 and "resumed from" in out + err, (out + err)[-4000:]
     assert json.loads((run / "last" / "model_config.json").read_text()) == cfg
     assert torch.equal(load_file(run / "last" / "model.safetensors")["backbone.conv1.weight"], source["backbone.conv1.weight"])
 

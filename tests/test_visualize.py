@@ -3,6 +3,7 @@ drawn files, and a wandb offline + TensorBoard run of `log_evaluation_extras` re
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -29,15 +30,21 @@ def test_sample_ids_fixed_by_seed_not_by_order():
 
 @needs_coco_subset
 @pytest.mark.slow
-def test_sample_ids_same_on_one_and_two_processes(tmp_path):
+def test_sample_ids_same_on_one_and_two_processes(tmp_path, monkeypatch):
     picks = {}
-    for n, cfg in ((1, "cpu.yaml"), (2, "cpu_2proc.yaml")):
+    probe = REPO / "tests" / "probes" / "sample_ids_probe.py"
+    for n in (1, 2):  # the probe in this process as 1 process, launched on 2
         out = tmp_path / f"ids{n}.json"
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / cfg),
-               str(REPO / "tests" / "probes" / "sample_ids_probe.py"), str(COCO_SUBSET / "annotations" / "instances_val.json"), str(out)]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        args = [str(COCO_SUBSET / "annotations" / "instances_val.json"), str(out)]
+        if n == 1:
+            monkeypatch.setattr(sys, "argv", [str(probe), *args])
+            runpy.run_path(str(probe), run_name="__main__")
+        else:
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), str(probe), *args]
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            assert proc.returncode == 0, proc.stderr[-3000:]
         data = json.loads(out.read_text())
         assert data["num_processes"] == n
         picks[n] = [r["picks"] for r in data["ranks"]]

@@ -2,7 +2,8 @@
 
 resnet18, fpn_channels 16, 128 px: a few seconds on a CPU. The weights barely differ from the initialisation,
 but they are what the training script writes (last/model.safetensors + model_config.json), and with
-score threshold 0 every image still gets its 100 detections to compare.
+score threshold 0 every image still gets its 100 detections to compare. It trains in-process (`main(argv)`):
+nothing about it needs a process of its own.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import COCO_SUBSET, run_script
+from conftest import COCO_SUBSET
+from helpers import run_ok
 
 TINY = ["--backbone", "resnet18", "--image_size", "128", "--fpn_channels", "16", "--per_device_batch_size", "2",
         "--num_workers", "0", "--lr", "1e-3", "--max_steps", "2", "--epochs", "1", "--report_to", "none"]
@@ -33,7 +35,7 @@ def train_tiny(root: Path) -> dict[str, Path]:
     val = subset_json(root / "val.json", "val", 6)
     images = COCO_SUBSET / "images"
     run = root / "run"
-    run_script("train_retinanet.py", [f"--train_images={images}", f"--train_annotations={train}", f"--val_images={images}",
-                                      f"--val_annotations={val}", "--output_dir", str(run), "--eval_interval", "10",
-                                      "--per_device_eval_batch_size", "2", *TINY])
+    run_ok("train_retinanet", [f"--train_images={images}", f"--train_annotations={train}",
+                                         f"--val_images={images}", f"--val_annotations={val}", "--output_dir", run,
+                                         "--eval_interval", "10", "--per_device_eval_batch_size", "2", *TINY])
     return {"run": run, "val_json": val, "images": images}
