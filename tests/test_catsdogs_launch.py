@@ -309,3 +309,21 @@ def test_a_flag_error_before_the_run_is_printed_once_by_two_processes(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: --val_dir is required with --train_dir (a held-out ImageFolder with the same classes)"]
     assert proc.returncode != 0 and not traceback_through_our_code(proc.stderr)
+
+
+@pytest.mark.slow
+def test_the_first_process_flag_error_line_survives_a_quicker_second_process(tmp_path):
+    """`detlib.engine.flags.stop` on 2 processes where the first one reaches it late (it was: the second one exited at
+    once, the launcher stopped the first before it printed, and the launch ended with no error line at all)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
+        import os, time
+        from detlib.engine.flags import stop
+        if os.environ.get("RANK") == "0":
+            time.sleep(3.0)  # the first process is the slow one
+        stop("a flag error found before the run")
+    """))
+    proc = run_script(probe, [], "cpu_2proc.yaml", check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: a flag error found before the run"], proc.stderr[-3000:]
+    assert proc.returncode != 0

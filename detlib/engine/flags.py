@@ -26,6 +26,7 @@ import math
 import os
 import shlex
 import sys
+import time
 from typing import NoReturn
 
 import yaml
@@ -240,6 +241,8 @@ def _config_file(argv: list[str] | None) -> str | None:
     return first.parse_known_args(argv)[0].config
 
 
+STOP_GRACE_S = 10.0  # how long the other processes wait in `stop` for the first one to print and end the launch
+
 _UNSET = object()  # a flag's value before argparse sets it
 
 
@@ -339,9 +342,13 @@ def _flag_value(action: argparse.Action, value):
 def stop(message: str, code: int = 2) -> NoReturn:
     """Stop on a problem found before the run exists (before its accelerator and logging): one `error:` line on
     stderr from the first process only (the launcher's `RANK`), so a 2-process launch does not print it twice;
-    every process exits with `code` (2: bad flags, 1: a file they name is unusable)."""
+    every process exits with `code` (2: bad flags, 1: a file they name is unusable). The other processes exit a
+    moment later: the launcher stops every process when the first one ends, and a quick other one would have the
+    first one stopped before its line is out (seen under load, 2 processes: no line at all)."""
     if _first_process():
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(STOP_GRACE_S)
     raise SystemExit(code)
 
 
