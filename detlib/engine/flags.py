@@ -342,14 +342,20 @@ def _flag_value(action: argparse.Action, value):
 def stop(message: str, code: int = 2) -> NoReturn:
     """Stop on a problem found before the run exists (before its accelerator and logging): one `error:` line on
     stderr from the first process only (the launcher's `RANK`), so a 2-process launch does not print it twice;
-    every process exits with `code` (2: bad flags, 1: a file they name is unusable). The other processes exit a
-    moment later: the launcher stops every process when the first one ends, and a quick other one would have the
-    first one stopped before its line is out (seen under load, 2 processes: no line at all)."""
+    every process exits with `code` (2: bad flags, 1: a file they name is unusable), the others after the first
+    (`wait_for_the_first_process`)."""
     if _first_process():
         print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(STOP_GRACE_S)
+    wait_for_the_first_process()
     raise SystemExit(code)
+
+
+def wait_for_the_first_process() -> None:
+    """On a process other than the first, before it exits on an error that the first one prints: wait up to
+    STOP_GRACE_S, so the first process prints its line and ends the launch (the launcher then stops this one at
+    once). Exiting first, this one would have the launcher stop the first before its line is out."""
+    if not _first_process():
+        time.sleep(STOP_GRACE_S)
 
 
 def _first_process() -> bool:

@@ -76,7 +76,7 @@ from ..weights import load_model_weights, load_state_dict_file
 from . import checkpoint_io as ckpt
 from .checkpoint_io import (EMA_WEIGHTS, Checkpointer, CheckpointError, ResumeError, check_same_classes,
                             convert_position, replaced_by_checkpoint, summary_lines)
-from .flags import DEFAULT_REPORT_TO, EVALUATE_ONLY_SUBDIR
+from .flags import DEFAULT_REPORT_TO, EVALUATE_ONLY_SUBDIR, wait_for_the_first_process
 from .run_folder import (EXIT_DIVERGED, EXIT_PREEMPTED, PreemptionSignals, Refusal, check_disk_space, prepare_output_dir,
                          release_lock, write_run_status)
 from .schedules import RunPosition, set_position
@@ -334,6 +334,7 @@ class Run(StepWindow):
             self._close()
             if self.accelerator.is_main_process:  # a folder that holds or runs another run is a refusal, not a fault
                 print(f"{'stopped' if isinstance(error, Refusal) else 'error'}: {error}", file=sys.stderr, flush=True)
+            wait_for_the_first_process()
             raise SystemExit(1)
         setup_logging(self.output_dir, self.accelerator.is_main_process, verbose=s.verbose)
         atexit.register(self._close_at_exit)
@@ -361,6 +362,7 @@ class Run(StepWindow):
         self._close()
         if self.accelerator.is_main_process:
             print(f"{'stopped' if code == EXIT_PREEMPTED else 'error'}: {message}", file=sys.stderr, flush=True)
+        wait_for_the_first_process()  # its line must be out before the launcher sees this process end
         raise SystemExit(code)
 
     def fail_together(self, error: str | None, code: int = 1) -> None:
