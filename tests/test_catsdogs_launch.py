@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_script, traceback_through_our_code
-from helpers import error_lines, make_bad_folder, make_tiny_folder, fresh_accelerate, run_main
+from helpers import error_lines, make_bad_folder, make_tiny_folder, run_main, run_ok
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train_catsdogs.py"
@@ -33,14 +33,6 @@ FAST = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "0", "-
 def launch(config: str, args: list[str], script: Path = SCRIPT, timeout: int = 300, env: dict | None = None):
     """`run_script` with the config first, as these tests read best."""
     return run_script(script, args, config, timeout, env)
-
-
-def train_in_process(args: list, capsys) -> str:
-    """scripts/train_catsdogs.py's `main(args)` in this process, as a 1-process launch would run it; fails the test
-    on a non-zero exit. Returns stdout + stderr."""
-    code, out, err = run_main("train_catsdogs", args, capsys)
-    assert code == 0, (out + err)[-4000:]
-    return out + err
 
 
 def train_and_eval_lines(out: Path) -> tuple[list[dict], list[dict]]:
@@ -89,7 +81,7 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path,
         args = ["--val_dir", val, "--evaluate_only", out / "last", "--per_device_eval_batch_size", batch,
                 "--output_dir", ev, "--report_to", "none", "--num_workers", "0"]
         if n == 1:
-            train_in_process(args, capsys)
+            run_ok("train_catsdogs", args, capsys)
         else:
             launch("cpu_2proc.yaml", args)
         ev = ev / "evaluate_only"  # evaluation never writes into the folder of a run
@@ -111,9 +103,9 @@ def test_case_b24_b25_b26_b27_bad_folder_trains_and_reports_skips(tmp_path, caps
     val = make_bad_folder(tmp_path / "val", good_per_class=2)  # the val set has the same faults
     out = tmp_path / "run"
     # also the other optimizer, label smoothing and gradient accumulation (4 batches -> 2 optimizer steps)
-    train_in_process([*FAST, "--train_dir", bad.root, "--val_dir", val.root, "--epochs", "1", "--output_dir", out,
-                      "--optimizer", "sgd", "--lr", "0.01", "--label_smoothing", "0.1", "--gradient_accumulation_steps", "2"],
-                     capsys)
+    run_ok("train_catsdogs", [*FAST, "--train_dir", bad.root, "--val_dir", val.root, "--epochs", "1", "--output_dir", out,
+                              "--optimizer", "sgd", "--lr", "0.01", "--label_smoothing", "0.1",
+                              "--gradient_accumulation_steps", "2"], capsys)
     log = (out / "train.log").read_text()
     # the data check says it once: the summaries, the unreadable files by reason, the hidden entries
     assert f"train: root {bad.root}, images 16, classes cats 8, dogs 8, ignored files 3 (" in log
@@ -141,12 +133,12 @@ def test_case_b19_resume_continues_the_same_run(tmp_path, capsys):
     val = make_tiny_folder(tmp_path / "val", [2, 2], seed=1)
     common = [*FAST, "--train_dir", train, "--val_dir", val, "--epochs", "3", "--checkpoint_total_limit", "0"]
     full = tmp_path / "full"
-    train_in_process([*common, "--output_dir", full], capsys)
+    run_ok("train_catsdogs", [*common, "--output_dir", full], capsys)
     assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["epoch_0001", "epoch_0002", "epoch_0003"]
     # a run that stopped after its first epoch: its output folder holds that checkpoint only
     resumed = tmp_path / "resumed"
     shutil.copytree(full / "checkpoints" / "epoch_0001", resumed / "checkpoints" / "epoch_0001")
-    train_in_process([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], capsys)
+    run_ok("train_catsdogs", [*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], capsys)
     assert "resumed from" in (resumed / "train.log").read_text()
     full_train, full_evals = train_and_eval_lines(full)
     res_train, res_evals = train_and_eval_lines(resumed)
@@ -172,12 +164,9 @@ def test_case_b16_mixed_precision_clips_the_fp32_gradient(tmp_path, capsys):
     norms = {}
     for precision in ("no", *mixed):
         out = tmp_path / precision
-        fresh_accelerate()  # the state keeps the first run's mixed precision and refuses another
-        try:
-            train_in_process([*FAST, "--train_dir", train, "--val_dir", val, "--max_steps", "1", "--epochs", "1",
-                              "--max_grad_norm", "1.0", "--mixed_precision", precision, "--output_dir", out], capsys)
-        finally:
-            fresh_accelerate()
+        # run_ok starts from a fresh accelerate state: it keeps the first run's mixed precision and refuses another
+        run_ok("train_catsdogs", [*FAST, "--train_dir", train, "--val_dir", val, "--max_steps", "1", "--epochs", "1",
+                                  "--max_grad_norm", "1.0", "--mixed_precision", precision, "--output_dir", out], capsys)
         assert f"mixed precision {precision}" in (out / "train.log").read_text()
         (line,) = train_and_eval_lines(out)[0]
         norms[precision] = line["grad_norm"]

@@ -18,7 +18,7 @@ from detlib.classification import build_classifier, classification_transform
 from detlib.data.images import load_rgb
 
 from conftest import SHARED_DATA, run_script
-from helpers import run_main
+from helpers import run_ok
 
 CATSDOGS = SHARED_DATA / "catsdogs"
 pytestmark = [pytest.mark.skipif(not (CATSDOGS / "val" / "cat").is_dir(), reason="../shared/data/catsdogs is not present"),
@@ -47,13 +47,6 @@ def weights(tmp_path_factory):
     return folder
 
 
-def in_process(script: str, args: list, capsys) -> str:
-    """scripts/<script>.py's `main(args)` in-process, as a 1-process launch; returns its stdout."""
-    code, out, err = run_main(script, args, capsys)
-    assert code == 0, (out + err)[-4000:]
-    return out
-
-
 def _csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -61,11 +54,11 @@ def _csv(path):
 
 def test_predict_equals_evaluate_only(weights, tmp_path, capsys):
     ev = tmp_path / "eval"
-    in_process("train_catsdogs", ["--val_dir", CATSDOGS / "val", "--evaluate_only", weights, "--num_workers", "0",
+    run_ok("train_catsdogs", ["--val_dir", CATSDOGS / "val", "--evaluate_only", weights, "--num_workers", "0",
                                   "--per_device_eval_batch_size", "32", "--output_dir", ev, "--report_to", "none"], capsys)
     expected = {r["path"]: r for r in _csv(ev / "evaluate_only" / "predictions_val.csv")}
     out = tmp_path / "pred"
-    stdout = in_process("predict_catsdogs", ["--weights", weights, "--source", CATSDOGS / "val", "--num_workers", "0",
+    stdout = run_ok("predict_catsdogs", ["--weights", weights, "--source", CATSDOGS / "val", "--num_workers", "0",
                                              "--batch_size", "32", "--output_dir", out], capsys)
     rows = _csv(out / "predictions.csv")
     assert len(rows) == len(expected) == 100
@@ -92,7 +85,7 @@ def test_two_processes_equal_one_topk_json_copies_and_unreadable(weights, tmp_pa
         args = ["--weights", weights, "--source", src, "--batch_size", "2", "--topk", "1", "--num_workers", "0",
                 "--copy_to_class_folders", "--output_dir", out]
         if n == 1:
-            in_process("predict_catsdogs", args, capsys)
+            run_ok("predict_catsdogs", args, capsys)
         else:
             run_script("predict_catsdogs.py", args, config="cpu_2proc.yaml")
         outs[n] = json.loads((out / "predictions.json").read_text())
