@@ -316,3 +316,27 @@ def test_the_first_process_flag_error_line_survives_a_quicker_second_process(tmp
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: a flag error found before the run"], proc.stderr[-3000:]
     assert proc.returncode != 0
+
+
+def test_the_other_processes_wait_for_the_first_one_to_end_not_for_the_whole_grace(tmp_path):
+    """The wait of `flags.wait_for_the_first_process` ends when the first process ends: a launcher that does not
+    stop the others at once (a SIGTERM'd torchrun waits for every process) must not hold the run STOP_GRACE_S
+    longer (a SIGTERM to a 2-process launch took 10 s more, and a kill -9 of the launcher left a process behind
+    for 10 s)."""
+    from detlib.engine.flags import STOP_GRACE_S
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
+        import os, sys, time
+        from detlib.engine.flags import wait_for_the_first_process
+        if os.environ.get("RANK") == "0":
+            time.sleep(2.0)
+            sys.exit(0)  # a clean end: the launcher lets the other process go on
+        t0 = time.time()
+        wait_for_the_first_process()
+        print(f"waited {time.time() - t0:.2f} s", flush=True)
+    """))
+    proc = run_script(probe, [], "cpu_2proc.yaml", check=False)
+    waited = float(proc.stdout.split("waited ")[1].split()[0])
+    assert proc.returncode == 0 and 1.0 <= waited < STOP_GRACE_S / 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import launch_env, traceback_through_our_code, write_coco, write_image
+from detlib.engine.flags import STOP_GRACE_S
 from helpers import Launch, process_table
 
 pytestmark = pytest.mark.slow
@@ -61,24 +62,32 @@ def detection_data(tmp_path_factory) -> list[str]:
             "--val_images", str(root / "img"), "--val_annotations", str(root / "val.json")]
 
 
+def processes(config: str) -> int:
+    return 2 if config == "cpu_2proc.yaml" else 1
+
+
 def data_and_flags(script: str, cats_data, detection_data) -> tuple[list[str], list[str]]:
     return (cats_data, CATS) if script == "train_catsdogs.py" else (detection_data, DETECT)
 
 
-# ---- the ends of a run: normal end, --max_steps, --evaluate_only, then predict on what it wrote
+# ---- the ends of a run: an epoch's end and --max_steps, --evaluate_only, then predict on what it wrote
 
 @pytest.mark.parametrize("script,config", [("train_catsdogs.py", "cpu.yaml"), ("train_catsdogs.py", "cpu_2proc.yaml"),
                                            ("train_retinanet.py", "cpu.yaml"), ("train_retinanet.py", "cpu_2proc.yaml")])
 def test_normal_end_max_steps_and_evaluate_only_return_to_the_shell(script, config, cats_data, detection_data, tmp_path):
+    """One training launch ends an epoch (evaluation, checkpoint; the cats/dogs workers stay alive for the next
+    epoch) and then stops at --max_steps one step into the next (its workers abandoned mid-epoch); an
+    --evaluate_only launch of what it wrote; on 1 process, the predict script on it, and its error at start."""
     data, flags = data_and_flags(script, cats_data, detection_data)
+    batch = 8 if script == "train_catsdogs.py" else 2  # 32 and 16 training images: 4 and 8 steps on 1 process
+    steps_per_epoch = (32 if script == "train_catsdogs.py" else 16) // (batch * processes(config))
     out = tmp_path / "run"
-    run = Launch(script, data + flags + ["--epochs", "1", "--output_dir", out], config)
-    code, _ = run.finish(f"{script} {config} normal end")
+    run = Launch(script, data + flags + ["--per_device_batch_size", batch, "--epochs", "2",
+                                         "--max_steps", steps_per_epoch + 1, "--output_dir", out], config)
+    code, _ = run.finish(f"{script} {config} an epoch, then --max_steps mid-epoch")
     assert code == 0 and status(out)["status"] == "finished", run.text[-3000:]
-    part = tmp_path / "part"
-    run = Launch(script, data + flags + ["--epochs", "3", "--max_steps", "3", "--output_dir", part], config)
-    code, _ = run.finish(f"{script} {config} --max_steps mid-epoch")
-    assert code == 0 and status(part)["global_step"] == 3, run.text[-3000:]
+    assert status(out)["global_step"] == steps_per_epoch + 1, status(out)
+    assert (out / "checkpoints" / "epoch_0001").is_dir() and (out / "best" / "model.safetensors").is_file()
     run = Launch(script, data + flags + ["--evaluate_only", out / "best", "--output_dir", tmp_path / "eval"], config)
     code, _ = run.finish(f"{script} {config} --evaluate_only")
     assert code == 0 and (tmp_path / "eval" / "evaluate_only" / "metrics.jsonl").is_file(), run.text[-3000:]
@@ -154,6 +163,9 @@ def test_ctrl_c_mid_evaluation(script, config, cats_data, detection_data, tmp_pa
     st = status(out)
     assert st["status"] == "preempted" and "in the evaluation" in st["message"], st
     assert code != 0 and not traceback_through_our_code(run.text), run.text[-3000:]
+    assert "KeyboardInterrupt" not in run.text or config == "cpu.yaml", run.text[-3000:]  # 1 process: accelerate's own
+    written = Path(st["message"].split("checkpoint ")[1].split(" written")[0])  # both ranks' states, one checkpoint
+    assert written.parent == out / "checkpoints" and (written / f"random_states_{processes(config) - 1}.pkl").is_file()
 
 
 @pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
@@ -178,14 +190,17 @@ def test_kill9_of_the_launcher(script, config, cats_data, detection_data, tmp_pa
     run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--output_dir", out], config)
     run.wait_for_step(out, 3)
     trainers = run.trainers()
-    assert len(trainers) == (2 if config == "cpu_2proc.yaml" else 1)
+    assert len(trainers) == processes(config)
     run.proc.kill()  # the launcher alone: the training processes get SIGTERM from the kernel
-    run.finish(f"{script} {config} kill -9 of the launcher")
-    assert status(out)["status"] == "preempted"
+    _, gone = run.finish(f"{script} {config} kill -9 of the launcher")
+    assert status(out)["status"] == "preempted" and "preempted by SIGTERM" in (out / "train.log").read_text()
+    assert gone < STOP_GRACE_S  # no process waits for a first one that no launcher will stop (it did, 10 s)
 
 
-@pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
-def test_divergence_stop(script, cats_data, detection_data, tmp_path):
+def test_divergence_stop(cats_data, detection_data, tmp_path):
+    """The divergence stop is the run machinery's (`Run.end_step`), the same for both scripts: launched once, on 2
+    processes with the cats/dogs loaders' persistent workers; RetinaNet's is tests/test_run_launch.py's C11."""
+    script = "train_catsdogs.py"
     data, flags = data_and_flags(script, cats_data, detection_data)
     out = tmp_path / "run"
     run = Launch(script, data + flags + ["--epochs", "3", "--optimizer", "sgd", "--lr", "1e30", "--max_grad_norm", "0", "--per_device_batch_size", "2",
@@ -196,13 +211,17 @@ def test_divergence_stop(script, cats_data, detection_data, tmp_path):
 
 @pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
 def test_errors_at_start_and_mid_run(script, cats_data, detection_data, tmp_path):
+    """An error at start (the run machinery's refusal of a folder that holds another run: launched for cats/dogs on
+    2 processes; RetinaNet's start-up errors on 2 processes are tests/test_run_launch.py's C10) and an error mid-run
+    (the checkpoint folder became a file), for both scripts."""
     data, flags = data_and_flags(script, cats_data, detection_data)
-    out = tmp_path / "run"
-    (out / "checkpoints").mkdir(parents=True)  # an error at start: the folder holds another run
-    (out / "checkpoints" / "epoch_0001").mkdir()
-    run = Launch(script, data + flags + ["--epochs", "1", "--output_dir", out], "cpu_2proc.yaml")
-    code, _ = run.finish(f"{script} error at start (a folder of another run)")
-    assert code != 0 and "holds another run" in run.text and not traceback_through_our_code(run.text)
+    if script == "train_catsdogs.py":
+        out = tmp_path / "run"
+        (out / "checkpoints").mkdir(parents=True)  # an error at start: the folder holds another run
+        (out / "checkpoints" / "epoch_0001").mkdir()
+        run = Launch(script, data + flags + ["--epochs", "1", "--output_dir", out], "cpu_2proc.yaml")
+        code, _ = run.finish(f"{script} error at start (a folder of another run)")
+        assert code != 0 and "holds another run" in run.text and not traceback_through_our_code(run.text)
     mid = tmp_path / "mid"
     run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--checkpoint_steps", "6",
                                          "--output_dir", mid], "cpu.yaml")

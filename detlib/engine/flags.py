@@ -26,9 +26,9 @@ import math
 import os
 import shlex
 import sys
-import time
 from typing import NoReturn
 
+import psutil
 import yaml
 
 REPORT_TO = ("wandb", "tensorboard", "all", "none")
@@ -241,7 +241,8 @@ def _config_file(argv: list[str] | None) -> str | None:
     return first.parse_known_args(argv)[0].config
 
 
-STOP_GRACE_S = 10.0  # how long the other processes wait in `stop` for the first one to print and end the launch
+STOP_GRACE_S = 10.0  # at most this long the other processes wait in `stop` for the first one to print and end
+_LAUNCHER_PID = os.getppid()  # at import, while the launcher that started this process runs
 
 _UNSET = object()  # a flag's value before argparse sets it
 
@@ -351,11 +352,35 @@ def stop(message: str, code: int = 2) -> NoReturn:
 
 
 def wait_for_the_first_process() -> None:
-    """On a process other than the first, before it exits on an error that the first one prints: wait up to
-    STOP_GRACE_S, so the first process prints its line and ends the launch (the launcher then stops this one at
-    once). Exiting first, this one would have the launcher stop the first before its line is out."""
-    if not _first_process():
-        time.sleep(STOP_GRACE_S)
+    """On a process other than the first, before it exits on an error or a stop that the first one prints: wait
+    until the first process has ended (at most STOP_GRACE_S). Exiting first, this one would have the launcher
+    stop the first before its line is out (torchrun stops every process when one fails).
+
+    Only a process that the first one's launcher started waits, and only while that launcher lives: after a
+    kill -9 of the launcher, or on another machine, nothing stops the first process early, and a launcher that
+    is stopping the run (SIGTERM) waits for every process, so waiting out the whole grace would only delay it."""
+    if _first_process():
+        return
+    first = _first_process_beside()
+    if first is not None:
+        try:
+            first.wait(timeout=STOP_GRACE_S)  # returns once the launcher has reaped it
+        except psutil.Error:  # TimeoutExpired, or gone meanwhile
+            pass
+
+
+def _first_process_beside():
+    """The first process (RANK 0) as a psutil.Process when this process's launcher started it too and still
+    runs, else None."""
+    if os.getppid() != _LAUNCHER_PID:
+        return None  # the launcher is gone (its processes got SIGTERM from the kernel)
+    try:
+        for p in psutil.Process(_LAUNCHER_PID).children():
+            if p.pid != os.getpid() and p.environ().get("RANK") == "0":
+                return p
+    except psutil.Error:
+        pass
+    return None
 
 
 def _first_process() -> bool:
