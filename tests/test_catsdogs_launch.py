@@ -75,26 +75,21 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path,
     table = json.loads(last_table.read_text())
     assert table["columns"][:4] == ["image", "path", "label", "predicted"] and len(table["data"]) == wrong
 
-    # B13: the last weights evaluated by 1 process (in-process), and by 2 with another padding (batch 3 -> 6)
-    for n, batch in ((1, 2), (2, 3)):
-        ev = tmp_path / f"eval_{n}"
-        args = ["--val_dir", val, "--evaluate_only", out / "last", "--per_device_eval_batch_size", batch,
-                "--output_dir", ev, "--report_to", "none", "--num_workers", "0"]
-        if n == 1:
-            run_ok("train_catsdogs", args, capsys)
-        else:
-            launch("cpu_2proc.yaml", args)
-        ev = ev / "evaluate_only"  # evaluation never writes into the folder of a run
-        assert_processes(ev, n)
-        (line,) = train_and_eval_lines(ev)[1]
-        assert line["num_val_samples"] == 5
-        assert line["val_accuracy"] == evals[-1]["val_accuracy"]
-        assert line["val_confusion_matrix"] == evals[-1]["val_confusion_matrix"]
-        assert line["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-5)
-        preds = read_predictions(ev)
-        assert {p: v[0] for p, v in preds.items()} == {p: v[0] for p, v in trained.items()}
-        for p in preds:
-            assert preds[p][1] == pytest.approx(trained[p][1], abs=1e-5)
+    # B13: the last weights evaluated by 1 process (in-process), against the 2 processes' padded evaluation above
+    ev = tmp_path / "eval_1"
+    run_ok("train_catsdogs", ["--val_dir", val, "--evaluate_only", out / "last", "--per_device_eval_batch_size", 2,
+                              "--output_dir", ev, "--report_to", "none", "--num_workers", "0"], capsys)
+    ev = ev / "evaluate_only"  # evaluation never writes into the folder of a run
+    assert_processes(ev, 1)
+    (line,) = train_and_eval_lines(ev)[1]
+    assert line["num_val_samples"] == 5
+    assert line["val_accuracy"] == evals[-1]["val_accuracy"]
+    assert line["val_confusion_matrix"] == evals[-1]["val_confusion_matrix"]
+    assert line["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=1e-5)
+    preds = read_predictions(ev)
+    assert {p: v[0] for p, v in preds.items()} == {p: v[0] for p, v in trained.items()}
+    for p in preds:
+        assert preds[p][1] == pytest.approx(trained[p][1], abs=1e-5)
 
 
 @pytest.mark.slow
@@ -318,25 +313,37 @@ def test_the_first_process_flag_error_line_survives_a_quicker_second_process(tmp
     assert proc.returncode != 0
 
 
-def test_the_other_processes_wait_for_the_first_one_to_end_not_for_the_whole_grace(tmp_path):
+def test_the_other_processes_wait_for_the_first_one_to_end_not_for_the_whole_grace():
     """The wait of `flags.wait_for_the_first_process` ends when the first process ends: a launcher that does not
     stop the others at once (a SIGTERM'd torchrun waits for every process) must not hold the run STOP_GRACE_S
     longer (a SIGTERM to a 2-process launch took 10 s more, and a kill -9 of the launcher left a process behind
-    for 10 s)."""
+    for 10 s; that one is tests/test_exit_paths.py's). This test is the launcher: it starts both processes with
+    their RANK, and reaps the first when it ends, as torchrun does."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import launch_env
     from detlib.engine.flags import STOP_GRACE_S
 
-    probe = tmp_path / "probe.py"
-    probe.write_text(textwrap.dedent("""
-        import os, sys, time
+    other = textwrap.dedent("""
+        import sys, time
         from detlib.engine.flags import wait_for_the_first_process
-        if os.environ.get("RANK") == "0":
-            time.sleep(2.0)
-            sys.exit(0)  # a clean end: the launcher lets the other process go on
+        print("ready", flush=True)
+        sys.stdin.readline()  # the first process runs now
         t0 = time.time()
         wait_for_the_first_process()
         print(f"waited {time.time() - t0:.2f} s", flush=True)
-    """))
-    proc = run_script(probe, [], "cpu_2proc.yaml", check=False)
-    waited = float(proc.stdout.split("waited ")[1].split()[0])
-    assert proc.returncode == 0 and 1.0 <= waited < STOP_GRACE_S / 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-
+    """)
+    second = subprocess.Popen([sys.executable, "-c", other], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=launch_env({"RANK": "1", "PYTHONPATH": str(REPO)}))
+    assert second.stdout.readline().strip() == "ready"
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2.0)"], env=launch_env({"RANK": "0"}))
+    t0 = time.time()
+    second.stdin.write("go\n")
+    second.stdin.flush()
+    first.wait(timeout=60)  # reaped at once: the end the other process waits for
+    ended = time.time() - t0
+    out = second.communicate(timeout=60)[0]
+    waited = float(out.split("waited ")[1].split()[0])
+    assert ended - 1.0 <= waited < ended + STOP_GRACE_S / 2, (ended, out)

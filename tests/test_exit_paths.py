@@ -138,8 +138,10 @@ def test_ctrl_c_to_a_prediction(script, tmp_path):
 
 # ---- stops: preemption mid-epoch and mid-evaluation, the launcher killed, divergence, errors
 
-@pytest.mark.parametrize("script,config", [("train_catsdogs.py", "cpu_2proc.yaml"), ("train_retinanet.py", "cpu.yaml")])
-def test_sigterm_to_the_launcher_mid_epoch(script, config, cats_data, detection_data, tmp_path):
+def test_sigterm_to_the_launcher_mid_epoch(cats_data, detection_data, tmp_path):
+    """SIGTERM to the 1-process launcher, with the cats/dogs loaders' persistent workers; on 2 processes it is
+    tests/test_run_launch.py's SIGTERM test (RetinaNet, through the same `Launch` checks, then an exact resume)."""
+    script, config = "train_catsdogs.py", "cpu.yaml"
     data, flags = data_and_flags(script, cats_data, detection_data)
     out = tmp_path / "run"
     run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--output_dir", out], config)

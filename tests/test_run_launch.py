@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, run_script, start_script, traceback_through_our_code, write_coco, write_image
-from helpers import error_lines, make_tiny_folder, run_main, run_ok
+from helpers import Launch, error_lines, make_tiny_folder, run_main, run_ok
 
 # DataLoader workers on, as users run (2: the default 4 capped at this machine's cores): every launched exit path
 # below runs through worker processes (the cats/dogs ones persistent); in-process runs add NO_WORKERS
@@ -184,13 +184,16 @@ def two_process_reference(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sigterm_two_processes_stop_together_and_resume_exactly(two_process_reference, tmp_path):
+    """SIGTERM to a 2-process launcher (SLURM's preemption; the exit path of RetinaNet on 2 processes, with its
+    DataLoader workers: tests/test_exit_paths.py's `Launch` checks that no process of the run is left)."""
     common, ref = two_process_reference
     out = tmp_path / "run"
-    proc = start_script("train_retinanet.py", common + ["--output_dir", str(out)], config="cpu_2proc.yaml")
-    wait_for_step(out, proc, 4)
-    os.kill(proc.pid, signal.SIGTERM)  # to the launcher (torchrun), which forwards it to both workers
-    text = proc.communicate(timeout=120)[0]
-    assert proc.returncode != 0
+    run = Launch("train_retinanet.py", common + ["--output_dir", out], "cpu_2proc.yaml")
+    run.wait_for_step(out, 4)
+    os.kill(run.proc.pid, signal.SIGTERM)  # to the launcher (torchrun), which forwards it to both workers
+    code, _ = run.finish("train_retinanet.py cpu_2proc.yaml SIGTERM mid-epoch")
+    text = run.text
+    assert code != 0 and "in epoch" in json.loads((out / "run_status.json").read_text())["message"]
     assert text.count("preempted by SIGTERM at step") == 1, text[-3000:]  # one message, from the main process
     # exactly one preemption checkpoint, written by both ranks together
     (ckpt_dir,) = [p for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")]
