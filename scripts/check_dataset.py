@@ -21,7 +21,6 @@ with status 1 when there are errors (2 for a missing file or folder), 0 otherwis
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -174,7 +173,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # the modules imported so far live until exit: the collector skips them from here on (DataLoader workers, forked,
-    # share their memory pages; the exit takes about 1 s less than a last collection over torch's objects)
-    gc.freeze()
     sys.exit(main())

@@ -21,7 +21,6 @@ its resize, 800 / 1333; v2: GroupNorm heads, P6 from C5): see detlib/retinanet/t
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shlex
@@ -94,7 +93,4 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
-    # the modules imported so far live until exit: the collector skips them from here on (DataLoader workers, forked,
-    # share their memory pages; the exit takes about 1 s less than a last collection over torch's objects)
-    gc.freeze()
     main()

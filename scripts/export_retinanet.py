@@ -23,7 +23,6 @@ above --score_thresh) is no pass: exit 1, with what to do.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import logging
@@ -306,7 +305,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # the modules imported so far live until exit: the collector skips them from here on (DataLoader workers, forked,
-    # share their memory pages; the exit takes about 1 s less than a last collection over torch's objects)
-    gc.freeze()
     main()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import itertools
 import logging
 import os
@@ -191,7 +190,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # the modules imported so far live until exit: the collector skips them from here on (DataLoader workers, forked,
-    # share their memory pages; the exit takes about 1 s less than a last collection over torch's objects)
-    gc.freeze()
     run_prediction(main)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import logging
 import math
 import os
@@ -447,7 +446,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # the modules imported so far live until exit: the collector skips them from here on (DataLoader workers, forked,
-    # share their memory pages; the exit takes about 1 s less than a last collection over torch's objects)
-    gc.freeze()
     main()

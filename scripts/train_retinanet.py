@@ -39,7 +39,6 @@ Defaults that depend on the data (built-in: no --data_dir / --train_images / --v
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import math
 import os
@@ -686,7 +685,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    # the modules imported so far live until exit: the collector skips them from here on (DataLoader workers, forked,
-    # share their memory pages; the exit takes about 1 s less than a last collection over torch's objects)
-    gc.freeze()
     main()
