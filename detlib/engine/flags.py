@@ -375,11 +375,15 @@ def _first_process_beside():
     if os.getppid() != _LAUNCHER_PID:
         return None  # the launcher is gone (its processes got SIGTERM from the kernel)
     try:
-        for p in psutil.Process(_LAUNCHER_PID).children():
+        siblings = psutil.Process(_LAUNCHER_PID).children()
+    except psutil.Error:
+        return None
+    for p in siblings:
+        try:  # a process of another user, or one that ended meanwhile, is not the first one
             if p.pid != os.getpid() and p.environ().get("RANK") == "0":
                 return p
-    except psutil.Error:
-        pass
+        except psutil.Error:
+            continue
     return None
 
 
