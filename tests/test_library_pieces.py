@@ -136,3 +136,35 @@ def test_resource_sharer_closed_listener_traceback_is_dropped_and_others_are_not
     except ValueError:
         sys.excepthook(*sys.exc_info())
     assert seen == [ValueError]
+
+
+@pytest.mark.parametrize("dies", ["before reading the challenge", "after reading the challenge"])
+def test_resource_sharer_traceback_of_a_receiver_that_died_mid_handshake_is_dropped(dies, monkeypatch):
+    """The receiving process (the training or predict process a worker sends a batch to) dies in the handshake
+    of multiprocessing's real fd-passing thread: BrokenPipeError before it read the challenge, EOFError after
+    (that one printed a traceback after a predict script's `stopped:` line under load). Both are dropped."""
+    import multiprocessing.resource_sharer as rs
+    import socket
+    import sys
+
+    from detlib.data.loaders import quiet_resource_sharer_errors
+
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: seen.append(exc[0]))
+    quiet_resource_sharer_errors()
+    sharer = rs._ResourceSharer()
+    sharer._start()  # the listener and its `_serve` thread, as the first batch a worker sends starts them
+    try:
+        peer = socket.socket(socket.AF_UNIX)
+        peer.connect(sharer._address)
+        if dies == "after reading the challenge":
+            assert peer.recv(1000)
+        peer.close()
+    finally:
+        sharer.stop(timeout=10)  # the stop message ends the thread's loop; it has handled the dead peer by then
+    assert seen == []
+    try:
+        raise EOFError("ours")
+    except EOFError:
+        sys.excepthook(*sys.exc_info())
+    assert seen == [EOFError]

@@ -51,9 +51,10 @@ def quiet_resource_sharer_errors() -> None:
 
     Batches leave DataLoader workers as file descriptors passed through `multiprocessing.resource_sharer`; when a
     run stops while a batch is in flight (a Ctrl-C to a predict script on a busy machine), that thread's `accept`
-    can fail on its closed listener with "ValueError: I/O operation on closed file", and it reports that through
-    `sys.excepthook` after the run's last line. Only that exception of that thread is dropped; every other
-    uncaught exception still reaches the previous hook."""
+    can fail, and it reports that through `sys.excepthook` after the run's last line: on its closed listener
+    ("ValueError: I/O operation on closed file"), or in the handshake with a receiving process that died
+    (`BrokenPipeError` / `ConnectionError` before it read the challenge, `EOFError` after). Only those
+    exceptions of that thread are dropped; every other uncaught exception still reaches the previous hook."""
     previous = sys.excepthook
     if getattr(previous, "_detlib_quiet", False):
         return
@@ -63,7 +64,7 @@ def quiet_resource_sharer_errors() -> None:
         while t is not None:
             frames.append((t.tb_frame.f_code.co_filename, t.tb_frame.f_code.co_name))
             t = t.tb_next
-        if issubclass(kind, (ValueError, OSError)) and frames and frames[0][1] == "_serve" \
+        if issubclass(kind, (ValueError, OSError, EOFError)) and frames and frames[0][1] == "_serve" \
                 and frames[0][0].endswith(os.path.join("multiprocessing", "resource_sharer.py")):
             return
         previous(kind, value, tb)
