@@ -330,3 +330,90 @@ class Launch:
         groups = {self.proc.pid, *self.seen.values()}
         table = process_table()
         return sorted(p for p, (_, pg, state) in table.items() if state != "Z" and (pg in groups or p in self.seen))
+
+
+# ---- several processes forked from this one
+
+Forked = namedtuple("Forked", "codes texts")
+
+
+def forked_launch(script: str | Path, args: list, num_processes: int = 2, timeout: float = HANG_S,
+                  env: dict | None = None) -> Forked:
+    """`scripts/<script>` (or a probe's absolute path) run as `__main__` on `num_processes` gloo processes forked
+    from this test process, with the variables `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml`
+    gives its processes (1 process: those of `cpu.yaml`), `env` added.
+
+    The same run without the launcher and without each process's ~6 s of imports (torch, torchvision, timm and
+    accelerate are loaded here already; a 2-process run costs a third of a launch's CPU time): for what our code
+    does across processes (what each rank computes, gathers and writes) and for a 1-process run that needs a process
+    of its own (a tracker's). The launcher's part (signals, exit codes, what reaches the terminal, a process left
+    behind) is tested with real launches (`Launch`, `conftest.run_script`).
+
+    Returns each rank's exit code (0, or the SystemExit code; 1 for an exception) and its stdout + stderr. A run
+    not ended within `timeout` seconds is killed and fails the test."""
+    import multiprocessing
+    import socket
+    import tempfile
+
+    import torch.distributed
+
+    assert not torch.distributed.is_initialized(), "a process group in the test process would be forked too"
+    path = Path(script) if Path(script).is_absolute() else REPO / "scripts" / script
+    with socket.socket() as s:  # a free rendezvous port (accelerate's main_process_port 0 does the same)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = []
+    for rank in range(num_processes):
+        fd, log = tempfile.mkstemp(prefix=f"rank{rank}_", suffix=".log")
+        os.close(fd)
+        logs.append(log)
+    context = multiprocessing.get_context("fork")
+    argv = [str(a) for a in args]
+    procs = [context.Process(target=_forked_rank, args=(path, argv, rank, num_processes, port, logs[rank], env or {}))
+             for rank in range(num_processes)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.time()))
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        p.kill() if p.is_alive() else None
+    texts = []
+    for log in logs:
+        texts.append(Path(log).read_text(errors="replace"))
+        os.unlink(log)
+    assert not hung, f"forked ranks {hung} did not end within {timeout} s:\n" + "\n".join(t[-2000:] for t in texts)
+    return Forked([p.exitcode for p in procs], texts)
+
+
+def _forked_rank(path: Path, args: list, rank: int, world: int, port: int, log: str, env: dict) -> None:
+    import runpy
+
+    os.environ.update({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1",
+                       "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", **env})
+    if world > 1:  # torchrun's variables (cpu_2proc.yaml); 1 process is accelerate's simple launcher (cpu.yaml)
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                           "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port)})
+    else:
+        os.environ["ACCELERATE_USE_CPU"] = "True"
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(log, "a", buffering=1, errors="replace")
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGALRM"):  # not pytest's or pytest-timeout's handlers
+        signal.signal(getattr(signal, name), signal.SIG_DFL if name != "SIGINT" else signal.default_int_handler)
+    fresh_accelerate()  # no accelerate state of an earlier in-process run
+    fresh_root_logging()
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.parent))
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def forked_ok(script: str | Path, args: list, num_processes: int = 2, env: dict | None = None) -> str:
+    """`forked_launch` that must succeed on every rank (a non-zero exit fails the test with the ends of the
+    outputs). Returns the main process's output (the other ranks log nothing)."""
+    run = forked_launch(script, args, num_processes, env=env)
+    assert run.codes == [0] * num_processes, f"{script} exited {run.codes}:\n" + "\n".join(t[-3000:] for t in run.texts)
+    return run.texts[0]

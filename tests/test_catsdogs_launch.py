@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import read_metrics, run_script, traceback_through_our_code
-from helpers import error_lines, make_bad_folder, make_tiny_folder, run_main, run_ok
+from helpers import error_lines, forked_ok, make_bad_folder, make_tiny_folder, run_main, run_ok
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "train_catsdogs.py"
@@ -55,9 +55,9 @@ def test_case_b13_b21_same_accuracy_on_1_and_2_processes_one_wandb_run(tmp_path,
     train = make_tiny_folder(tmp_path / "train", [8, 8])
     val = make_tiny_folder(tmp_path / "val", [3, 2], seed=1)  # 5 images: 2 processes x batch 2 pad to 6 / 8
     out = tmp_path / "run"
-    launch("cpu_2proc.yaml", [*FAST, "--train_dir", train, "--val_dir", val, "--epochs", "2",
-                              "--per_device_eval_batch_size", "2", "--output_dir", out, "--report_to", "wandb"],
-           env={"WANDB_MODE": "offline"})
+    forked_ok("train_catsdogs.py", [*FAST, "--train_dir", train, "--val_dir", val, "--epochs", "2",
+                                    "--per_device_eval_batch_size", "2", "--output_dir", out, "--report_to", "wandb"],
+              env={"WANDB_MODE": "offline"})  # 2 processes, forked
     assert_processes(out, 2)
     train_lines, evals = train_and_eval_lines(out)
     assert [m["epoch"] for m in evals] == [1, 2] and [m["num_val_samples"] for m in evals] == [5, 5]
@@ -210,7 +210,7 @@ def test_case_b31_each_epoch_a_new_order_and_disjoint_shards(tmp_path):
     helper.write_text(B31_HELPER)
     out = tmp_path / "out"
     out.mkdir()
-    launch("cpu_2proc.yaml", [SCRIPT, data, out], script=helper)
+    forked_ok(helper, [SCRIPT, data, out])
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["processes"] for r in ranks] == [2, 2]
     orders = []

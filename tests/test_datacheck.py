@@ -574,13 +574,14 @@ def _faulty_pair(tmp_path):
 @needs_coco_subset
 @pytest.mark.slow
 def test_retinanet_two_processes_train_and_evaluate_on_the_repaired_json(tmp_path, capsys):
-    from conftest import read_metrics, run_script
-    from helpers import run_main
+    from conftest import read_metrics
+    from helpers import forked_launch, run_main
 
     out = tmp_path / "run"
-    proc = run_script("train_retinanet.py", _faulty_pair(tmp_path) + TINY + ["--score_thresh", "0", "--output_dir", str(out)],
-                      config="cpu_2proc.yaml")
-    assert "2 process(es)" in proc.stdout and "COCO evaluation on 2 images" in proc.stdout
+    run = forked_launch("train_retinanet.py", _faulty_pair(tmp_path) + TINY + ["--score_thresh", "0", "--output_dir", out])
+    assert run.codes == [0, 0], run.texts[0][-3000:] + run.texts[1][-3000:]
+    text = run.texts[0]
+    assert "2 process(es)" in text and "COCO evaluation on 2 images" in text
     report = json.loads((out / "data_report.json").read_text())
     assert report["ok"] and report["counts"] == {"error": 0, "repair": 6, "warning": 2}
     found = {(f["split"], f["message"].split(":")[0]): f["count"] for f in report["findings"]}
@@ -589,7 +590,8 @@ def test_retinanet_two_processes_train_and_evaluate_on_the_repaired_json(tmp_pat
     assert "consistent with train's 80" in report["summaries"]["val"]["categories"]
     # 4 of the val categories have no box in the 4 training images: their AP can only be 0
     assert found[("val", "val boxes of categories without any training box (their AP will be 0)")] == 4
-    assert proc.stdout.count("data check: 0 errors, 6 repairs, 2 warnings") == 1  # one block, main process
+    assert text.count("data check: 0 errors, 6 repairs, 2 warnings") == 1  # one block, from the main process
+    assert "data check" not in run.texts[1]
     ev = [m for m in read_metrics(out) if "AP" in m]
     assert len(ev) == 1 and all(math.isfinite(ev[0][k]) for k in ("AP", "AP50", "AR100"))
     assert (out / "checkpoints" / "epoch_0001").is_dir()

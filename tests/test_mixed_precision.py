@@ -101,14 +101,12 @@ def test_fp16_inf_gradient_backs_off_scale_and_skips_on_every_rank_case_b16(tmp_
     """2 gloo processes, autocast("cpu", float16) + GradScaler("cpu") through the scripts' step (Run.all_finite,
     Run.end_step; tests/probes/fp16_step_probe.py): rank 1 alone gets an inf gradient at step 2."""
     import json
-    import subprocess
 
-    from conftest import REPO, launch_command, launch_env, read_metrics
+    from conftest import REPO, read_metrics
+    from helpers import forked_ok
 
     result = tmp_path / "result.json"
-    cmd = launch_command(REPO / "tests" / "probes" / "fp16_step_probe.py", [tmp_path / "run", result], "cpu_2proc.yaml")
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=launch_env())
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    forked_ok(REPO / "tests" / "probes" / "fp16_step_probe.py", [tmp_path / "run", result])  # 2 processes, forked
     data = json.loads(result.read_text())
     assert data["num_processes"] == 2
     for r in data["ranks"]:

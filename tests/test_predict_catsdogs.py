@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from detlib.classification import build_classifier, classification_transform
 from detlib.data.images import load_rgb
 
-from conftest import SHARED_DATA, run_script
-from helpers import run_ok
+from conftest import SHARED_DATA
+from helpers import forked_ok, run_ok
 
 CATSDOGS = SHARED_DATA / "catsdogs"
 pytestmark = [pytest.mark.skipif(not (CATSDOGS / "val" / "cat").is_dir(), reason="../shared/data/catsdogs is not present"),
@@ -80,14 +80,14 @@ def test_two_processes_equal_one_topk_json_copies_and_unreadable(weights, tmp_pa
         shutil.copy(f, src / f.name)
     (src / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut short")
     outs = {}
-    for n in (1, 2):  # 1 process in-process, 2 launched
+    for n in (1, 2):  # 1 process in-process, 2 forked
         out = tmp_path / f"out{n}"
         args = ["--weights", weights, "--source", src, "--batch_size", "2", "--topk", "1", "--num_workers", "0",
                 "--copy_to_class_folders", "--output_dir", out]
         if n == 1:
             run_ok("predict_catsdogs", args, capsys)
         else:
-            run_script("predict_catsdogs.py", args, config="cpu_2proc.yaml")
+            forked_ok("predict_catsdogs.py", args)
         outs[n] = json.loads((out / "predictions.json").read_text())
         assert (out / "skipped.txt").read_text() == f"{src / 'broken.jpg'} (unreadable)\n"
         copied = sorted(str(p.relative_to(out / "by_class")) for p in (out / "by_class").rglob("*") if p.is_file())

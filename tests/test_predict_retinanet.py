@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import needs_coco_subset, run_script, write_image
-from helpers import load_script, run_ok, run_main
+from conftest import needs_coco_subset, write_image
+from helpers import forked_ok, load_script, run_main, run_ok
 from tiny_retinanet import train_tiny
 
 pytestmark = [needs_coco_subset]  # the runs are marked slow one by one
@@ -79,11 +79,11 @@ def test_predict_folder_two_processes_equal_one_and_skips_unreadable(tiny, tmp_p
     (weights / "model_config.json").write_text(json.dumps(cfg))
 
     outs = {}
-    for n in (1, 2):  # 1 process in-process, 2 launched
+    for n in (1, 2):  # 1 process in-process, 2 forked
         out = tmp_path / f"out{n}"
         args = ["--weights", weights / "model.safetensors", "--source", src, "--batch_size", "2", "--score_thresh", "0.0",
                 "--num_workers", "0", "--save_json_per_image", "--output_dir", out]
-        stdout = predict(args, capsys) if n == 1 else run_script("predict_retinanet.py", args, config="cpu_2proc.yaml").stdout
+        stdout = predict(args, capsys) if n == 1 else forked_ok("predict_retinanet.py", args)
         assert f"{n} process(es)" in stdout
         outs[n] = json.loads((out / "predictions.json").read_text())
         assert (out / "skipped.txt").read_text().strip() == f"{src / 'zz' / 'broken.jpg'} (unreadable)"

@@ -5,11 +5,13 @@ loss normalizer's exact resume is tests/test_train_retinanet.py's B19 test.)
 
 Tiny on purpose: noise images of 64 px with a box or two, resnet18 with a 16-channel head (RetinaNet) or timm's
 `test_resnet` at 32 px (cats/dogs). A launch costs ~8 s of start-up per process before any work, so only what
-needs a real process is launched: 2 processes (gloo DDP), signals and kill -9. The rest, the reference runs a
-signal test compares against and the resumes after a kill included, runs `main(argv)` in-process
-(`helpers.run_ok` / `run_main`), without DataLoader workers unless a run is compared with a launched one (the exit
-paths with workers, a kill -9 of the launcher included, are tests/test_exit_paths.py's). Launches and in-process
-runs of more than a few steps are marked `slow`.
+needs the launcher is launched: signals, kill -9, start-up errors on 2 processes, two "machines". A 2-process run
+whose launcher plays no part (the reference a signal test compares against, the resumes, C08) is forked from
+the test process (`helpers.forked_ok`: the rank variables of cpu_2proc.yaml, a third of a launch's CPU time), and a
+1-process one runs `main(argv)` in-process (`helpers.run_ok` / `run_main`), without DataLoader workers unless a
+run is compared with a launched one (the exit paths with workers, a kill -9 of the launcher included, are
+tests/test_exit_paths.py's). The loopback test compares two launched "machines" with the forked reference.
+Launches and runs of more than a few steps are marked `slow`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, run_script, start_script, traceback_through_our_code, write_coco, write_image
-from helpers import Launch, error_lines, make_tiny_folder, run_main, run_ok
+from helpers import Launch, error_lines, forked_ok, make_tiny_folder, run_main, run_ok
 
 # DataLoader workers on, as users run (2: the default 4 capped at this machine's cores): every launched exit path
 # below runs through worker processes (the cats/dogs ones persistent); in-process runs add NO_WORKERS
@@ -178,7 +180,7 @@ def two_process_reference(tmp_path_factory):
     data = make_detection_set(root / "d", 12)
     common = data + TINY + ["--epochs", "2", "--optimizer", "sgd", "--lr", "0.01", "--lr_scheduler", "plateau",
                             "--checkpoint_steps", "100", "--eval_interval", "2"]
-    run_script("train_retinanet.py", common + ["--output_dir", str(root / "ref")], config="cpu_2proc.yaml")
+    forked_ok("train_retinanet.py", common + ["--output_dir", root / "ref"])  # the 2-process run, forked
     return common, root / "ref"
 
 
@@ -201,8 +203,7 @@ def test_sigterm_two_processes_stop_together_and_resume_exactly(two_process_refe
     assert ckpt_dir.name == f"step_{state['global_step']:08d}" and {f.name for f in ckpt_dir.iterdir()} >= {
         "random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "optimizer.bin"}
     assert max(m["step"] for m in trains(out)) == state["global_step"]  # no rank went on after the decision
-    run_script("train_retinanet.py", common + ["--output_dir", str(out), "--resume_from_checkpoint", "latest"],
-               config="cpu_2proc.yaml")
+    forked_ok("train_retinanet.py", common + ["--output_dir", out, "--resume_from_checkpoint", "latest"])
     assert_same_weights(ref, out, atol=1e-6)
     # the plateau scheduler's epoch mean covers the whole interrupted epoch after the resume
     mean = lambda o: [ln for ln in (o / "train.log").read_text().splitlines() if "epoch 1: mean loss" in ln][-1].split("mean loss ")[1][:6]  # noqa: E731
@@ -294,7 +295,7 @@ def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path, c
     data = make_detection_set(tmp_path / "d", 8)
     out = tmp_path / "run"
     common = data + TINY + ["--lr_scheduler", "cosine", "--warmup_steps", "0", "--lr", "1e-3", "--output_dir", str(out)]
-    run_script("train_retinanet.py", common + ["--epochs", "2"], config="cpu_2proc.yaml")
+    forked_ok("train_retinanet.py", common + ["--epochs", "2"])  # 2 processes, forked
     two = trains(out)
     assert [t["step"] for t in two] == [1, 2, 3, 4]  # 8 images / (2 processes x 2) = 2 steps per epoch
     (out / "checkpoints" / "epoch_0002").rename(tmp_path / "later")  # resume from the end of epoch 1
@@ -306,11 +307,10 @@ def test_case_c08_resume_on_another_process_count_keeps_the_schedule(tmp_path, c
     assert one[0]["lr"] == pytest.approx(two[2]["lr"], rel=1e-9)  # the same position in samples seen
     assert [t["lr"] for t in one] == pytest.approx([1e-3 * 0.5 * (1 + math.cos(math.pi * s / 8)) for s in (4, 5, 6, 7)])
     # and back on 2 processes with one more epoch: the new epoch is trained, the cosine goes on down
-    proc = run_script("train_retinanet.py", common + ["--epochs", "3", "--resume_from_checkpoint", "latest"],
-                      config="cpu_2proc.yaml")
-    assert "nothing left to train" not in proc.stdout
-    assert "goes on from 0 x the base LR at step 4 down to 0 at step 6" in proc.stdout  # the cosine had ended
-    assert "already reached 0, so the added epochs train at LR 0" in proc.stdout
+    text = forked_ok("train_retinanet.py", common + ["--epochs", "3", "--resume_from_checkpoint", "latest"])
+    assert "nothing left to train" not in text
+    assert "goes on from 0 x the base LR at step 4 down to 0 at step 6" in text  # the cosine had ended
+    assert "already reached 0, so the added epochs train at LR 0" in text
     last = trains(out)[8:]
     assert [t["step"] for t in last] == [5, 6] and all(t["epoch"] == 3 for t in last)
     assert [t["lr"] for t in last] == [0.0, 0.0]  # no jump back up (the anchor's decay is tested in test_engine)

@@ -2,12 +2,11 @@
 the same order when replayed (resume), disjoint shards on 2 processes."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from conftest import REPO
+from helpers import forked_ok
 from detlib.data.sampler import GroupedBatchSampler, aspect_groups
 
 
@@ -40,10 +39,7 @@ def test_grouped_batches_are_pure_cover_the_set_and_reshuffle():
 @pytest.mark.slow
 def test_grouped_sampler_on_two_processes(tmp_path):
     out = tmp_path / "seen.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
-           str(REPO / "tests" / "probes" / "grouped_sampler_probe.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    forked_ok(REPO / "tests" / "probes" / "grouped_sampler_probe.py", [out])  # 2 processes, forked
     data = json.loads(out.read_text())
     assert data["num_processes"] == 2
     groups = data["groups"]

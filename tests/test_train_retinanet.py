@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import COCO_SUBSET, needs_coco_subset, read_metrics, run_script, start_script, write_coco, write_image
+from conftest import COCO_SUBSET, needs_coco_subset, read_metrics, start_script, write_coco, write_image
 from helpers import run_main, run_ok
 
 pytestmark = [needs_coco_subset]  # the launches are marked slow one by one; the one-line errors run in-process

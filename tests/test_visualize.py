@@ -2,9 +2,7 @@
 drawn files, and a wandb offline + TensorBoard run of `log_evaluation_extras` read back from the files written."""
 
 import json
-import os
 import runpy
-import subprocess
 import sys
 
 import numpy as np
@@ -17,6 +15,7 @@ from detlib.evaluation.drawing import (GT_COLOR, OUTLINE_COLOR, SAMPLE_DISPLAY_S
                                        sample_detections, sample_layout, select_sample_ids)
 
 from conftest import COCO_SUBSET, REPO, needs_coco_subset
+from helpers import forked_ok
 
 
 def test_sample_ids_fixed_by_seed_not_by_order():
@@ -33,18 +32,14 @@ def test_sample_ids_fixed_by_seed_not_by_order():
 def test_sample_ids_same_on_one_and_two_processes(tmp_path, monkeypatch):
     picks = {}
     probe = REPO / "tests" / "probes" / "sample_ids_probe.py"
-    for n in (1, 2):  # the probe in this process as 1 process, launched on 2
+    for n in (1, 2):  # the probe in this process as 1 process, forked on 2
         out = tmp_path / f"ids{n}.json"
         args = [str(COCO_SUBSET / "annotations" / "instances_val.json"), str(out)]
         if n == 1:
             monkeypatch.setattr(sys, "argv", [str(probe), *args])
             runpy.run_path(str(probe), run_name="__main__")
         else:
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(REPO / "accelerate_configs" / "cpu_2proc.yaml"), str(probe), *args]
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-            assert proc.returncode == 0, proc.stderr[-3000:]
+            forked_ok(probe, args)
         data = json.loads(out.read_text())
         assert data["num_processes"] == n
         picks[n] = [r["picks"] for r in data["ranks"]]
