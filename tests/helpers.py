@@ -1,5 +1,6 @@
 """Helpers that several test modules share (test modules never import each other): the scripts loaded as
-modules and run in-process, the tiny ImageFolder trees, planted checkpoint payloads.
+modules and run in-process, the tiny ImageFolder trees, planted checkpoint payloads, launches watched from
+outside, and runs on several processes forked from the test process.
 
 `tests/conftest.py` holds the data paths, the COCO writers and the launch helpers; this module holds what needs
 more than the standard library and numpy to build (PIL, torch, detlib)."""
@@ -332,22 +333,31 @@ class Launch:
         return sorted(p for p, (_, pg, state) in table.items() if state != "Z" and (pg in groups or p in self.seen))
 
 
-# ---- several processes forked from this one
+# ---- several processes forked from a clean process
 
 Forked = namedtuple("Forked", "codes texts")
+
+# What the forked runs import, loaded once by multiprocessing's fork server (a fresh process of its own, started at
+# the first forked run of a test process); the processes it forks start with them loaded.
+FORK_SERVER_PRELOAD = ["torch", "torchvision", "timm", "timm.optim", "accelerate", "tqdm.auto", "pycocotools.cocoeval",
+                       "safetensors.torch", "detlib.classification", "detlib.data", "detlib.datacheck", "detlib.engine",
+                       "detlib.evaluation", "detlib.inference", "detlib.retinanet", "detlib.weights", "detlib.hub",
+                       "helpers"]
 
 
 def forked_launch(script: str | Path, args: list, num_processes: int = 2, timeout: float = HANG_S,
                   env: dict | None = None) -> Forked:
     """`scripts/<script>` (or a probe's absolute path) run as `__main__` on `num_processes` gloo processes forked
-    from this test process, with the variables `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml`
-    gives its processes (1 process: those of `cpu.yaml`), `env` added.
+    from multiprocessing's fork server, with this process's environment and working folder, the variables
+    `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml` gives its processes (1 process: those of
+    `cpu.yaml`), and `env`.
 
-    The same run without the launcher and without each process's ~6 s of imports (torch, torchvision, timm and
-    accelerate are loaded here already; a 2-process run costs a third of a launch's CPU time): for what our code
-    does across processes (what each rank computes, gathers and writes) and for a 1-process run that needs a process
-    of its own (a tracker's). The launcher's part (signals, exit codes, what reaches the terminal, a process left
-    behind) is tested with real launches (`Launch`, `conftest.run_script`).
+    The same run without the launcher and without each process's ~6 s of imports (the fork server loaded
+    `FORK_SERVER_PRELOAD` once; a 2-process run costs a third of a launch's CPU time): for what our code does
+    across processes (what each rank computes, gathers and writes) and for a 1-process run that needs a process of
+    its own. The launcher's part (signals, exit codes, what reaches the terminal, a process left behind) is
+    tested with real launches (`Launch`, `conftest.run_script`). Not forked from the test process itself: after a
+    backward pass in it (an in-process run), torch refuses autograd in a forked child.
 
     Returns each rank's exit code (0, or the SystemExit code; 1 for an exception) and its stdout + stderr. A run
     not ended within `timeout` seconds is killed and fails the test."""
@@ -355,9 +365,6 @@ def forked_launch(script: str | Path, args: list, num_processes: int = 2, timeou
     import socket
     import tempfile
 
-    import torch.distributed
-
-    assert not torch.distributed.is_initialized(), "a process group in the test process would be forked too"
     path = Path(script) if Path(script).is_absolute() else REPO / "scripts" / script
     with socket.socket() as s:  # a free rendezvous port (accelerate's main_process_port 0 does the same)
         s.bind(("127.0.0.1", 0))
@@ -367,10 +374,12 @@ def forked_launch(script: str | Path, args: list, num_processes: int = 2, timeou
         fd, log = tempfile.mkstemp(prefix=f"rank{rank}_", suffix=".log")
         os.close(fd)
         logs.append(log)
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORK_SERVER_PRELOAD)  # read when the server starts, at the first forked run
+    environment = {**os.environ, **(env or {})}
     argv = [str(a) for a in args]
-    procs = [context.Process(target=_forked_rank, args=(path, argv, rank, num_processes, port, logs[rank], env or {}))
-             for rank in range(num_processes)]
+    procs = [context.Process(target=_forked_rank, args=(path, argv, rank, num_processes, port, logs[rank], environment,
+                                                       os.getcwd())) for rank in range(num_processes)]
     for p in procs:
         p.start()
     deadline = time.time() + timeout
@@ -387,25 +396,25 @@ def forked_launch(script: str | Path, args: list, num_processes: int = 2, timeou
     return Forked([p.exitcode for p in procs], texts)
 
 
-def _forked_rank(path: Path, args: list, rank: int, world: int, port: int, log: str, env: dict) -> None:
+def _forked_rank(path: Path, args: list, rank: int, world: int, port: int, log: str, environment: dict,
+                 cwd: str) -> None:
     import runpy
 
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1",
-                       "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", **env})
+                       "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"})
     if world > 1:  # torchrun's variables (cpu_2proc.yaml); 1 process is accelerate's simple launcher (cpu.yaml)
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                            "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(port)})
     else:
         os.environ["ACCELERATE_USE_CPU"] = "True"
+    os.chdir(cwd)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = sys.stderr = open(log, "a", buffering=1, errors="replace")
-    for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGALRM"):  # not pytest's or pytest-timeout's handlers
-        signal.signal(getattr(signal, name), signal.SIG_DFL if name != "SIGINT" else signal.default_int_handler)
-    fresh_accelerate()  # no accelerate state of an earlier in-process run
-    fresh_root_logging()
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.parent))
     runpy.run_path(str(path), run_name="__main__")

@@ -4,10 +4,12 @@ folder).
 
 Cases of ../shared/cases/README.md: B13, B16, B19, B21, B24-B27 (a whole run), B31; and the one-line errors of
 wrong weights paths and of weights trained on other classes (train_catsdogs.py and predict_catsdogs.py).
-Every run uses the tiny timm model `test_resnet` at 32 px. A launch is kept where the behaviour needs a real
-process: 2 processes (gloo DDP, the one wandb run of B21, B31's shards, a flag error printed once); everything else
-(the one-line errors, a whole run on a bad folder, a resume, mixed precision, the 1-process evaluation of B13) is
-`main(argv)` called in-process, which costs only its work (a launch costs ~8 s of start-up per process).
+Every run uses the tiny timm model `test_resnet` at 32 px. A launch is kept where the behaviour needs the
+launcher (a flag error printed once by 2 processes, the wait for the first process's line); 2-process runs whose
+launcher plays no part (the one wandb run of B21, B13's evaluation, B31's shards) are forked from the test process
+(`helpers.forked_ok`); everything else (the one-line errors, a whole run on a bad folder, a resume, mixed
+precision, the 1-process evaluation of B13) is `main(argv)` called in-process, which costs only its work (a launch
+costs ~8 s of start-up per process).
 """
 
 from __future__ import annotations

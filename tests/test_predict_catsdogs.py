@@ -1,8 +1,9 @@
 """scripts/predict_catsdogs.py on the real cats/dogs images: the same top-1 class and probability as
 train_catsdogs.py --evaluate_only, 2 processes equal to 1, top-k CSV / JSON, per-class copies, unreadable files.
 
-The one launch is the 2-process prediction; the evaluation and the 1-process predictions run `main(argv)`
-in-process (a launch adds ~8 s of start-up per process)."""
+The 2-process prediction is forked from the test process (`helpers.forked_ok`); the evaluation and the 1-process predictions
+run `main(argv)` in-process (a launch adds ~8 s of start-up per process; the exit paths of predict are
+tests/test_exit_paths.py's)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """scripts/predict_retinanet.py on real COCO images: the same detections as --evaluate_only, the same on 2
 processes as on 1, folders / globs / unreadable files, per-image json, class names.
 
-The one launch is the 2-process prediction; the training, the evaluation and every 1-process prediction run
-`main(argv)` in-process (a launch adds ~8 s of start-up per process)."""
+The 2-process prediction is forked from the test process (`helpers.forked_ok`); the training, the evaluation
+and every 1-process prediction run `main(argv)` in-process (a launch adds ~8 s of start-up per process; the exit
+paths of predict are tests/test_exit_paths.py's)."""
 
 from __future__ import annotations
 
