@@ -76,31 +76,34 @@ def data_and_flags(script: str, cats_data, detection_data) -> tuple[list[str], l
                                            ("train_retinanet.py", "cpu.yaml"), ("train_retinanet.py", "cpu_2proc.yaml")])
 def test_normal_end_max_steps_and_evaluate_only_return_to_the_shell(script, config, cats_data, detection_data, tmp_path):
     """One training launch ends an epoch (evaluation, checkpoint; the cats/dogs workers stay alive for the next
-    epoch) and then stops at --max_steps one step into the next (its workers abandoned mid-epoch); an
-    --evaluate_only launch of what it wrote; on 1 process, the predict script on it, and its error at start."""
+    epoch) and then stops at --max_steps one step into the next (its workers abandoned mid-epoch). On 2 processes,
+    an --evaluate_only launch of what it wrote; on 1 process, the predict script on it (and, for RetinaNet, its
+    error at start: both predict scripts end through `detlib.inference.run_prediction`)."""
     data, flags = data_and_flags(script, cats_data, detection_data)
     batch = 8 if script == "train_catsdogs.py" else 2  # 32 and 16 training images: 4 and 8 steps on 1 process
     steps_per_epoch = (32 if script == "train_catsdogs.py" else 16) // (batch * processes(config))
     out = tmp_path / "run"
+    flags = flags + ["--per_device_eval_batch_size", "4"]  # the evaluation's end matters here, not its length
     run = Launch(script, data + flags + ["--per_device_batch_size", batch, "--epochs", "2",
                                          "--max_steps", steps_per_epoch + 1, "--output_dir", out], config)
     code, _ = run.finish(f"{script} {config} an epoch, then --max_steps mid-epoch")
     assert code == 0 and status(out)["status"] == "finished", run.text[-3000:]
     assert status(out)["global_step"] == steps_per_epoch + 1, status(out)
     assert (out / "checkpoints" / "epoch_0001").is_dir() and (out / "best" / "model.safetensors").is_file()
-    run = Launch(script, data + flags + ["--evaluate_only", out / "best", "--output_dir", tmp_path / "eval"], config)
-    code, _ = run.finish(f"{script} {config} --evaluate_only")
-    assert code == 0 and (tmp_path / "eval" / "evaluate_only" / "metrics.jsonl").is_file(), run.text[-3000:]
     if config == "cpu_2proc.yaml":
+        run = Launch(script, data + flags + ["--evaluate_only", out / "best", "--output_dir", tmp_path / "eval"], config)
+        code, _ = run.finish(f"{script} {config} --evaluate_only")
+        assert code == 0 and (tmp_path / "eval" / "evaluate_only" / "metrics.jsonl").is_file(), run.text[-3000:]
         return
     predict = script.replace("train_", "predict_")
     source = data[data.index("--val_dir") + 1] if "--val_dir" in data else data[data.index("--val_images") + 1]
     run = Launch(predict, ["--weights", out / "best", "--source", source, *WORKERS, "--output_dir", tmp_path / "pred"])
     code, _ = run.finish(f"{predict} normal end")
     assert code == 0, run.text[-3000:]
-    run = Launch(predict, ["--weights", tmp_path / "missing", "--source", source, *WORKERS, "--output_dir", tmp_path / "p2"])
-    code, _ = run.finish(f"{predict} error at start")
-    assert code != 0 and not traceback_through_our_code(run.text), run.text[-3000:]
+    if script == "train_retinanet.py":
+        run = Launch(predict, ["--weights", tmp_path / "missing", "--source", source, *WORKERS, "--output_dir", tmp_path / "p2"])
+        code, _ = run.finish(f"{predict} error at start")
+        assert code != 0 and not traceback_through_our_code(run.text), run.text[-3000:]
 
 
 @pytest.mark.parametrize("script", ["predict_catsdogs.py", "predict_retinanet.py"])

@@ -465,9 +465,9 @@ def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_p
 
     data = make_detection_set(tmp_path / "d", 4, n_val=2)
     out = tmp_path / "run"
-    proc = run_script("train_retinanet.py", data + TINY[:-2] + [
+    text = forked_ok("train_retinanet.py", data + TINY[:-2] + [  # a process of its own (wandb's), forked
         "--epochs", "2", "--eval_interval", "1", "--score_thresh", "0.0", "--num_log_images", "2", "--log_interval", "10",
-        "--report_to", "all", "--output_dir", str(out)], env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+        "--report_to", "all", "--output_dir", str(out)], num_processes=1, env={"WANDB_MODE": "offline"})
     m = read_metrics(out)
     tr = [t for t in m if "loss" in t]
     assert [t["epoch"] for t in tr] == [1, 2]  # an epoch shorter than --log_interval still gets its line
@@ -477,7 +477,7 @@ def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_p
     assert len(ev) == 2 and all(set(e["per_class"]) <= {"a", "b"} for e in ev)
     assert (out / "plots" / "epoch_0001" / "pr_curve.png").is_file() and (out / "plots" / "training_curves.png").is_file()
     assert len(list((out / "samples" / "epoch_0001").glob("*.png"))) == 2
-    assert "summary:" in proc.stdout and "best AP" in proc.stdout
+    assert "summary:" in text and "best AP" in text
     # AdamW's two groups: no weight decay on norms and biases, 0.01 on the rest
     opt = torch.load(out / "checkpoints" / "epoch_0002" / "optimizer.bin", weights_only=True)
     assert sorted(g["weight_decay"] for g in opt["param_groups"]) == [0.0, 0.01]
