@@ -96,7 +96,7 @@ __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring
 # scratch than the paper's head (no norm); not a flag here: an --init_from / --evaluate_only model keeps its own.
 BUILTIN_HEAD_NORM = "gn"
 # What the built-in run with these defaults gives (docs/recipes.md run log), for its start line and its stop line.
-BUILTIN_RUN = "with the defaults about 4 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
+BUILTIN_RUN = "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
 # This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
                 "per_device_eval_batch_size": 8, "log_interval": 20}

@@ -71,7 +71,7 @@ def test_default_run_without_data_uses_the_builtin_set(tmp_path, monkeypatch, ca
     (start,) = [i for i, ln in enumerate(lines) if "no data given" in ln]
     assert start < 5, lines[:start + 1]  # the first screen
     assert ("built-in synthetic shapes data set (resnet18, GroupNorm heads, 128 px, fpn_channels 64, lr 0.001, 1 epochs): "
-            "with the defaults about 4 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9; the model is only "
+            "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9; the model is only "
             "useful after the full run") in lines[start]
     assert json.loads((out / "last" / "model_config.json").read_text())["head_norm"] == "gn"
     ev = [m for m in read_metrics(out) if "AP" in m]
@@ -92,6 +92,6 @@ def test_builtin_run_stopped_by_ctrl_c_says_its_model_is_not_ready(tmp_path, mon
     lines = [ln for ln in run.text.replace("\r", "\n").splitlines() if ln.strip()]
     assert code == 75, run.text[-3000:]
     assert lines[-1].startswith("stopped: preempted by SIGINT at step "), lines[-1]
-    assert lines[-1].endswith("; the built-in run's model is only useful after all 6 epochs (with the defaults about 4 "
+    assert lines[-1].endswith("; the built-in run's model is only useful after all 6 epochs (with the defaults about 3.5 "
                               "min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9): stopped early it "
                               "detects the shapes poorly"), lines[-1]
