@@ -362,36 +362,27 @@ def forked_launch(script: str | Path, args: list, num_processes: int = 2, timeou
     Returns each rank's exit code (0, or the SystemExit code; 1 for an exception) and its stdout + stderr. A run
     not ended within `timeout` seconds is killed and fails the test."""
     import multiprocessing
-    import socket
     import tempfile
 
     path = Path(script) if Path(script).is_absolute() else REPO / "scripts" / script
-    with socket.socket() as s:  # a free rendezvous port (accelerate's main_process_port 0 does the same)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    logs = []
-    for rank in range(num_processes):
-        fd, log = tempfile.mkstemp(prefix=f"rank{rank}_", suffix=".log")
-        os.close(fd)
-        logs.append(log)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORK_SERVER_PRELOAD)  # read when the server starts, at the first forked run
-    environment = {**os.environ, **(env or {})}
-    argv = [str(a) for a in args]
-    procs = [context.Process(target=_forked_rank, args=(path, argv, rank, num_processes, port, logs[rank], environment,
-                                                       os.getcwd())) for rank in range(num_processes)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.time()))
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        p.kill() if p.is_alive() else None
-    texts = []
-    for log in logs:
-        texts.append(Path(log).read_text(errors="replace"))
-        os.unlink(log)
+    environment, port, argv = {**os.environ, **(env or {})}, free_port(), [str(a) for a in args]
+    with tempfile.TemporaryDirectory(prefix="forked_") as logs:
+        log = [os.path.join(logs, f"rank{rank}.log") for rank in range(num_processes)]
+        procs = [context.Process(target=_forked_rank, args=(path, argv, rank, num_processes, port, log[rank],
+                                                           environment, os.getcwd())) for rank in range(num_processes)]
+        for p in procs:
+            p.start()
+        deadline = time.time() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.time()))
+        hung = [p.pid for p in procs if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        texts = [Path(f).read_text(errors="replace") if os.path.exists(f) else "" for f in log]
     assert not hung, f"forked ranks {hung} did not end within {timeout} s:\n" + "\n".join(t[-2000:] for t in texts)
     return Forked([p.exitcode for p in procs], texts)
 
@@ -411,13 +402,22 @@ def _forked_rank(path: Path, args: list, rank: int, world: int, port: int, log: 
     else:
         os.environ["ACCELERATE_USE_CPU"] = "True"
     os.chdir(cwd)
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = sys.stderr = open(log, "a", buffering=1, errors="replace")
+    stream = open(log, "a", buffering=1, errors="replace")
+    os.dup2(stream.fileno(), 1)  # what C code (gloo, torch) prints, too
+    os.dup2(stream.fileno(), 2)
+    sys.stdout = sys.stderr = stream
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.parent))
     runpy.run_path(str(path), run_name="__main__")
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a rendezvous port, as accelerate's main_process_port 0 picks one)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def forked_ok(script: str | Path, args: list, num_processes: int = 2, env: dict | None = None) -> str:

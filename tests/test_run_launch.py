@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, run_script, start_script, traceback_through_our_code, write_coco, write_image
-from helpers import Launch, error_lines, forked_ok, make_tiny_folder, run_main, run_ok
+from helpers import Launch, error_lines, forked_ok, free_port, make_tiny_folder, run_main, run_ok
 
 # DataLoader workers on, as users run (2: the default 4 capped at this machine's cores): every launched exit path
 # below runs through worker processes (the cats/dogs ones persistent); in-process runs add NO_WORKERS
@@ -407,12 +407,6 @@ def test_catsdogs_evaluate_only_keeps_the_run_and_reads_a_checkpoint_of_another_
 
 
 # ---- two machines on loopback
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_two_machines_on_loopback_equal_two_processes(two_process_reference, tmp_path):
