@@ -393,8 +393,24 @@ def start_prediction(args):
     return accelerator
 
 
-class Interrupted(Exception):
-    """SIGINT or SIGTERM reached a predict script (`run_prediction`)."""
+def prediction_error(message) -> SystemExit:
+    """The exit of a predict script on an error every process finds alike (weights, source, thresholds): the line
+    goes to predict.log, and the returned SystemExit carries `error: message` on the first process (Python prints
+    it to stderr, exit code 1). The other processes get a silent exit 1 once the first has ended, so a 2-process
+    launch prints the line once. Use as `raise prediction_error(e) from None`."""
+    from .engine.flags import first_process, wait_for_the_first_process
+
+    logger.error("%s", message, extra={"console": False})  # the console gets the SystemExit's line
+    if first_process():
+        return SystemExit(f"error: {message}")
+    wait_for_the_first_process()
+    return SystemExit(1)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached a predict script (`run_prediction`). A BaseException, as KeyboardInterrupt is: the
+    handler raises it wherever the main thread is, and an `except Exception` there (a damaged EXIF block read as
+    orientation 1, a library's fallback) must not swallow it and let the prediction run on to the end."""
 
 
 def run_prediction(main) -> None:
