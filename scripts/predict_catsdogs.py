@@ -39,8 +39,8 @@ from detlib.data import INSTALL_HINT, av_available, video_frames, video_info, wo
 from detlib.engine import int_at_least
 from detlib.files import atomic_write, write_json
 from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_media_files, load_classifier, output_names,
-                              predict_videos, prediction_parser, run_prediction, shard_batches, start_prediction,
-                              write_skipped)
+                              predict_videos, prediction_error, prediction_parser, run_prediction, shard_batches,
+                              start_prediction, write_skipped)
 from detlib.weights import complete_model_config, weights_path
 
 logger = logging.getLogger("predict_catsdogs")
@@ -130,8 +130,7 @@ def main(argv=None):
         if unsupported and not paths and not videos:
             raise ValueError(f"{args.source}: nothing to predict: {unsupported[0]}")
     except (FileNotFoundError, RuntimeError, ValueError) as e:
-        logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
-        raise SystemExit(f"error: {e}") from None
+        raise prediction_error(e) from None
     classes = config["classes"]
     if args.image_size is None:  # the training size; an old model_config.json without it is completed, never silently
         config, note = complete_model_config(config, args.weights, {"image_size": 224},

@@ -54,8 +54,8 @@ from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco,
                                save_image, upright_image_and_boxes)
 from detlib.files import write_json
 from detlib.inference import (DetectionImageFiles, detection_item, earlier_outputs, list_media_files, load_retinanet,
-                              output_names, prediction_parser, predict_videos, retinanet_input_size, run_prediction,
-                              shard_batches, start_prediction, write_skipped)
+                              output_names, prediction_error, prediction_parser, predict_videos, retinanet_input_size,
+                              run_prediction, shard_batches, start_prediction, write_skipped)
 from detlib.labels import describe_mapping, match_categories
 from detlib.retinanet import anchor_generator_from_config, decode_detections
 from detlib.weights import WeightsFileError, read_score_thresholds, weights_path
@@ -134,7 +134,7 @@ def build_dataset(args, transform):
         return ds, names, [r["id"] for r in ds.records], False, list(ds.missing_images)
     if args.source.lower().endswith(".json") and os.path.isfile(args.source):
         if not args.images:
-            raise SystemExit("error: a COCO-json --source needs --images DIR (its image folder)")
+            raise prediction_error("a COCO-json --source needs --images DIR (its image folder)")
         # The evaluation's own data set: same order (by image id), same decoding, same sizes.
         ds = CocoDetection(args.images, args.source, transform, train=False)
         ds.videos = []
@@ -292,8 +292,7 @@ def main(argv=None):
     try:
         model, config, category_map = load_retinanet(args.weights, notes)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
-        logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
-        raise SystemExit(f"error: {e}") from None
+        raise prediction_error(e) from None
     logger.info("loaded %s (%s, fpn_channels %d, %d classes)", weights_path(args.weights), config["backbone"],
                 config["fpn_channels"], len(category_map))
     image_size, max_size, note = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
@@ -308,8 +307,7 @@ def main(argv=None):
     try:
         thresholds = class_thresholds(args, category_map)
     except (FileNotFoundError, WeightsFileError) as e:
-        logger.error("%s", e, extra={"console": False})
-        raise SystemExit(f"error: --score_thresh best_f1: {e}") from None
+        raise prediction_error(f"--score_thresh best_f1: {e}") from None
     # decoding keeps scores above its threshold (torchvision's >); a best-F1 threshold keeps its own score too (the
     # F1 was measured with it): decode just below the lowest, then each class keeps its scores >= its threshold
     decode_thresh = float(thresholds.min()) if args.score_thresh != "best_f1" else float(
@@ -322,8 +320,7 @@ def main(argv=None):
         ds, rel_names, coco_ids, exif_applied, skipped = build_dataset(args, build_transform(image_size, "none", max_size,
                                                                                      config.get("resize_mode", "antialias")))
     except (FileNotFoundError, ValueError) as e:
-        logger.error("%s", e, extra={"console": False})  # to predict.log; the console gets the line below
-        raise SystemExit(f"error: {e}") from None
+        raise prediction_error(e) from None
     # A json's category ids must mean the model's classes: matched by id and name (or by name, with the flag).
     to_output_id = category_map.to_category_ids(torch.arange(len(category_map)))  # label -> id written; -1: left out
     if isinstance(ds, CocoDetection) and "category_names" in config:
@@ -331,8 +328,7 @@ def main(argv=None):
             mapping = match_categories(category_map, ds.category_map, args.categories_by_name,
                                        weights_path(args.weights), args.source)
         except ValueError as e:
-            logger.error("%s", e, extra={"console": False})
-            raise SystemExit(f"error: {e}") from None
+            raise prediction_error(e) from None
         if (line := describe_mapping(mapping, category_map)) and accelerator.is_main_process:
             logger.info("--categories_by_name: %s", line)
         to_output_id = torch.tensor([-1 if mapping[c] is None else mapping[c] for c in category_map.category_ids])

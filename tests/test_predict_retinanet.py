@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from conftest import needs_coco_subset, write_image
-from helpers import forked_ok, load_script, run_main, run_ok
+from helpers import forked_launch, forked_ok, load_script, run_main, run_ok
 from tiny_retinanet import train_tiny
 
 pytestmark = [needs_coco_subset]  # the runs are marked slow one by one
@@ -169,3 +169,16 @@ def test_a_model_config_json_that_is_no_json_object_is_one_line(tmp_path, capsys
     code, _, err = run_main("predict_retinanet", ["--weights", weights, "--source", one, "--output_dir", tmp_path / "x"],
                             capsys)
     assert code != 0 and f"{weights / 'model_config.json'} is damaged ([], not a JSON object)" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["predict_retinanet.py", "predict_catsdogs.py"])
+def test_an_error_at_start_on_2_processes_is_one_line(script, tmp_path):
+    """Weights that are not there: every process finds it, the first prints the one `error:` line (and writes it to
+    predict.log), the other exits 1 without a line of its own (`detlib.inference.prediction_error`)."""
+    run = forked_launch(script, ["--weights", tmp_path / "missing", "--source", tmp_path, "--num_workers", "0",
+                                 "--output_dir", tmp_path / "out"])
+    errors = [[ln for ln in text.splitlines() if ln.startswith("error:")] for text in run.texts]
+    assert run.codes == [1, 1], run.texts
+    assert len(errors[0]) == 1 and str(tmp_path / "missing") in errors[0][0] and errors[1] == [], run.texts
+    assert errors[0][0][len("error: "):] in (tmp_path / "out" / "predict.log").read_text()

@@ -303,7 +303,7 @@ def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, .
         if key in ignored:
             continue
         if key in FOLDER_ACTION_KEYS:
-            if value and notes and _first_process():
+            if value and notes and first_process():
                 print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
                       "command line)", file=sys.stderr, flush=True)
             continue
@@ -345,7 +345,7 @@ def stop(message: str, code: int = 2) -> NoReturn:
     stderr from the first process only (the launcher's `RANK`), so a 2-process launch does not print it twice;
     every process exits with `code` (2: bad flags, 1: a file they name is unusable), the others after the first
     (`wait_for_the_first_process`)."""
-    if _first_process():
+    if first_process():
         print(f"error: {message}", file=sys.stderr, flush=True)
     wait_for_the_first_process()
     raise SystemExit(code)
@@ -359,7 +359,7 @@ def wait_for_the_first_process() -> None:
     Only a process that the first one's launcher started waits, and only while that launcher lives: after a
     kill -9 of the launcher, or on another machine, nothing stops the first process early, and a launcher that
     is stopping the run (SIGTERM) waits for every process, so waiting out the whole grace would only delay it."""
-    if _first_process():
+    if first_process():
         return
     first = _first_process_beside()
     if first is not None:
@@ -387,7 +387,7 @@ def _first_process_beside():
     return None
 
 
-def _first_process() -> bool:
+def first_process() -> bool:
     """Rank 0 of a launch (torchrun / accelerate set RANK), or a plain `python` run: the one that prints what
     is found before the run, and its accelerator, exist."""
     return os.environ.get("RANK", "0") == "0"
