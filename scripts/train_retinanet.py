@@ -661,7 +661,11 @@ def main(argv=None):
                     run.end_step(model, stepped)  # train line, divergence stop, step checkpoint, preemption
         mean_loss = run.end_epoch()
         if not per_step_schedule and mean_loss is not None:
-            scheduler.step(mean_loss)
+            lr = optimizer.param_groups[0]["lr"]
+            scheduler.step(mean_loss)  # the epoch's mean over all processes: the same decision on every rank
+            if optimizer.param_groups[0]["lr"] < lr:  # the epoch line above gave the LR it trained at
+                logger.info("plateau: no lower mean loss in %d epoch(s), lr %.3g -> %.3g from epoch %d on",
+                            args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], run.epoch_number + 1)
 
         if run.evaluation_due():
             models = run.evaluation_models(model)  # the trained weights, and with --model_ema their average

@@ -115,6 +115,23 @@ def trains(out: Path) -> list[dict]:
     return [m for m in read_metrics(out) if "loss" in m]
 
 
+# ---- the plateau scheduler's drop
+
+def test_a_plateau_drop_is_logged_and_trains_the_next_epoch_at_the_lower_lr(tmp_path, capsys, monkeypatch):
+    """ReduceLROnPlateau, told that no epoch improves (patience 0): after epoch 1 the LR drops 10x, one line
+    says so, and epoch 2 trains at the lower LR (the epoch line gives the LR the epoch trained at)."""
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    monkeypatch.setattr(plateau, "_is_better" if hasattr(plateau, "_is_better") else "is_better", lambda *a: False)
+    data = make_detection_set(tmp_path / "d", 4)
+    out = tmp_path / "run"
+    stdout = run_ok("train_retinanet", data + TINY + NO_WORKERS + [
+        "--lr_scheduler", "plateau", "--plateau_patience", "0", "--lr", "0.001", "--epochs", "2",
+        "--output_dir", out], capsys)
+    assert "epoch 1: mean loss" in stdout and "lr 0.001," in stdout.split("epoch 1: mean loss")[1].splitlines()[0]
+    assert "plateau: no lower mean loss in 1 epoch(s), lr 0.001 -> 0.0001 from epoch 2 on" in stdout, stdout[-3000:]
+    assert {m["epoch"]: m["lr"] for m in trains(out)} == {1: pytest.approx(1e-3), 2: pytest.approx(1e-4)}
+
+
 # ---- divergence (C11)
 
 @pytest.mark.slow
