@@ -348,9 +348,9 @@ def prediction_parser(description: str, batch_size: int) -> tuple[argparse.Argum
     groups {"data", "model", "output"} for the script's own flags. Data: `--no_exif_transpose`, `--batch_size`
     (images per process and forward pass), `--num_workers`; model: `--weights`, `--mixed_precision`, `--cpu`;
     output: `--output_dir`, `--verbose`. `--help` shows every default."""
-    from .engine.flags import HelpFormatter, int_at_least
+    from .engine.flags import ArgumentParser, HelpFormatter, int_at_least
 
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=HelpFormatter)
     groups = {name: p.add_argument_group(name) for name in ("data", "model", "output")}
     groups["data"].add_argument("--no_exif_transpose", action="store_true",
                                 help="read image files as stored instead of turning them upright by their EXIF tag")
@@ -416,19 +416,45 @@ class Interrupted(BaseException):
 def run_prediction(main) -> None:
     """A predict script's entry point: Ctrl-C or SIGTERM stops it with one `stopped:` line as the last thing printed
     (no traceback) and exit code 130 (SIGINT) / 143 (SIGTERM); the files written per image so far stay, the
-    merged outputs (predictions.json / .csv) are written only by a run that ends."""
+    merged outputs (predictions.json / .csv) are written only by a run that ends.
+
+    A second signal (a double Ctrl-C; `timeout` forwarding the terminal's) changes nothing: raised while the first
+    one's stop unwinds it is the same stop, and once the `stopped:` line is being printed it is ignored. A signal
+    raised where Python drops exceptions (a DataLoader iterator's `__del__` as the loop ends) is dropped silently
+    and the prediction runs on: at its end it still exits 130 / 143, with a line saying the outputs are complete.
+    Once the prediction has ended, a signal ends the process at once and silently (the default action), not with a
+    traceback from interpreter shutdown."""
     import signal
     import sys
 
+    received: list[str] = []
+
     def interrupt(signum, frame):
-        raise Interrupted(signal.Signals(signum).name)
+        received.append(signal.Signals(signum).name)
+        raise Interrupted(received[0])
+
+    previous_unraisable = sys.unraisablehook
+
+    def unraisable(report):  # the signal's exception dropped by Python (in a __del__): handled after main, unprinted
+        if not isinstance(report.exc_value, Interrupted):
+            previous_unraisable(report)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
+    sys.unraisablehook = unraisable
     quiet_resource_sharer_errors()  # a batch in flight at the stop must not print a traceback after our line
     try:
         main()
     except Interrupted as e:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         print(f"stopped: {e} before the end; the per-image outputs written so far are kept, the merged ones were not "
               "written: run the same command again", file=sys.stderr, flush=True)
         raise SystemExit(130 if str(e) == "SIGINT" else 143) from None
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+    if received:
+        print(f"stopped: {received[0]} came as the prediction ended; it ran to its end and its outputs are complete",
+              file=sys.stderr, flush=True)
+        raise SystemExit(130 if received[0] == "SIGINT" else 143)

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import launch_env, traceback_through_our_code, write_coco, write_image
 from detlib.engine.flags import STOP_GRACE_S
-from helpers import Launch, process_table
+from helpers import Launch, error_lines, process_table
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def test_normal_end_max_steps_and_evaluate_only_return_to_the_shell(script, conf
     """One training launch ends an epoch (evaluation, checkpoint; the cats/dogs workers stay alive for the next
     epoch) and then stops at --max_steps one step into the next (its workers abandoned mid-epoch). On 2 processes,
     an --evaluate_only launch of what it wrote; on 1 process, the predict script on it (and, for RetinaNet, its
-    error at start: both predict scripts end through `detlib.inference.run_prediction`)."""
+    error at start, launched on 2 processes: both predict scripts end through `detlib.inference.run_prediction`)."""
     data, flags = data_and_flags(script, cats_data, detection_data)
     batch = 8 if script == "train_catsdogs.py" else 2  # 32 and 16 training images: 4 and 8 steps on 1 process
     steps_per_epoch = (32 if script == "train_catsdogs.py" else 16) // (batch * processes(config))
@@ -100,10 +100,13 @@ def test_normal_end_max_steps_and_evaluate_only_return_to_the_shell(script, conf
     run = Launch(predict, ["--weights", out / "best", "--source", source, *WORKERS, "--output_dir", tmp_path / "pred"])
     code, _ = run.finish(f"{predict} normal end")
     assert code == 0, run.text[-3000:]
-    if script == "train_retinanet.py":
-        run = Launch(predict, ["--weights", tmp_path / "missing", "--source", source, *WORKERS, "--output_dir", tmp_path / "p2"])
-        code, _ = run.finish(f"{predict} error at start")
+    if script == "train_retinanet.py":  # on 2 processes: the line once, and no `stopped:` line for the second
+        # process, which waits for the first and is then stopped by the launcher
+        run = Launch(predict, ["--weights", tmp_path / "missing", "--source", source, *WORKERS, "--output_dir",
+                               tmp_path / "p2"], "cpu_2proc.yaml")
+        code, _ = run.finish(f"{predict} cpu_2proc.yaml error at start")
         assert code != 0 and not traceback_through_our_code(run.text), run.text[-3000:]
+        assert len(error_lines(run.text)) == 1 and "stopped:" not in run.text, run.text[-3000:]
 
 
 @pytest.mark.parametrize("script", ["predict_catsdogs.py", "predict_retinanet.py"])

@@ -13,6 +13,7 @@ import yaml
 from conftest import REPO, write_coco, write_image
 from detlib.engine import flags
 from detlib.engine.tracking import save_config
+from helpers import forked_launch
 
 SCRIPTS = ("train_retinanet", "train_catsdogs")
 
@@ -300,3 +301,17 @@ def test_predict_scripts_refuse_nonsense_values_in_one_line(name, flag, value, c
         script.parse_args(["--weights", "w", "--source", "s", "--output_dir", "o", flag, value])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"argument {flag}: must be" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,argv,expected", [
+    ("train_catsdogs.py", ["--epochs", "0"], "train_catsdogs.py: error: argument --epochs: must be an integer >= 1, got 0"),
+    ("predict_retinanet.py", ["--source", "x", "--output_dir", "o"],
+     "predict_retinanet.py: error: the following arguments are required: --weights")])
+def test_a_bad_flag_on_2_processes_is_one_line(script, argv, expected):
+    """Every process parses the command line; argparse's usage and error lines come from the first one only
+    (`flags.ArgumentParser`), and every process exits 2."""
+    run = forked_launch(script, argv)  # nothing is written: the parse fails first
+    assert run.codes == [2, 2], run.texts
+    assert [ln for ln in run.texts[0].splitlines() if ": error: " in ln] == [expected], run.texts[0]
+    assert "usage:" in run.texts[0] and run.texts[1].strip() == "", run.texts[1]

@@ -25,7 +25,9 @@ import difflib
 import math
 import os
 import shlex
+import signal
 import sys
+import threading
 from typing import NoReturn
 
 import psutil
@@ -91,13 +93,28 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._format_action(action)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for a script that every process of a launch runs (the training and predict scripts): its
+    usage, help and error lines are printed by the first process only, and on an error the others exit after it
+    (`wait_for_the_first_process`), so a 2-process launch prints a bad flag's line once, as `stop` does."""
+
+    def _print_message(self, message, file=None):
+        if first_process():
+            super()._print_message(message, file)
+
+    def exit(self, status=0, message=None):
+        if status:
+            wait_for_the_first_process()  # returns at once on the first process
+        super().exit(status, message)
+
+
 def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
     """A parser with `--config` and the run machinery's flags (detlib.engine.run) in the groups both scripts use.
 
     `defaults` set the script's own defaults of these flags (e.g. `output_dir`, `eval_interval`). Returns the
     parser and its groups by name, so the script adds its own flags beside them; parse with `parse_with_config`.
     """
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--config", metavar="FILE.yaml",
                    help="flag: value lines used as defaults; flags on the command line override them. A run's "
                         "OUTPUT_DIR/config.yaml re-runs it (its record keys, e.g. num_processes, and --resume_from_checkpoint / "
@@ -361,6 +378,11 @@ def wait_for_the_first_process() -> None:
     is stopping the run (SIGTERM) waits for every process, so waiting out the whole grace would only delay it."""
     if first_process():
         return
+    if threading.current_thread() is threading.main_thread():  # Python sets handlers there only
+        # the launcher stopping this process (it was exiting anyway) ends it silently, not through a handler of
+        # the script's with a line of its own (a predict script's `stopped:`)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
     first = _first_process_beside()
     if first is not None:
         try:
