@@ -431,6 +431,13 @@ def main(argv=None):
         model_settings["head_norm"] = args.head_norm
     if model_settings["head_norm"] == "gn" and args.fpn_channels % 32:
         stop(f"--head_norm gn needs --fpn_channels divisible by 32 (GroupNorm's 32 groups), got {args.fpn_channels}")
+    largest_side = args.max_size or max([args.image_size, *(args.train_scales or [])])  # training and evaluation
+    if model_settings["head_norm"] == "gn" and args.fpn_channels == 32 and largest_side <= 128:
+        # one channel per group on P7's single cell (stride 128): GroupNorm's output there is its bias whatever the
+        # image, and torch refuses a batch of one image (the FLOP count below, an evaluation at batch 1)
+        stop(f"--head_norm gn with --fpn_channels 32 (one channel per group) at inputs of at most {largest_side} px, "
+             "where P7 is 1x1: GroupNorm would normalise single values; use --fpn_channels 64 or more, a larger "
+             "--image_size, or --head_norm none")
     args.resize_mode = model_settings["resize_mode"]  # read by build_dataloaders
 
     # ---- values checkable without data, before the data check and the model build: one line, exit 2

@@ -122,6 +122,10 @@ def test_head_norm_gn_for_a_fresh_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train.main([*fast, *data, "--fpn_channels", "48", "--head_norm", "gn", "--output_dir", str(tmp_path / "bad")])
     assert e.value.code == 2 and "--head_norm gn needs --fpn_channels divisible by 32" in capsys.readouterr().err
+    # 32 channels at 64 px: one channel per group on P7's single cell (it was a traceback from the FLOP count)
+    with pytest.raises(SystemExit) as e:
+        train.main([*fast, *data, "--fpn_channels", "32", "--head_norm", "gn", "--output_dir", str(tmp_path / "bad")])
+    assert e.value.code == 2 and "at inputs of at most 64 px, where P7 is 1x1" in capsys.readouterr().err
     out = tmp_path / "gn"
     train.main([*fast, *data, "--fpn_channels", "64", "--head_norm", "gn", "--output_dir", str(out)])
     assert json.loads((out / "last" / "model_config.json").read_text())["head_norm"] == "gn"
