@@ -413,25 +413,36 @@ class Interrupted(BaseException):
     orientation 1, a library's fallback) must not swallow it and let the prediction run on to the end."""
 
 
+_outputs_written = [False]  # set by `outputs_written`, read by `run_prediction`'s handler
+
+
+def outputs_written() -> None:
+    """Called by a predict script once its merged outputs are written: a signal from here on is reported as one
+    that came as the prediction ended (`run_prediction`), and no longer stops what is left (the processes' end)."""
+    _outputs_written[0] = True
+
+
 def run_prediction(main) -> None:
     """A predict script's entry point: Ctrl-C or SIGTERM stops it with one `stopped:` line as the last thing printed
     (no traceback) and exit code 130 (SIGINT) / 143 (SIGTERM); the files written per image so far stay, the
     merged outputs (predictions.json / .csv) are written only by a run that ends.
 
     A second signal (a double Ctrl-C; `timeout` forwarding the terminal's) changes nothing: raised while the first
-    one's stop unwinds it is the same stop, and once the `stopped:` line is being printed it is ignored. A signal
-    raised where Python drops exceptions (a DataLoader iterator's `__del__` as the loop ends) is dropped silently
-    and the prediction runs on: at its end it still exits 130 / 143, with a line saying the outputs are complete.
-    Once the prediction has ended, a signal ends the process at once and silently (the default action), not with a
-    traceback from interpreter shutdown."""
+    one's stop unwinds it is the same stop, and from the `stopped:` line on it is ignored. A signal raised where
+    Python drops exceptions (a DataLoader iterator's `__del__` as the loop ends) is dropped silently and the
+    prediction runs on; so does one after the script's `outputs_written()`. Either way the run ends with exit 130 /
+    143 and a line saying the outputs are complete. Once a prediction has ended normally, a signal ends the process
+    at once and silently (the default action), not with a traceback from interpreter shutdown."""
     import signal
     import sys
 
     received: list[str] = []
+    _outputs_written[0] = False
 
     def interrupt(signum, frame):
         received.append(signal.Signals(signum).name)
-        raise Interrupted(received[0])
+        if not _outputs_written[0]:
+            raise Interrupted(received[0])
 
     previous_unraisable = sys.unraisablehook
 
@@ -443,17 +454,19 @@ def run_prediction(main) -> None:
         signal.signal(sig, interrupt)
     sys.unraisablehook = unraisable
     quiet_resource_sharer_errors()  # a batch in flight at the stop must not print a traceback after our line
+    stopping = False
     try:
         main()
     except Interrupted as e:
+        stopping = True
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         print(f"stopped: {e} before the end; the per-image outputs written so far are kept, the merged ones were not "
               "written: run the same command again", file=sys.stderr, flush=True)
         raise SystemExit(130 if str(e) == "SIGINT" else 143) from None
-    finally:
+    finally:  # a stopped run exits with its code whatever comes now; an ended one takes the default action
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if stopping or received else signal.SIG_DFL)
     if received:
         print(f"stopped: {received[0]} came as the prediction ended; it ran to its end and its outputs are complete",
               file=sys.stderr, flush=True)

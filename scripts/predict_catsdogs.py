@@ -39,8 +39,8 @@ from detlib.data import INSTALL_HINT, av_available, video_frames, video_info, wo
 from detlib.engine import int_at_least
 from detlib.files import atomic_write, write_json
 from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_media_files, load_classifier, output_names,
-                              predict_videos, prediction_error, prediction_parser, run_prediction, shard_batches,
-                              start_prediction, write_skipped)
+                              outputs_written, predict_videos, prediction_error, prediction_parser, run_prediction,
+                              shard_batches, start_prediction, write_skipped)
 from detlib.weights import complete_model_config, weights_path
 
 logger = logging.getLogger("predict_catsdogs")
@@ -182,6 +182,7 @@ def main(argv=None):
     merged = None
     if accelerator.is_main_process:
         merged = write_outputs(args, paths, root, classes, k, shards, unsupported)
+    outputs_written()  # a signal from here on says the outputs are complete
     # a clean end of the process group: a rank that exits while another still tears down gloo can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -54,8 +54,8 @@ from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco,
                                save_image, upright_image_and_boxes)
 from detlib.files import write_json
 from detlib.inference import (DetectionImageFiles, detection_item, earlier_outputs, list_media_files, load_retinanet,
-                              output_names, prediction_error, prediction_parser, predict_videos, retinanet_input_size,
-                              run_prediction, shard_batches, start_prediction, write_skipped)
+                              output_names, outputs_written, prediction_error, prediction_parser, predict_videos,
+                              retinanet_input_size, run_prediction, shard_batches, start_prediction, write_skipped)
 from detlib.labels import describe_mapping, match_categories
 from detlib.retinanet import anchor_generator_from_config, decode_detections
 from detlib.weights import WeightsFileError, read_score_thresholds, weights_path
@@ -408,6 +408,7 @@ def main(argv=None):
     results = None
     if accelerator.is_main_process:
         results = write_outputs(args, ds, shards, skipped, names)
+    outputs_written()  # a signal from here on says the outputs are complete
     # a clean end of the process group: a rank that exits while another still tears down gloo can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()

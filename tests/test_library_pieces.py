@@ -216,8 +216,8 @@ def test_a_signal_inside_an_except_exception_block_still_stops_a_prediction(sign
 
 def test_a_second_signal_while_a_prediction_stops_is_the_same_stop(prediction_signals, capsys):
     """A double Ctrl-C (or `timeout` forwarding the terminal's SIGINT a second time): one in the cleanup that the
-    first one's stop runs, one as the `stopped:` line is printed. One line, exit 130, no traceback; after the end a
-    signal takes its default action (no handler of ours runs in interpreter shutdown)."""
+    first one's stop runs, one as the `stopped:` line is printed. One line, exit 130, no traceback; afterwards
+    signals are ignored, so the process still exits 130 (no handler of ours runs in interpreter shutdown)."""
     import os
     import signal
 
@@ -246,6 +246,32 @@ def test_a_second_signal_while_a_prediction_stops_is_the_same_stop(prediction_si
     err = capsys.readouterr().err
     assert stop.value.code == 130 and err.count("stopped:") == 1 and err.startswith("stopped: SIGINT before"), err
     assert "Traceback" not in err
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+
+
+def test_a_signal_after_the_outputs_are_written_ends_with_its_code_and_says_they_are_complete(prediction_signals,
+                                                                                              capsys):
+    """A signal after the script's `outputs_written()` (the processes' end: wait_for_everyone, end_training) does not
+    claim the merged outputs were not written (it did: they were complete); a prediction that ends normally leaves
+    the signals to their default action."""
+    import os
+    import signal
+
+    from detlib.inference import outputs_written, run_prediction
+
+    reached_the_end = []
+
+    def main():
+        outputs_written()
+        os.kill(os.getpid(), signal.SIGTERM)
+        reached_the_end.append(True)
+
+    with pytest.raises(SystemExit) as stop:
+        run_prediction(main)
+    err = capsys.readouterr().err
+    assert stop.value.code == 143 and reached_the_end == [True]
+    assert err.strip() == "stopped: SIGTERM came as the prediction ended; it ran to its end and its outputs are complete"
+    run_prediction(lambda: None)
     assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
