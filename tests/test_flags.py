@@ -305,7 +305,8 @@ def test_predict_scripts_refuse_nonsense_values_in_one_line(name, flag, value, c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script,argv,expected", [
-    ("train_catsdogs.py", ["--epochs", "0"], "train_catsdogs.py: error: argument --epochs: must be an integer >= 1, got 0"),
+    ("train_catsdogs.py", ["--epochs", "0"],
+     "train_catsdogs.py: error: argument --epochs: must be an integer >= 1, got 0"),
     ("predict_retinanet.py", ["--source", "x", "--output_dir", "o"],
      "predict_retinanet.py: error: the following arguments are required: --weights")])
 def test_a_bad_flag_on_2_processes_is_one_line(script, argv, expected):

@@ -1,5 +1,6 @@
 """Library pieces used instead of our own (timm's ImageNet statistics and weights reader, torchvision's image
-extensions) give the values ours gave; the built-in data sets keep their cache folders."""
+extensions) give the values ours gave; the built-in data sets keep their cache folders; how a predict script stops
+on a signal around Python's and multiprocessing's own handling (`detlib.inference.run_prediction`)."""
 
 from __future__ import annotations
 
@@ -249,56 +250,43 @@ def test_a_second_signal_while_a_prediction_stops_is_the_same_stop(prediction_si
     assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
 
 
-def test_a_signal_after_the_outputs_are_written_ends_with_its_code_and_says_they_are_complete(prediction_signals,
-                                                                                              capsys):
-    """A signal after the script's `outputs_written()` (the processes' end: wait_for_everyone, end_training) does not
-    claim the merged outputs were not written (it did: they were complete); a prediction that ends normally leaves
-    the signals to their default action."""
+@pytest.mark.parametrize("where", ["in_a_del", "after_outputs_written"])
+def test_a_signal_the_prediction_runs_on_past_ends_it_with_its_code_and_says_the_outputs_are_complete(
+        where, prediction_signals, capsys):
+    """A signal in a `__del__` (a DataLoader iterator's worker shutdown as the loop ends), where Python drops any
+    exception (seen: exit 0 after an `Exception ignored in: ... __del__` traceback), or after the script's
+    `outputs_written()` (the processes' end; it said "the merged ones were not written" of complete outputs): the
+    prediction runs on to its end, then exits 130 / 143 with a line saying its outputs are complete, and nothing
+    else is printed. A prediction that ends with no signal leaves the signals to their default action."""
     import os
     import signal
 
     from detlib.inference import outputs_written, run_prediction
 
-    reached_the_end = []
-
-    def main():
-        outputs_written()
-        os.kill(os.getpid(), signal.SIGTERM)
-        reached_the_end.append(True)
-
-    with pytest.raises(SystemExit) as stop:
-        run_prediction(main)
-    err = capsys.readouterr().err
-    assert stop.value.code == 143 and reached_the_end == [True]
-    assert err.strip() == "stopped: SIGTERM came as the prediction ended; it ran to its end and its outputs are complete"
-    run_prediction(lambda: None)
-    assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-
-
-def test_a_signal_dropped_in_a_del_still_ends_the_prediction_with_its_code(prediction_signals, capsys):
-    """The signal lands in a `__del__` (a DataLoader iterator's worker shutdown as the loop ends), where Python drops
-    any exception: the prediction runs on to its end, then exits 130 with a line saying its outputs are complete,
-    and the dropped exception prints nothing (seen: exit 0 after an `Exception ignored in: ... __del__` traceback)."""
-    import os
-    import signal
-
-    from detlib.inference import run_prediction
+    sig = signal.SIGINT if where == "in_a_del" else signal.SIGTERM
 
     class Iterator:
         def __del__(self):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
 
     reached_the_end = []
 
     def main():
-        Iterator()  # dropped at once: its __del__ runs here
+        if where == "in_a_del":
+            Iterator()  # dropped at once: its __del__ runs here
+        else:
+            outputs_written()
+            os.kill(os.getpid(), sig)
         reached_the_end.append(True)
 
     with pytest.raises(SystemExit) as stop:
         run_prediction(main)
     err = capsys.readouterr().err
-    assert stop.value.code == 130 and reached_the_end == [True]
-    assert err.strip() == "stopped: SIGINT came as the prediction ended; it ran to its end and its outputs are complete"
+    assert stop.value.code == (130 if sig == signal.SIGINT else 143) and reached_the_end == [True]
+    assert err.strip() == (f"stopped: {sig.name} came as the prediction ended; it ran to its end and its outputs "
+                           "are complete")
+    run_prediction(lambda: None)
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 def test_the_other_processes_leave_a_prediction_error_silently_when_the_launcher_stops_them(monkeypatch,
