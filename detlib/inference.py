@@ -413,13 +413,14 @@ class Interrupted(BaseException):
     orientation 1, a library's fallback) must not swallow it and let the prediction run on to the end."""
 
 
-_outputs_written = [False]  # set by `outputs_written`, read by `run_prediction`'s handler
+_outputs_are_written = False  # set by `outputs_written`, read by `run_prediction`'s handler
 
 
 def outputs_written() -> None:
     """Called by a predict script once its merged outputs are written: a signal from here on is reported as one
     that came as the prediction ended (`run_prediction`), and no longer stops what is left (the processes' end)."""
-    _outputs_written[0] = True
+    global _outputs_are_written
+    _outputs_are_written = True
 
 
 def run_prediction(main) -> None:
@@ -436,12 +437,13 @@ def run_prediction(main) -> None:
     import signal
     import sys
 
+    global _outputs_are_written
     received: list[str] = []
-    _outputs_written[0] = False
+    _outputs_are_written = False
 
     def interrupt(signum, frame):
         received.append(signal.Signals(signum).name)
-        if not _outputs_written[0]:
+        if not _outputs_are_written:
             raise Interrupted(received[0])
 
     previous_unraisable = sys.unraisablehook
@@ -454,11 +456,9 @@ def run_prediction(main) -> None:
         signal.signal(sig, interrupt)
     sys.unraisablehook = unraisable
     quiet_resource_sharer_errors()  # a batch in flight at the stop must not print a traceback after our line
-    stopping = False
     try:
         main()
     except Interrupted as e:
-        stopping = True
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         print(f"stopped: {e} before the end; the per-image outputs written so far are kept, the merged ones were not "
@@ -466,7 +466,7 @@ def run_prediction(main) -> None:
         raise SystemExit(130 if str(e) == "SIGINT" else 143) from None
     finally:  # a stopped run exits with its code whatever comes now; an ended one takes the default action
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN if stopping or received else signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN if received else signal.SIG_DFL)
     if received:
         print(f"stopped: {received[0]} came as the prediction ended; it ran to its end and its outputs are complete",
               file=sys.stderr, flush=True)
