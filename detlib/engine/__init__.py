@@ -13,11 +13,13 @@ from .flags import (HelpFormatter, data_defaults_table, float_range, format_give
                     parse_with_config, resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
 from .run import Run, RunSettings
 from .schedules import build_scheduler
-from .tracking import broadcast_object, setup_console_logging
+from .flags import ArgumentParser, first_process, wait_for_the_first_process
+from .tracking import broadcast_object, make_accelerator, setup_console_logging, setup_logging
 
 __all__ = [
     "HelpFormatter", "data_defaults_table", "float_range", "format_given", "given_flags", "int_at_least",
     "parse_with_config", "resolve_data_defaults", "run_argument_parser", "show_data_defaults", "stop", "Run",
     "RunSettings", "build_scheduler", "broadcast_object",
-    "setup_console_logging"
+    "setup_console_logging", "ArgumentParser", "first_process", "wait_for_the_first_process", "make_accelerator",
+    "setup_logging",
 ]
