@@ -16,12 +16,9 @@ it without importing each other's model code.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import pathlib
 import pickle
-import re
 import shutil
 import warnings
 
@@ -62,82 +59,17 @@ def read_json_object(path: str) -> dict:
     return value
 
 
-# What a failed write raises: the OS's OSError, torch's zip writer a RuntimeError ("unexpected pos",
-# "file write failed") that has lost the errno, safetensors a SafetensorError ("I/O error: ... (os error 28)").
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
-_SHORT_WRITE = ("unexpected pos", "file write failed", "pytorchstreamwriter failed")
-_ERRNO_TEXT = re.compile(r"os error (\d+)|\[errno (\d+)\]", re.IGNORECASE)
-_ERRNO_WORDS = (("no space left", errno.ENOSPC), ("quota exceeded", errno.EDQUOT), ("permission denied", errno.EACCES),
-                ("read-only file system", errno.EROFS))
-
-
-def _errno_of(error: BaseException) -> int | None:
-    code = getattr(error, "errno", None)
-    if isinstance(code, int):
-        return code
-    text = str(error)
-    m = _ERRNO_TEXT.search(text)
-    if m:
-        return int(m.group(1) or m.group(2))
-    return next((code for words, code in _ERRNO_WORDS if words in text.lower()), None)
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB" if n < 10 * 2**20 else f"{n / 2**20:.0f} MiB"
-
-
-def _not_a_folder(folder: str) -> tuple[str | None, str]:
-    """(what stops `folder` from being a folder, or None; its deepest existing ancestor), from the root down:
-    a symlink whose target is missing, or a file where a folder has to be."""
-    parts = [os.path.abspath(folder), *map(str, pathlib.Path(os.path.abspath(folder)).parents)]
-    existing = parts[-1]
-    for p in reversed(parts):
-        if os.path.islink(p) and not os.path.exists(p):
-            return f"{p} is a symlink to {os.readlink(p)}, which does not exist", existing
-        if not os.path.lexists(p):
-            break
-        if not os.path.isdir(p):
-            return f"{p} is a file, not a folder", existing
-        existing = p
-    return None, existing
-
-
-def describe_write_failure(error: BaseException, folder: str, needed_bytes: int | None = None) -> str:
-    """Why writing into `folder` failed, in words: the cause, never only the writer's own text.
-
-    Checked in this order: a path that cannot be a folder (a symlink whose target is missing, a file where a
-    folder has to be); the errno (also when it survives only as text, "os error 28"): no space left (with the
-    space free now and `needed_bytes`, the size of what was being written), disk quota, permission (owner and
-    mode), read-only file system. torch's zip writer reports a short write as "unexpected pos" without an errno:
-    no space left when less than `needed_bytes` is free, otherwise a short write that names the free space.
-    Call it after removing what the failed write left, so the free space is what a retry would find.
-    Returns: one line without the path of the file (the caller names it).
-    """
-    problem, existing = _not_a_folder(folder)
-    if problem:
-        return problem
-    try:
-        free = shutil.disk_usage(existing).free
-    except OSError:
-        free = None
-    space = (f"{_mib(free)} free in {existing}" if free is not None else f"free space in {existing} unknown") + (
-        f", ~{_mib(needed_bytes)} needed" if needed_bytes else "")
-    code = _errno_of(error)
-    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-    short_write = code is None and any(k in text.lower() for k in _SHORT_WRITE)
-    if code == errno.ENOSPC or (short_write and needed_bytes and free is not None and free < needed_bytes):
-        return f"no space left on device ({space})"
-    if code == errno.EDQUOT:
-        return f"disk quota exceeded ({space} on the disk, less under the quota: `quota -s` shows it)"
-    if code in (errno.EACCES, errno.EPERM):
-        st = os.stat(existing)
-        return (f"permission denied: {existing} (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}) is not writable "
-                f"by uid {os.getuid()}")
-    if code == errno.EROFS:
-        return f"{existing} is on a read-only file system"
-    if short_write:
-        return f"the file system took only part of a write ({text}; {space}): full, over a quota, or failing"
-    return f"{type(error).__name__}: {text}"
+def write_failure(error: BaseException, path: str, needed_bytes: int | None = None) -> str:
+    """Why writing `path` failed, in one line: the OS's (or the writer's) error and the space free where it was
+    written, beside `needed_bytes` (what was being written) when known; "no space left on device" when less is free."""
+    existing = os.path.abspath(path)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    text = " ".join(str(error).split())[:200] or type(error).__name__
+    full = "no space left on device: " if needed_bytes and free < needed_bytes else ""
+    return (f"{full}{type(error).__name__}: {text} ({free / 2**20:.1f} MiB free in {existing}"
+            + (f", ~{needed_bytes / 2**20:.1f} MiB needed)" if needed_bytes else ")"))
 
 
 def verify_safetensors(path: str) -> None:
@@ -221,9 +153,9 @@ def save_model_weights(accelerator, model, folder: str, model_config: dict | Non
             for fname, obj in (("model_config.json", model_config), ("best.json", extra)):
                 if obj is not None:
                     write_json(obj, os.path.join(folder, fname), indent=1)
-        except WRITE_ERRORS as e:
+        except Exception as e:  # OSError; safetensors' SafetensorError ("I/O error ... os error 28")
             needed = sum(t.numel() * t.element_size() for t in sd.values())
-            raise WeightsFileError(f"could not write {path}: {describe_write_failure(e, folder, needed)}") from None
+            raise WeightsFileError(f"could not write {path}: {write_failure(e, folder, needed)}") from None
     return path
 
 
@@ -255,11 +187,15 @@ def read_score_thresholds(weights: str) -> tuple[dict[int, float], float, str]:
     try:
         with open(path) as f:
             data = json.load(f)
-        pooled = float(data["all"]["score_thresh"])
+        pooled = data["all"]["score_thresh"]
         per_class = {int(v["category_id"]): float(v["score_thresh"]) for v in data["per_class"].values()
                      if v.get("score_thresh") is not None}
-    except (ValueError, KeyError, TypeError) as e:
-        raise WeightsFileError(f"{path} is damaged or holds no threshold ({type(e).__name__}: {e})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightsFileError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+    if pooled is None:  # best_f1_thresholds found no true detection at any score: F1 is 0 everywhere
+        raise WeightsFileError(f"no threshold was found in {path}: the evaluation of these weights had no true "
+                               "detection (IoU 0.5), so no score maximises F1; give --score_thresh a number")
+    pooled = float(pooled)
     return per_class, pooled, path
 
 
@@ -403,8 +339,8 @@ def load_model_weights(model: torch.nn.Module, path: str) -> str:
     return f
 
 
-def all_finite(model: torch.nn.Module) -> bool:
-    """True when every parameter and buffer of `model` is finite (one device sync)."""
+def finite_weights(model: torch.nn.Module) -> bool:
+    """True when every floating-point parameter and buffer of `model` is finite (one device sync)."""
     flags = [torch.isfinite(t).all() for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True
 

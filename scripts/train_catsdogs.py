@@ -35,22 +35,27 @@ import logging
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
+from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
                                    classification_transform, per_class_summary, per_class_table)
 from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import (Run, RunSettings, build_scheduler, data_defaults_table, float_range,
-                           format_given, given_flags, int_at_least, parse_with_config, resolve_data_defaults,
-                           run_argument_parser, show_data_defaults, stop)
-from detlib.evaluation import classifier_card, command_line, log_classification_extras, record_evaluation, write_card
+from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
+                           TrainState, TrainWindow, best_record, data_defaults_table, divergence, float_range,
+                           format_given, given_flags, improves_best, int_at_least, make_accelerator, min_over_processes,
+                           parse_with_config, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
+                           running, save_checkpoint, save_config, save_weights, show_data_defaults, start_trackers, stop,
+                           stop_together, summary_lines)
+from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
 from detlib.files import atomic_write
 from detlib.logtext import short_list
-from detlib.weights import WeightsFileError, complete_model_config, read_model_config, weights_path
+from detlib.weights import WeightsFileError, complete_model_config, load_model_weights, read_model_config, weights_path
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -112,6 +117,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parse_with_config(build_parser(), argv, RECORD_KEYS)
 
 
+def resolve_model(args, given: set[str]) -> tuple[dict | None, list[str]]:
+    """--evaluate_only rebuilds the model its model_config.json describes, at its size unless --image_size is given
+    (an old file without them: the run's config.yaml, else the defaults, said). Returns (the saved model config or
+    None, notes: one line each for what was missing and for flags this run cannot honour). Stops on a bad path."""
+    if not args.evaluate_only:
+        return None, []
+    try:
+        weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
+        saved = read_model_config(args.evaluate_only) or {}
+    except (FileNotFoundError, WeightsFileError) as e:
+        stop(f"--evaluate_only: {e}", code=1)
+    keys = {"model": args.model, **({} if "image_size" in given else {"image_size": args.image_size})}
+    saved, note = complete_model_config(saved, args.evaluate_only, keys, hint="" if "image_size" in given else
+                                        "pass --image_size with the size the model was trained at")
+    notes = [note] if note else []
+    if "model" in given and args.model != saved["model"]:
+        notes.append(f"--model {args.model} is not used: --evaluate_only rebuilds the model its model_config.json "
+                     f"describes ({saved['model']})")
+    args.model = saved["model"]
+    if "image_size" not in given:
+        args.image_size = saved["image_size"]
+    notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in (
+        ("weights", "loads the weights it names"), ("pretrained", "loads the weights it names"),
+        ("compile", "runs the weights uncompiled, as every evaluation does"),
+        ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema")) if getattr(args, k)]
+    return saved, notes
+
+
 def build_dataloaders(args, dirs: dict[str, str | None]):
     """Scan the folders, build the data sets and the (unprepared) loaders.
 
@@ -148,47 +181,54 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     return train_ds, val_ds, train_loader, val_loader
 
 
-# Linear warmup from 0 (5% of the run unless --warmup_steps), then cosine decay to 0, per optimizer step.
-SCHEDULE = {"kind": "cosine", "warmup_fraction": 0.05, "warmup_start": 0.0}
+# Linear warm-up from 0 over --warmup_steps (default 5% of the steps), then cosine decay to 0, per optimizer step.
+WARMUP_FRACTION = 0.05
+# What a resume cannot change: the model and its classes, the optimizer with its settings (its state brings them back),
+# the samples per step and the data position (process count, batch, accumulation), fp16's GradScaler.
+FIXED_ON_RESUME = ("model", "num_classes", "classes", "optimizer", "lr", "weight_decay", "momentum", "num_processes",
+                   "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision")
+
+
+def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
+    """The LR factor of optimizer step `step` (0-based): linear from 0 to 1 over `warmup_steps`, then a half cosine
+    to 0 at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
 
 
 @torch.no_grad()
-def evaluate(model, loader, run: Run, classes: list[str], train_model=None) -> tuple[dict, dict]:
-    """Evaluate the val shard of every process and gather the per-image results (collective: every process
-    runs it).
+def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False) -> tuple[dict, dict]:
+    """Evaluate the val shard of every process and gather the per-image results (collective).
 
-    `gather_for_metrics` drops the samples that the prepared loader repeats to even out the last batch, and
-    the results are de-duplicated by data set index as well, so the numbers do not depend on the process
-    count. Returns (metrics, per-image {"index", "label", "pred", "confidence"}: [N] tensors sorted
-    by index), the same on every process. Metrics: val_accuracy, val_loss, num_val_samples, the macro means
-    val_mean_precision / val_mean_recall, and up to PER_CLASS_SCALARS classes val_precision_<class>,
-    val_recall_<class> and val_confusion_matrix (beyond, they are in the evaluation's files only: report_evaluation).
+    The samples that the prepared loader repeats to even out the last batch are dropped (`gather_for_metrics`,
+    then a de-duplication by data set index), so the numbers do not depend on the process count. Returns (metrics,
+    per-image {"index", "label", "pred", "confidence"}: [N] tensors sorted by index), the same on every process:
+    val_accuracy, val_loss, num_val_samples, the macro means val_mean_precision / val_mean_recall and, up to
+    PER_CLASS_SCALARS classes, val_precision_<class>, val_recall_<class> and val_confusion_matrix.
+    `poll`: check for preemption every 10 batches (raises Preempted).
     """
-    accelerator = run.accelerator
     model.eval()
     parts = []
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
-        run.poll_preemption(train_model, batch_index=i)
+        if poll and i % 10 == 0 and (name := preempted(accelerator)):
+            raise Preempted(name, in_evaluation=True)
         logits = model(batch["image"]).float()
         loss = F.cross_entropy(logits, batch["label"], reduction="none")
-        prob = logits.softmax(-1)
-        conf, pred = prob.max(-1)
+        conf, pred = logits.softmax(-1).max(-1)
         parts.append(accelerator.gather_for_metrics((batch["index"], batch["label"], pred, conf, loss)))
     index, label, pred, conf, loss = (torch.cat([p[i] for p in parts]).cpu() for i in range(5))
     order = torch.argsort(index, stable=True)
     index, label, pred, conf, loss = (t[order] for t in (index, label, pred, conf, loss))
     keep = torch.ones_like(index, dtype=torch.bool)
     keep[1:] = index[1:] != index[:-1]
-    if not bool(keep.all()):
-        logger.warning("evaluation gathered %d repeated samples; counted once", int((~keep).sum()))
-        index, label, pred, conf, loss = (t[keep] for t in (index, label, pred, conf, loss))
+    index, label, pred, conf, loss = (t[keep] for t in (index, label, pred, conf, loss))
     m = classification_metrics(pred, label, len(classes))
     stats = {"val_accuracy": m["accuracy"], "val_loss": float(loss.double().mean()), "num_val_samples": int(index.numel()),
              "val_mean_precision": sum(m["precision"]) / len(classes), "val_mean_recall": sum(m["recall"]) / len(classes)}
     if len(classes) <= PER_CLASS_SCALARS:
         for c, prec, rec in zip(classes, m["precision"], m["recall"]):
-            stats[f"val_precision_{c}"] = prec
-            stats[f"val_recall_{c}"] = rec
+            stats[f"val_precision_{c}"], stats[f"val_recall_{c}"] = prec, rec
         stats["val_confusion_matrix"] = m["confusion"]
     model.train()
     return stats, {"index": index, "label": label, "pred": pred, "confidence": conf}
@@ -199,8 +239,7 @@ def write_predictions(path: str, val_ds, preds: dict) -> None:
     with atomic_write(path, newline="") as f:
         w = csv.writer(f)
         w.writerow(["path", "label", "pred", "confidence"])
-        for i, y, p, c in zip(preds["index"].tolist(), preds["label"].tolist(), preds["pred"].tolist(),
-                              preds["confidence"].tolist()):
+        for i, y, p, c in zip(*(preds[k].tolist() for k in ("index", "label", "pred", "confidence"))):
             w.writerow([val_ds.samples[i][0], val_ds.classes[y], val_ds.classes[p], f"{c:.6f}"])
 
 
@@ -210,19 +249,17 @@ WANDB_CONFUSION_CLASSES = 100
 
 
 def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int) -> None:
-    """wandb (main process): the confusion matrix (up to WANDB_CONFUSION_CLASSES classes) and a table of the
-    first misclassified val images."""
-    if not any(getattr(t, "name", "") == "wandb" for t in accelerator.trackers):
+    """wandb (main process): the confusion matrix (up to WANDB_CONFUSION_CLASSES classes) and a table of the first
+    misclassified val images."""
+    if not any(t.name == "wandb" for t in accelerator.trackers):
         return
     import wandb
 
     from detlib.data.images import load_rgb
 
-    run = accelerator.get_tracker("wandb", unwrap=True)
     labels, predicted = preds["label"].tolist(), preds["pred"].tolist()
     table = wandb.Table(columns=["image", "path", "label", "predicted", "confidence"])
-    wrong = [k for k in range(len(labels)) if labels[k] != predicted[k]][:max_rows]
-    for k in wrong:
+    for k in [k for k in range(len(labels)) if labels[k] != predicted[k]][:max_rows]:
         path = val_ds.samples[int(preds["index"][k])][0]
         img, _ = load_rgb(path)
         img.thumbnail((128, 128))
@@ -232,88 +269,130 @@ def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int)
     if len(val_ds.classes) <= WANDB_CONFUSION_CLASSES:
         log["val_confusion_matrix"] = wandb.plot.confusion_matrix(y_true=labels, preds=predicted,
                                                                   class_names=list(val_ds.classes))
-    run.log(log, step=step)
+    accelerator.get_tracker("wandb", unwrap=True).log(log, step=step)
 
 
-def report_evaluation(run: Run, model, val_ds, stats: dict, preds: dict, args, weights: str | None = None,
-                      ema_stats: dict | None = None) -> None:
-    """Log the evaluation (metrics.jsonl with the EMA weights' `ema_stats` as ema_*, trackers, best/), write
-    predictions_val.csv, the per-class files (plots/epoch_NNNN/: per_class.json, confusion_matrix.json / .png, also
-    to the trackers) and the wandb extras; one log line of bounded length summarises it whatever the number of
-    classes."""
-    accelerator = run.accelerator
-    epoch, step = record_evaluation(run, stats, model, weights=weights, ema_stats=ema_stats)  # evaluating only: weights
+def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, state, args, epoch: int | None,
+                     weights: str | None = None) -> dict:
+    """Evaluate `models` ({"": the weights being trained or evaluated, "ema_": their EMA}) and log the evaluation: one
+    metrics.jsonl line (the EMA's stats beside as ema_*), predictions_val.csv, the per-class files of
+    plots/epoch_NNNN/ (also to the trackers), the wandb extras and one log line of bounded length at any number of
+    classes. `epoch` counts from 1 (None evaluating only, with the `weights` file scored). Collective. Returns
+    {prefix: stats}."""
+    stats, preds = {}, None
+    for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: their predictions are kept
+        stats[prefix], preds = evaluate(model, val_loader, accelerator, val_ds.classes, poll=True)
+    line = {"epoch": epoch, "step": state.global_step, **stats[""],
+            **{f"ema_{k}": v for k, v in stats.get("ema_", {}).items() if isinstance(v, (int, float))}}
+    metrics.log({**line, **({"weights": os.path.abspath(weights)} if weights else {})}, step=state.global_step,
+                tracker_epoch=epoch)
     m = classification_metrics(preds["pred"], preds["label"], len(val_ds.classes))
-    per_class = per_class_table(val_ds.classes, m["confusion"])
-    where = ""
+    per_class, where = per_class_table(val_ds.classes, m["confusion"]), ""
     if accelerator.is_main_process:
         write_predictions(os.path.join(args.output_dir, "predictions_val.csv"), val_ds, preds)
-        extras = log_classification_extras(accelerator, args.output_dir, epoch, step, val_ds.classes, m["confusion"],
-                                           per_class)
-        log_wandb_extras(accelerator, val_ds, preds, step, args.num_misclassified)
+        extras = log_classification_extras(accelerator, args.output_dir, epoch, state.global_step, val_ds.classes,
+                                           m["confusion"], per_class)
+        log_wandb_extras(accelerator, val_ds, preds, state.global_step, args.num_misclassified)
         where = f"; per class and confusion matrix in {extras['folder']}"
-    logger.info("%s on %d images: accuracy %.4f, loss %.4f; %s%s", f"evaluation of {weights}" if weights else
-                f"epoch {epoch} eval", stats["num_val_samples"], stats["val_accuracy"], stats["val_loss"],
+    s = stats[""]
+    logger.info("%s on %d images: accuracy %.4f, loss %.4f%s; %s%s", f"evaluation of {weights}" if weights else
+                f"epoch {epoch} eval", s["num_val_samples"], s["val_accuracy"], s["val_loss"],
+                "".join(f" (EMA weights: accuracy {e['val_accuracy']:.4f})" for e in [stats.get("ema_")] if e),
                 per_class_summary(per_class, m["confusion"]), where)
+    return stats
 
 
-def match_classifier_classes(run: Run, model, weights: str, classes: list[str], by_name: bool) -> None:
+def match_classifier_classes(model, weights: str, classes: list[str], by_name: bool) -> None:
     """--weights of one of our classifiers with as many classes as this data: its outputs keep their meaning. The
     same names in the same order load as they are; otherwise the run stops in one line naming both sides, or with
-    `by_name` each output row moves to the class of its name (a class the weights lack keeps its fresh row)."""
+    `by_name` each output row moves to the class of its name (a class the weights lack keeps a zero row)."""
     try:
         theirs = (read_model_config(weights) or {}).get("classes")
     except WeightsFileError as e:
-        run.fail(f"--weights: {e}")
+        raise RunStop(f"--weights: {e}") from None
     if not theirs or len(theirs) != len(classes) or list(theirs) == list(classes):
         return  # another class count: build_classifier left the output layer fresh
     if not by_name:
         pairs = ", ".join(f"output {i} is {a!r} in {weights} but {b!r} here" for i, (a, b) in enumerate(zip(theirs, classes))
                           if a != b)
-        run.fail(f"--weights: the classifier's classes are not this data's: {pairs}; pass --classes_by_name to match "
-                 "them by name")
+        raise RunStop(f"--weights: the classifier's classes are not this data's: {pairs}; pass --classes_by_name to "
+                      "match them by name")
     head = model.get_classifier() if hasattr(model, "get_classifier") else model.fc
     weight, bias = head.weight.detach().clone(), head.bias.detach().clone()
     with torch.no_grad():
-        for j, name in enumerate(classes):  # a class the weights lack starts from zero (no preference)
+        for j, name in enumerate(classes):
             head.weight[j], head.bias[j] = ((weight[theirs.index(name)], bias[theirs.index(name)]) if name in theirs
                                             else (torch.zeros_like(weight[j]), torch.zeros_like(bias[j])))
     logger.info("--classes_by_name: outputs of %s moved to this data's order %s (they were %s)", weights, classes, theirs)
 
 
+def check_classes(saved: dict | None, classes: list[str], args, val_dir: str) -> None:
+    """--evaluate_only: the evaluated model's classes are the val folder's (one line naming the difference)."""
+    theirs = (saved or {}).get("classes")
+    if theirs in (None, classes):
+        return
+    if max(len(theirs), len(classes)) <= 8:
+        raise RunStop(f"{args.evaluate_only} was trained on classes {theirs}, but {val_dir} has {classes}")
+    raise RunStop(f"{args.evaluate_only} was trained on {len(theirs)} classes, {val_dir} has {len(classes)}: only in the "
+                  f"model: {short_list(sorted(set(theirs) - set(classes))) or 'none'}; only in the folder: "
+                  f"{short_list(sorted(set(classes) - set(theirs))) or 'none'}"
+                  + ("; the same names in another order" if sorted(theirs) == sorted(classes) else ""))
+
+
+def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, guard, window, metrics, args,
+                    total_steps: int, save, ema=None) -> None:
+    """Train from `state`'s position (a mid-epoch resume skips the batches already trained) to the end of the epoch
+    or the run's `total_steps`. Raises RunStop when the run diverges, Preempted on a preemption signal; `save()`
+    writes a --checkpoint_steps checkpoint (one on the epoch's last step is the epoch's own, written by main)."""
+    model.train()
+    G, done = args.gradient_accumulation_steps, state.step_in_epoch * args.gradient_accumulation_steps
+    steps_per_epoch = math.ceil(len(loader) / G)
+    loader.set_epoch(state.epoch)
+    for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
+        if i % G == 0:  # the first micro-batch of an accumulation window
+            guard.snapshot(model)
+            lr = optimizer.param_groups[0]["lr"]
+        with accelerator.accumulate(model):
+            logits = model(batch["image"])
+            loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
+            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
+            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
+            accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
+            window.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
+            if not accelerator.sync_gradients:
+                continue
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+            finite = guard.check(loss, grad_norm, state.global_step + 1, lr)  # every rank steps or skips together
+            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        stepped = finite and not accelerator.optimizer_step_was_skipped
+        if stepped and ema is not None:
+            ema.update(accelerator.unwrap_model(model, keep_torch_compile=False), step=state.global_step + 1)
+        state.step_done(stepped, guard.loss)
+        end = state.step_in_epoch == steps_per_epoch or state.global_step == total_steps
+        if state.global_step % args.log_interval == 0 or end or guard.diverged:
+            window.log(metrics, state, lr, guard.grad_norm, optimizer, steps_per_epoch)
+        if guard.diverged:
+            raise RunStop(divergence(args.output_dir, state, guard.streak, lr), EXIT_DIVERGED)
+        if args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0 and not end:
+            save()
+        if name := preempted(accelerator):
+            raise Preempted(name)
+        if state.global_step >= total_steps:
+            break
+
+
 def main(argv=None):
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
-    parser = build_parser()
-    given = given_flags(parser, argv, RECORD_KEYS)  # what the user chose (flags or --config)
+    given = given_flags(build_parser(), argv, RECORD_KEYS)  # what the user chose (flags or --config)
     synthetic = not (args.train_dir or args.val_dir)
-    saved = None
-    notes = []  # what an old model_config.json lacked and flags this run cannot honour: one line each, in train.log
-    model_given, size_given = args.model is not None, args.image_size is not None
     args.model = args.model or DEFAULT_MODEL
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
-    if args.evaluate_only:
-        try:
-            weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
-            saved = read_model_config(args.evaluate_only) or {}
-        except (FileNotFoundError, WeightsFileError) as e:
-            stop(f"--evaluate_only: {e}", code=1)
-        # rebuild the evaluated model as it was trained, at its size; an old model_config.json without them: the
-        # run's config.yaml, else the defaults, said in one line
-        keys = {"model": args.model, **({} if size_given else {"image_size": args.image_size})}
-        saved, note = complete_model_config(saved, args.evaluate_only, keys, hint="" if size_given else
-                                            "pass --image_size with the size the model was trained at")
-        notes.append(note)
-        if model_given and args.model != saved["model"]:
-            notes.append(f"--model {args.model} is not used: --evaluate_only rebuilds the model its model_config.json "
-                         f"describes ({saved['model']})")
-        args.model = saved["model"]
-        if not size_given:
-            args.image_size = saved["image_size"]
-        notes += [f"--{k} is not used: --evaluate_only loads the weights it names" for k in ("weights", "pretrained")
-                  if getattr(args, k)]
-    # values checkable without data, before the folders are scanned and the model is built: one line, exit 2
-    try:
+    saved, notes = resolve_model(args, given)
+    try:  # values checkable without data, before the folders are scanned and the model is built: one line, exit 2
         check_classifier(args.model, args.image_size)
     except ValueError as e:
         stop(f"--model: {e}" if not args.evaluate_only else f"model of {args.evaluate_only}: {e}")
@@ -323,126 +402,162 @@ def main(argv=None):
         stop("--val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
     if not synthetic and not args.train_dir and not args.evaluate_only:
         stop("--train_dir is required for training (or pass --evaluate_only PATH)")
-
-    run = Run(RunSettings.from_flags(args), metric="val_accuracy")  # output folder and lock, accelerator, logging
-    args.output_dir, accelerator = run.output_dir, run.accelerator  # OUTPUT_DIR/evaluate_only when evaluating only
-    if accelerator.is_main_process:
-        for line in filter(None, notes):
+    if args.evaluate_only:  # never over a training run's files
+        args.output_dir = os.path.join(args.output_dir, "evaluate_only")
+    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
+                                   args.output_dir, args.seed, args.verbose,
+                                   args.compile_backend if args.compile and not args.evaluate_only else None,
+                                   args.compile_mode)
+    state, t_start = TrainState(), time.time()
+    with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
+                 args.overwrite_output_dir, args.verbose):
+        for line in notes:
             logger.warning("%s", line)
+        # ---- data
+        with accelerator.main_process_first():  # the main process generates / checks the files, the others reuse it
+            dirs = make_synthetic_image_folder() if synthetic else {"train_dir": args.train_dir, "val_dir": args.val_dir}
+            if synthetic:
+                logger.info("no --train_dir / --val_dir given: using the built-in stripes data set (horizontal vs "
+                            "vertical) in %s (%s, %d px); pass --train_dir and --val_dir for real data",
+                            os.path.dirname(dirs["train_dir"]), args.model, args.image_size)
+            dirs["train_dir"] = None if args.evaluate_only else dirs["train_dir"]
+            try:
+                train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, dirs)
+                error = None
+            except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
+                error = str(e)
+        stop_together(accelerator, error)  # out of main_process_first, whose barrier a lone exit would leave waiting
+        classes = val_ds.classes
+        check_classes(saved, classes, args, dirs["val_dir"])
 
-    # ---- data
-    with accelerator.main_process_first():  # the main process generates / checks the files, the others reuse it
-        if synthetic:
-            dirs = make_synthetic_image_folder()
-            logger.info("no --train_dir / --val_dir given: using the built-in stripes data set (horizontal vs vertical) in %s "
-                        "(%s, %d px); pass --train_dir and --val_dir for real data", os.path.dirname(dirs["train_dir"]),
-                        args.model, args.image_size)
-        else:
-            dirs = {"train_dir": args.train_dir, "val_dir": args.val_dir}
-        if args.evaluate_only:
-            dirs["train_dir"] = None
+        # ---- model
         try:
-            train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, dirs)
-            error = None
-        except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
-            error = str(e)
-    run.fail_together(error)  # out of main_process_first: a main exiting inside it leaves the others at its barrier
-    classes = val_ds.classes
+            model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
+                                     weights=None if args.evaluate_only else args.weights)
+            weights = load_model_weights(model, args.evaluate_only) if args.evaluate_only else None
+        except (FileNotFoundError, ValueError, RuntimeError) as e:  # a --weights / --model / --pretrained problem
+            raise RunStop(str(e)) from None
+        if args.weights and not args.evaluate_only:
+            match_classifier_classes(model, args.weights, classes, args.classes_by_name)
+        logger.info("%s: %.2fM parameters, %d classes (%s)%s", args.model, sum(p.numel() for p in model.parameters())
+                    / 1e6, len(classes), short_list(classes), f"; weights {weights}" if weights else "")
+        model_config = {"model": args.model, "num_classes": len(classes), "classes": classes, "image_size": args.image_size}
+        config = {**vars(args), "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+                  "synthetic_data": synthetic, "classes": classes, "num_val_images": len(val_ds),
+                  "num_train_images": len(train_ds) if train_ds else 0, **{f"data_{k}": v for k, v in dirs.items()},
+                  "not_used": ["momentum"] if args.optimizer != "sgd" else []}
+        metrics = MetricsLog(accelerator, args.output_dir)
 
-    # ---- model
-    model_config = {"model": args.model, "num_classes": len(classes), "classes": classes, "image_size": args.image_size}
-    if saved and saved.get("classes") not in (None, classes):
-        theirs = saved["classes"]
-        if max(len(theirs), len(classes)) <= 8:
-            run.fail(f"{args.evaluate_only} was trained on classes {theirs}, but {dirs['val_dir']} has {classes}")
-        run.fail(f"{args.evaluate_only} was trained on {len(theirs)} classes, {dirs['val_dir']} has {len(classes)}: "
-                 f"only in the model: {short_list(sorted(set(theirs) - set(classes))) or 'none'}; only in the folder: "
-                 f"{short_list(sorted(set(classes) - set(theirs))) or 'none'}"
-                 + ("; the same names in another order" if sorted(theirs) == sorted(classes) else ""))
-    try:
-        model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
-                                 weights=None if args.evaluate_only else args.weights)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:  # a --weights / --model / --pretrained problem
-        run.fail(str(e))
-    if args.evaluate_only:
-        weights = run.load_weights(model, args.evaluate_only)
-    elif args.weights:
-        match_classifier_classes(run, model, args.weights, classes, args.classes_by_name)
-    logger.info("%s: %.2fM parameters, %d classes (%s)", args.model, sum(p.numel() for p in model.parameters()) / 1e6,
-                len(classes), short_list(classes))
+        def record_config() -> None:  # config.yaml and the log's line: the flags the user gave, the rest default
+            if accelerator.is_main_process:
+                save_config(config, os.path.join(args.output_dir, "config.yaml"))
+            logger.info("config: %s; all %d settings in %s/config.yaml", f"the defaults and {text}" if (
+                text := format_given(build_parser(), config, given)) else "the defaults", len(config), args.output_dir)
 
-    config = dict(vars(args))
-    config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
-                  synthetic_data=synthetic, classes=classes, num_val_images=len(val_ds),
-                  num_train_images=len(train_ds) if train_ds else 0, **{f"data_{k}": v for k, v in dirs.items()},
-                  not_used=["momentum"] if args.optimizer != "sgd" else [])  # the flags this run ignores
-    run.save_config(config, model_config, given=format_given(parser, config, given))
+        def save_model(name: str, module, evaluation: dict | None = None, extra: dict | None = None) -> None:
+            folder = save_weights(accelerator, module, args.output_dir, name, model_config, extra)
+            if accelerator.is_main_process:  # the model card of what this run knows of these weights
+                data = {"name": "detlib synthetic" if synthetic else os.path.basename(os.path.dirname(os.path.abspath(
+                        dirs["val_dir"]))), "train": dirs.get("train_dir"), "val": dirs.get("val_dir")}
+                write_card(classifier_card(model_config, evaluation=evaluation, dataset=data, weights_name=name,
+                                           where=folder, command=command_line("train_catsdogs.py", argv)), folder)
 
-    def describe(folder: str, name: str) -> None:  # the model card beside best/'s, last/'s and last_ema/'s weights
-        evaluation = run.evaluation_of(name)
-        data = {"name": "detlib synthetic" if synthetic else os.path.basename(os.path.dirname(os.path.abspath(
-                dirs["val_dir"]))), "train": dirs.get("train_dir"), "val": dirs.get("val_dir")}  # data/<name>/val
-        write_card(classifier_card(model_config, evaluation=evaluation, dataset=data, weights_name=name, where=folder,
-                                   command=command_line("train_catsdogs.py", argv)), folder)
+        if args.evaluate_only:
+            model, val_loader = accelerator.prepare(model, val_loader)
+            record_config()
+            start_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name, args.report_to)
+            try:
+                return evaluate_and_log({"": model}, val_loader, val_ds, accelerator, metrics, state, args, None, weights)[""]
+            except Preempted as p:
+                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
 
-    run.checkpointer.describe = describe
+        # ---- optimizer, schedule, resume
+        if args.optimizer == "adamw":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                        weight_decay=args.weight_decay, nesterov=True)
+        model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+        if not min_over_processes(accelerator, len(train_loader) > 0):
+            raise RunStop(f"{len(train_ds)} training images on {accelerator.num_processes} process(es) with "
+                          f"--per_device_batch_size {args.per_device_batch_size} give no full batch on some process "
+                          "(the incomplete last batch is dropped): use a smaller batch size or fewer processes")
+        steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+        total_steps = args.max_steps or args.epochs * steps_per_epoch
+        warmup = round(WARMUP_FRACTION * total_steps) if args.warmup_steps is None else args.warmup_steps
+        # per optimizer step, not prepared: a prepared scheduler steps once per process on every call
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup))
+        accelerator.register_for_checkpointing(scheduler)
+        ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
+                         use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
+        checkpoint = resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
+                            FIXED_ON_RESUME, "--weights")
+        resume_ema(ema, checkpoint)
+        record_config()
+        state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
+                                      args.report_to)
+        guard, window = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator)
+        bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
 
-    if args.evaluate_only:
-        model, val_loader = accelerator.prepare(model, val_loader)
-        run.init_trackers()
-        stats, preds = evaluate(model, val_loader, run, classes)
-        report_evaluation(run, model, val_ds, stats, preds, args, weights=weights)
-        run.finish()
-        return stats
+        evaluated = {}  # the last evaluation, by prefix ("": the trained weights, "ema_": their EMA)
 
-    # ---- optimizer and schedule
-    if args.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                    weight_decay=args.weight_decay, nesterov=True)
-    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    start = run.resume_point(train_loader)  # the run's length; a resumed checkpoint's counters (any process count)
-    scheduler, schedule = build_scheduler(optimizer, start=start, epochs=args.epochs, max_steps=args.max_steps,
-                                          warmup_steps=args.warmup_steps, **SCHEDULE)
-    run.resume(model, optimizer, scheduler, schedule)  # the checkpoint's states, trackers, disk space
-    max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still checked
+        def save() -> str:
+            path = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema else [])],
+                                   args.checkpoint_total_limit, config, model_config,
+                                   {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
+            logger.info("saved checkpoint %s", path)
+            return path
 
-    # ---- train
-    while run.next_epoch():
-        model.train()
-        for batch in run.batches(train_loader):
-            with accelerator.accumulate(model):
-                logits = model(batch["image"])
-                loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
-                accelerator.backward(loss * run.loss_weight)  # weight: a partial accumulation window
-                accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
-                run.add_losses({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                    finite = run.all_finite(loss, grad_norm)  # one all-reduce: every rank steps or skips together
-                    if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()
-                    stepped = finite and not accelerator.optimizer_step_was_skipped
-                    if stepped and run.ema is not None:  # --model_ema; a skipped step has nothing to average in
-                        run.ema.update(run.bare(model), step=run.state.global_step + 1)
-                    run.end_step(model, stepped)  # train line, divergence stop, step checkpoint, preemption
-        run.end_epoch()
+        def evaluate_epoch(epoch: int) -> None:  # the epoch counted from 1; best/ when it beats every earlier one
+            stats = evaluate_and_log({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
+                                     val_loader, val_ds, accelerator, metrics, state, args, epoch)
+            evaluated.update({p: {"epoch": epoch, "step": state.global_step, **v} for p, v in stats.items()})
+            prefix = "ema_" if ema and stats["ema_"]["val_accuracy"] > stats[""]["val_accuracy"] else ""
+            if improves_best(accelerator, args.output_dir, "val_accuracy", value := stats[prefix]["val_accuracy"], state):
+                save_model("best", ema.module if prefix else model, evaluated[prefix],
+                           {"metric": "val_accuracy", "value": value, "epoch": epoch, "step": state.global_step,
+                            "weights": "ema" if prefix else "trained"})
+                logger.info("new best val_accuracy %.4f (%s weights), saved %s/best/", value,
+                            "EMA" if prefix else "trained", args.output_dir)
 
-        if run.evaluation_due():
-            models = run.evaluation_models(model)  # the trained weights, and with --model_ema their average
-            ema_stats = None
-            if "ema_" in models:
-                ema_stats, _ = evaluate(models["ema_"], val_loader, run, classes, train_model=model)
-                logger.info("epoch %d eval, EMA weights: accuracy %.4f, loss %.4f", run.epoch_number,
-                            ema_stats["val_accuracy"], ema_stats["val_loss"])
-            stats, preds = evaluate(models[""], val_loader, run, classes, train_model=model)
-            report_evaluation(run, model, val_ds, stats, preds, args, ema_stats=ema_stats)
-        run.checkpoint_if_due(model)
-    run.finish(model)
-    return getattr(run, "last_stats", None)
+        # ---- train
+        try:
+            if state.eval_pending:  # preempted in the evaluation after epoch `state.epoch`: run it first
+                evaluate_epoch(state.epoch)
+                state.eval_pending = False
+            if state.epoch >= args.epochs or state.global_step >= total_steps:
+                logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger "
+                               "--epochs to train on", state.epoch, args.epochs, state.global_step, total_steps)
+            for epoch in range(state.epoch, args.epochs):
+                if state.global_step >= total_steps:
+                    break
+                train_one_epoch(model, optimizer, scheduler, train_loader, accelerator, state, guard, window, metrics,
+                                args, total_steps, save, ema)
+                last = state.global_step >= total_steps or epoch + 1 == args.epochs
+                step_checkpoint = args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0
+                if state.step_in_epoch >= steps_per_epoch:
+                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1,
+                                state.end_epoch(), optimizer.param_groups[0]["lr"], state.skipped_steps)
+                if (epoch + 1) % args.eval_interval == 0 or last:
+                    evaluate_epoch(epoch + 1)
+                if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
+                    save()
+        except Preempted as p:
+            state.eval_pending, where = p.in_evaluation, (f"in the evaluation after epoch {state.epoch}" if
+                                                          p.in_evaluation else f"in epoch {state.epoch + 1}")
+            raise RunStop(f"preempted by {p.signal_name} at step {state.global_step} ({where}): checkpoint {save()} "
+                          "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
+                          f"{EXIT_PREEMPTED})", EXIT_PREEMPTED) from None
+        final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
+        save_model("last", model, final.get(""))
+        if ema is not None:
+            save_model("last_ema", ema.module, final.get("ema_"))
+        best = best_record(accelerator, args.output_dir, "val_accuracy")
+    logger.info("summary:\n  %s", "\n  ".join(summary_lines(
+        args.output_dir, "val_accuracy", time.time() - t_start, state, best, final.get(""), window.images_seen,
+        {"best": "best", "last": "final", "last_ema": "final EMA" if ema else "the EMA of an earlier part of the run, "
+         "not of its end"})))
+    return final.get("")
 
 
 if __name__ == "__main__":

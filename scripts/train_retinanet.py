@@ -43,30 +43,34 @@ import logging
 import math
 import os
 import sys
+import time
 
 import torch
 from accelerate.utils import broadcast_object_list
 from timm.optim import param_groups_weight_decay
+from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
-from detlib.data import (AUGMENTATIONS, FORMATS, INPUT_DIVISIBILITY, CocoDetection, GroupedBatchSampler, aspect_groups,
-                         build_transform, check_coco_for_training, collate_detection, data_dir_paths, loader_settings,
-                         make_synthetic_coco)
-from detlib.datacheck import DEFAULT_MAX_IMAGE_PIXELS
-from detlib.engine import (Run, RunSettings, broadcast_object, build_scheduler,
-                           data_defaults_table, float_range, format_given, given_flags, int_at_least, parse_with_config,
-                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop)
+from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
+                         GroupedBatchSampler, aspect_groups, build_transform, check_coco_for_training, collate_detection,
+                         data_dir_paths, loader_settings, make_synthetic_coco)
+from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
+                           TrainState, TrainWindow, best_record, data_defaults_table, divergence, float_range,
+                           format_given, given_flags, improves_best, int_at_least, make_accelerator, min_over_processes,
+                           parse_with_config, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
+                           running, save_checkpoint, save_config, save_weights, show_data_defaults, start_trackers, stop,
+                           stop_together, summary_lines)
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, best_f1_thresholds, command_line, detections_to_coco,
                                detector_card, format_best_f1, log_evaluation_extras, per_class_ap,
-                               per_class_without_detections, record_evaluation, write_card)
+                               per_class_without_detections, write_card)
 from detlib.files import write_json
 from detlib.hub import check_push, local_weights, push_folder
 from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
                               anchor_generator_from_config, check_backbone, decode_detections, load_matching_weights,
                               reorder_class_outputs, retinanet_loss)
-from detlib.weights import (WeightsFileError, complete_model_config, load_state_dict_file, read_model_config,
-                            weights_path, write_score_thresholds)
+from detlib.weights import (WeightsFileError, complete_model_config, load_model_weights, load_state_dict_file,
+                            read_model_config, weights_path, write_score_thresholds)
 
 logger = logging.getLogger("train_retinanet")
 
@@ -100,6 +104,13 @@ BUILTIN_RUN = "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a 
 # This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
                 "per_device_eval_batch_size": 8, "log_interval": 20}
+# What a resume cannot change: the model and its classes, the optimizer and schedule with their settings (their state
+# brings them back), the loss normaliser's state, the samples per step and the data position (process count, batch,
+# accumulation), fp16's GradScaler.
+FIXED_ON_RESUME = ("backbone", "fpn_channels", "head_norm", "num_classes", "freeze_at", "backbone_bn", "optimizer", "lr",
+                   "weight_decay", "wd_norm", "momentum", "lr_scheduler", "plateau_patience", "loss_normalizer",
+                   "num_processes", "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision")
+WARMUP_START = 0.001  # the warm-up's first LR factor: Detectron's 1/1000
 # What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
 RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_annotations", "data_val_images",
                "data_val_annotations", "not_used")
@@ -342,75 +353,34 @@ def not_used_flags(args) -> list[str]:
     return [k for k, v in unused.items() if v]
 
 
-@torch.no_grad()
-def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, run: Run, args, train_model=None) -> dict:
-    """Decode the validation shard of every process, gather, and (main process) run COCOeval.
-
-    Every process runs the whole loop and the gather; returns the stats on every process.
-    `train_model` (the model being trained) lets a preemption during the evaluation write a checkpoint.
-    """
-    accelerator = run.accelerator
-    model.eval()
-    evaluator.reset()
-    for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
-        run.poll_preemption(train_model, batch_index=i)
-        out = model(batch["images"])
-        anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
-        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
-                                 batch["scales"], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
-                                 max_detections=args.detections_per_image)
-        for i, d in enumerate(dets.per_image(len(batch["image_ids"]))):
-            image_id = int(batch["image_ids"][i])
-            if not bool(batch["valid"][i]):
-                evaluator.add_failed(image_id)
-                continue
-            evaluator.add(image_id, detections_to_coco(d["boxes"], d["scores"], category_map.to_category_ids(d["labels"]), image_id))
-    evaluator.gather(accelerator)
-    result = [None]
-    if accelerator.is_main_process:
-        stats, summary = evaluator.evaluate()
-        logger.info("COCO evaluation on %d images:\n%s", evaluator.num_images, summary)
-        result = [stats]
-    broadcast_object_list(result)
-    model.train()
-    return result[0]
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
-    synthetic = not (args.data_dir or args.train_images or args.val_images)
-    parser = build_parser()
-    given = given_flags(parser, argv, RECORD_KEYS)  # what the user chose (flags or --config)
-    resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
-    flag = "--evaluate_only" if args.evaluate_only else "--init_from"
-    source = args.evaluate_only or args.init_from
-    try:  # a Hub repo id is fetched now (from the cache when offline), before any work, or named in one line
-        local_weights(args.evaluate_only or args.init_from) if args.evaluate_only or args.init_from else None
+def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, dict, list[str]]:
+    """How the model is built and sees images, before any work: ours by default; an --evaluate_only or --init_from
+    model's own (its model_config.json: a converted torchvision model's P6 from P5, anchors and resize; its size
+    unless --image_size is given; an old file without them: the run's config.yaml, else the defaults, said).
+    Returns (that model config or None, the settings every checkpoint of this run records, notes: a line each).
+    Stops in one line on flags or files that cannot work."""
+    flag, source = ("--evaluate_only", args.evaluate_only) if args.evaluate_only else ("--init_from", args.init_from)
+    try:  # a Hub repo id is fetched now (from the cache when offline), before any work
+        local_weights(source) if source else None
     except FileNotFoundError as e:
-        stop(f"{flag} {args.evaluate_only or args.init_from}: {e}", code=1)
-    if args.push_to_hub and args.evaluate_only:
-        stop("--push_to_hub uploads a training run's best/: not with --evaluate_only", code=2)
-    try:
-        if source:
-            weights_path(source)  # a wrong path stops here, before the data check
-        saved = read_model_config(source) if source else None
+        stop(f"{flag} {source}: {e}", code=1)
+    try:  # a wrong path stops here, before the data check
+        saved = read_model_config(source) if source and weights_path(source) else None
     except (FileNotFoundError, WeightsFileError) as e:
         stop(f"{flag}: {e}", code=1)
-    notes = []  # what an old model_config.json lacked and flags this run cannot honour: one line each, in train.log
-    # How the model sees images: ours by default; an evaluated or initialising model's own settings (a converted
-    # torchvision model: P6 from P5, its anchors, its resize), which every checkpoint of this run then records.
-    model_settings = {"p6_input": "c5", "head_norm": BUILTIN_HEAD_NORM if synthetic and not source else "none",
-                      "resize_mode": "antialias"}
-    if saved:  # rebuild the evaluated model as it was trained, and evaluate at its size unless told otherwise
-        # an older model_config.json without its size (or width): the run's config.yaml, else said in one line
+    if args.push_to_hub and args.evaluate_only:
+        stop("--push_to_hub uploads a training run's best/: not with --evaluate_only")
+    notes = []
+    settings = {"p6_input": "c5", "head_norm": BUILTIN_HEAD_NORM if synthetic and not source else "none",
+                "resize_mode": "antialias"}
+    if saved:
         keys = {k: getattr(args, k) for k in ("backbone", "fpn_channels") if args.evaluate_only or k not in given}
         if "image_size" not in given:
             keys.update({k: getattr(args, k) for k in ("image_size", "max_size") if k not in given})
         saved, note = complete_model_config(saved, source, keys, hint="pass --image_size (and --max_size) with the "
                                             "size the model was trained at" if "image_size" in keys else "")
         notes.append(note)
-        model_settings.update({k: saved[k] for k in (*model_settings, *ANCHOR_CONFIG_KEYS) if saved.get(k) is not None})
+        settings.update({k: saved[k] for k in (*settings, *ANCHOR_CONFIG_KEYS) if saved.get(k) is not None})
         for k in ("backbone", "fpn_channels"):
             if k in saved and (args.evaluate_only or k not in given):
                 if k in given and getattr(args, k) != saved[k]:
@@ -419,28 +389,25 @@ def main(argv=None):
                 setattr(args, k, saved[k])
         if "image_size" not in given:
             args.image_size = saved["image_size"]
-            if "max_size" not in given:
-                args.max_size = saved.get("max_size")
+            args.max_size = args.max_size if "max_size" in given else saved.get("max_size")
     if args.evaluate_only and saved is None:
         notes.append(f"no model_config.json beside {weights_path(source)}: the model is built from the flags and "
                      f"defaults ({args.backbone}, fpn_channels {args.fpn_channels}, {args.image_size} px)")
     if args.evaluate_only:
-        notes += [f"--{k} is not used: --evaluate_only loads the weights it names" for k in
-                  ("backbone_weights", "pretrained_backbone", "init_from") if getattr(args, k)]
-    if args.head_norm is not None:  # given: over the saved model's (its GroupNorm tensors then do not fit)
-        model_settings["head_norm"] = args.head_norm
-    if model_settings["head_norm"] == "gn" and args.fpn_channels % 32:
+        notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in (
+            ("backbone_weights", "loads the weights it names"), ("pretrained_backbone", "loads the weights it names"),
+            ("init_from", "loads the weights it names"), ("compile", "runs the weights uncompiled, as every evaluation does"),
+            ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema")) if getattr(args, k)]
+    settings["head_norm"] = args.head_norm or settings["head_norm"]  # given: over the saved model's
+    largest = args.max_size or max([args.image_size, *(args.train_scales or [])])  # training and evaluation
+    if settings["head_norm"] == "gn" and args.fpn_channels % 32:
         stop(f"--head_norm gn needs --fpn_channels divisible by 32 (GroupNorm's 32 groups), got {args.fpn_channels}")
-    largest_side = args.max_size or max([args.image_size, *(args.train_scales or [])])  # training and evaluation
-    if model_settings["head_norm"] == "gn" and args.fpn_channels == 32 and largest_side <= 128:
+    if settings["head_norm"] == "gn" and args.fpn_channels == 32 and largest <= 128:
         # one channel per group on P7's single cell (stride 128): GroupNorm's output there is its bias whatever the
-        # image, and torch refuses a batch of one image (the FLOP count below, an evaluation at batch 1)
-        stop(f"--head_norm gn with --fpn_channels 32 (one channel per group) at inputs of at most {largest_side} px, "
-             "where P7 is 1x1: GroupNorm would normalise single values; use --fpn_channels 64 or more, a larger "
-             "--image_size, or --head_norm none")
-    args.resize_mode = model_settings["resize_mode"]  # read by build_dataloaders
-
-    # ---- values checkable without data, before the data check and the model build: one line, exit 2
+        # image, and torch refuses a batch of one image
+        stop(f"--head_norm gn with --fpn_channels 32 (one channel per group) at inputs of at most {largest} px, where "
+             "P7 is 1x1: GroupNorm would normalise single values; use --fpn_channels 64 or more, a larger --image_size, "
+             "or --head_norm none")
     try:
         check_backbone(args.backbone, image_sizes=(args.max_size,) if args.max_size else
                        (args.image_size, *(args.train_scales or ())), freeze_at=args.freeze_at)
@@ -449,99 +416,69 @@ def main(argv=None):
              f"backbone {args.backbone!r} (from {source or 'the default'}): {e}")
     if args.backbone_weights and not args.evaluate_only and not os.path.isfile(args.backbone_weights):
         stop(f"weights file not found: {args.backbone_weights} (--backbone_weights)", code=1)
+    args.resize_mode = settings["resize_mode"]  # read by build_dataloaders
+    return saved, settings, [n for n in notes if n]
 
-    # output folder checks and lock, accelerator, logging, preemption signals; the summary gives AP and AP50
-    run = Run(RunSettings.from_flags(args), metric="AP", also_report=("AP50",))
-    args.output_dir, accelerator = run.output_dir, run.accelerator  # OUTPUT_DIR/evaluate_only when evaluating only
-    if accelerator.is_main_process:
-        for line in filter(None, notes):
-            logger.warning("%s", line)
-    if args.push_to_hub:  # token, network and repo checked now, not after the training
-        problem = broadcast_object(accelerator, check_push(args.push_to_hub, args.hub_private)
-                                   if accelerator.is_main_process else None)
-        if problem:
-            run.fail(problem)
-        logger.info("--push_to_hub %s: the Hub is reachable and the repo writable; best/ is uploaded at the end",
-                    args.push_to_hub)
-    if synthetic and not args.evaluate_only:
-        logger.info("no data given: training on the built-in synthetic shapes data set (%s, %s heads, %d px, "
-                    "fpn_channels %d, lr %g, %d epochs): %s; the model is only useful after the full run; pass "
-                    "--data_dir for COCO", args.backbone, "GroupNorm" if model_settings["head_norm"] == "gn" else "no-norm",
-                    args.image_size, args.fpn_channels, args.lr, args.epochs, BUILTIN_RUN)
-        run.stop_note = (f"; the built-in run's model is only useful after all {args.epochs} epochs ({BUILTIN_RUN}): "
-                         "stopped early it detects the shapes poorly")
 
-    # ---- data
-    with accelerator.main_process_first():  # the synthetic set is generated once, by the main process
-        try:
-            paths = resolve_data(args)
-            if args.evaluate_only:
-                paths = {**paths, "train_images": None, "train_annotations": None}
-            train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
-            error = None
-        except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
-            error = str(e)
-    run.fail_together(error)  # out of main_process_first: a main exiting inside it leaves the others at its barrier
-    category_map = val_ds.category_map
-
-    # ---- model
-    model_config = {"num_classes": len(category_map), "backbone": args.backbone, "fpn_channels": args.fpn_channels,
-                    "image_size": args.image_size, "max_size": args.max_size, "category_ids": category_map.category_ids,
-                    "category_names": category_map.names, **model_settings}
+def build_model(args, settings: dict, saved: dict | None, category_map: CategoryMap, train_annotations: str | None):
+    """The RetinaNet of this run and its anchor generator: with --evaluate_only's weights loaded (strictly), or every
+    tensor of --init_from's that fits (a class output of another class count re-initialised; the same classes under
+    other ids matched by name with --categories_by_name). Returns (model, anchor generator, the weights file
+    evaluated or None). Raises RunStop (one line) on weights that do not fit."""
     pretrained = bool(args.backbone_weights or args.pretrained_backbone or args.init_from)
     if args.freeze_at is None:
         args.freeze_at = 2 if pretrained and not args.evaluate_only else 0
-    freeze_bn = args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained)
     if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
         logger.info("backbone from scratch (no --backbone_weights): its BatchNorm is trained, not frozen")
-    anchor_gen = anchor_generator_from_config(model_config)
+    anchor_gen = anchor_generator_from_config({**settings, "num_classes": len(category_map)})
     try:
         model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
                           pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
                           backbone_weights=None if args.evaluate_only else args.backbone_weights,
-                          freeze_backbone_bn=freeze_bn, freeze_at=args.freeze_at, p6_input=model_settings["p6_input"],
-                          head_norm=model_settings["head_norm"], num_anchors=anchor_gen.num_anchors_per_location)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:  # backbone weights that do not fit, offline download
-        run.fail(str(e))
-    if args.evaluate_only:
-        weights = run.load_weights(model, args.evaluate_only)
-    elif args.init_from:
+                          freeze_backbone_bn=args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained),
+                          freeze_at=args.freeze_at, p6_input=settings["p6_input"], head_norm=settings["head_norm"],
+                          num_anchors=anchor_gen.num_anchors_per_location)
+        if args.evaluate_only:
+            return model, anchor_gen, load_model_weights(model, args.evaluate_only)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # weights that do not fit, an offline download
+        raise RunStop(str(e)) from None
+    if not args.init_from:
+        return model, anchor_gen, None
+    try:
+        init_file = weights_path(args.init_from)
+        loaded = load_matching_weights(model, load_state_dict_file(init_file))
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise RunStop(f"--init_from: {e}") from None
+    if not loaded["loaded"]:
+        raise RunStop(f"--init_from: no tensor of {init_file} fits this model ({args.backbone}, fpn_channels "
+                      f"{args.fpn_channels})")
+    if not loaded["reinitialised"] and saved and saved.get("category_names"):  # its class output is kept
+        source = CategoryMap(saved["category_ids"], saved["category_names"])
         try:
-            init_file = weights_path(args.init_from)
-            loaded = load_matching_weights(model, load_state_dict_file(init_file))
-        except (FileNotFoundError, ValueError, RuntimeError) as e:
-            run.fail(f"--init_from: {e}")
-        if not loaded["loaded"]:
-            run.fail(f"--init_from: no tensor of {init_file} fits this model ({args.backbone}, fpn_channels {args.fpn_channels})")
-        if not loaded["reinitialised"] and saved and saved.get("category_names"):  # its class output is kept
-            source = CategoryMap(saved["category_ids"], saved["category_names"])
-            try:
-                mapping = match_categories(source, category_map, args.categories_by_name, init_file, paths["train_annotations"])
-            except ValueError as e:
-                run.fail(f"--init_from: {e}")
-            if args.categories_by_name:
-                index = {c: i for i, c in enumerate(source.category_ids)}
-                by_data_id = {d: index[m] for m, d in mapping.items() if d is not None}
-                reorder_class_outputs(model, [by_data_id.get(c) for c in category_map.category_ids])
-                if line := describe_mapping(mapping, source):
-                    logger.info("--init_from --categories_by_name: %s", line)
-        named = [k for k in loaded["skipped"] if not k.endswith("num_batches_tracked")]  # a frozen BatchNorm has none
-        logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s%s); not in the file, kept as "
-                    "initialised: %d%s", init_file, len(loaded["loaded"]),
-                    (f"the classification output {loaded['reinitialised']} ({len(category_map)} classes; prior bias)"
-                     if loaded["reinitialised"] else "nothing"), len(loaded["skipped"]),
-                    ", ".join(named[:8]) + (" ..." if len(named) > 8 else ""),
-                    f"{', ' if named else ''}{len(loaded['skipped']) - len(named)} BatchNorm num_batches_tracked"
-                    if len(named) < len(loaded["skipped"]) else "", len(loaded["not_in_file"]),
-                    f" ({', '.join(loaded['not_in_file'][:8])}{' ...' if len(loaded['not_in_file']) > 8 else ''})"
-                    if loaded["not_in_file"] else "")
-    if args.sync_bn and accelerator.num_processes > 1:
-        if accelerator.device.type == "cuda":
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:
-            logger.warning("--sync_bn needs CUDA devices; ignored on %s", accelerator.device.type)
-    if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+            mapping = match_categories(source, category_map, args.categories_by_name, init_file, train_annotations)
+        except ValueError as e:
+            raise RunStop(f"--init_from: {e}") from None
+        if args.categories_by_name:
+            index = {c: i for i, c in enumerate(source.category_ids)}
+            by_data_id = {d: index[m] for m, d in mapping.items() if d is not None}
+            reorder_class_outputs(model, [by_data_id.get(c) for c in category_map.category_ids])
+            if line := describe_mapping(mapping, source):
+                logger.info("--init_from --categories_by_name: %s", line)
+    named = [k for k in loaded["skipped"] if not k.endswith("num_batches_tracked")]  # a frozen BatchNorm has none
+    logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s%s); not in the file, kept as "
+                "initialised: %d%s", init_file, len(loaded["loaded"]),
+                (f"the classification output {loaded['reinitialised']} ({len(category_map)} classes; prior bias)"
+                 if loaded["reinitialised"] else "nothing"), len(loaded["skipped"]),
+                ", ".join(named[:8]) + (" ..." if len(named) > 8 else ""),
+                f"{', ' if named else ''}{len(loaded['skipped']) - len(named)} BatchNorm num_batches_tracked"
+                if len(named) < len(loaded["skipped"]) else "", len(loaded["not_in_file"]),
+                f" ({', '.join(loaded['not_in_file'][:8])}{' ...' if len(loaded['not_in_file']) > 8 else ''})"
+                if loaded["not_in_file"] else "")
+    return model, anchor_gen, None
+
+
+def log_model(model, args, accelerator) -> None:
+    """The parameter counts and (main process) the forward cost of one image at the largest input size."""
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info("RetinaNet %s: %.2fM parameters (%.2fM trainable)", args.backbone, n_params / 1e6, n_train / 1e6)
@@ -554,145 +491,341 @@ def main(argv=None):
         model.train()
         logger.info("forward cost at %dx%d: %.1f GFLOPs per image", s, s, fc.get_total_flops() / 1e9)
 
-    if args.lr_scheduler == "plateau" and args.warmup_steps:  # config.yaml says what the run did: no warm-up
-        if "warmup_steps" in given:
-            logger.warning("--warmup_steps %d is not used: the plateau scheduler has no warm-up", args.warmup_steps)
-        args.warmup_steps = 0
-    config = {k: v for k, v in vars(args).items()}
-    config.update(num_processes=accelerator.num_processes, mixed_precision=accelerator.mixed_precision,
-                  synthetic_data=synthetic, num_classes=len(category_map), **{f"data_{k}": v for k, v in paths.items()},
-                  not_used=not_used_flags(args))
-    run.save_config(config, model_config, given=format_given(parser, config, given))
-    evaluator = CocoEvaluator(val_ds.dataset, backend=args.coco_eval_backend)
 
-    def describe(folder: str, name: str) -> None:
-        """Beside best/'s, last/'s and last_ema/'s weights: the score thresholds of the evaluation of those weights,
-        and the model card (README.md) of what this run knows."""
-        evaluation = run.evaluation_of(name)
-        if evaluation and evaluation.get("best_f1"):
-            write_score_thresholds(folder, evaluation["best_f1"], evaluation)
-        where = args.push_to_hub if args.push_to_hub and name == "best" else folder
-        write_card(detector_card(model_config, evaluation=evaluation, dataset=card_dataset(args, paths, synthetic),
-                                 command=command_line("train_retinanet.py", argv), weights_name=name, where=where),
-                   folder)
+def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, milestones=()) -> float:
+    """The LR factor of optimizer step `step` (0-based) of the per-step schedules: a linear warm-up from WARMUP_START
+    over `warmup_steps` (Goyal et al. 2017, section 2.2: step s takes WARMUP_START + (1 - WARMUP_START) * (s + 1) /
+    warmup_steps, so that step warmup_steps - 1 is the first at the full LR), then multistep (x0.1 at each of
+    `milestones`, in steps), cosine (a half cosine to 0 at `total_steps`) or constant. A run shorter than its warm-up
+    never reaches the base LR."""
+    warm = WARMUP_START + (1 - WARMUP_START) * (step + 1) / warmup_steps if step < warmup_steps else 1.0
+    if kind == "multistep":
+        return warm * 0.1 ** sum(step >= m for m in milestones)
+    if kind == "cosine":
+        return warm * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))))
+    return warm
 
-    run.checkpointer.describe = describe
 
-    def evaluation_extra() -> tuple[dict, dict | None]:
-        """The evaluator's last evaluation beyond the 12 stats (main process; elsewhere ({}, None)): per-class AP
-        and the best-F1 score thresholds."""
+def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int):
+    """ReduceLROnPlateau (stepped per epoch on its mean loss, no warm-up) or a per-step LambdaLR (`lr_factor`). Not
+    given to `accelerator.prepare`, which would step it once per process on every call."""
+    if args.lr_scheduler == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
+                                                          patience=args.plateau_patience)
+    if args.warmup_steps >= total_steps:
+        logger.warning("--warmup_steps %d is not shorter than the run's %d optimizer steps: the LR never reaches its "
+                       "base value; lower --warmup_steps", args.warmup_steps, total_steps)
+    milestones = [e * steps_per_epoch for e in args.lr_steps]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.lr_scheduler, total_steps,
+                                                                            args.warmup_steps, milestones))
+
+
+@torch.no_grad()
+def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args) -> dict:
+    """Decode the validation shard of every process, gather, and (main process) run COCOeval; returns the 12 stats on
+    every process (collective). Checks for preemption every 10 batches (raises Preempted)."""
+    model.eval()
+    evaluator.reset()
+    for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
+        if i % 10 == 0 and (name := preempted(accelerator)):
+            raise Preempted(name, in_evaluation=True)
+        out = model(batch["images"])
+        anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
+        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
+                                 batch["scales"], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
+                                 max_detections=args.detections_per_image)
+        for j, d in enumerate(dets.per_image(len(batch["image_ids"]))):
+            image_id = int(batch["image_ids"][j])
+            if not bool(batch["valid"][j]):
+                evaluator.add_failed(image_id)
+                continue
+            evaluator.add(image_id, detections_to_coco(d["boxes"], d["scores"], category_map.to_category_ids(d["labels"]),
+                                                       image_id))
+    evaluator.gather(accelerator)
+    result = [None]
+    if accelerator.is_main_process:
+        stats, summary = evaluator.evaluate()
+        logger.info("COCO evaluation on %d images:\n%s", evaluator.num_images, summary)
+        result = [stats]
+    broadcast_object_list(result)
+    model.train()
+    return result[0]
+
+
+def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, accelerator, metrics, state, args,
+                     image_dir: str, epoch: int | None, weights: str | None = None) -> dict:
+    """Evaluate `models` ({"": the weights trained or evaluated, "ema_": their EMA}) and log it: one metrics.jsonl
+    line (the 12 stats, per-class AP, the best-F1 score thresholds; the EMA's stats beside as ema_*; evaluating only,
+    the `weights` scored), the log's eval line, then for the first of them predictions_val.json, plots/ and samples/
+    (also to the trackers). `epoch` counts from 1 (None: evaluating only). Collective. Returns {prefix: its
+    evaluation: epoch, step, the stats, per_class, best_f1}."""
+    evaluations = {}
+    for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: the evaluator keeps theirs
+        stats = evaluate(model, val_loader, anchor_gen, evaluator, val_ds.category_map, accelerator, args)
         per_class, best_f1 = {}, None
         if accelerator.is_main_process:  # nothing detected: 0 for every class with ground truth
             per_class = (per_class_ap(evaluator.coco_eval) if evaluator.coco_eval is not None
                          else per_class_without_detections(val_ds.dataset))
-            results, image_ids = evaluator.evaluated()
-            best_f1 = best_f1_thresholds(val_ds.dataset, results, image_ids)
-        return per_class, best_f1
-
-    def report(stats: dict, weights: str | None = None, ema: tuple | None = None) -> None:
-        """metrics.jsonl (+ per-class AP and best-F1 thresholds) and best/ (evaluating only: the `weights` scored),
-        predictions_val.json, then plots and sample images. `ema`: (stats, extra) of the EMA weights' evaluation,
-        logged beside as ema_*."""
-        per_class, best_f1 = evaluation_extra()
-        if best_f1 is not None:
+            best_f1 = best_f1_thresholds(val_ds.dataset, *evaluator.evaluated())
             logger.info("%s", format_best_f1(best_f1))
-        extra = {"per_class": per_class, "best_f1": {k: v for k, v in (best_f1 or {}).items() if k != "curves"}}
-        epoch, step = record_evaluation(run, stats, model, weights=weights, extra=extra,
-                                        ema_stats=ema[0] if ema else None, ema_extra=ema[1] if ema else None)
-        if accelerator.is_main_process:
-            write_json(evaluator.results, os.path.join(args.output_dir, "predictions_val.json"))
-            log_evaluation_extras(accelerator, args.output_dir, epoch, step, val_ds.dataset, evaluator.results,
-                                  evaluator.coco_eval, paths["val_images"], num_log_images=args.num_log_images,
-                                  seed=args.seed, best_f1=best_f1)
+        logger.info("%s%s: %s", f"evaluation of {weights}" if weights else f"epoch {epoch} eval",
+                    ", EMA weights" * bool(prefix), " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
+        evaluations[prefix] = {"epoch": epoch, "step": state.global_step, **stats, "per_class": per_class, "best_f1": {
+            k: v for k, v in (best_f1 or {}).items() if k != "curves"}}
+    line = {**evaluations[""], **{f"ema_{k}": v for k, v in evaluations.get("ema_", {}).items() if k in STAT_NAMES}}
+    metrics.log({**line, **({"weights": os.path.abspath(weights)} if weights else {})}, step=state.global_step,
+                tracker_epoch=epoch)
+    if accelerator.is_main_process:
+        write_json(evaluator.results, os.path.join(args.output_dir, "predictions_val.json"))
+        log_evaluation_extras(accelerator, args.output_dir, epoch, state.global_step, val_ds.dataset, evaluator.results,
+                              evaluator.coco_eval, image_dir, num_log_images=args.num_log_images, seed=args.seed,
+                              best_f1=best_f1)
+    return evaluations
 
-    if args.evaluate_only:
-        model, val_loader = accelerator.prepare(model, val_loader)
-        run.init_trackers()
-        stats = evaluate(model, val_loader, anchor_gen, evaluator, category_map, run, args)
-        report(stats, weights=weights)
-        logger.info("evaluation of %s: %s", weights, " ".join(f"{k}={v:.4f}" for k, v in stats.items()))
-        run.finish()
-        return stats
 
-    # ---- optimizer and schedule
-    # No weight decay on norm weights and biases (every 1-D parameter: timm, nanoGPT; detectron2's
-    # WEIGHT_DECAY_NORM=0); --wd_norm decays them too. Frozen parameters are left out either way.
-    params = ([p for p in model.parameters() if p.requires_grad] if args.wd_norm
-              else param_groups_weight_decay(model, args.weight_decay))
-    if args.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    else:
-        optimizer = torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
-    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    normalizer = None
-    if args.loss_normalizer == "ema":  # checkpointed with the run (registered before the resume loads it)
-        normalizer = EmaLossNormalizer(reduce=lambda t: accelerator.reduce(t, reduction="mean"))
-        accelerator.register_for_checkpointing(normalizer)
-    # "plateau": ReduceLROnPlateau, stepped once per epoch with the epoch's mean loss; the others per step
-    per_step_schedule = args.lr_scheduler != "plateau"
-    start = run.resume_point(train_loader)  # the run's length; a resumed checkpoint's counters (any process count)
-    scheduler, schedule = build_scheduler(optimizer, args.lr_scheduler, start, args.epochs, args.max_steps,
-                                          warmup_steps=args.warmup_steps, milestones_epochs=args.lr_steps,
-                                          plateau_patience=args.plateau_patience)
-    run.resume(model, optimizer, scheduler, schedule)  # the checkpoint's states, trackers, disk space
-    max_grad_norm = args.max_grad_norm or math.inf  # 0: no clipping, the norm is still checked
+def save_model(accelerator, args, name: str, model, model_config: dict, evaluation: dict | None, card: dict,
+               extra: dict | None = None) -> None:
+    """`output_dir/name/`: the weights (detlib.engine.save_weights), the best-F1 score thresholds of `evaluation` (the
+    evaluation of exactly these weights, or None) and the model card (`card`: its dataset and command)."""
+    folder = save_weights(accelerator, model, args.output_dir, name, model_config, extra)
+    if accelerator.is_main_process:
+        if evaluation and evaluation.get("best_f1"):
+            write_score_thresholds(folder, evaluation["best_f1"], evaluation)
+        where = args.push_to_hub if args.push_to_hub and name == "best" else folder
+        write_card(detector_card(model_config, evaluation=evaluation, weights_name=name, where=where, **card), folder)
 
-    # ---- train
-    while run.next_epoch():
-        model.train()
-        train_ds.set_epoch(run.epoch)
-        for batch in run.batches(train_loader):
-            with accelerator.accumulate(model):
-                images = batch["images"]
-                if args.channels_last:
-                    images = images.contiguous(memory_format=torch.channels_last)
-                out = model(images)
-                anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
-                losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
-                                        batch["crowd_boxes"], box_loss=args.box_loss, normalizer=normalizer)
-                loss, n = losses["loss"], len(batch["image_ids"])
-                accelerator.backward(loss * run.loss_weight)  # weight: a partial accumulation window
-                run.add_losses({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
-                                "pos_anchors_per_image": losses["num_pos"] / n}, n)
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                    finite = run.all_finite(loss, grad_norm)  # one all-reduce: every rank steps or skips together
-                    if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step
-                        optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    if per_step_schedule:
-                        scheduler.step()
-                    stepped = finite and not accelerator.optimizer_step_was_skipped
-                    if stepped and run.ema is not None:  # --model_ema; a skipped step has nothing to average in
-                        run.ema.update(run.bare(model), step=run.state.global_step + 1)
-                    run.end_step(model, stepped)  # train line, divergence stop, step checkpoint, preemption
-        mean_loss = run.end_epoch()
-        if not per_step_schedule and mean_loss is not None:
+
+def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, state, guard, window, metrics, args,
+                    total_steps: int, save, ema=None, normalizer=None) -> None:
+    """Train from `state`'s position (a mid-epoch resume skips the batches already trained) to the end of the epoch
+    or the run's `total_steps`. Raises RunStop when the run diverges, Preempted on a preemption signal; `save()`
+    writes a --checkpoint_steps checkpoint (one on the epoch's last step is the epoch's own, written by main)."""
+    model.train()
+    G, done = args.gradient_accumulation_steps, state.step_in_epoch * args.gradient_accumulation_steps
+    steps_per_epoch, per_step = math.ceil(len(loader) / G), args.lr_scheduler != "plateau"
+    loader.set_epoch(state.epoch)
+    for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
+        if i % G == 0:  # the first micro-batch of an accumulation window
+            guard.snapshot(model)
             lr = optimizer.param_groups[0]["lr"]
-            scheduler.step(mean_loss)  # the epoch's mean over all processes: the same decision on every rank
-            if optimizer.param_groups[0]["lr"] < lr:  # the epoch line above gave the LR it trained at
-                logger.info("plateau: no lower mean loss in %d epoch(s), lr %.3g -> %.3g from epoch %d on",
-                            args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], run.epoch_number + 1)
+        with accelerator.accumulate(model):
+            images = batch["images"]
+            if args.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            out = model(images)
+            anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
+            losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
+                                    batch["crowd_boxes"], box_loss=args.box_loss, normalizer=normalizer)
+            loss, n = losses["loss"], len(batch["image_ids"])
+            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
+            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
+            window.add({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
+                        "pos_anchors_per_image": losses["num_pos"] / n}, n)
+            if not accelerator.sync_gradients:
+                continue
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+            finite = guard.check(loss, grad_norm, state.global_step + 1, lr)  # every rank steps or skips together
+            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if per_step:
+                scheduler.step()
+        stepped = finite and not accelerator.optimizer_step_was_skipped
+        if stepped and ema is not None:
+            ema.update(accelerator.unwrap_model(model, keep_torch_compile=False), step=state.global_step + 1)
+        state.step_done(stepped, guard.loss)
+        end = state.step_in_epoch == steps_per_epoch or state.global_step == total_steps
+        if state.global_step % args.log_interval == 0 or end or guard.diverged:
+            window.log(metrics, state, lr, guard.grad_norm, optimizer, steps_per_epoch)
+        if guard.diverged:
+            raise RunStop(divergence(args.output_dir, state, guard.streak, lr), EXIT_DIVERGED)
+        if args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0 and not end:
+            save()
+        if name := preempted(accelerator):
+            raise Preempted(name)
+        if state.global_step >= total_steps:
+            break
 
-        if run.evaluation_due():
-            models = run.evaluation_models(model)  # the trained weights, and with --model_ema their average
-            ema = None
-            if "ema_" in models:  # first, so that the evaluator ends with the trained weights' detections (report)
-                ema_stats = evaluate(models["ema_"], val_loader, anchor_gen, evaluator, category_map, run, args,
-                                     train_model=model)
-                logger.info("epoch %d eval, EMA weights: %s", run.epoch_number,
-                            " ".join(f"{k}={ema_stats[k]:.4f}" for k in STAT_NAMES))
-                ema_per_class, ema_best_f1 = evaluation_extra()
-                ema = (ema_stats, {"per_class": ema_per_class,
-                                   "best_f1": {k: v for k, v in (ema_best_f1 or {}).items() if k != "curves"}})
-            stats = evaluate(models[""], val_loader, anchor_gen, evaluator, category_map, run, args, train_model=model)
-            logger.info("epoch %d eval: %s", run.epoch_number, " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
-            report(stats, ema=ema)
-        run.checkpoint_if_due(model)
-    run.finish(model)
+
+def main(argv=None):
+    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
+    given = given_flags(build_parser(), argv, RECORD_KEYS)  # what the user chose (flags or --config)
+    synthetic = not (args.data_dir or args.train_images or args.val_images)
+    resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
+    saved, settings, notes = resolve_model(args, given, synthetic)
+    if args.lr_scheduler == "plateau" and args.warmup_steps:  # config.yaml says what the run did: no warm-up
+        notes += [f"--warmup_steps {args.warmup_steps} is not used: the plateau scheduler has no warm-up"] * (
+            "warmup_steps" in given)
+        args.warmup_steps = 0
+    if args.evaluate_only:  # never over a training run's files
+        args.output_dir = os.path.join(args.output_dir, "evaluate_only")
+    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
+                                   args.output_dir, args.seed, args.verbose,
+                                   args.compile_backend if args.compile and not args.evaluate_only else None,
+                                   args.compile_mode)
+    state, t_start = TrainState(), time.time()
+    with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
+                 args.overwrite_output_dir, args.verbose):
+        for line in notes:
+            logger.warning("%s", line)
+        if args.push_to_hub:  # token, network and repo checked now, not after the training
+            stop_together(accelerator, check_push(args.push_to_hub, args.hub_private) if accelerator.is_main_process
+                          else None)
+            logger.info("--push_to_hub %s: the Hub is reachable and the repo writable; best/ is uploaded at the end",
+                        args.push_to_hub)
+        stop_note = ""
+        if synthetic and not args.evaluate_only:
+            logger.info("no data given: training on the built-in synthetic shapes data set (%s, %s heads, %d px, "
+                        "fpn_channels %d, lr %g, %d epochs): %s; the model is only useful after the full run; pass "
+                        "--data_dir for COCO", args.backbone, "GroupNorm" if settings["head_norm"] == "gn" else
+                        "no-norm", args.image_size, args.fpn_channels, args.lr, args.epochs, BUILTIN_RUN)
+            stop_note = (f"; the built-in run's model is only useful after all {args.epochs} epochs ({BUILTIN_RUN}): "
+                         "stopped early it detects the shapes poorly")
+
+        # ---- data
+        with accelerator.main_process_first():  # the synthetic set is generated once, by the main process
+            try:
+                paths = resolve_data(args)
+                train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
+                error = None
+            except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
+                error = str(e)
+        stop_together(accelerator, error)  # out of main_process_first, whose barrier a lone exit would leave waiting
+        category_map = val_ds.category_map
+
+        # ---- model
+        model_config = {"num_classes": len(category_map), "backbone": args.backbone, "fpn_channels": args.fpn_channels,
+                        "image_size": args.image_size, "max_size": args.max_size,
+                        "category_ids": category_map.category_ids, "category_names": category_map.names, **settings}
+        model, anchor_gen, weights = build_model(args, settings, saved, category_map, paths.get("train_annotations"))
+        if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cuda":
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        elif args.sync_bn and accelerator.num_processes > 1:
+            logger.warning("--sync_bn needs CUDA devices; ignored on %s", accelerator.device.type)
+        if args.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        log_model(model, args, accelerator)
+        config = {**vars(args), "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+                  "synthetic_data": synthetic, "num_classes": len(category_map),
+                  **{f"data_{k}": v for k, v in paths.items()}, "not_used": not_used_flags(args)}
+        card = {"dataset": card_dataset(args, paths, synthetic), "command": command_line("train_retinanet.py", argv)}
+        metrics, evaluator = MetricsLog(accelerator, args.output_dir), CocoEvaluator(val_ds.dataset, args.coco_eval_backend)
+
+        def record_config() -> None:  # config.yaml and the log's line: the flags the user gave, the rest default
+            if accelerator.is_main_process:
+                save_config(config, os.path.join(args.output_dir, "config.yaml"))
+            logger.info("config: %s; all %d settings in %s/config.yaml", f"the defaults and {text}" if (
+                text := format_given(build_parser(), config, given)) else "the defaults", len(config), args.output_dir)
+
+        def evaluate_epoch(models: dict, epoch: int | None, weights: str | None = None) -> dict:
+            return evaluate_and_log(models, val_loader, val_ds, evaluator, anchor_gen, accelerator, metrics, state, args,
+                                    paths["val_images"], epoch, weights)
+
+        if args.evaluate_only:
+            model, val_loader = accelerator.prepare(model, val_loader)
+            record_config()
+            start_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name, args.report_to)
+            try:
+                return {k: v for k, v in evaluate_epoch({"": model}, None, weights)[""].items() if k in STAT_NAMES}
+            except Preempted as p:
+                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
+
+        # ---- optimizer, schedule, resume
+        # No weight decay on norm weights and biases (every 1-D parameter: timm, nanoGPT; detectron2's
+        # WEIGHT_DECAY_NORM=0); --wd_norm decays them too. Frozen parameters are left out either way.
+        params = ([p for p in model.parameters() if p.requires_grad] if args.wd_norm
+                  else param_groups_weight_decay(model, args.weight_decay))
+        optimizer = (torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay) if args.optimizer == "adamw"
+                     else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay))
+        model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+        if not min_over_processes(accelerator, len(train_loader) > 0):
+            raise RunStop(f"{len(train_ds)} training images on {accelerator.num_processes} process(es) with "
+                          f"--per_device_batch_size {args.per_device_batch_size} give no full batch on some process "
+                          "(the incomplete last batch is dropped): use a smaller batch size or fewer processes")
+        steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
+        total_steps = args.max_steps or args.epochs * steps_per_epoch
+        scheduler = build_scheduler(optimizer, args, steps_per_epoch, total_steps)
+        accelerator.register_for_checkpointing(scheduler)
+        normalizer = None
+        if args.loss_normalizer == "ema":  # the same value on every process, checkpointed
+            normalizer = EmaLossNormalizer(reduce=lambda t: accelerator.reduce(t, reduction="mean"))
+            accelerator.register_for_checkpointing(normalizer)
+        bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
+        ema = ModelEmaV3(bare, decay=args.model_ema, use_warmup=args.model_ema_warmup,
+                         warmup_power=0.75) if args.model_ema else None
+        resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
+                               FIXED_ON_RESUME))
+        record_config()
+        state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
+                                      args.report_to)
+        guard, window, evaluated = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
+
+        def save() -> str:
+            path = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema else [])],
+                                   args.checkpoint_total_limit, config, model_config,
+                                   {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
+            logger.info("saved checkpoint %s", path)
+            return path
+
+        def evaluate_and_keep_best(epoch: int) -> None:  # best/: the weights that beat every earlier evaluation
+            evaluated.update(evaluate_epoch({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
+                                            epoch))
+            prefix = "ema_" if ema and evaluated["ema_"]["AP"] > evaluated[""]["AP"] else ""
+            if improves_best(accelerator, args.output_dir, "AP", value := evaluated[prefix]["AP"], state):
+                save_model(accelerator, args, "best", ema.module if prefix else model, model_config, evaluated[prefix],
+                           card, {"metric": "AP", "value": value, "epoch": epoch, "step": state.global_step,
+                                  "weights": "ema" if prefix else "trained"})
+                logger.info("new best AP %.4f (%s weights), saved %s/best/", value, "EMA" if prefix else "trained",
+                            args.output_dir)
+
+        # ---- train
+        try:
+            if state.eval_pending:  # preempted in the evaluation after epoch `state.epoch`: run it first
+                evaluate_and_keep_best(state.epoch)
+                state.eval_pending = False
+            if state.epoch >= args.epochs or state.global_step >= total_steps:
+                logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger "
+                               "--epochs to train on", state.epoch, args.epochs, state.global_step, total_steps)
+            for epoch in range(state.epoch, args.epochs):
+                if state.global_step >= total_steps:
+                    break
+                train_ds.set_epoch(epoch)  # the augmentation's stream (workers copy the data set each epoch)
+                train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, state, guard, window,
+                                metrics, args, total_steps, save, ema, normalizer)
+                last = state.global_step >= total_steps or epoch + 1 == args.epochs
+                step_checkpoint = args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0
+                if state.step_in_epoch >= steps_per_epoch:
+                    lr, mean_loss = optimizer.param_groups[0]["lr"], state.end_epoch()
+                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1, mean_loss, lr,
+                                state.skipped_steps)
+                    if args.lr_scheduler == "plateau":
+                        scheduler.step(mean_loss)  # the epoch's mean over all processes: the same on every rank
+                        if optimizer.param_groups[0]["lr"] < lr:
+                            logger.info("plateau: no lower mean loss in %d epoch(s), lr %.3g -> %.3g from epoch %d on",
+                                        args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], epoch + 2)
+                if (epoch + 1) % args.eval_interval == 0 or last:
+                    evaluate_and_keep_best(epoch + 1)
+                if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
+                    save()
+        except Preempted as p:
+            state.eval_pending, where = p.in_evaluation, (f"in the evaluation after epoch {state.epoch}" if
+                                                          p.in_evaluation else f"in epoch {state.epoch + 1}")
+            raise RunStop(f"preempted by {p.signal_name} at step {state.global_step} ({where}): checkpoint {save()} "
+                          "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
+                          f"{EXIT_PREEMPTED}){stop_note}", EXIT_PREEMPTED) from None
+        final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
+        save_model(accelerator, args, "last", model, model_config, final.get(""), card)
+        if ema is not None:
+            save_model(accelerator, args, "last_ema", ema.module, model_config, final.get("ema_"), card)
+        best = best_record(accelerator, args.output_dir, "AP")
+    logger.info("summary:\n  %s", "\n  ".join(summary_lines(
+        args.output_dir, "AP", time.time() - t_start, state, best, final.get(""), window.images_seen,
+        {"best": "best", "last": "final", "last_ema": "final EMA" if ema else "the EMA of an earlier part of the run, "
+         "not of its end"}, also=("AP50",))))
     if args.push_to_hub and accelerator.is_main_process:
         push_best(args.output_dir, args.push_to_hub, args.hub_private)
-    return getattr(run, "last_stats", None)
+    return {k: v for k, v in final[""].items() if k in STAT_NAMES} if "" in final else None
 
 
 if __name__ == "__main__":

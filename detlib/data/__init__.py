@@ -8,6 +8,7 @@ training process, the /dev/shm check), `formats` (VOC / YOLO, and the data check
 format), `video` (PyAV frames), `builtin` (the synthetic sets both scripts train on without data).
 """
 
+from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS
 from .builtin import make_synthetic_coco, make_synthetic_image_folder
 from .coco import PAD_VALUE, CocoDetection, collate_detection
 from .formats import FORMATS, check_coco_for_training, data_dir_paths, read_data_dir_splits
@@ -24,5 +25,5 @@ __all__ = [
     "check_coco_for_training", "data_dir_paths", "read_data_dir_splits", "VERIFY_MODES", "ImageFolderDataset",
     "scan_image_folder", "IMAGE_ERRORS", "load_rgb", "GroupedBatchSampler", "aspect_groups", "AUGMENTATIONS",
     "INPUT_DIVISIBILITY", "build_transform", "INSTALL_HINT", "VideoWriter", "av_available", "video_frames",
-    "video_info"
+    "video_info", "DEFAULT_MAX_IMAGE_PIXELS"
 ]

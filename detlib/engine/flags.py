@@ -25,13 +25,11 @@ import difflib
 import math
 import os
 import shlex
-import signal
 import sys
-import threading
-from typing import NoReturn
 
-import psutil
 import yaml
+
+from .run_folder import first_process, wait_for_the_first_process
 
 REPORT_TO = ("wandb", "tensorboard", "all", "none")
 # The default tracker: TensorBoard writes OUTPUT_DIR/tensorboard on this machine, needs no account and prints
@@ -46,7 +44,7 @@ RUN_RECORD_KEYS = ("num_processes", "synthetic_data")
 FOLDER_ACTION_KEYS = ("resume_from_checkpoint", "overwrite_output_dir")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# detlib.engine.run.Run writes an evaluation-only run into OUTPUT_DIR/evaluate_only and records that folder as output_dir.
+# An evaluation-only run writes into OUTPUT_DIR/evaluate_only and records that folder as output_dir.
 EVALUATE_ONLY_SUBDIR = "evaluate_only"
 
 
@@ -258,9 +256,6 @@ def _config_file(argv: list[str] | None) -> str | None:
     return first.parse_known_args(argv)[0].config
 
 
-STOP_GRACE_S = 10.0  # at most this long the other processes wait in `stop` for the first one to print and end
-_LAUNCHER_PID = os.getppid()  # at import, while the launcher that started this process runs
-
 _UNSET = object()  # a flag's value before argparse sets it
 
 
@@ -355,61 +350,3 @@ def _flag_value(action: argparse.Action, value):
         if action.choices is not None and v not in action.choices:
             raise ValueError(f"must be one of {', '.join(map(str, action.choices))}, got {v!r}")
     return values if many else values[0]
-
-
-def stop(message: str, code: int = 2) -> NoReturn:
-    """Stop on a problem found before the run exists (before its accelerator and logging): one `error:` line on
-    stderr from the first process only (the launcher's `RANK`), so a 2-process launch does not print it twice;
-    every process exits with `code` (2: bad flags, 1: a file they name is unusable), the others after the first
-    (`wait_for_the_first_process`)."""
-    if first_process():
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    wait_for_the_first_process()
-    raise SystemExit(code)
-
-
-def wait_for_the_first_process() -> None:
-    """On a process other than the first, before it exits on an error or a stop that the first one prints: wait
-    until the first process has ended (at most STOP_GRACE_S). Exiting first, this one would have the launcher
-    stop the first before its line is out (torchrun stops every process when one fails).
-
-    Only a process that the first one's launcher started waits, and only while that launcher lives: after a
-    kill -9 of the launcher, or on another machine, nothing stops the first process early, and a launcher that
-    is stopping the run (SIGTERM) waits for every process, so waiting out the whole grace would only delay it."""
-    if first_process():
-        return
-    if threading.current_thread() is threading.main_thread():  # Python sets handlers there only
-        # the launcher stopping this process (it was exiting anyway) ends it silently, not through a handler of
-        # the script's with a line of its own (a predict script's `stopped:`)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-    first = _first_process_beside()
-    if first is not None:
-        try:
-            first.wait(timeout=STOP_GRACE_S)  # returns once the launcher has reaped it
-        except psutil.Error:  # TimeoutExpired, or gone meanwhile
-            pass
-
-
-def _first_process_beside():
-    """The first process (RANK 0) as a psutil.Process when this process's launcher started it too and still
-    runs, else None."""
-    if os.getppid() != _LAUNCHER_PID:
-        return None  # the launcher is gone (its processes got SIGTERM from the kernel)
-    try:
-        siblings = psutil.Process(_LAUNCHER_PID).children()
-    except psutil.Error:
-        return None
-    for p in siblings:
-        try:  # a process of another user, or one that ended meanwhile, is not the first one
-            if p.pid != os.getpid() and p.environ().get("RANK") == "0":
-                return p
-        except psutil.Error:
-            continue
-    return None
-
-
-def first_process() -> bool:
-    """Rank 0 of a launch (torchrun / accelerate set RANK), or a plain `python` run: the one that prints what
-    is found before the run, and its accelerator, exist."""
-    return os.environ.get("RANK", "0") == "0"

@@ -1,21 +1,15 @@
-"""A run's output folder and processes: the lock, the start-up checks, how the run ended, and the signals.
+"""The run folder and the run's processes: the start-up checks and the lock, how a run ends (`RunStop`, exit
+codes, `run_status.json`), and the signals that preempt it.
 
-* `output_dir/run.lock` (PID, host, start time, command) lets one live run write to a folder; a stale lock of
-  a process that no longer runs on this host is replaced with a note.
-* A folder that holds another run (`RUN_FILES`) is never mixed into: a new run there must resume it or be
-  told to overwrite it.
-* `output_dir/run_status.json` records how the run ended (finished, preempted, diverged, failed), because
-  launchers report a worker's exit code each in their own way.
-  Exit codes of the training process: 0 done; 1 error (bad data, damaged checkpoint, disk full); 2 bad flag
-  values (argparse); EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary
-  failure, retry") preempted, checkpoint written, resume with `--resume_from_checkpoint latest`. The launcher
-  reports them in its own way (accelerate's 1-process launcher: "returned non-zero exit status 75"; torchrun:
-  exit 1 with the worker's code in its summary), hence run_status.json.
-* The disk-space check: room for the checkpoints the run keeps, best/ and last/.
-* The preemption signals only set a flag the training loop polls (`PreemptionSignals`); DataLoader workers
-  leave them to their training process and end with it (`detlib.data.loaders`), and
-  under a launcher each training process asks the kernel for SIGTERM when its launcher dies, so no process of
-  a run outlives it.
+Exit codes: 0 finished; 1 error (bad data, a damaged checkpoint, a full disk); 2 bad flags; EXIT_DIVERGED (3)
+non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary failure, retry"): a checkpoint was written,
+resume with `--resume_from_checkpoint latest`. Launchers report a worker's code each in their own way (accelerate's
+1-process launcher: "returned non-zero exit status 75"; torchrun: exit 1), so `run_status.json` records it too
+(slurm/ reads it to requeue).
+
+A stop prints one line, last, from the first process: `error: ...`, or `stopped: ...` for a preemption or a
+refusal. The other processes print nothing and wait for the launcher to end them (`wait_for_the_first_process`):
+exiting first, they would have torchrun stop the first process before its line is out.
 """
 
 from __future__ import annotations
@@ -25,48 +19,107 @@ import ctypes
 import json
 import logging
 import os
+import pathlib
 import shutil
 import signal
 import socket
 import sys
-import threading
 import tempfile
+import threading
 import time
 
 import psutil  # accelerate's dependency
-import torch
 
-from ..data.loaders import PREEMPT_SIGNALS
+from ..data.loaders import PREEMPT_SIGNALS, stop_dataloader_workers
 from ..files import write_json
 
 logger = logging.getLogger(__name__)
 
-EXIT_DIVERGED = 3  # non-finite optimizer steps in a row
-EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL, "temporary failure, retry": a checkpoint was written, resume
-LOCK_FILE = "run.lock"
-# Files a run leaves in its output folder: any of them means the folder already holds a run.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "best", "last")
-# What --overwrite_output_dir removes besides RUN_FILES.
-OTHER_RUN_FILES = ("train.log", "predictions_val.json", "predictions_val.csv", "tensorboard", "wandb",
-                   "run_status.json", "data_report.json", "plots", "samples")
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 75
 EXIT_STATUS = {0: "finished", EXIT_DIVERGED: "diverged", EXIT_PREEMPTED: "preempted"}
-# A Ctrl-C may reach a process twice at once (from the terminal's process group and forwarded by a launcher):
-# only a SIGINT this many seconds or more after the first is the user's second Ctrl-C.
+LOCK_FILE = "run.lock"
+# Any of these in a folder means it holds a run; --overwrite_output_dir removes them and OTHER_RUN_FILES.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "best", "last")
+OTHER_RUN_FILES = ("last_ema", "train.log", "predictions_val.json", "predictions_val.csv", "tensorboard", "wandb",
+                   "run_status.json", "data_report.json", "plots", "samples")
+STOP_GRACE_S = 10.0  # the longest a process other than the first waits for the launcher to end it
+# A Ctrl-C reaches a process twice at once (from the terminal and forwarded by the launcher): only a SIGINT a
+# second or more after the first is the user's second Ctrl-C, which stops at once.
 SECOND_SIGINT_AFTER_S = 1.0
 
 
-class Refusal(str):
-    """A start-up check's message that is a refusal (the folder holds or is running another run), not a fault:
-    printed as `stopped: ...`."""
+class RunStop(Exception):
+    """End the run: `message` is its last line (`stopped:` for EXIT_PREEMPTED or a `refusal`, else `error:`), `code`
+    its exit code. Raised on every process together; `running` turns it into the line, run_status.json and exit."""
+
+    def __init__(self, message: str, code: int = 1, refusal: bool = False):
+        super().__init__(message)
+        self.code, self.word = code, "stopped" if refusal or code == EXIT_PREEMPTED else "error"
+
+
+class Preempted(Exception):
+    """A preemption signal reached a process (`preempted` returned its name on every rank): the script writes a
+    checkpoint, then raises RunStop(..., EXIT_PREEMPTED)."""
+
+    def __init__(self, signal_name: str, in_evaluation: bool = False):
+        super().__init__(signal_name)
+        self.signal_name, self.in_evaluation = signal_name, in_evaluation
+
+
+def first_process() -> bool:
+    """Rank 0 of a launch (torchrun / accelerate set RANK), or a plain `python` run: the one that prints a stop."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def wait_for_the_first_process() -> None:
+    """On a process other than the first, before it exits on a stop the first one prints: wait (at most STOP_GRACE_S)
+    for the launcher, which ends every process once the first has exited. SIGINT and SIGTERM are left to their
+    default action meanwhile, so the launcher's SIGTERM ends this process without a line of its own."""
+    if first_process():
+        return
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+    time.sleep(STOP_GRACE_S)
+
+
+def stop(message: str, code: int = 2):
+    """A stop before the run exists (flags, files named on the command line): the first process prints
+    `error: message`; every process exits with `code`."""
+    if first_process():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    wait_for_the_first_process()
+    raise SystemExit(code)
+
+
+def stop_together(accelerator, error: str | None, code: int = 1) -> None:
+    """Collective: raise RunStop(error) on every process when any process has one (the first one's message)."""
+    from accelerate.utils import gather_object
+
+    errors = [e for e in gather_object([error]) if e] if accelerator.num_processes > 1 else [error] * bool(error)
+    if errors:
+        raise RunStop(errors[0], code)
+
+
+# ---- the folder
+
+def _in_the_way(folder: str) -> str | None:
+    """What stops `folder` from being made: a file, or a link whose target does not exist, on its path."""
+    path = os.path.abspath(folder)
+    for p in [*reversed([str(q) for q in pathlib.Path(path).parents]), path]:
+        if os.path.islink(p) and not os.path.exists(p):
+            return f"{p} is a link to {os.readlink(p)}, which does not exist"
+        if os.path.exists(p) and not os.path.isdir(p):
+            return f"{p} is a file, not a folder"
+    return None
 
 
 def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
-    """Take `output_dir/run.lock` for this process. Returns (error, note): error when another live run holds
-    it (or one on another host: we cannot tell), note when a stale lock of a dead process was replaced."""
-    path = os.path.join(output_dir, LOCK_FILE)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-          "argv": sys.argv}
-    note = None
+    """Take `output_dir/run.lock` (pid, host, start time, command). Returns (refusal or error, note): refused when a
+    live run holds it (or a run on another host: we cannot tell); a stale lock of a dead process is replaced."""
+    path, note = os.path.join(output_dir, LOCK_FILE), None
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -77,19 +130,18 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
             except (OSError, ValueError):
                 other = None
             if not isinstance(other, dict) or other.get("pid") is None and other.get("host") is None:
-                # a run killed as it took the lock, or one that has just taken it and not yet written it
-                return Refusal(f"{path} does not say which run holds {output_dir} (empty or damaged); if no run is "
-                               "writing there, delete it"), None
+                return (f"{path} does not say which run holds {output_dir} (empty or damaged); if no run is writing "
+                        "there, delete it"), None
             pid, host = other.get("pid"), other.get("host")
             if host == me["host"] and isinstance(pid, int) and not psutil.pid_exists(pid):
                 note = f"replaced a stale lock of process {pid} (no longer running) in {output_dir}"
                 os.remove(path)
                 continue
             if host not in (None, me["host"]):
-                return Refusal(f"{output_dir} is locked by a run on host {host} (pid {pid}, since {other.get('started')}); "
-                               f"if that run is dead, delete {path}"), None
-            return Refusal(f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; "
-                           "use another --output_dir"), None
+                return (f"{output_dir} is locked by a run on host {host} (pid {pid}, since {other.get('started')}); if "
+                        f"that run is dead, delete {path}"), None
+            return (f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; use "
+                    "another --output_dir"), None
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
@@ -105,36 +157,35 @@ def release_lock(output_dir: str) -> None:
     """Remove `output_dir/run.lock` if this process holds it."""
     path = os.path.join(output_dir, LOCK_FILE)
     with contextlib.suppress(OSError, ValueError), open(path) as f:
-        held = json.load(f)
-        if isinstance(held, dict) and held.get("pid") == os.getpid():
+        if (held := json.load(f)) and isinstance(held, dict) and held.get("pid") == os.getpid():
             os.remove(path)
 
 
-def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwrite: bool) -> tuple[str | None, list[str], bool]:
-    """Start-up checks of the main process: the folder is writable, holds no other run (unless resumed or
-    overwritten), is not locked by a live run; then the lock is taken, an overwritten run's files and killed
-    saves' `.tmp` folders are removed. Returns (error or None, notes to log, lock taken)."""
+def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwrite: bool) -> tuple[tuple | None, list[str]]:
+    """The main process's start-up checks: the folder can be made and written, holds no other run (unless resumed or
+    overwritten) and no live run's lock; then the lock is taken, an overwritten run's files and a killed save's
+    `.tmp` folders removed. Returns ((message, is a refusal) or None, notes to log)."""
     notes = []
+    if problem := _in_the_way(out):
+        return (f"cannot make --output_dir {out}: {problem}", False), notes
     try:
         os.makedirs(out, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out) as f:  # created, written and removed: the folder takes files
-            f.write(b"ok")  # a full disk still creates an empty file; it refuses the byte
+        with tempfile.TemporaryFile(dir=out) as f:  # a full disk still creates an empty file; it refuses the byte
+            f.write(b"ok")
             f.flush()
     except OSError as e:
-        return f"cannot write to --output_dir {out}: {e.strerror or e}", notes, False
+        return (f"cannot write to --output_dir {out}: {e.strerror or e}", False), notes
     present = [n for n in RUN_FILES if os.path.exists(os.path.join(out, n))
                and (n != "checkpoints" or os.listdir(os.path.join(out, n)))]
-    if present and not evaluate_only and not resume and not overwrite:
-        return Refusal(f"{out} holds another run ({', '.join(present)}); to continue it pass --resume_from_checkpoint "
-                       "latest, to keep it choose a new --output_dir, to replace it pass --overwrite_output_dir"), notes, False
+    if present and not (evaluate_only or resume or overwrite):
+        return (f"{out} holds another run ({', '.join(present)}); to continue it pass --resume_from_checkpoint "
+                "latest, to keep it choose a new --output_dir, to replace it pass --overwrite_output_dir", True), notes
     error, note = acquire_lock(out)
-    if error:
-        return error, notes, False
-    if note:
-        notes.append(note)
+    if error:  # a live run's lock is a refusal; a lock that cannot be written is a fault
+        return (error, not error.startswith("could not")), notes
+    notes += [note] if note else []
     if overwrite and present and not evaluate_only:
-        for name in RUN_FILES + OTHER_RUN_FILES:
-            path = os.path.join(out, name)
+        for path in (os.path.join(out, n) for n in RUN_FILES + OTHER_RUN_FILES):
             if os.path.isdir(path):
                 shutil.rmtree(path)
             elif os.path.exists(path):
@@ -142,124 +193,121 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
         notes.append(f"--overwrite_output_dir: removed the previous run's {', '.join(present)} from {out}")
     root = os.path.join(out, "checkpoints")
     for name in os.listdir(root) if os.path.isdir(root) else []:
-        if name.endswith(".tmp"):  # a save that was killed half-way
+        if name.endswith(".tmp"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             notes.append(f"removed the unfinished checkpoint folder {name} (a save that was interrupted)")
-    return None, notes, True
-
-
-def checkpoint_bytes(model: torch.nn.Module, optimizer) -> tuple[int, int]:
-    """Returns (bytes of the model's weights, bytes of one checkpoint: weights and optimizer state) for the
-    disk-space check (`check_disk_space`). `optimizer` may be accelerate's wrapper."""
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    bare = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-    # Adam keeps two tensors per weight (exp_avg, exp_avg_sq), SGD one (its momentum buffer)
-    opt_state = 2 if isinstance(bare, torch.optim.Adam | torch.optim.AdamW) else 1
-    return weights, weights * (1 + opt_state)
-
-
-def check_disk_space(output_dir: str, model, optimizer, num_checkpoints: int) -> str | None:
-    """Free space in `output_dir` for `num_checkpoints` checkpoints of `model` and `optimizer` (accelerate's
-    wrapper or a bare one) plus the one being written, best/ and last/. Main process.
-
-    Returns an error (one line) when not even one checkpoint with best/ and last/ fits; otherwise logs the
-    start-up checks' line (free and needed GiB), as a warning when there is less than needed, and returns None.
-    """
-    weights, per_ckpt = checkpoint_bytes(model, optimizer)
-    needed = per_ckpt * (num_checkpoints + 1) + 2 * weights  # + the one being written, best/ and last/
-    free = shutil.disk_usage(output_dir).free
-    line = (f"start-up checks: {output_dir} writable and locked; {free / 2**30:.1f} GiB free, "
-            f"{needed / 2**30:.2f} GiB needed for {num_checkpoints} checkpoints of ~{per_ckpt / 2**20:.0f} MiB "
-            "+ best/ + last/")
-    if free < per_ckpt + 2 * weights:
-        return (f"not enough disk space in {output_dir}: {free / 2**20:.0f} MiB free, one checkpoint needs "
-                f"~{per_ckpt / 2**20:.0f} MiB")
-    if free < needed:
-        logger.warning("%s: less than needed, lower --checkpoint_total_limit or free space", line)
-    else:
-        logger.info("%s", line)
-    return None
+    return None, notes
 
 
 def write_run_status(output_dir: str, code: int, message: str = "", **counters) -> None:
     """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message",
-    and the counters given (global_step, epoch)}, for schedulers and scripts (slurm/ reads it to requeue)."""
+    **counters}."""
     with contextlib.suppress(OSError):
         write_json({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters},
                    os.path.join(output_dir, "run_status.json"), indent=1)
 
 
-def set_parent_death_signal() -> None:
-    """Linux: SIGTERM this process when its parent (the launcher) dies, even by kill -9, so no training
-    process outlives its launcher; the SIGTERM then takes the preemption path (checkpoint, exit)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        return
-    if os.getppid() == 1:  # the launcher died before the call above
-        os.kill(os.getpid(), signal.SIGTERM)
+@contextlib.contextmanager
+def running(accelerator, output_dir: str, state, evaluate_only: bool = False, resume: str | None = None,
+            overwrite: bool = False, verbose: bool = False):
+    """The run in `output_dir`, from its start-up checks to its last line (collective: every process enters it).
 
-
-def launched() -> bool:
-    """True under `accelerate launch` / torchrun (the parent is a launcher, not an interactive shell, whose exit
-    must not stop a `nohup python train.py`)."""
-    return "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
-
-
-class PreemptionSignals:
-    """SIGTERM, SIGUSR1 and a first SIGINT only set `received` (the signal number); the training loop acts on
-    it at its next poll, on every rank together (`detlib.engine.run.Run.poll_preemption`). A second SIGINT, a second
-    or more after the first, raises KeyboardInterrupt at once. Under a launcher the process also asks for
-    SIGTERM when the launcher dies (`set_parent_death_signal`).
+    On entry: the folder checks and the lock (`prepare_output_dir`), logging to the console and train.log
+    (`detlib.engine.logs.setup_logging`), the preemption signals. On exit, whatever ends the block: DataLoader
+    workers stopped, trackers closed, `accelerator.end_training()`, signals put back, lock released, and
+    run_status.json (with `state.global_step` / `state.epoch`). A `RunStop` becomes its line (train.log and stderr,
+    after the trackers' own end lines) and `SystemExit(code)`; any other exception is recorded as "failed" and
+    propagates with its traceback.
     """
+    from accelerate.utils import broadcast_object_list
 
-    def __init__(self):
-        self.received: int | None = None
-        self._pid = os.getpid()
-        self._first_sigint: float | None = None
-        self._old_handlers: dict = {}
+    from .logs import finish_trackers, log_run_setup, setup_logging
 
-    def install(self) -> None:
-        """Handle the preemption signals in this process (main thread only: Python allows no other)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for name in PREEMPT_SIGNALS:
-            sig = getattr(signal, name)
-            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-        if launched():
-            set_parent_death_signal()
-
-    def _on_signal(self, signum, frame) -> None:
-        if os.getpid() != self._pid:
-            # a forked child (a multiprocessing pool worker) inherited this handler: it must still die from
-            # SIGTERM, or the pool's terminate() waits for it forever
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        # Only set a flag: the training loop acts on it at the next step, on every rank together.
-        if signum == signal.SIGINT:
-            now = time.monotonic()
-            if self._first_sigint is not None and now - self._first_sigint > SECOND_SIGINT_AFTER_S:
-                raise KeyboardInterrupt("second SIGINT: stopping at once, without a checkpoint")
-            self._first_sigint = self._first_sigint or now
-        if self.received is None:
-            self.received = signum
-
-    def poll(self, accelerator) -> str | None:
-        """Collective (every rank calls it at the same points): the name of the signal when any process got
-        one, through accelerate's trigger ("a signal to another process" on the ranks that got none); else None."""
-        if self.received is not None:
-            accelerator.set_trigger()
-        if not accelerator.check_trigger():
-            return None
-        return signal.Signals(self.received).name if self.received else "a signal to another process"
-
-    def restore(self) -> None:
-        """Put back the handlers `install` replaced."""
-        for sig, handler in self._old_handlers.items():
-            with contextlib.suppress(ValueError, TypeError):
+    is_main = accelerator.is_main_process
+    refused, notes = prepare_output_dir(output_dir, evaluate_only, resume, overwrite) if is_main else (None, [])
+    refused = broadcast_object_list([refused])[0]
+    if refused:
+        if is_main:
+            print(f"{'stopped' if refused[1] else 'error'}: {refused[0]}", file=sys.stderr, flush=True)
+        wait_for_the_first_process()
+        raise SystemExit(1)
+    setup_logging(output_dir, is_main, verbose=verbose)
+    for note in notes:
+        logger.warning("%s", note)
+    log_run_setup(accelerator)
+    signals = _install_signals()
+    code, message, stopped = 1, "", None
+    try:
+        yield
+        code = 0
+    except RunStop as e:
+        code, message, stopped = e.code, str(e), e
+        if is_main:
+            logger.error("%s", message, extra={"console": False})
+    except BaseException as e:
+        message = f"unhandled {type(e).__name__}: {e}"
+        raise
+    finally:
+        if is_main:
+            write_run_status(output_dir, code, message, global_step=state.global_step, epoch=state.epoch)
+        try:
+            stop_dataloader_workers(accelerator._dataloaders)  # persistent workers would live on to the interpreter's exit
+            finish_trackers(accelerator, output_dir)
+            accelerator.end_training()
+        finally:
+            for sig, handler in signals.items():
                 signal.signal(sig, handler)
+            if is_main:
+                release_lock(output_dir)
+    if stopped is not None:
+        if is_main:
+            print(f"{stopped.word}: {stopped}", file=sys.stderr, flush=True)
+        wait_for_the_first_process()
+        raise SystemExit(stopped.code)
+
+
+# ---- preemption signals
+
+_received: list[int] = []  # the preemption signals this process got, first first
+_first_sigint: list[float] = []
+_handler_pid: list[int] = []  # the process that installed the handlers
+
+
+def _on_signal(signum, frame) -> None:
+    if os.getpid() != _handler_pid[0]:  # a forked child (a pool worker) inherited the handler: it must still die
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    # Only a flag: the training loop acts on it at its next poll, on every rank together.
+    if signum == signal.SIGINT:
+        if _first_sigint and time.monotonic() - _first_sigint[0] > SECOND_SIGINT_AFTER_S:
+            raise KeyboardInterrupt("second SIGINT: stopping at once, without a checkpoint")
+        _first_sigint[:] = _first_sigint or [time.monotonic()]
+    _received.append(signum)
+
+
+def _install_signals() -> dict:
+    """SIGTERM, SIGUSR1 and a first SIGINT set a flag (`preempted` reads it); under a launcher the process also asks
+    the kernel for SIGTERM when the launcher dies (even by kill -9). Returns the handlers replaced."""
+    _received.clear()
+    _first_sigint.clear()
+    _handler_pid[:] = [os.getpid()]
+    if threading.current_thread() is not threading.main_thread():  # Python sets handlers there only
+        return {}
+    old = {getattr(signal, n): signal.signal(getattr(signal, n), _on_signal) for n in PREEMPT_SIGNALS}
+    if ("LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ) and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            if os.getppid() == 1:  # the launcher died before the call
+                os.kill(os.getpid(), signal.SIGTERM)
+    return old
+
+
+def preempted(accelerator) -> str | None:
+    """Collective (every rank calls it at the same points): the name of the first preemption signal when any process
+    got one (accelerate's trigger; "a signal to another process" on the ranks that got none), else None."""
+    if _received:
+        accelerator.set_trigger()
+    if not accelerator.check_trigger():
+        return None
+    return signal.Signals(_received[0]).name if _received else "a signal to another process"

@@ -75,13 +75,16 @@ def detector_card(model_config: dict, *, evaluation: dict | None, dataset: dict,
                          tags=["object-detection", "retinanet", "detlib", str(model_config.get("backbone")), "safetensors"],
                          metrics=["mAP"] if evaluation else None, model_name=title, eval_results=results or None,
                          classes=names, category_ids=ids)
+    # --score_thresh best_f1 works only where the evaluation found a threshold (some true detection)
+    thresholds = ((evaluation or {}).get("best_f1") or {}).get("all", {}).get("score_thresh") is not None
     size = f"{model_config.get('image_size')} px" + (f", at most {model_config['max_size']} px" if model_config.get(
         "max_size") else "")
     body = [f"# {title}", "",
             f"A RetinaNet detector ({model_config.get('backbone')} backbone, FPN and heads of "
             f"{model_config.get('fpn_channels')} channels, {len(names)} classes, images resized to {size}) "
-            f"trained with detlib: `model.safetensors` holds the weights, `model_config.json` how to rebuild the model, "
-            f"`score_thresholds.json` the score thresholds that maximised F1 in the evaluation.", ""]
+            f"trained with detlib: `model.safetensors` holds the weights, `model_config.json` how to rebuild the model"
+            + (", `score_thresholds.json` the score thresholds that maximised F1 in the evaluation." if thresholds
+               else "."), ""]
     body += [*notes, ""] if notes else []
     body += [f"Data: {data_name}" + (f" ({dataset['format']})" if dataset.get("format") else "")
              + "".join(f"; {k} {dataset[k]}" for k in ("train", "val") if dataset.get(k)) + ".", ""]
@@ -89,10 +92,10 @@ def detector_card(model_config: dict, *, evaluation: dict | None, dataset: dict,
     if command:
         body += ["## Training", "", "```bash", command, "```", ""]
     body += ["## Use", "", "```bash",
-             f"# detect (per-class best-F1 score thresholds{' of this evaluation' if evaluation else ''}: "
-             "score_thresholds.json)",
+             "# detect" + (" (per-class best-F1 score thresholds of this evaluation: score_thresholds.json)"
+                           if thresholds else ""),
              f"python scripts/predict_retinanet.py --weights {shlex.quote(where)} --source photos/ --output_dir out"
-             + (" --score_thresh best_f1" if evaluation and evaluation.get("best_f1") else ""),
+             + (" --score_thresh best_f1" if thresholds else ""),
              "# evaluate on a COCO / VOC / YOLO data set",
              f"python scripts/train_retinanet.py --data_dir DATA --evaluate_only {shlex.quote(where)}",
              "# fine-tune on other classes",

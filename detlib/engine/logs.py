@@ -1,0 +1,323 @@
+"""What a run shows: the Accelerator it runs on, its log (console and train.log), `metrics.jsonl`, the trackers,
+the train line's window and the end-of-run summary.
+
+The main process logs: INFO lines of detlib and its scripts (`OWN_LOGGERS`), warnings of every library (all their
+lines with `--verbose`), to the console and `output_dir/train.log`; the other processes print warnings and errors
+only. `MetricsLog` appends one JSON object per line to `output_dir/metrics.jsonl` and sends the numbers to the
+trackers (accelerate's wandb / tensorboard, one tracker run on the main process) at the run's global step, which a
+resume restores: a resume from an older checkpoint logs steps the trackers already hold (wandb drops those).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import math
+import netrc
+import os
+import sys
+import time
+import uuid
+
+import torch
+import yaml
+
+from ..files import atomic_write
+from .flags import REPORT_TO
+from .run_folder import RunStop
+
+logger = logging.getLogger(__name__)
+
+OWN_LOGGERS = ("detlib", "train_retinanet", "train_catsdogs", "predict_retinanet", "predict_catsdogs",
+               "export_retinanet", "check_dataset", "convert_weights", "compare_predictions")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
+                     report_to: str = "none", output_dir: str = ".", seed: int = 0, verbose: bool = False,
+                     compile_backend: str | None = None, compile_mode: str = "default"):
+    """The `Accelerator` both scripts run on: the CPU without CUDA (2+ processes: DDP over gloo); seedable samplers
+    (epoch e's order is a function of (seed, e) on every rank: disjoint shards, the same order after a resume);
+    `mixed_precision` None takes the accelerate config's; the trackers of `report_to` (`resolve_trackers`);
+    `compile_backend`: accelerate compiles the prepared model (TorchDynamoPlugin, around DDP's wrapper)."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, set_seed
+
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps, log_with=resolve_trackers(report_to, verbose) or None,
+        project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+        step_scheduler_with_optimizer=False,
+        **({"dynamo_plugin": TorchDynamoPlugin(backend=compile_backend, mode=compile_mode)} if compile_backend else {}))
+    set_seed(seed, device_specific=False)
+    return accelerator
+
+
+def log_run_setup(accelerator) -> None:
+    """The process count, device and precision in one line (tests read the count from it); a warning when accelerate
+    does not apply the requested precision (fp16 on a CPU runs in fp32)."""
+    logger.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
+                accelerator.mixed_precision)
+    if accelerator.mixed_precision != "no" and not accelerator.native_amp:
+        logger.warning("mixed precision %s is not applied on %s by accelerate: the run computes in fp32 (bf16 "
+                       "autocasts on CPUs)", accelerator.mixed_precision, accelerator.device.type)
+
+
+def set_log_levels(is_main: bool = True, verbose: bool = False) -> None:
+    logging.getLogger().setLevel(logging.INFO if is_main and verbose else logging.WARNING)
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.INFO if is_main else logging.WARNING)
+
+
+def setup_console_logging(verbose: bool = False) -> None:
+    """The console log of a one-process tool (export, data check)."""
+    logging.basicConfig(format=LOG_FORMAT)  # not force=True: that would remove handlers others attached (caplog)
+    set_log_levels(True, verbose)
+
+
+def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log", verbose: bool = False) -> None:
+    """The console (stdout on the main process, stderr elsewhere) and, on the main process, `output_dir/filename`.
+    A record logged with extra={"console": False} goes to the file only (its text is printed elsewhere)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fmt = logging.Formatter(LOG_FORMAT, "%Y-%m-%d %H:%M:%S")
+    console = logging.StreamHandler(sys.stdout if is_main else sys.stderr)
+    console.setFormatter(fmt)
+    console.addFilter(lambda record: getattr(record, "console", True))
+    root.addHandler(console)
+    if is_main:
+        os.makedirs(output_dir, exist_ok=True)
+        file = logging.FileHandler(os.path.join(output_dir, filename))
+        file.setFormatter(fmt)
+        root.addHandler(file)
+    set_log_levels(is_main, verbose)
+
+
+def save_config(config: dict, path: str) -> None:
+    """`config` as YAML at `path` (a run's config.yaml: `--config` reads it back)."""
+    with atomic_write(path) as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+
+
+# ---- trackers
+
+def resolve_trackers(report_to: str, verbose: bool = False) -> list[str]:
+    """The trackers of `--report_to` whose package imports (one warning for each that does not). wandb runs offline
+    (WANDB_MODE=offline) without credentials, so a run never waits at a login prompt, and prints nothing of its own
+    offline unless `verbose`. Raises ValueError for an unknown name."""
+    if report_to not in REPORT_TO:
+        raise ValueError(f"--report_to must be one of {REPORT_TO}, got {report_to!r}")
+    out = []
+    for name in {"all": ["wandb", "tensorboard"], "none": []}.get(report_to, [report_to]):
+        try:
+            __import__(name)
+        except Exception as e:  # missing, or installed and broken (a protobuf or numpy version clash)
+            logger.warning("--report_to %s: the %s package %s; not logging to it", report_to, name,
+                           "is not installed (pip install %s)" % name if isinstance(e, ImportError)
+                           else f"does not import ({type(e).__name__}: {_one_line(e)})")
+            continue
+        if name == "wandb" and "WANDB_MODE" not in os.environ and not _wandb_credentials():
+            os.environ["WANDB_MODE"] = "offline"
+        if name == "wandb" and os.environ.get("WANDB_MODE") == "offline" and not verbose:
+            os.environ.setdefault("WANDB_SILENT", "true")
+        out.append(name)
+    return out
+
+
+def _wandb_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(error).split())
+    return text[:limit] + (" ..." if len(text) > limit else "")
+
+
+def start_trackers(accelerator, project: str, config: dict, output_dir: str, run_id: str | None = None,
+                   run_name: str | None = None, report_to: str = "") -> str:
+    """Start the tracker runs (collective; accelerate starts them on the main process) and return the wandb run id
+    (kept in the checkpoints, so a resumed run logs into the same wandb run).
+
+    Raises:
+        RunStop: on every process when a tracker did not start (no credentials, no network, a folder it cannot
+        write): one line naming the tracker, the error and the ways on; the trackers that did start are closed.
+    """
+    from accelerate.utils import broadcast_object_list
+
+    run_id, error = run_id or uuid.uuid4().hex[:12], None
+    name = run_name or os.path.basename(os.path.abspath(output_dir))
+    flat = {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
+    try:
+        accelerator.init_trackers(project, config=flat, init_kwargs={"wandb": {"id": run_id, "resume": "allow",
+                                                                              "dir": output_dir, "name": name}})
+    except Exception as e:  # wandb raises UsageError, CommError, timeouts ...; tensorboard OSError
+        started = [t for t in accelerator.trackers if getattr(t, "run", None) or getattr(t, "writer", None)]
+        failed = next((t.name for t in accelerator.trackers if t not in started), "a tracker")
+        for t in started:
+            with contextlib.suppress(Exception):
+                t.finish()
+        accelerator.trackers.clear()
+        offline = f"log offline with WANDB_MODE=offline (upload later with `wandb sync {output_dir}/wandb/offline-run-*`)"
+        todo = (f"log in (`wandb login`, or set WANDB_API_KEY), check the network and WANDB_BASE_URL, or {offline}"
+                if failed == "wandb" else "fix that")
+        error = (f"--report_to {report_to}: {failed} could not start ({type(e).__name__}: {_one_line(e).rstrip('.')}); "
+                 f"{todo}, or pass --report_to none")
+    if error := broadcast_object_list([error])[0]:
+        raise RunStop(error)
+    if accelerator.is_main_process and os.environ.get("WANDB_MODE") == "offline" and any(
+            t.name == "wandb" for t in accelerator.trackers):
+        logger.info("wandb: no credentials found, logging offline under %s/wandb (upload later with `wandb sync`)",
+                    output_dir)
+    return run_id
+
+
+def finish_trackers(accelerator, output_dir: str) -> None:
+    """Close every tracker run; one that fails to close (no network at the end, a full disk) is a warning, not a
+    traceback at exit. The trackers are unregistered, so `accelerator.end_training()` closes none again."""
+    for tracker in list(accelerator.trackers):
+        try:
+            tracker.finish()
+        except Exception as e:
+            logger.warning("the %s tracker did not close cleanly (%s: %s); the run's own files in %s are complete",
+                           tracker.name, type(e).__name__, _one_line(e), output_dir)
+    accelerator.trackers.clear()
+
+
+def tracker(accelerator, name: str):
+    """The running tracker `name` ("wandb": its run, "tensorboard": its SummaryWriter), or None."""
+    return accelerator.get_tracker(name, unwrap=True) if any(t.name == name for t in accelerator.trackers) else None
+
+
+class MetricsLog:
+    """`output_dir/metrics.jsonl` (main process; non-finite floats as the strings "nan" / "inf" so that every line
+    stays JSON) and the trackers, at `step` (the global step). wandb plots every scalar against `epoch` (fractional:
+    `tracker_epoch`), so the curves of a resumed run line up with its first part's."""
+
+    def __init__(self, accelerator, output_dir: str):
+        self.accelerator, self.path, self._defined = accelerator, os.path.join(output_dir, "metrics.jsonl"), set()
+
+    def log(self, values: dict, step: int, tracker_epoch: float | None = None) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        line = {k: v if not isinstance(v, float) or math.isfinite(v) else str(v) for k, v in values.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({**line, "time": round(time.time(), 3)}) + "\n")
+        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if tracker_epoch is not None:
+            numbers["epoch"] = float(tracker_epoch)
+        if run := tracker(self.accelerator, "wandb"):
+            for k in set(numbers) - self._defined - {"epoch"}:
+                run.define_metric(k, step_metric="epoch")
+            self._defined.update(numbers)
+        if self.accelerator.trackers:
+            self.accelerator.log(numbers, step=step)
+
+
+class TrainWindow:
+    """The train line: each logged value's mean over the images since the last line, over all processes, with the
+    images per second and the fraction of the time spent waiting for the data loader."""
+
+    def __init__(self, accelerator):
+        self.accelerator, self.images_seen = accelerator, 0.0  # images over all processes in the lines so far
+        self._reset()
+
+    def _reset(self) -> None:
+        self.keys, self.sums, self.images, self.data_time, self.start = None, None, 0, 0.0, time.time()
+
+    def timed(self, batches):
+        """`batches`, counting the time each one is waited for."""
+        it = iter(batches)
+        while True:
+            t = time.time()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.data_time += time.time() - t
+            yield batch
+
+    def add(self, values: dict[str, torch.Tensor], num_images: int) -> None:
+        """One micro-batch's 0-d values (means over its `num_images` images)."""
+        stacked = torch.stack([v.detach().float() for v in values.values()]) * num_images
+        self.keys, self.sums = list(values), stacked if self.sums is None else self.sums + stacked
+        self.images += num_images
+
+    def line(self) -> dict:
+        """The window's means (collective: every rank calls it at the same steps), then a new window."""
+        acc, elapsed = self.accelerator, max(1e-9, time.time() - self.start)
+        totals = acc.reduce(torch.cat([self.sums, torch.tensor([float(self.images)], device=self.sums.device)]),
+                            reduction="sum").tolist()
+        line = {k: v / max(totals[-1], 1) for k, v in zip(self.keys, totals[:-1])}
+        line.update(images_per_s=totals[-1] / elapsed, data_time_fraction=min(1.0, self.data_time / elapsed))
+        self.images_seen += totals[-1]
+        if acc.scaler is not None:
+            line["loss_scale"] = float(acc.scaler.get_scale())
+        if torch.cuda.is_available():
+            line["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        self._reset()
+        return line
+
+
+    def log(self, metrics: MetricsLog, state, lr: float, grad_norm: float, optimizer, steps_per_epoch: int) -> None:
+        """The train line after step `state.global_step` (collective): epoch (from 1), step, the window's means, the
+        step's lr (and the other param groups' as lr_1, ...), its pre-clip grad_norm (mean over processes), the
+        skipped steps so far; the trackers get the fractional epoch."""
+        line = {"epoch": state.epoch + 1, "step": state.global_step, **self.line(), "lr": lr, "grad_norm": grad_norm,
+                "skipped_steps": state.skipped_steps, **{f"lr_{i}": g["lr"] for i, g in enumerate(optimizer.param_groups[1:], 1)}}
+        metrics.log(line, step=state.global_step, tracker_epoch=state.epoch + state.step_in_epoch / steps_per_epoch)
+        logger.info("epoch %d step %d: %s", line["epoch"], line["step"], ", ".join(
+            f"{k} {v:.4g}" for k, v in line.items() if k not in ("epoch", "step", "data_time_fraction")))
+
+
+def compile_summary() -> str | None:
+    """What torch.compile did in this process: graphs compiled, frames left to eager; None when nothing compiled."""
+    from torch._dynamo.utils import counters
+
+    if not (graphs := counters["stats"].get("unique_graphs", 0)):
+        return None
+    failed = counters["frames"].get("total", 0) - counters["frames"].get("ok", 0)
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    return (f"torch.compile: {graphs} graph(s) compiled" + (f", {failed} frame(s) left to eager" if failed else "")
+            + (f"; at torch._dynamo's recompile limit ({limit}): shapes past it run eagerly (TORCH_LOGS=recompiles "
+               "says why each recompile happened)" if graphs >= limit else ""))
+
+
+def summary_lines(output_dir: str, metric: str, elapsed_s: float, state, best: dict | None, final: dict | None,
+                  images_seen: float, weights: dict[str, str], also: tuple[str, ...] = ()) -> list[str]:
+    """The end-of-run summary: where the weights (`weights`: {folder name: what it holds}, those that exist), the
+    checkpoints, the metrics, the evaluation's files and the trackers' are; the mean throughput; last, the verdict:
+    time, steps, best `metric` (best/'s epoch and step from its record `best`), the `final` evaluation's `metric`
+    and `also` stats."""
+    def there(*names):
+        return [os.path.join(output_dir, n) + "/" * os.path.isdir(os.path.join(output_dir, n)) for n in names
+                if os.path.exists(os.path.join(output_dir, n))]
+
+    held = [f"{os.path.join(output_dir, n)}/ ({what})" for n, what in weights.items()
+            if os.path.isdir(os.path.join(output_dir, n))]
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    lines = ["weights: " + (", ".join(held) or "none") + (f"; checkpoints: {checkpoints}" * os.path.isdir(checkpoints))]
+    files = there("predictions_val.json", "predictions_val.csv", "plots", "samples")
+    lines.append(f"metrics: {os.path.join(output_dir, 'metrics.jsonl')}" + (f"; evaluation: {', '.join(files)}" * bool(files)))
+    trackers = ([f"tensorboard --logdir {os.path.join(output_dir, 'tensorboard')}"] * bool(there("tensorboard"))
+                + [f"wandb sync {os.path.join(output_dir, 'wandb', 'offline-run-*')} (offline run)"]
+                * bool(glob.glob(os.path.join(output_dir, "wandb", "offline-run-*"))))
+    if trackers:
+        lines.append("trackers: " + "; ".join(trackers))
+    if images_seen:
+        lines.append(f"mean throughput {images_seen / elapsed_s:.1f} images/s (all processes)")
+    if line := compile_summary():
+        lines.append(line)
+    lines.append(f"run finished in {elapsed_s / 60:.1f} min: {state.global_step} steps, {state.skipped_steps} skipped; "
+                 f"best {metric} {state.best_metric:.4f}" + (f" (epoch {best['epoch']}, step {best['step']})" if best else "")
+                 + "".join(f", {'final ' * (k == metric)}{k} {final[k]:.4f}" for k in (metric, *also) if k in (final or {})))
+    return lines
