@@ -385,7 +385,7 @@ def start_prediction(args):
     """The Accelerator of a predict script (CPU or GPU, any number of processes) and its log,
     `OUTPUT_DIR/predict.log` on the main process. Reads `args.output_dir`, `args.mixed_precision`, `args.cpu`,
     `args.verbose`."""
-    from .engine.tracking import make_accelerator, setup_logging
+    from .engine import make_accelerator, setup_logging
 
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator = make_accelerator(args.mixed_precision, 1, "none", args.output_dir, cpu=args.cpu)
@@ -398,7 +398,7 @@ def prediction_error(message) -> SystemExit:
     goes to predict.log, and the returned SystemExit carries `error: message` on the first process (Python prints
     it to stderr, exit code 1). The other processes get a silent exit 1 once the first has ended, so a 2-process
     launch prints the line once. Use as `raise prediction_error(e) from None`."""
-    from .engine.flags import first_process, wait_for_the_first_process
+    from .engine import first_process, wait_for_the_first_process
 
     logger.error("%s", message, extra={"console": False})  # the console gets the SystemExit's line
     if first_process():
