@@ -37,8 +37,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
                      report_to: str = "none", output_dir: str = ".", seed: int = 0, verbose: bool = False,
-                     compile_backend: str | None = None, compile_mode: str = "default"):
-    """The `Accelerator` both scripts run on: the CPU without CUDA (2+ processes: DDP over gloo); seedable samplers
+                     compile_backend: str | None = None, compile_mode: str = "default", cpu: bool = False):
+    """The `Accelerator` the scripts run on: the CPU without CUDA or with `cpu` (2+ processes: DDP over gloo); seedable samplers
     (epoch e's order is a function of (seed, e) on every rank: disjoint shards, the same order after a resume);
     `mixed_precision` None takes the accelerate config's; the trackers of `report_to` (`resolve_trackers`);
     `compile_backend`: accelerate compiles the prepared model (TorchDynamoPlugin, around DDP's wrapper)."""
@@ -46,7 +46,7 @@ def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_s
     from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, set_seed
 
     accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision,
+        cpu=cpu or not torch.cuda.is_available(), mixed_precision=mixed_precision,
         gradient_accumulation_steps=gradient_accumulation_steps, log_with=resolve_trackers(report_to, verbose) or None,
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
