@@ -62,6 +62,10 @@ def decode_candidates(
     """
     B, A, K = cls_logits.shape
     device = cls_logits.device
+    # top-k, sigmoid and threshold in float32 whatever dtype the logits come in (bf16 logits near -4.6 step by 0.03:
+    # the ranking would be ties); the model's own head gives float32 in eval mode (`RetinaNetHead._output`), and for
+    # float32 logits this is no copy
+    cls_logits = cls_logits.float()
     # Only the top-k runs per level (a level's candidates compete among themselves); gather, decode and
     # sigmoid then run once over the candidates of all levels.
     top_all, flat_all = [], []
@@ -79,7 +83,7 @@ def decode_candidates(
     anchor_idx = flat // K
     deltas = box_deltas.gather(1, anchor_idx.unsqueeze(-1).expand(-1, -1, 4))
     boxes = box_coder.decode(deltas, anchors[anchor_idx])
-    scores = torch.cat(top_all, dim=1).float().sigmoid()
+    scores = torch.cat(top_all, dim=1).sigmoid()
     labels = flat % K
     img = torch.arange(B, device=device).unsqueeze(1).expand_as(flat)
     sizes = image_sizes.to(device=device, dtype=torch.float32)
@@ -106,8 +110,8 @@ def decode_detections(
     """Decode a batch of head outputs into detections.
 
     Args:
-        cls_logits: [B, A, K] logits.
-        box_deltas: [B, A, 4] deltas.
+        cls_logits: [B, A, K] logits, any float dtype (decoded in float32).
+        box_deltas: [B, A, 4] deltas, any float dtype (decoded in float32).
         anchors: [A, 4] float32 xyxy pixels of the padded input, ordered level -> y -> x -> anchor.
         num_anchors_per_level: A_l of each level (from `AnchorGenerator`), summing to A.
         image_sizes: [B, 2] (height, width) of each resized image before padding; boxes are clipped to it.

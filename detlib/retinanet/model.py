@@ -32,6 +32,8 @@ HEAD_NORMS = ("none", "gn")
 
 # The strides the FPN takes from the backbone: C3, C4, C5.
 BACKBONE_REDUCTIONS = (8, 16, 32)
+# Devices whose autocast the heads' float32 output leaves (`RetinaNetHead._output`); a meta tensor has none.
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu")
 
 
 def _prior_bias(p: float) -> float:
@@ -87,14 +89,28 @@ class RetinaNetHead(nn.Module):
         nn.init.constant_(self.out.bias, _prior_bias(bias_prior))
 
     def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
-        """features: list of [B, C, H_l, W_l]. Returns [B, sum_l H_l * W_l * A, out_per_anchor]."""
+        """features: list of [B, C, H_l, W_l]. Returns [B, sum_l H_l * W_l * A, out_per_anchor]: float32 in eval mode
+        whatever the autocast precision (`_output`), the autocast dtype in training."""
         outs = []
         for f in features:
-            o = self.out(self.tower(f))  # [B, A * k, H, W]
+            o = self._output(self.tower(f))  # [B, A * k, H, W]
             b, _, h, w = o.shape
             # -> [B, H, W, A, k] -> [B, H*W*A, k]: the level -> y -> x -> anchor order of the anchors.
             outs.append(o.view(b, -1, self.out_per_anchor, h, w).permute(0, 3, 4, 1, 2).reshape(b, -1, self.out_per_anchor))
         return torch.cat(outs, dim=1)
+
+    def _output(self, x: torch.Tensor) -> torch.Tensor:
+        # Under autocast the output conv would return bf16 / fp16, and its logits are the scores: ranked, thresholded
+        # and compared by the evaluation. bf16 keeps 8 bits of mantissa, so logits near the prior's -4.6 step by 0.03
+        # and an early model's scores fall onto a few values, ties that AP breaks at random (seen: AP 0.0021 in fp32,
+        # 0.0000 in bf16, all 400 detections one score). So in eval mode (evaluation, predict, export) the output
+        # conv runs in float32 at every precision (the towers stay in the autocast dtype); in training the focal loss
+        # is computed in float32 from the logits anyway (loss.py) and the conv keeps the autocast dtype's speed.
+        kind = x.device.type
+        if self.training or kind not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(kind):
+            return self.out(x)
+        with torch.autocast(kind, enabled=False):
+            return self.out(x.float())
 
 
 def build_backbone(name: str, pretrained: bool = False, weights_path: str | None = None) -> nn.Module:
@@ -300,7 +316,8 @@ class RetinaNet(nn.Module):
 
     Input: images [B, 3, H, W], uint8 or float in [0, 255], RGB, H and W multiples of 32 (see anchors).
     Output: dict with
-        cls_logits: [B, A_total, K] logits (dtype of the autocast context),
+        cls_logits: [B, A_total, K] logits (float32 in eval mode at every autocast precision; in training the
+            autocast context's dtype),
         box_deltas: [B, A_total, 4] deltas for `detlib.retinanet.box_coder.decode`,
     with A_total = sum over P3..P7 of H_l * W_l * num_anchors, ordered level -> y -> x -> anchor.
     """

@@ -1,0 +1,158 @@
+"""E cases of prediction and evaluation (../shared/cases/README.md, "E cases"): scores in float32 at every precision
+(E24), videos that yield no frame or end early (E14), a local folder that hides a Hub repo id (E18). Inputs are
+built from the real COCO subset."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import COCO_SUBSET, needs_coco_subset
+from helpers import fresh_accelerate, load_script, run_main
+
+# ---- E24: scores and decoding in float32 whatever the precision
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SMALL_DETECTOR = {"num_classes": 80, "backbone": "resnet18", "fpn_channels": 32}
+
+
+def val_subset(n: int = 6) -> dict:
+    """The first `n` images of the subset's val json, normalised, with their annotations."""
+    from detlib.datacheck.coco import check_coco
+
+    gt = check_coco(str(COCO_SUBSET / "annotations" / "instances_val.json"), None, split="val", check_images=False).dataset
+    gt["images"] = gt["images"][:n]
+    ids = {im["id"] for im in gt["images"]}
+    gt["annotations"] = [a for a in gt["annotations"] if a["image_id"] in ids]
+    return gt
+
+
+@pytest.fixture(scope="module")
+def early_detector():
+    """A seeded, freshly initialised RetinaNet on the subset's 80 classes (what an early evaluation scores: every
+    logit near the prior's -4.6) and 6 val images at 128 px in batches of 3."""
+    from detlib.data.coco import CocoDetection, collate_detection
+    from detlib.data.transforms import build_transform
+    from detlib.retinanet.model import build_retinanet_from_config
+
+    torch.manual_seed(0)
+    model = build_retinanet_from_config(SMALL_DETECTOR).eval()
+    gt = val_subset()
+    ds = CocoDetection(str(COCO_SUBSET / "images"), gt, build_transform(128, "none", None), train=False)
+    return model, gt, list(torch.utils.data.DataLoader(ds, batch_size=3, collate_fn=collate_detection))
+
+
+def evaluate_at(model, gt: dict, batches: list, dtype) -> tuple[list[dict], dict, set]:
+    """(COCO results with score threshold 0, the 12 stats, the head outputs' dtypes) of `model` under
+    torch.autocast("cpu", dtype) (None: float32), decoded as the training script's evaluation decodes."""
+    from detlib.evaluation.coco import detections_to_coco, evaluate_coco
+    from detlib.labels import CategoryMap
+    from detlib.retinanet import anchor_generator_from_config, decode_detections
+
+    category_map = CategoryMap([c["id"] for c in gt["categories"]], [c["name"] for c in gt["categories"]])
+    anchor_gen = anchor_generator_from_config(SMALL_DETECTOR)
+    results, dtypes = [], set()
+    for b in batches:
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            out = model(b["images"])
+        dtypes |= {out["cls_logits"].dtype, out["box_deltas"].dtype}
+        anchors, counts = anchor_gen(*b["images"].shape[-2:], device="cpu")
+        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, b["image_sizes"], b["scales"],
+                                 score_thresh=0.0)
+        for i, d in enumerate(dets.per_image(len(b["image_ids"]))):
+            iid = int(b["image_ids"][i])
+            results += detections_to_coco(d["boxes"], d["scores"], category_map.to_category_ids(d["labels"]), iid)
+    stats, _ = evaluate_coco(gt, results)
+    return results, stats, dtypes
+
+
+def by_rank(results: list[dict]) -> list[dict]:
+    return sorted(results, key=lambda r: (r["image_id"], -r["score"], r["category_id"], r["bbox"]))
+
+
+@needs_coco_subset
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_case_e24_reduced_precision_evaluation_scores_in_fp32_and_gives_the_fp32_ap(early_detector, precision):
+    model, gt, batches = early_detector
+    ref, ref_stats, ref_dtypes = evaluate_at(model, gt, batches, None)
+    got, stats, dtypes = evaluate_at(model, gt, batches, PRECISIONS[precision])
+    assert ref_dtypes == dtypes == {torch.float32}  # the heads' outputs, inside autocast too
+    assert len(got) == len(ref) == 600  # threshold 0: each image its 100 best
+    # before: every logit rounded to one bf16 / fp16 value (-4.59375), so all 600 detections had one score and AP 0.0
+    distinct = len({r["score"] for r in ref})
+    assert distinct > 20 and len({r["score"] for r in got}) >= 0.9 * distinct
+    assert ref_stats["AP"] > 0 and ref_stats["AP50"] > 0
+    for key in ("AP", "AP50", "AR100"):  # the same AP as fp32 within the towers' rounding
+        assert stats[key] == pytest.approx(ref_stats[key], rel=0.15), key
+    # the detections: scores in rank order within 1e-5 of fp32's, nearly every box the same
+    score_gap = max(abs(a["score"] - b["score"]) for a, b in zip(by_rank(ref), by_rank(got)))
+    assert score_gap < 1e-5
+    assert paired(ref, got) >= 0.9 * len(ref)
+
+
+def paired(ref: list[dict], got: list[dict], tol: float = 0.5) -> int:
+    """How many detections of `ref` have one in `got` of the same image and class with a box within `tol` px (the
+    order of equal scores is arbitrary, so detections are paired by what they are, not by rank)."""
+    pool: dict[tuple, list] = {}
+    for r in got:
+        pool.setdefault((r["image_id"], r["category_id"]), []).append(np.asarray(r["bbox"]))
+    return sum(any(np.abs(b - np.asarray(r["bbox"])).max() <= tol for b in pool.get((r["image_id"], r["category_id"]), []))
+               for r in ref)
+
+
+@needs_coco_subset
+def test_case_e24_prepared_bf16_model_as_the_training_evaluation_runs_it_scores_in_fp32(early_detector):
+    """The training script evaluates the model accelerate prepared: its forward wrapped in autocast (bf16) and its
+    outputs cast to float32 afterwards, which cannot bring back what bf16 rounded away."""
+    import copy
+
+    from accelerate import Accelerator
+
+    model, gt, batches = early_detector
+    fresh_accelerate()
+    try:
+        prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(copy.deepcopy(model)).eval()
+        with torch.no_grad():
+            logits = prepared(batches[0]["images"])["cls_logits"]
+        with torch.no_grad():
+            ref = model(batches[0]["images"])["cls_logits"]
+    finally:
+        fresh_accelerate()
+    assert logits.dtype == torch.float32
+    assert len(torch.unique(logits)) > 0.5 * len(torch.unique(ref))  # before: a handful of bf16 values
+    assert (logits - ref).abs().max() < 1e-3
+
+
+@needs_coco_subset
+def test_case_e24_predict_under_bf16_writes_the_fp32_detections(early_detector, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    model, _, _ = early_detector
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights / "model.safetensors"))
+    (weights / "model_config.json").write_text(json.dumps({**SMALL_DETECTOR, "image_size": 128, "max_size": None}))
+    source = tmp_path / "photos"
+    source.mkdir()
+    for im in val_subset(3)["images"]:
+        os.symlink(COCO_SUBSET / "images" / im["file_name"], source / im["file_name"])
+    out = {}
+    for precision in ("no", "bf16"):
+        fresh_accelerate()
+        try:
+            code, _, err = run_main("predict_retinanet", ["--weights", weights, "--source", source, "--output_dir",
+                                                          tmp_path / precision, "--score_thresh", "0", "--no_images",
+                                                          "--num_workers", "0", "--mixed_precision", precision], capsys)
+        finally:
+            fresh_accelerate()
+        assert code == 0, err
+        out[precision] = by_rank(json.loads((tmp_path / precision / "predictions.json").read_text()))
+    assert len(out["bf16"]) == len(out["no"]) == 300
+    assert len({r["score"] for r in out["bf16"]}) >= 0.9 * len({r["score"] for r in out["no"]}) > 20
+    assert max(abs(a["score"] - b["score"]) for a, b in zip(out["no"], out["bf16"])) < 1e-5
