@@ -18,6 +18,7 @@ import argparse
 import glob
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -395,14 +396,16 @@ def start_prediction(args):
 
 def prediction_error(message) -> SystemExit:
     """The exit of a predict script on an error every process finds alike (weights, source, thresholds): the line
-    goes to predict.log, and the returned SystemExit carries `error: message` on the first process (Python prints
-    it to stderr, exit code 1). The other processes get a silent exit 1 once the first has ended, so a 2-process
-    launch prints the line once. Use as `raise prediction_error(e) from None`."""
+    goes to predict.log and, on the first process, to stderr (one process: as the returned SystemExit's text); on
+    several processes they all meet after it is printed (`wait_for_the_first_process`), so the line is printed once
+    and never lost. Use as `raise prediction_error(e) from None`."""
     from .engine import first_process, wait_for_the_first_process
 
-    logger.error("%s", message, extra={"console": False})  # the console gets the SystemExit's line
-    if first_process():
+    logger.error("%s", message, extra={"console": False})  # the console gets the line below
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return SystemExit(f"error: {message}")
+    if first_process():
+        print(f"error: {message}", file=sys.stderr, flush=True)
     wait_for_the_first_process()
     return SystemExit(1)
 

@@ -8,8 +8,8 @@ resume with `--resume_from_checkpoint latest`. Launchers report a worker's code 
 (slurm/ reads it to requeue).
 
 A stop prints one line, last, from the first process: `error: ...`, or `stopped: ...` for a preemption or a
-refusal. The other processes print nothing and wait for the launcher to end them (`wait_for_the_first_process`):
-exiting first, they would have torchrun stop the first process before its line is out.
+refusal. Every process of a launch stops together, and they meet after the line is out
+(`wait_for_the_first_process`): a process that exited first would have torchrun stop the first before it printed.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ LOCK_FILE = "run.lock"
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "best", "last")
 OTHER_RUN_FILES = ("last_ema", "train.log", "predictions_val.json", "predictions_val.csv", "tensorboard", "wandb",
                    "run_status.json", "data_report.json", "plots", "samples")
-STOP_GRACE_S = 10.0  # the longest a process other than the first waits for the launcher to end it
 # A Ctrl-C reaches a process twice at once (from the terminal and forwarded by the launcher): only a SIGINT a
 # second or more after the first is the user's second Ctrl-C, which stops at once.
 SECOND_SIGINT_AFTER_S = 1.0
@@ -73,20 +72,26 @@ def first_process() -> bool:
 
 
 def wait_for_the_first_process() -> None:
-    """On a process other than the first, before it exits on a stop the first one prints: wait (at most STOP_GRACE_S)
-    for the launcher, which ends every process once the first has exited. SIGINT and SIGTERM are left to their
-    default action meanwhile, so the launcher's SIGTERM ends this process without a line of its own."""
-    if first_process():
+    """Every process of a launch calls it once the first has printed a stop's line, then exits: they meet (a barrier
+    on the launch's process group, made now if the run has none yet), so none exits before the line is out. SIGINT
+    and SIGTERM take their default action meanwhile: a launcher stopping this process ends it without a line."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-    time.sleep(STOP_GRACE_S)
+    _meet()
+
+
+def _meet() -> None:
+    from accelerate import PartialState
+
+    PartialState().wait_for_everyone()
 
 
 def stop(message: str, code: int = 2):
-    """A stop before the run exists (flags, files named on the command line): the first process prints
-    `error: message`; every process exits with `code`."""
+    """A stop before the run exists (flags, files named on the command line), found alike by every process: the
+    first prints `error: message`; every process exits with `code`."""
     if first_process():
         print(f"error: {message}", file=sys.stderr, flush=True)
     wait_for_the_first_process()
@@ -253,6 +258,10 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
         try:
             stop_dataloader_workers(accelerator._dataloaders)  # persistent workers would live on to the interpreter's exit
             finish_trackers(accelerator, output_dir)
+            if stopped is not None:  # the last line, after the trackers' own end lines
+                if is_main:
+                    print(f"{stopped.word}: {stopped}", file=sys.stderr, flush=True)
+                wait_for_the_first_process()
             accelerator.end_training()
         finally:
             for sig, handler in signals.items():
@@ -260,9 +269,6 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
             if is_main:
                 release_lock(output_dir)
     if stopped is not None:
-        if is_main:
-            print(f"{stopped.word}: {stopped}", file=sys.stderr, flush=True)
-        wait_for_the_first_process()
         raise SystemExit(stopped.code)
 
 
