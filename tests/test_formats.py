@@ -222,13 +222,13 @@ def test_voc_objects_without_name_or_box_and_xml_without_size(tmp_path):
     (root / "Annotations" / "a.xml").write_text(xml)
     report = report_of(root)
     assert finding(report, "without 4 numbers in <bndbox>").count == 2
-    assert finding(report, "without a <name>").examples == ["a"]
+    assert finding(report, "without a <name>").examples == ["a.xml object 3"]  # each object named by file and index
     assert finding(report, "without a usable <size>").examples == ["a.jpg"]
     assert "written 0-based" not in report.format()  # b's xmin 1 is VOC's first pixel
     xml = (root / "Annotations" / "b.xml").read_text().replace("<xmin>1</xmin>", "<xmin>0</xmin>")
     (root / "Annotations" / "b.xml").write_text(xml)
     report = report_of(root)
-    assert finding(report, "written 0-based").examples == ["b cat"]
+    assert finding(report, "written 0-based").examples == ["b.xml object 1 (cat)"]
     assert report.ok and report.summaries["train"]["annotations"] == 1
 
 
@@ -284,14 +284,15 @@ def test_yolo_class_ids_outside_names_bad_rows_pixels_and_orphan_labels_are_each
     (root / "labels" / "train" / "gone.txt").write_text("0 0.5 0.5 0.2 0.4\n")
     (root / "labels" / "train" / "classes.txt").write_text("cat\ndog\n")  # LabelImg's class list: not a label file
     report = report_of(root)
-    bad_class = finding(report, "class id is not one of names (0..1)")
-    assert bad_class.examples == ["../../labels/train/a.txt:2 (class 2)", "../../labels/train/a.txt:3 (class -1)"]
-    assert finding(report, "duplicate label rows").examples == ["../../labels/train/a.txt:4"]
+    bad_class = finding(report, "class id is not one of names (0..1)")  # an error (E09): label files named from the root
+    assert bad_class.level == "error"
+    assert bad_class.examples == ["labels/train/a.txt:2 (class 2)", "labels/train/a.txt:3 (class -1)"]
+    assert finding(report, "duplicate label rows").examples == ["labels/train/a.txt:4"]
     assert finding(report, "not `class cx cy w h`").count == 3
-    assert finding(report, "pixels instead of normalised").examples == ["../../labels/train/b.txt:3"]
+    assert finding(report, "pixels instead of normalised").examples == ["labels/train/b.txt:3"]
     orphan = finding(report, "label files without an image")
     assert orphan.level == "warning" and orphan.examples == [str(root / "labels" / "train" / "gone.txt")]
-    assert report.ok and report.summaries["train"]["annotations"] == 1
+    assert report.errors == [bad_class] and report.summaries["train"]["annotations"] == 1
 
 
 def test_yolo_yaml_faults_are_one_line_errors(tmp_path):

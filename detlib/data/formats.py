@@ -9,9 +9,8 @@ Layouts (`data_dir_paths` finds which one a folder holds; `detect_format`):
         devkit's VOC2007 / VOC2012 folder, or any set in that layout (LabelImg, CVAT's "Pascal VOC" export)
   yolo  ROOT/data.yaml with `names` (a list, or {index: name}) and `train:` / `val:` (an image folder, searched
         recursively, a .txt list of image paths, or a list of them; relative to the yaml's `path:`, else to the
-        yaml's folder); each image's labels in the .txt beside it under `labels/` instead of `images/`
-        (ultralytics' `img2label_paths`), one `class cx cy w h` row per box, normalised to 0..1 (a polygon row
-        `class x1 y1 x2 y2 ...` gives its extent)
+        yaml's folder); one `class cx cy w h` row per box, normalised to 0..1 (a polygon row `class x1 y1 x2 y2
+        ...` gives its extent), in each image's label file (`yolo_label_files`, the rule below)
 
 What the conversion decides (boxes inside detlib are xyxy pixels; the COCO dicts carry COCO's xywh pixels):
 
@@ -22,8 +21,25 @@ What the conversion decides (boxes inside detlib are xyxy pixels; the COCO dicts
   detectron2 trains on them: `--include_crowd` does that). `truncated` is kept on the annotation and counted;
   a truncated object is a whole box of the visible part, nothing to repair.
 * VOC classes are the sorted names found in every xml of Annotations/ (all splits), numbered 1..K, so train,
-  val and an `--evaluate_only` run on val alone number them alike (the VOC 20 are alphabetical anyway).
-* YOLO classes keep their index as the category id (0..K-1), named by `names`.
+  val and an `--evaluate_only` run on val alone number them alike (the VOC 20 are alphabetical anyway). Two
+  spellings are one class when they differ only in case, spaces, `_` or `-` (`chair`, `Chair `, `CHAIR`;
+  `pottedplant`, `potted_plant`): the class takes its most frequent spelling (ties: the first in sorted order),
+  a repair names the merged ones (`class_key`). Names that stay apart but are close (`person`, `persons`) are a
+  warning. A class list (`class_names`, `read_class_names`) fixes the classes and their order instead; objects
+  of another name are dropped (a repair naming them).
+* VOC boxes with xmin > xmax or ymin > ymax are dropped, not swapped back (which corner is wrong cannot be known).
+  Every object a VOC finding names is `<id>.xml object <k> (<name>)`, k counting the xml's objects from 1.
+* YOLO classes keep their index as the category id (0..K-1), named by `names`. A row whose class id is not one
+  of them stops the run (an error naming `label file:line`, as ultralytics refuses the label). A set whose rows
+  use class 1 but never class 0 looks written from 1: when a row also has class K (one past `names`) that is
+  an error saying so; when every id is inside `names`, a warning (class 0 may simply be unused).
+* YOLO label files (`yolo_label_files`): the image's path with its last `/images/` made `/labels/` and the
+  extension `.txt` (ultralytics' `img2label_paths`), else the `.txt` beside the image (darknet's, CVAT's YOLO 1.1
+  and LabelImg's layout). labels/ wins where both exist. A label file read beside its image and one that a
+  labels/ file replaces are warnings, and a split where no image has either says where it looked: an image
+  never becomes background without a word.
+* Every converted annotation carries `_source`, its xml and object or its label file and line, by which the data
+  check names it (a box clipped or dropped there is named by its file, not by the annotation id given here).
 * Image ids: the file stems when all are distinct integers (COCO-style names), else 1..N in sorted order
   (VOC's own id then kept as `original_id`, which predictions carry).
 
@@ -34,10 +50,14 @@ image, counted), a label file without an image is warned about.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import math
 import os
+import re
 import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import dataclass
 
 from ..datacheck.coco import check_coco_data
 from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS, DataReport, Findings, publish_report, read_image_headers
@@ -63,21 +83,35 @@ VOC_FINDINGS = {
     "twice": ("repair", "ids", "ids listed twice in the split list: kept once"),
     "no_name": ("repair", "boxes", "objects without a <name>: dropped"),
     "no_bndbox": ("repair", "boxes", "objects without 4 numbers in <bndbox> (xmin, ymin, xmax, ymax): dropped"),
+    "corners": ("repair", "boxes", "boxes with xmin > xmax or ymin > ymax (corners swapped?): dropped"),
+    "not_listed": ("repair", "categories", "objects whose name is not in the class list: dropped"),
     "size_from_file": ("repair", "images", "xml without a usable <size>: width and height taken from the image file"),
     "zero_based": ("warning", "boxes", "boxes with xmin or ymin 0: VOC coordinates are 1-based, so they were "
                    "probably written 0-based (the data check clips them to the image)"),
 }
 VOC_UNLISTED = ("warning", "ids", "Annotations/*.xml in no ImageSets/Main list: not used")
+# Of the whole set (every xml), reported once.
+VOC_CLASS_FINDINGS = {
+    "merged": ("repair", "categories", "object names that differ only in case, spaces, _ or -: one class each, "
+               "named by its most frequent spelling"),
+    "close": ("warning", "categories", "class names close to another (a typo or a plural?), kept apart"),
+}
+# Two class names whose difflib ratio reaches this are named as close (`person` / `persons` 0.92, `cat` / `car` 0.67).
+CLOSE_NAME_RATIO = 0.85
 YOLO_FINDINGS = {
     "no_image": ("repair", "images", "images listed that do not exist: left out"),
     "twice": ("repair", "ids", "images listed twice: kept once"),
     "bad_row": ("repair", "boxes", "label rows that are not `class cx cy w h` numbers (or a polygon): dropped"),
-    "bad_class": ("repair", "categories", "label rows whose class id is not one of names (0..{last}): dropped"),
+    "bad_class": ("error", "categories", "label rows whose class id is not one of names (0..{last}): no class of "
+                  "the model is theirs (fix the id, or the names)"),
     "not_normalised": ("repair", "boxes", "label rows with coordinates outside 0..1 (pixels instead of normalised?): "
                        "dropped"),
     "duplicate_row": ("repair", "boxes", "duplicate label rows: kept once"),
     "unreadable_label": ("repair", "images", "label files that cannot be read as text: the image left out"),
     "orphan_label": ("warning", "images", "label files without an image: not used"),
+    "beside": ("warning", "images", "label files beside their images, not under labels/: read (ultralytics reads only "
+               "labels/)"),
+    "shadowed": ("warning", "images", "label files beside their images that the image's labels/ file replaces: not used"),
 }
 
 
@@ -183,7 +217,8 @@ def _yolo_split(root: str, name: str) -> tuple[str, str]:
 
 
 def read_split(fmt: str, annotations: str, split_name: str, *, report: DataReport, split: str,
-               cache_file: str | None = None, progress: bool = True) -> dict:
+               cache_file: str | None = None, progress: bool = True, classes: VocClasses | None = None,
+               class_rows: Counter | None = None) -> dict:
     """One split of a VOC or YOLO set as a COCO-format dict (checked afterwards by `detlib.datacheck.coco.check_coco`).
 
     Args:
@@ -193,19 +228,24 @@ def read_split(fmt: str, annotations: str, split_name: str, *, report: DataRepor
         split_name: the split's own name (VOC: the list's, YOLO: the yaml key).
         report, split: the report and the split name ("train", "val") its findings are added under.
         cache_file, progress: of the image header pass (`read_image_headers`; YOLO needs every image's size).
+        classes: VOC: the set's classes (`voc_classes`; default: found in the xml files, their findings added
+            under `split`).
+        class_rows: YOLO: counts the label rows of each class id (out-of-range ones too) into it, for the
+            set-level check of ids written from 1 (`read_data_dir_splits`).
     Returns:
         {"info", "licenses", "images", "annotations", "categories"}: images {"id", "file_name" (relative to the
         split's image folder of `data_dir_paths`), "width", "height"}; annotations {"id", "image_id",
-        "category_id", "bbox" [x, y, w, h] pixels, "area", "iscrowd"} (+ VOC's "difficult", "truncated").
+        "category_id", "bbox" [x, y, w, h] pixels, "area", "iscrowd", "_source"} (+ VOC's "difficult",
+        "truncated").
     Raises:
         FileNotFoundError: the split list, yaml or a folder it names is missing.
         ValueError: a yaml that does not say what the layout needs (names, the split).
     """
     if fmt == "voc":
-        return read_voc_split(annotations, report=report, split=split, cache_file=cache_file)
+        return read_voc_split(annotations, report=report, split=split, cache_file=cache_file, classes=classes)
     if fmt == "yolo":
         return read_yolo_split(annotations, split_name, report=report, split=split, cache_file=cache_file,
-                               progress=progress)
+                               progress=progress, class_rows=class_rows)
     raise ValueError(f"read_split reads voc and yolo sets, not {fmt!r}")
 
 
@@ -251,17 +291,94 @@ def _parse_voc_xml(path: str):
         return None
 
 
-def voc_class_names(root: str) -> list[str]:
-    """The sorted object names of every Annotations/*.xml of a VOC root (unparsable files skipped)."""
-    names = set()
+def class_key(name: str) -> str:
+    """What the spellings of one class name share: the name without case, spaces, `_` and `-` (`Chair ` ->
+    `chair`, `Potted_Plant` -> `pottedplant`). The rule by which VOC names (and a class list) are one class."""
+    return re.sub(r"[\s_-]+", "", name).casefold() or name.casefold()
+
+
+def read_class_names(text: str) -> list[str]:
+    """A class list (the scripts' `--class_names`): a file with one name a line (blank lines and `#` comments
+    skipped), or the names separated by commas.
+
+    Raises:
+        ValueError: no name, or two names that are one class by `class_key` (both named).
+    """
+    if os.path.isfile(text):
+        with open(text, encoding="utf-8") as f:
+            names = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    else:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+    return _checked_class_list(names, text)
+
+
+def _checked_class_list(names: list[str], what: str) -> list[str]:
+    if not names:
+        raise ValueError(f"class list {what!r} names no class")
+    seen: dict[str, str] = {}
+    for n in names:
+        if class_key(n) in seen:
+            raise ValueError(f"class list {what!r}: {seen[class_key(n)]!r} and {n!r} are one class (names are compared "
+                             "without case, spaces, _ and -)")
+        seen[class_key(n)] = n
+    return names
+
+
+@dataclass
+class VocClasses:
+    """The classes of a VOC set (`voc_classes`): `names` in id order (ids 1..K), `ids` {class_key: id}, and the set's
+    findings by VOC_CLASS_FINDINGS key ({"merged": [...], "close": [...]})."""
+
+    names: list[str]
+    ids: dict[str, int]
+    findings: dict[str, list[str]]
+
+    def add_to(self, report: DataReport, split: str) -> None:
+        found = Findings(VOC_CLASS_FINDINGS)
+        for key, examples in self.findings.items():
+            found[key].extend(examples)
+        found.add_to(report, split)
+
+
+def voc_classes(root: str, class_names: list[str] | None = None) -> VocClasses:
+    """The classes of a VOC root: by default the names of every Annotations/*.xml (unparsable files skipped), the
+    spellings of one class (`class_key`) merged under the most frequent one, sorted; or `class_names` in its order.
+
+    Raises:
+        ValueError: `class_names` holds two names of one class (`read_class_names`).
+    """
+    spellings: dict[str, Counter] = {}
     for f in glob.glob(os.path.join(root, "Annotations", "*.xml")):
         r = _parse_voc_xml(f)
         if r is not None:
-            names.update(n for n in (_text(o, "name") for o in r.iter("object")) if n)
-    return sorted(names)
+            for n in (_text(o, "name") for o in r.iter("object")):
+                if n:
+                    spellings.setdefault(class_key(n), Counter())[n] += 1
+    if class_names is None:
+        chosen = {k: min(c, key=lambda n: (-c[n], n)) for k, c in spellings.items()}
+        names = sorted(chosen.values())
+    else:
+        names = _checked_class_list([str(n).strip() for n in class_names], ", ".join(map(str, class_names)))
+        chosen = {class_key(n): n for n in names}
+    merged = [f"{' / '.join(repr(s) for s in sorted(c) if s != chosen[k])} -> {chosen[k]!r} "
+              f"({sum(v for s, v in c.items() if s != chosen[k])} objects)"
+              for k, c in sorted(spellings.items()) if k in chosen and set(c) != {chosen[k]}]
+    close = []
+    if len(names) <= 500:  # pairwise: a second at 500 classes
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                if difflib.SequenceMatcher(None, a.casefold(), b.casefold()).ratio() >= CLOSE_NAME_RATIO:
+                    close.append(f"{a!r} ~ {b!r}")
+    return VocClasses(names, {class_key(n): k for k, n in enumerate(names, 1)}, {"merged": merged, "close": close})
 
 
-def read_voc_split(listing: str, *, report: DataReport, split: str, cache_file: str | None = None) -> dict:
+def voc_class_names(root: str) -> list[str]:
+    """The classes of every Annotations/*.xml of a VOC root, in id order (`voc_classes`)."""
+    return voc_classes(root).names
+
+
+def read_voc_split(listing: str, *, report: DataReport, split: str, cache_file: str | None = None,
+                   classes: VocClasses | None = None) -> dict:
     """A VOC split list (ImageSets/Main/<split>.txt) and its xml files as a COCO dict (see `read_split`)."""
     root = _voc_root(listing)
     with open(listing) as f:
@@ -274,8 +391,9 @@ def read_voc_split(listing: str, *, report: DataReport, split: str, cache_file: 
         else:
             seen.add(i)
             ids.append(i)
-    names = voc_class_names(root)
-    cat_of = {n: k for k, n in enumerate(names, 1)}
+    if classes is None:
+        classes = voc_classes(root)
+        classes.add_to(report, split)
     parsed = []
     for vid in ids:
         xml = os.path.join(root, "Annotations", f"{vid}.xml")
@@ -301,27 +419,35 @@ def read_voc_split(listing: str, *, report: DataReport, split: str, cache_file: 
         if im["width"] is None or im["height"] is None:
             need_size.append(im)
         images.append(im)
-        for obj in r.iter("object"):
+        for k, obj in enumerate(r.iter("object"), 1):
             name = _text(obj, "name")
+            where = f"{vid}.xml object {k}" + (f" ({name})" if name else "")
             if name is None:
-                found["no_name"].append(vid)
+                found["no_name"].append(where)
                 continue
             box = obj.find("bndbox")
-            xyxy = [_number(box, k) for k in ("xmin", "ymin", "xmax", "ymax")]
+            xyxy = [_number(box, c) for c in ("xmin", "ymin", "xmax", "ymax")]
             if None in xyxy:
-                found["no_bndbox"].append(f"{vid} {name}")
+                found["no_bndbox"].append(where)
+                continue
+            if xyxy[2] < xyxy[0] or xyxy[3] < xyxy[1]:
+                found["corners"].append(where)
+                continue
+            cid = classes.ids.get(class_key(name))
+            if cid is None:
+                found["not_listed"].append(where)
                 continue
             if xyxy[0] == 0 or xyxy[1] == 0:
-                found["zero_based"].append(f"{vid} {name}")
+                found["zero_based"].append(where)
             # 1-based inclusive pixel indices -> pixel coordinates (detectron2's load_voc_instances)
             x1, y1, x2, y2 = xyxy[0] - 1.0, xyxy[1] - 1.0, xyxy[2], xyxy[3]
             is_difficult = int(_number(obj, "difficult") or 0) == 1
             is_truncated = int(_number(obj, "truncated") or 0) == 1
             difficult += is_difficult
             truncated += is_truncated
-            annotations.append({"image_id": iid, "category_id": cat_of[name], "bbox": [x1, y1, x2 - x1, y2 - y1],
+            annotations.append({"image_id": iid, "category_id": cid, "bbox": [x1, y1, x2 - x1, y2 - y1],
                                 "area": max(x2 - x1, 0.0) * max(y2 - y1, 0.0), "iscrowd": int(is_difficult),
-                                "difficult": int(is_difficult), "truncated": int(is_truncated)})
+                                "difficult": int(is_difficult), "truncated": int(is_truncated), "_source": where})
     if need_size:
         image_dir = os.path.join(root, "JPEGImages")
         for im, (status, fw, fh, _) in zip(need_size, read_image_headers(
@@ -332,7 +458,7 @@ def read_voc_split(listing: str, *, report: DataReport, split: str, cache_file: 
     found.add_to(report, split)
     report.summaries[f"{split} (voc)"] = {"list": listing, "difficult (ignored, as crowd)": difficult,
                                           "truncated": truncated}
-    categories = [{"id": k, "name": n} for n, k in cat_of.items()]
+    categories = [{"id": k, "name": n} for k, n in enumerate(classes.names, 1)]
     return _dataset(images, annotations, categories, f"converted from Pascal VOC {listing}")
 
 
@@ -413,10 +539,20 @@ def _yolo_image_entries(cfg: dict, yaml_path: str, key: str) -> list[str]:
 
 
 def yolo_label_path(image_path: str) -> str:
-    """The label file of an image: the last `/images/` of its path becomes `/labels/`, the extension `.txt`
-    (ultralytics' `img2label_paths`)."""
+    """The label file of an image under labels/: the last `/images/` of its path becomes `/labels/`, the extension
+    `.txt` (ultralytics' `img2label_paths`)."""
     sa, sb = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
     return os.path.splitext(sb.join(image_path.rsplit(sa, 1)))[0] + ".txt"
+
+
+def yolo_label_files(image_path: str) -> tuple[str | None, str | None]:
+    """(the label file read for an image, a label file beside it that is not read, or None): the labels/ file
+    (`yolo_label_path`) when it exists, else the `.txt` beside the image (same folder and stem: darknet's, CVAT's
+    YOLO 1.1 and LabelImg's layout). The one rule for where YOLO labels are (see the module docstring)."""
+    under, beside = yolo_label_path(image_path), os.path.splitext(image_path)[0] + ".txt"
+    if os.path.isfile(under):
+        return under, beside if beside != under and os.path.isfile(beside) else None
+    return (beside, None) if os.path.isfile(beside) else (None, None)
 
 
 def _yolo_images(entries: list[str], found: Findings) -> list[str]:
@@ -451,14 +587,16 @@ def _yolo_images(entries: list[str], found: Findings) -> list[str]:
 
 
 def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str, cache_file: str | None = None,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, class_rows: Counter | None = None) -> dict:
     """The `key` split of a YOLO data set (its yaml) as a COCO dict (see `read_split`).
 
     Every image's size comes from its header (YOLO labels are normalised), read once and cached in `cache_file`,
-    where the data check's image pass then finds it.
+    where the data check's image pass then finds it. Label files are named relative to the set's root (the
+    yaml's `path:`), rows as `file:line` from 1.
     """
     cfg = read_yolo_yaml(yaml_path)
     names = cfg["names"]
+    base = _yolo_base(cfg, yaml_path)
     entries = _yolo_image_entries(cfg, yaml_path, key)
     found = Findings(YOLO_FINDINGS)
     files = _yolo_images(entries, found)
@@ -466,21 +604,27 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
         os.path.commonpath([os.path.dirname(p) for p in files]) if files else os.path.dirname(entries[0]))
     heads = read_image_headers(files, progress=progress, cache_file=cache_file)
     image_ids, _ = _image_ids([os.path.splitext(os.path.basename(p))[0] for p in files])
+    class_rows = Counter() if class_rows is None else class_rows
     images, annotations = [], []
-    background = 0
+    background = labelled = 0
     for path, iid, (status, fw, fh, orientation) in zip(files, image_ids, heads):
         # the boxes are normalised to the image as shown (ultralytics applies the EXIF turn, exif_size)
         sw, sh = (fh, fw) if status == "ok" and orientation in (5, 6, 7, 8) else (fw, fh)
         im = {"id": iid, "file_name": os.path.relpath(path, folder), "width": sw if status == "ok" else None,
               "height": sh if status == "ok" else None}
-        label = yolo_label_path(path)
+        label, unused = yolo_label_files(path)
+        if unused:
+            found["shadowed"].append(os.path.relpath(unused, base))
         rows = None
-        if os.path.isfile(label):
+        if label is not None:
+            labelled += 1
+            if label != yolo_label_path(path):
+                found["beside"].append(os.path.relpath(label, base))
             try:
                 with open(label) as f:
                     rows = [line.split() for line in f if line.strip()]
             except (OSError, UnicodeDecodeError):
-                found["unreadable_label"].append(os.path.relpath(label, folder))
+                found["unreadable_label"].append(os.path.relpath(label, base))
                 continue
         images.append(im)
         if not rows:
@@ -490,8 +634,8 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
             continue  # the image check reports the file; its boxes go with it
         seen_rows = set()
         for n, row in enumerate(rows, 1):
-            where = f"{os.path.relpath(label, folder)}:{n}"
-            box = _yolo_row(row, len(names), found, where)
+            where = f"{os.path.relpath(label, base)}:{n}"
+            box = _yolo_row(row, len(names), found, where, class_rows)
             if box is None:
                 continue
             if tuple(row) in seen_rows:
@@ -504,17 +648,22 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
             bw = min(bw, sw - x1) if x1 + bw > sw and x1 + bw - sw < 1e-6 * sw else bw
             bh = min(bh, sh - y1) if y1 + bh > sh and y1 + bh - sh < 1e-6 * sh else bh
             annotations.append({"image_id": iid, "category_id": cls, "bbox": [x1, y1, bw, bh], "area": bw * bh,
-                                "iscrowd": 0})
+                                "iscrowd": 0, "_source": where})
     found["orphan_label"].extend(_yolo_orphan_labels(entries, files))
     found.add_to(report, split, last=len(names) - 1)
+    if files and not labelled:  # every image background: say where the labels were looked for
+        report.add("warning", "images", split, "no image has a label file, so every image is background: looked for "
+                   f"{os.path.relpath(yolo_label_path(files[0]), base)} and {os.path.relpath(os.path.splitext(files[0])[0], base)}"
+                   ".txt (and the same for each image)", count=len(files))
     report.summaries[f"{split} (yolo)"] = {"yaml": yaml_path, "split": key, "images without a label file or rows "
                                            "(background)": background}
     categories = [{"id": k, "name": names[k]} for k in sorted(names)]
     return _dataset(images, annotations, categories, f"converted from YOLO {yaml_path} ({key})")
 
 
-def _yolo_row(row: list[str], num_classes: int, found: Findings, where: str):
-    """(class, cx, cy, w, h) normalised of a label row; None (with its finding) when it is dropped."""
+def _yolo_row(row: list[str], num_classes: int, found: Findings, where: str, class_rows: Counter):
+    """(class, cx, cy, w, h) normalised of a label row; None (with its finding) when it is dropped. Counts the row's
+    class id into `class_rows` (out-of-range ones too)."""
     try:
         values = [float(v) for v in row]
     except ValueError:
@@ -524,6 +673,7 @@ def _yolo_row(row: list[str], num_classes: int, found: Findings, where: str):
         found["bad_row"].append(where)
         return None
     cls = int(values[0])
+    class_rows[cls] += 1
     if not 0 <= cls < num_classes:
         found["bad_class"].append(f"{where} (class {cls})")
         return None
@@ -562,32 +712,75 @@ def _yolo_orphan_labels(entries: list[str], files: list[str]) -> list[str]:
 
 
 def read_data_dir_splits(paths: dict, splits: dict[str, str], *, report: DataReport, cache_file: str | None = None,
-                         progress: bool = True) -> dict[str, dict]:
+                         progress: bool = True, class_names: list[str] | None = None) -> dict[str, dict]:
     """The COCO dicts of a VOC or YOLO `data_dir_paths` result, by report split: {"train": ..., "val": ...} for
     the splits whose annotations `paths` holds; {} for a COCO set (its json files are read by the check).
 
+    The faults of the whole set are reported once, under the first split read: VOC's unlisted xml files and
+    merged or close class names, YOLO's class ids written from 1 (`yolo_shifted_ids`).
     Args:
         splits: {"train": train split name, "val": val split name} (VOC list names, YOLO yaml keys).
+        class_names: a VOC set's classes in id order (the scripts' `--class_names`, `read_class_names`); None:
+            the names its xml files use.
+    Raises:
+        ValueError: `class_names` for a set that is not VOC (a YOLO set's classes are its yaml's `names`), or a
+            class list naming one class twice.
     """
     fmt = paths["format"]
+    if class_names is not None and fmt != "voc":
+        raise ValueError(f"a class list is read for a VOC set only: a {fmt.upper()} set names its classes itself"
+                         + (" (data.yaml's names)" if fmt == "yolo" else " (its json's categories)"))
     if fmt == "coco":
         return {}
+    read = [s for s in ("train", "val") if paths.get(f"{s}_annotations")]
+    if not read:
+        return {}
+    first = read[0]
+    classes = voc_classes(_voc_root(paths[f"{first}_annotations"]), class_names) if fmt == "voc" else None
+    class_rows: Counter = Counter()
     out = {}
-    for split in ("train", "val"):
-        if paths.get(f"{split}_annotations"):
-            out[split] = read_split(fmt, paths[f"{split}_annotations"], splits[split] or DEFAULT_SPLITS[fmt][split == "val"],
-                                    report=report, split=split, cache_file=cache_file, progress=progress)
-    if fmt == "voc" and out:  # a fault of the data set, not of a split: reported once
-        report.add(VOC_UNLISTED[0], VOC_UNLISTED[1], next(iter(out)), VOC_UNLISTED[2],
-                   _voc_unlisted(_voc_root(paths[f"{next(iter(out))}_annotations"])))
+    for split in read:
+        out[split] = read_split(fmt, paths[f"{split}_annotations"], splits[split] or DEFAULT_SPLITS[fmt][split == "val"],
+                                report=report, split=split, cache_file=cache_file, progress=progress, classes=classes,
+                                class_rows=class_rows)
+    if fmt == "voc":  # faults of the data set, not of a split: reported once
+        report.add(VOC_UNLISTED[0], VOC_UNLISTED[1], first, VOC_UNLISTED[2],
+                   _voc_unlisted(_voc_root(paths[f"{first}_annotations"])))
+        classes.add_to(report, first)
+    else:
+        names = read_yolo_yaml(paths[f"{first}_annotations"])["names"]
+        shifted = yolo_shifted_ids(class_rows, names)
+        if shifted:
+            level, message, rows = shifted
+            report.add(level, "categories", first, message, count=rows)
     return out
+
+
+def yolo_shifted_ids(class_rows: Counter, names: dict[int, str]) -> tuple[str, str, int] | None:
+    """(level, message, rows) when the label rows' class ids look written from 1 instead of 0, else None.
+
+    The rule: the rows use class 1 and never class 0. Then when a row has class K = len(names), one past the
+    last name, the set is refused (an error: every box would train under the name of the class before its own,
+    and the rows of class K have none); when every id is inside `names` it is said (a warning: class 0 may
+    simply have no box).
+    """
+    if not class_rows or 0 in class_rows or min(class_rows) != 1:
+        return None
+    k, top = len(names), max(class_rows)
+    if top == k:
+        return ("error", f"class ids look written from 1, not 0: no label row has class 0 and {class_rows[k]} rows "
+                f"have class {k}, one past names (0..{k - 1}); subtract 1 from every class id (ultralytics counts "
+                "from 0)", class_rows[k])
+    return ("warning", f"no label row has class 0 ({names[0]!r}) while rows of classes 1..{top} do: if the labels "
+            "count from 1, every box trains under the name of the class before its own (then subtract 1 from every "
+            "class id)", 1)
 
 
 def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images: bool = True,
                             max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
                             is_main: bool = True, data_format: str = "coco",
                             splits: dict[str, str | None] | None = None,
-                            include_crowd: bool = False) -> tuple[dict | None, dict]:
+                            include_crowd: bool = False, class_names: list[str] | None = None) -> tuple[dict | None, dict]:
     """The training script's data check in one call: `check_coco_data` + `publish_report`.
 
     Every process runs it, so every process holds the same repaired data without sending it around (the json
@@ -596,7 +789,8 @@ def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images
     other processes find them: read once per run when `output_dir` is on a disk all machines share (otherwise the
     processes of the other machines read them again).
     A VOC or YOLO set (`data_format`; `paths` from `detlib.data.formats.data_dir_paths`, `splits` its split names) is
-    converted first (`detlib.data.formats.read_data_dir_splits`), its own faults in the same report.
+    converted first (`detlib.data.formats.read_data_dir_splits`, with `class_names` for a VOC set), its own faults
+    in the same report.
     Returns:
         (train normalised json or None, val normalised json).
     Raises:
@@ -605,9 +799,9 @@ def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images
     cache = os.path.join(output_dir, "image_header_cache.json") if output_dir and check_images else None
     report = DataReport(strict)
     converted = {}
-    if data_format != "coco":
+    if data_format != "coco" or class_names is not None:  # a class list for a COCO json: refused there
         converted = read_data_dir_splits({**paths, "format": data_format}, splits or {"train": None, "val": None},
-                                         report=report, cache_file=cache, progress=is_main)
+                                         report=report, cache_file=cache, progress=is_main, class_names=class_names)
     train, val, report = check_coco_data(paths, check_images=check_images, max_image_pixels=max_image_pixels,
                                          strict=strict, progress=is_main, cache_file=cache, converted=converted,
                                          report=report, include_crowd=include_crowd)

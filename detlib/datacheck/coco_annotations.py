@@ -127,7 +127,9 @@ class _AnnotationCheck:
         """`a` with its image / category id, bbox, area and iscrowd repaired (a new dict when anything
         changed, else `a` itself); None when it is dropped."""
         n_strings = len(self.strings)
-        aid = a.get("id")
+        # the examples name an annotation by its id, or by where a converted one came from (a VOC xml and object, a
+        # YOLO label file and line: `detlib.data.formats`), which its given id means nothing to
+        aid = a.get("_source", a.get("id"))
         iid = a.get("image_id")
         nid = self.by_int.get(iid) if type(iid) is int else self._image_of(iid)
         im = self.images.get(nid)
