@@ -1,0 +1,170 @@
+"""Annotation errors worth a look: where a confident detection contradicts the ground truth.
+
+From the final evaluation's detections, per image (COCO's greedy class-aware matching at IoU `iou`: detections by
+decreasing score, each to the unmatched ground-truth box of its class it overlaps most, crowd boxes never matched):
+
+  wrong_class    an unmatched box whose region a detection of another class covers (IoU >= `iou`), that detection
+                 itself unmatched: the box's class is likely wrong (the detection's class suggested).
+  badly_placed   an unmatched box that an unmatched detection of its own class overlaps only partly
+                 (`min_overlap` <= IoU < `iou`): the box is likely misplaced (the detection's box suggested).
+  missing_box    an unmatched detection that no box explains (IoU < `iou` with every box of every class, and not
+                 inside a crowd region: IoA < `iou`): an object is likely unannotated.
+
+Every detection and every box is used for one entry at most (wrong_class first, then badly_placed). Entries are
+ranked by the score of the detection that contradicts the annotation, highest first: a trained detector is rarely
+confidently wrong where its training labels were right, so the top of the list is where the labels are worth
+checking (the idea of cleanlab's object-detection label-quality scores and of hotcoco's `image_diagnostics`, which
+gives the first and third kinds; the second is ours). tests/test_evaluation_label_errors.py damages 5 % of the real
+subset's boxes (classes swapped, boxes dropped, boxes shifted by 40 %) and finds at least 80 % of them in the top 2k.
+
+Boxes are xyxy pixels inside; the entries give COCO xywh pixels and the json's own image and annotation ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+
+from ..files import write_json
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("wrong_class", "badly_placed", "missing_box")
+LABEL_ERRORS_FILE = "label_errors.json"
+
+
+def _xyxy(boxes) -> np.ndarray:
+    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    return np.concatenate([b[:, :2], b[:, :2] + b[:, 2:]], axis=1)
+
+
+def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[A, B] IoU of xyxy boxes (float64; pycocotools' IoU for boxes, without its crowd variant)."""
+    lt = np.maximum(a[:, None, :2], b[None, :, :2])
+    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod(np.clip(rb - lt, 0, None), axis=2)
+    area_a = np.prod(a[:, 2:] - a[:, :2], axis=1)
+    area_b = np.prod(b[:, 2:] - b[:, :2], axis=1)
+    union = area_a[:, None] + area_b[None, :] - inter
+    return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
+
+
+def _ioa(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[A, B] share of each box of `a` inside each box of `b` (pycocotools' IoU against a crowd box)."""
+    lt = np.maximum(a[:, None, :2], b[None, :, :2])
+    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
+    inter = np.prod(np.clip(rb - lt, 0, None), axis=2)
+    area_a = np.prod(a[:, 2:] - a[:, :2], axis=1)
+    return np.where(area_a[:, None] > 0, inter / np.where(area_a[:, None] > 0, area_a[:, None], 1), 0.0)
+
+
+def find_label_errors(gt_dataset: dict, results: list[dict], image_ids=None, score_thresh: float = 0.3,
+                      iou: float = 0.5, min_overlap: float = 0.1, max_detections: int = 100,
+                      category_names: dict | None = None) -> list[dict]:
+    """The ranked list of likely annotation errors (see the module docstring).
+
+    Args:
+        gt_dataset: the ground truth as a COCO dict (`bbox` xywh px, `category_id`, `iscrowd`, `id`).
+        results: COCO results of the same images (xywh px, `category_id`, `score`, `image_id`).
+        image_ids: the images to look at (default: all of `gt_dataset`).
+        score_thresh: detections below it are not evidence (and not matched).
+        iou: the match threshold (COCO's AP50 one); min_overlap: below it a detection touches no box.
+        max_detections: per image, the highest-scoring detections kept (COCO's 100).
+        category_names: {category id: name}; default the json's.
+    Returns:
+        [{"rank": 1.., "type": one of `KINDS`, "score": the detection's score, "image_id", "annotation_id" (None for
+        missing_box), "category": the annotated class name (None for missing_box), "suggested_category": the
+        detection's class name, "annotated_bbox": xywh px or None, "suggested_bbox": xywh px (the detection's),
+        "iou": IoU of the two boxes (missing_box: the largest IoU with any box)}], highest score first; ties by type, image, annotation id.
+    """
+    names = category_names or {c["id"]: str(c.get("name", c["id"])) for c in gt_dataset["categories"]}
+    ids = sorted(int(i) for i in (image_ids if image_ids is not None else (im["id"] for im in gt_dataset["images"])))
+    wanted = set(ids)
+    gts: dict[int, list[dict]] = {i: [] for i in ids}
+    for a in gt_dataset["annotations"]:
+        if a["image_id"] in wanted:
+            gts[a["image_id"]].append(a)
+    dts: dict[int, list[dict]] = {i: [] for i in ids}
+    for r in results:
+        if r["image_id"] in wanted and r["score"] >= score_thresh:
+            dts[r["image_id"]].append(r)
+    found = []
+    for iid in ids:
+        d = sorted(dts[iid], key=lambda r: -r["score"])[:max_detections]  # stable: ties keep the results' order
+        g = gts[iid]
+        if not d:
+            continue
+        crowd = np.array([bool(a.get("iscrowd", 0)) for a in g], dtype=bool)
+        g_box, d_box = _xyxy([a["bbox"] for a in g]), _xyxy([r["bbox"] for r in d])
+        g_cls = np.array([a["category_id"] for a in g])
+        d_cls = np.array([r["category_id"] for r in d])
+        overlap = _iou(d_box, g_box) if len(g) else np.zeros((len(d), 0))  # [D, G]
+        g_used = crowd.copy()  # crowd boxes are never matched nor reported
+        d_used = np.zeros(len(d), dtype=bool)
+        for j in range(len(d)):  # COCO's greedy matching: best unmatched box of the detection's class
+            cand = np.where(~g_used & (g_cls == d_cls[j]) & (overlap[j] >= iou))[0] if len(g) else []
+            if len(cand):
+                k = cand[np.argmax(overlap[j, cand])]
+                g_used[k] = d_used[j] = True
+        for kind in ("wrong_class", "badly_placed"):
+            for j in range(len(d)):
+                if d_used[j] or not len(g):
+                    continue
+                same = g_cls == d_cls[j]
+                mask = ~g_used & ((~same & (overlap[j] >= iou)) if kind == "wrong_class"
+                                  else (same & (overlap[j] >= min_overlap) & (overlap[j] < iou)))
+                cand = np.where(mask)[0]
+                if not len(cand):
+                    continue
+                k = cand[np.argmax(overlap[j, cand])]
+                g_used[k] = d_used[j] = True
+                found.append(_entry(kind, d[j], g[k], float(overlap[j, k]), names))
+        inside_crowd = (_ioa(d_box, g_box[crowd]) >= iou).any(axis=1) if crowd.any() else np.zeros(len(d), dtype=bool)
+        for j in range(len(d)):
+            if not d_used[j] and not inside_crowd[j] and (not len(g) or overlap[j].max() < iou):
+                found.append(_entry("missing_box", d[j], None, float(overlap[j].max()) if len(g) else 0.0, names))
+    found.sort(key=lambda e: (-e["score"], KINDS.index(e["type"]), e["image_id"], e["annotation_id"] or 0))
+    for rank, e in enumerate(found, 1):
+        e["rank"] = rank
+    return found
+
+
+def _entry(kind: str, det: dict, ann: dict | None, overlap: float, names: dict) -> dict:
+    return {"rank": 0, "type": kind, "score": float(det["score"]), "image_id": det["image_id"],
+            "annotation_id": None if ann is None else ann.get("id"),
+            "category": None if ann is None else names.get(ann["category_id"], str(ann["category_id"])),
+            "suggested_category": names.get(det["category_id"], str(det["category_id"])),
+            "annotated_bbox": None if ann is None else [float(v) for v in ann["bbox"]],
+            "suggested_bbox": [float(v) for v in det["bbox"]], "iou": overlap}
+
+
+def original_ids(errors: list[dict], id_map: dict) -> list[dict]:
+    """The entries with the json's own image ids (`CocoEvaluator.original_ids`: renumbered -> original)."""
+    if not id_map:
+        return errors
+    return [dict(e, image_id=id_map.get(e["image_id"], e["image_id"])) for e in errors]
+
+
+def write_label_errors(path: str, errors: list[dict], settings: dict | None = None) -> str:
+    """`label_errors.json`: {"counts": {kind: n}, "settings": ..., "errors": the ranked list}; returns `path`."""
+    counts = {k: sum(e["type"] == k for e in errors) for k in KINDS}
+    return write_json({"counts": counts, "settings": settings or {}, "errors": errors}, path)
+
+
+def format_label_errors(errors: list[dict], top: int = 5) -> str:
+    """A log summary: the count of each kind and the `top` entries, one line each."""
+    counts = ", ".join(f"{k} {sum(e['type'] == k for e in errors)}" for k in KINDS)
+    lines = [f"likely label errors: {len(errors)} ({counts})"]
+    for e in errors[:top]:
+        what = {"wrong_class": f"box {e['annotation_id']} '{e['category']}' looks like '{e['suggested_category']}'",
+                "badly_placed": f"box {e['annotation_id']} '{e['category']}' misplaced (IoU {e['iou']:.2f})",
+                "missing_box": f"unannotated '{e['suggested_category']}' at {[round(v) for v in e['suggested_bbox']]}"}
+        lines.append(f"  #{e['rank']} image {e['image_id']}: {what[e['type']]} (score {e['score']:.2f})")
+    return "\n".join(lines)
+
+
+def load_label_errors(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["errors"]
