@@ -173,36 +173,42 @@ def shard_batches(num_items: int, batch_size: int, rank: int, world_size: int) -
     return batches[rank::world_size]
 
 
-def predict_videos(paths: list[str], predict: Callable[[int], list[dict]], rank: int, world_size: int
-                   ) -> tuple[dict[int, list[dict]], dict[int, str]]:
+def predict_videos(paths: list[str], predict: Callable[[int], tuple[list[dict], str | None]], rank: int,
+                   world_size: int) -> tuple[dict[int, list[dict]], dict[int, str]]:
     """This process's videos, each whole on one process (video v on process v % `world_size`), as `shard_batches`
     splits the images.
 
-    `predict(v)`: the rows of video `paths[v]`, raising ValueError when it cannot be decoded as a video.
-    Returns ({v: predict(v)} of this process's readable videos, {v: "path (unreadable video)"} of the others, each
-    logged once as a warning: the lines skipped.txt lists them by, `write_skipped`; keyed by v, so the merged lines
-    keep the input order whatever the number of processes).
+    `predict(v)`: (the rows of video `paths[v]`, None or why not every frame was read: `VideoFrames.problem()`),
+    raising ValueError when the file yields no frame (unreadable, no video stream, no frame decoded).
+    Returns ({v: rows} of this process's videos with a frame, {v: skipped.txt line} of the others and of those that
+    ended early, each logged once as a warning; keyed by v, so the merged lines keep the input order whatever the
+    number of processes).
     """
     rows: dict[int, list[dict]] = {}
-    unreadable: dict[int, str] = {}
+    skipped: dict[int, str] = {}
     for v in range(rank, len(paths), world_size):
         try:
-            rows[v] = predict(v)
-        except ValueError as e:  # not a readable video: listed like an unreadable image
+            rows[v], problem = predict(v)
+        except ValueError as e:  # no frame to predict: listed like an unreadable image
             logger.warning("skipping unreadable video: %s", e)
-            unreadable[v] = f"{paths[v]} (unreadable video)"
-    return rows, unreadable
+            skipped[v] = f"{paths[v]} (unreadable video)"
+            continue
+        if problem:  # its frames are predicted; the rest of the file is not
+            logger.warning("video %s %s: its frames up to there are predicted", paths[v], problem)
+            skipped[v] = f"{paths[v]} (video {problem})"
+    return rows, skipped
 
 
 def write_skipped(output_dir: str, skipped: list[str]) -> str:
-    """`output_dir/skipped.txt`: one line per input a prediction left out ("path (why)": unreadable, unsupported),
-    empty when none was (main process); a warning line counts them and names the first. Returns the file's path."""
+    """`output_dir/skipped.txt`: one line per input a prediction left out or did not read in full ("path (why)":
+    unreadable, unsupported, a video that ended early), empty when none was (main process); a warning line counts
+    them and names the first. Returns the file's path."""
     path = os.path.join(output_dir, "skipped.txt")
     with atomic_write(path) as f:
         f.write("".join(f"{p}\n" for p in skipped))
     if skipped:
-        logger.warning("skipped %d files, unreadable or unsupported (listed in %s/skipped.txt), e.g. %s", len(skipped),
-                       output_dir, skipped[:3])
+        logger.warning("skipped %d files, unreadable, unsupported or read in part (listed in %s/skipped.txt), e.g. %s",
+                       len(skipped), output_dir, skipped[:3])
     return path
 
 

@@ -35,7 +35,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from detlib.classification import classification_transform
-from detlib.data import INSTALL_HINT, av_available, video_frames, video_info, worker_loader_kwargs
+from detlib.data import INSTALL_HINT, av_available, video_frames, worker_loader_kwargs
 from detlib.engine import int_at_least
 from detlib.files import atomic_write, write_json
 from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_media_files, load_classifier, output_names,
@@ -91,17 +91,18 @@ def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int,
 
 
 def classify_video(path: str, name: str, model, transform, classes: list[str], k: int, batch_size: int, accelerator
-                   ) -> list[dict]:
-    """One row per frame: {"file_name", "frame" (from 0), "time" (seconds), "topk"}, frames batched `batch_size` at a
-    time in order. Raises ValueError when the file cannot be decoded as a video."""
+                   ) -> tuple[list[dict], str | None]:
+    """(one row per frame: {"file_name", "frame" (from 0), "time" (seconds), "topk"}, frames batched `batch_size` at a
+    time in order; None, or why the file was not read to its end: `VideoFrames.problem()`). Raises ValueError when
+    the file yields no frame."""
     from PIL import Image
 
     out = []
     frames = video_frames(path)
-    info = video_info(path)
-    bar = tqdm(total=info["frames"], desc=f"video {name}", unit="frame", leave=False,
+    bar = tqdm(total=frames.declared, desc=f"video {name}", unit="frame", leave=False,
                disable=not accelerator.is_local_main_process)
-    while chunk := list(itertools.islice(frames, batch_size)):
+    stream = iter(frames)
+    while chunk := list(itertools.islice(stream, batch_size)):
         images = torch.stack([transform(Image.fromarray(rgb)) for _, _, rgb in chunk]).to(accelerator.device)
         with accelerator.autocast():
             logits = model(images)
@@ -111,7 +112,9 @@ def classify_video(path: str, name: str, model, transform, classes: list[str], k
                         "topk": [{"class": classes[a], "prob": b} for a, b in zip(c, p)]})
         bar.update(len(chunk))
     bar.close()
-    return out
+    if not out:
+        raise ValueError(f"{path}: {frames.problem()}")
+    return out, frames.problem()
 
 
 @torch.no_grad()

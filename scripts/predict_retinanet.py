@@ -47,7 +47,7 @@ from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from detlib.data import (INSTALL_HINT, CocoDetection, VideoWriter, av_available, build_transform, collate_detection,
-                         data_dir_paths, read_data_dir_splits, video_frames, video_info, worker_loader_kwargs)
+                         data_dir_paths, read_data_dir_splits, video_frames, worker_loader_kwargs)
 from detlib.datacheck import DataReport, check_coco
 from detlib.engine import float_range, int_at_least
 from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, drawing_scale,
@@ -215,19 +215,20 @@ def ignored_flags(args, coco_source: bool) -> list[str]:
 
 
 def predict_video(args, path: str, name: str, out_name: str, detect, transform, names: dict[int, str],
-                  quiet: bool) -> list[dict]:
+                  quiet: bool) -> tuple[list[dict], str | None]:
     """A video's detections frame by frame: OUT/videos/<out_name>.mp4 with the detections >= --draw_thresh drawn,
     OUT/json/<out_name>.json (--save_json_per_image: one entry per frame, an image's json with `frame` and `time`).
-    Returns the COCO results of every frame, each with `file_name`, `frame` (from 0), `time` (seconds) and
-    `image_id` = the frame index. Raises ValueError when the file cannot be decoded as a video."""
-    info = video_info(path)
-    writer = None if args.no_images else VideoWriter(os.path.join(args.output_dir, "videos", out_name + ".mp4"),
-                                                     info["fps"])
-    results, per_frame = [], []
-    bar = tqdm(total=info["frames"], desc=f"video {name}", unit="frame", disable=quiet, leave=False)
+    Returns (the COCO results of every frame, each with `file_name`, `frame` (from 0), `time` (seconds) and
+    `image_id` = the frame index; None, or why the file was not read to its end: `VideoFrames.problem()`).
+    Raises ValueError when the file yields no frame (then nothing is written for it)."""
     frames = video_frames(path)
+    writer = None if args.no_images else VideoWriter(os.path.join(args.output_dir, "videos", out_name + ".mp4"),
+                                                     frames.fps)
+    results, per_frame = [], []
+    bar = tqdm(total=frames.declared, desc=f"video {name}", unit="frame", disable=quiet, leave=False)
+    stream = iter(frames)
     try:
-        while chunk := list(itertools.islice(frames, args.batch_size)):
+        while chunk := list(itertools.islice(stream, args.batch_size)):
             batch = collate_detection([detection_item(rgb, transform, i) for i, _, rgb in chunk])
             for (i, t, rgb), res in zip(chunk, detect(batch)):
                 for r in res:
@@ -245,12 +246,16 @@ def predict_video(args, path: str, name: str, out_name: str, detect, transform, 
     finally:
         bar.close()
         if writer is not None:
-            writer.close()
+            writer.close()  # no frame: nothing was opened, no file
+    problem = frames.problem()
+    if not per_frame:
+        raise ValueError(f"{path}: {problem}")
     if args.save_json_per_image:
         write_json(per_frame, os.path.join(args.output_dir, "json", out_name + ".json"), indent=1)
-    logger.info("video %s: %d frames (%.1f fps), %d detections%s", name, len(per_frame), info["fps"], len(results),
+    logger.info("video %s: %d%s frames (%.1f fps), %d detections%s", name, len(per_frame),
+                f" of {frames.declared}" if problem and frames.declared else "", frames.fps, len(results),
                 "" if writer is None else f", drawn into {os.path.join(args.output_dir, 'videos', out_name + '.mp4')}")
-    return results
+    return results, problem
 
 
 def per_image_detection(r: dict, names: dict[int, str]) -> dict:

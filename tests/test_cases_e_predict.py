@@ -4,6 +4,7 @@ built from the real COCO subset."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -156,3 +157,124 @@ def test_case_e24_predict_under_bf16_writes_the_fp32_detections(early_detector, 
     assert len(out["bf16"]) == len(out["no"]) == 300
     assert len({r["score"] for r in out["bf16"]}) >= 0.9 * len({r["score"] for r in out["no"]}) > 20
     assert max(abs(a["score"] - b["score"]) for a, b in zip(out["no"], out["bf16"])) < 1e-5
+
+
+# ---- E14: damaged videos
+
+needs_av = pytest.mark.skipif(importlib.util.find_spec("av") is None, reason="needs PyAV (pip install av)")
+VIDEO_FPS = 5
+
+
+def write_clip(path: Path, frames: int, faststart: bool = False) -> Path:
+    """A 96 x 64 MPEG-4 clip of a real photo panning right by 2 px a frame (0 frames: a stream that holds none)."""
+    import av
+
+    photo = np.asarray(Image.open(COCO_SUBSET / "images" / "000000000790.jpg").convert("RGB").resize((160, 106)))
+    c = av.open(str(path), mode="w", options={"movflags": "faststart"} if faststart else {})
+    s = c.add_stream("mpeg4", rate=VIDEO_FPS)
+    s.width, s.height, s.pix_fmt = 96, 64, "yuv420p"
+    c.start_encoding()
+    for i in range(frames):
+        for packet in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(photo[20:84, 2 * i: 2 * i + 96]),
+                                                          format="rgb24")):
+            c.mux(packet)
+    for packet in s.encode():
+        c.mux(packet)
+    c.close()
+    return path
+
+
+def cut(path: Path, fraction: float) -> Path:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * fraction)])
+    return path
+
+
+@pytest.fixture(scope="module")
+def damaged_videos(tmp_path_factory) -> Path:
+    """clip.mp4 (10 frames, intact), empty.avi (a video stream without a frame), cut.mp4 (30 frames, its index at
+    the start, the file cut to 40%: one frame decodes) and cut.avi (30 frames, cut in half)."""
+    folder = tmp_path_factory.mktemp("videos")
+    write_clip(folder / "clip.mp4", 10)
+    write_clip(folder / "empty.avi", 0)
+    cut(write_clip(folder / "cut.mp4", 30, faststart=True), 0.4)
+    cut(write_clip(folder / "cut.avi", 30), 0.5)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_detector(tmp_path_factory) -> Path:
+    from safetensors.torch import save_file
+
+    from detlib.retinanet.model import build_retinanet_from_config
+
+    folder = tmp_path_factory.mktemp("detector")
+    config = {"num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
+              "category_ids": [1, 2, 3], "category_names": ["cat", "dog", "bird"]}
+    torch.manual_seed(0)
+    model = build_retinanet_from_config(config).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "model_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier(tmp_path_factory) -> Path:
+    from safetensors.torch import save_file
+
+    from detlib.classification import build_classifier
+
+    folder = tmp_path_factory.mktemp("classifier")
+    torch.manual_seed(0)
+    model = build_classifier("resnet18", 2).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "model_config.json").write_text(json.dumps({"model": "resnet18", "num_classes": 2, "classes": ["cat", "dog"],
+                                                          "image_size": 32}))
+    return folder
+
+
+@needs_coco_subset
+@needs_av
+def test_case_e14_damaged_videos_are_named_in_skipped_txt_and_nothing_unwritten_is_announced(
+        damaged_videos, tiny_detector, tmp_path, capsys):
+    from detlib.data.video import video_frames
+
+    out = tmp_path / "out"
+    code, _, err = run_main("predict_retinanet", ["--weights", tiny_detector, "--source", damaged_videos, "--output_dir",
+                                                  out, "--score_thresh", "0", "--num_workers", "0", "--batch_size", "4",
+                                                  "--save_json_per_image"], capsys)
+    assert code == 0, err
+    src = str(damaged_videos)
+    assert (out / "skipped.txt").read_text().splitlines() == [
+        f"{src}/cut.avi (video ended early: 1 of 30 frames decoded (the file is cut short?))",
+        f"{src}/cut.mp4 (video ended early: 1 of 30 frames decoded (the file is cut short?))",
+        f"{src}/empty.avi (unreadable video)"]
+    # the intact clip and the cut ones' decoded frames are predicted and drawn; nothing for the empty one
+    frames = {(r["file_name"], r["frame"]) for r in json.loads((out / "predictions.json").read_text())}
+    assert frames == {("clip.mp4", i) for i in range(10)} | {("cut.avi", 0), ("cut.mp4", 0)}
+    assert sorted(p.name for p in (out / "videos").iterdir()) == ["clip.mp4", "cut.avi.mp4", "cut.mp4.mp4"]
+    assert sum(1 for _ in video_frames(str(out / "videos" / "cut.mp4.mp4"))) == 1
+    assert sorted(p.name for p in (out / "json").iterdir()) == ["clip.json", "cut.avi.json", "cut.mp4.json"]
+    log = (out / "predict.log").read_text()
+    for line in log.splitlines():  # every drawn video the log announces is on disk
+        if "drawn into" in line:
+            assert Path(line.rsplit("drawn into ", 1)[1].strip()).is_file(), line
+    assert "empty.avi: no frame could be decoded" in log and "video cut.mp4: 1 of 30 frames" in log
+    assert f"video {src}/cut.mp4 ended early: 1 of 30 frames decoded" in log
+
+
+@needs_coco_subset
+@needs_av
+def test_case_e14_classifier_names_damaged_videos_in_skipped_txt(damaged_videos, tiny_classifier, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run_main("predict_catsdogs", ["--weights", tiny_classifier, "--source", damaged_videos, "--output_dir",
+                                                 out, "--num_workers", "0", "--batch_size", "4", "--topk", "1"], capsys)
+    assert code == 0, err
+    src = str(damaged_videos)
+    assert (out / "skipped.txt").read_text().splitlines() == [
+        f"{src}/cut.avi (video ended early: 1 of 30 frames decoded (the file is cut short?))",
+        f"{src}/cut.mp4 (video ended early: 1 of 30 frames decoded (the file is cut short?))",
+        f"{src}/empty.avi (unreadable video)"]
+    rows = json.loads((out / "predictions.json").read_text())
+    assert [(r["file_name"], r["frame"]) for r in rows] == [("clip.mp4", i) for i in range(10)] + [("cut.avi", 0),
+                                                                                                   ("cut.mp4", 0)]

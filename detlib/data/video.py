@@ -44,42 +44,79 @@ def require_av():
 def video_info(path: str) -> dict:
     """{"frames": int or None (when the container does not say), "fps": float, "width", "height"} of the first
     video stream. Raises ValueError naming the file when it holds no readable video stream."""
-    av = require_av()
-    try:
-        with av.open(path) as container:
-            if not container.streams.video:
-                raise ValueError(f"{path} holds no video stream")
-            s = container.streams.video[0]
-            rate = s.average_rate or s.guessed_rate or Fraction(25)
-            return {"frames": int(s.frames) or None, "fps": float(rate), "width": s.codec_context.width,
-                    "height": s.codec_context.height}
-    except av.FFmpegError as e:
-        raise ValueError(f"{path} is not a readable video ({type(e).__name__}: {e})") from None
+    v = VideoFrames(path)
+    v.close()
+    return {"frames": v.declared, "fps": v.fps, "width": v.width, "height": v.height}
 
 
-def video_frames(path: str) -> Iterator[tuple[int, float, np.ndarray]]:
-    """The frames of the first video stream in display order: (index from 0, time in seconds, [H, W, 3] uint8 RGB).
+def video_frames(path: str) -> "VideoFrames":
+    """The frames of a video file (`VideoFrames`: iterate it; afterwards `problem()` says whether every frame came).
+    Raises ValueError naming the file when it is not a readable video or holds no video stream."""
+    return VideoFrames(path)
+
+
+class VideoFrames:
+    """The frames of a video file's first video stream in display order, once: (index from 0, time in seconds,
+    [H, W, 3] uint8 RGB).
 
     The time is the frame's presentation time from the stream start (index / fps when the container has none).
-    Raises ValueError naming the file when it cannot be decoded (a frame that fails ends the video there).
+    A frame that fails to decode ends the iteration there, without raising: `problem()` then says so. The rule for
+    damaged videos: one that yields no frame is unreadable (the predict scripts skip it: skipped.txt and the log,
+    nothing written for it); one that ends before the frame count its container declares (a truncated file whose
+    index is at its start, "faststart"), or whose decoding fails after some frames, has its frames predicted and is
+    named in skipped.txt as ended early.
+
+    Attributes: `fps`, `width`, `height`, `declared` (the container's frame count; None when it does not say),
+    `decoded` (frames yielded so far).
+    Raises:
+        ValueError: naming the file, when it cannot be opened as a video or holds no video stream.
     """
-    av = require_av()
-    try:
-        container = av.open(path)
-    except av.FFmpegError as e:
-        raise ValueError(f"{path} is not a readable video ({type(e).__name__}: {e})") from None
-    with container:
-        if not container.streams.video:
-            raise ValueError(f"{path} holds no video stream")
-        stream = container.streams.video[0]
-        fps = float(stream.average_rate or stream.guessed_rate or 25)
-        start = stream.start_time or 0
+
+    def __init__(self, path: str):
+        av = require_av()
+        self.path = path
         try:
-            for i, frame in enumerate(container.decode(stream)):
-                t = float((frame.pts - start) * stream.time_base) if frame.pts is not None else i / fps
-                yield i, t, frame.to_ndarray(format="rgb24")
+            self._container = av.open(path)
         except av.FFmpegError as e:
-            raise ValueError(f"{path}: decoding stopped ({type(e).__name__}: {e})") from None
+            raise ValueError(f"{path} is not a readable video ({type(e).__name__}: {e})") from None
+        if not self._container.streams.video:
+            self._container.close()
+            raise ValueError(f"{path} holds no video stream")
+        self._stream = s = self._container.streams.video[0]
+        self.fps = float(s.average_rate or s.guessed_rate or 25)
+        self.width, self.height = s.codec_context.width, s.codec_context.height
+        self.declared = int(s.frames) or None
+        self.decoded = 0
+        self._stopped: str | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, float, np.ndarray]]:
+        av = require_av()
+        stream, start = self._stream, self._stream.start_time or 0
+        try:
+            for frame in self._container.decode(stream):
+                t = float((frame.pts - start) * stream.time_base) if frame.pts is not None else self.decoded / self.fps
+                rgb = frame.to_ndarray(format="rgb24")
+                self.decoded += 1
+                yield self.decoded - 1, t, rgb
+        except av.FFmpegError as e:
+            self._stopped = f"{type(e).__name__}: {e}"
+        finally:
+            self._container.close()
+
+    def close(self) -> None:
+        self._container.close()
+
+    def problem(self) -> str | None:
+        """After the iteration: None when every frame came, else why not, as skipped.txt words it: "no frame could
+        be decoded (...)" or "ended early: N of M frames decoded (...)"."""
+        why = f" ({self._stopped})" if self._stopped else ""
+        if self.decoded == 0:
+            return "no frame could be decoded" + (why or (f" (the container declares {self.declared})" if self.declared
+                                                          else ""))
+        if self._stopped or (self.declared and self.decoded < self.declared):
+            of = f" of {self.declared}" if self.declared and self.decoded < self.declared else ""
+            return f"ended early: {self.decoded}{of} frames decoded{why or ' (the file is cut short?)'}"
+        return None
 
 
 class VideoWriter:
