@@ -2,9 +2,13 @@
 `--evaluate_only`, `--init_from`), and `--push_to_hub` of a run's best/ (with its model card, `detlib.evaluation.model_card`).
 
 Everything goes through huggingface_hub, so its cache (HF_HOME / HF_HUB_CACHE), its token (HF_TOKEN, `hf auth
-login`) and its offline mode (HF_HUB_OFFLINE=1: only what is cached) are respected. A string is read as a repo id
-when it is no local path and looks like one: `owner/name`, optionally `@revision`, or any name after `hf://`; a
-relative path whose first folder exists locally (`outputs/typo`) stays a local path.
+login`) and its offline mode (HF_HUB_OFFLINE=1: only what is cached) are respected.
+
+The rule, where a string may be a path or a repo id: a path that exists is local; `hf://NAME` is always the Hub;
+otherwise `owner/name` (optionally `@revision`) is a repo id, unless its first folder exists locally
+(`outputs/typo`): then it is a local path, and as it does not exist the error says that the folder hid the repo id
+and that `hf://owner/name` asks for the Hub (`local_weights`; a bare `owner/name` never silently means a folder
+that is not there, nor the Hub when a local folder of that name is there).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ HUB_PREFIX = "hf://"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 # The files of a weights folder a Hub download fetches (not whatever else a repo holds).
 WEIGHTS_PATTERNS = ["*.safetensors", "*.json", "README.md", "*.bin", "*.pt", "*.pth"]
+# A name ending so is a file's path, never a repo id.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json")
 
 
 def offline() -> bool:
@@ -34,8 +40,7 @@ def hub_repo(text: str) -> tuple[str, str | None] | None:
         return None
     forced = text.startswith(HUB_PREFIX)
     name = text[len(HUB_PREFIX):] if forced else text
-    if not forced and (not _REPO_ID.match(name) or os.path.isdir(name.split("/")[0]) or name.endswith(
-            (".safetensors", ".bin", ".pt", ".pth", ".json"))):
+    if not forced and (not _REPO_ID.match(name) or os.path.isdir(name.split("/")[0]) or name.endswith(WEIGHT_SUFFIXES)):
         return None
     repo, _, revision = name.partition("@")
     return repo, revision or None
@@ -70,10 +75,34 @@ def download(repo_id: str, revision: str | None = None) -> str:
 
 
 def local_weights(path: str) -> str:
-    """`path` itself, or for a Hub repo id (`hub_repo`) its downloaded snapshot folder. Raises FileNotFoundError
-    (one line) when a repo cannot be had."""
+    """`path` itself, or for a Hub repo id (`hub_repo`) its downloaded snapshot folder.
+
+    Raises:
+        FileNotFoundError: one line, when a repo cannot be had, or when `path` is missing and reads as a repo id
+            but a local folder of its first part hides it (`outputs/typo` with ./outputs there): it says so, and
+            how to ask for the Hub (`hf://`), and whether the Hub cache holds the repo.
+    """
     repo = hub_repo(path)
-    return download(*repo) if repo else path
+    if repo:
+        return download(*repo)
+    if isinstance(path, str) and not os.path.exists(path) and _REPO_ID.match(path) and not path.endswith(WEIGHT_SUFFIXES):
+        first = path.split("/")[0]
+        repo_id, _, revision = path.partition("@")
+        cached = " (the Hub cache holds it)" if _cached(repo_id, revision or None) else ""
+        raise FileNotFoundError(f"no local file or folder {path}: ./{first} is a local folder, so {path} is read as a path "
+                                f"in it, not as the Hub repo id {path}; for the Hub write {HUB_PREFIX}{path}{cached}")
+    return path
+
+
+def _cached(repo_id: str, revision: str | None) -> bool:
+    """Whether huggingface_hub's cache holds a snapshot of the repo (nothing is downloaded)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(repo_id, revision=revision, allow_patterns=WEIGHTS_PATTERNS, local_files_only=True)
+    except Exception:  # not cached, not installed, a malformed id: no
+        return False
+    return True
 
 
 def _first_line(e: Exception) -> str:

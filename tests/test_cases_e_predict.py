@@ -278,3 +278,60 @@ def test_case_e14_classifier_names_damaged_videos_in_skipped_txt(damaged_videos,
     rows = json.loads((out / "predictions.json").read_text())
     assert [(r["file_name"], r["frame"]) for r in rows] == [("clip.mp4", i) for i in range(10)] + [("cut.avi", 0),
                                                                                                    ("cut.mp4", 0)]
+
+
+# ---- E18: a local folder that hides a Hub repo id
+
+
+def hub_cache_with(root: Path, repo_id: str, folder: Path) -> Path:
+    """A Hub cache holding one snapshot of `repo_id` (the files of `folder`), in huggingface_hub's layout."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    return root
+
+
+@needs_coco_subset
+def test_case_e18_a_local_folder_hiding_a_hub_repo_id_is_named_with_the_hub_prefix(tiny_detector, tmp_path, monkeypatch,
+                                                                                   capsys):
+    import huggingface_hub
+
+    from detlib import hub
+
+    cache = hub_cache_with(tmp_path / "hub", "me/retinanet", tiny_detector)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "me").mkdir()  # a local folder named like the repo's owner (its runs, say)
+    hub.download.cache_clear()
+    image = COCO_SUBSET / "images" / "000000000790.jpg"
+    common = ["--source", image, "--no_images", "--num_workers", "0", "--score_thresh", "0"]
+    code, _, err = run_main("predict_retinanet", ["--weights", "me/retinanet", *common, "--output_dir", tmp_path / "a"],
+                            capsys)
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    # before: "no model weights at me/retinanet (expected a file, ...)": the Hub never tried, nor said why
+    assert code == 1 and line == ("error: no local file or folder me/retinanet: ./me is a local folder, so me/retinanet "
+                                  "is read as a path in it, not as the Hub repo id me/retinanet; for the Hub write "
+                                  "hf://me/retinanet (the Hub cache holds it)")
+    # the prefix asks for the Hub: read from the cache offline, the same detections as the folder itself
+    fresh_accelerate()
+    code, _, err = run_main("predict_retinanet", ["--weights", "hf://me/retinanet", *common, "--output_dir",
+                                                  tmp_path / "b"], capsys)
+    assert code == 0, err
+    fresh_accelerate()
+    code, _, err = run_main("predict_retinanet", ["--weights", tiny_detector, *common, "--output_dir", tmp_path / "c"],
+                            capsys)
+    assert code == 0, err
+    assert (tmp_path / "b" / "predictions.json").read_text() == (tmp_path / "c" / "predictions.json").read_text()
+    # offline, a repo the cache lacks: one line, with or without the prefix
+    for weights in ("hf://me/other", "someone/other"):
+        fresh_accelerate()
+        code, _, err = run_main("predict_retinanet", ["--weights", weights, *common, "--output_dir", tmp_path / "d"],
+                                capsys)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert code == 1 and len(lines) == 1 and "HF_HUB_OFFLINE is set and it is not in the Hub cache" in lines[0]
+    hub.download.cache_clear()
