@@ -211,3 +211,106 @@ def log_classification_extras(accelerator, output_dir: str, epoch: int | None, s
         _tb_encoded_image(writer, "plots/confusion_matrix", data, *size, step)
         writer.flush()
     return {"folder": folder, "files": files}
+
+
+def evaluation_diagnostics(evaluator, output_dir: str, epoch: int | None, n_bootstrap: int | None = None,
+                           seed: int = 0, label_errors: bool = False, category_names: dict | None = None) -> dict:
+    """Why the AP is what it is (issue 29): TIDE errors, calibration, bootstrap intervals, optionally label errors.
+
+    Call on the main process after `CocoEvaluator.evaluate()` (not collective: it reads the gathered results and
+    `evaluator.coco_eval`), before `record_evaluation`, so that `metrics` goes into the evaluation's line.
+
+    Args:
+        evaluator: the `CocoEvaluator` just evaluated (its backend any: a hotcoco evaluation is made when it is not).
+        output_dir: the run folder; epoch: as `log_evaluation_extras` (names plots/epoch_NNNN/, None -> final).
+        n_bootstrap: image resamples of the 95 % intervals (default `diagnostics.EVALUATION_BOOTSTRAP`; 0: none).
+        seed: the bootstrap's seed (the same seed repeats the intervals).
+        label_errors: also write output_dir/label_errors.json (the final evaluation's ranked list).
+    Writes:
+        plots/<tag>/error_breakdown.{png,json}, plots/<tag>/reliability.{png,json}, plots/<tag>/bootstrap.json, and
+        with `label_errors` output_dir/label_errors.json.
+    Returns:
+        {"metrics": {"num_images_evaluated": int, "errors": {"AP50", "dAP": {type: float}, "count": {type: int},
+        "dAP_false_positives", "dAP_false_negatives"}, "calibration": {"ECE", "MCE", "num_detections"},
+        "AP_ci95": [lower, upper], "AP50_ci95": [lower, upper], "bootstrap": {"n_bootstrap", "seed", "std_err_AP",
+        "std_err_AP50"}} (the keys without a figure are absent when nothing was detected),
+        "line": `diagnostics.format_diagnostics` (one line for train.log), "files": {name: path},
+        "seconds": the time it took}.
+    """
+    from . import diagnostics, label_errors as errors_mod
+
+    t0 = time.perf_counter()
+    tag = "final" if epoch is None else f"epoch_{int(epoch):04d}"
+    folder = os.path.join(output_dir, "plots", tag)
+    results, image_ids = evaluator.evaluated()
+    out = {"num_images_evaluated": evaluator.num_images_evaluated}
+    files = {}
+    ev = diagnostics.hotcoco_evaluation(evaluator.coco_eval, evaluator.gt_dataset, results, image_ids,
+                                        getattr(evaluator, "area_ranges", None)) if results else None
+    breakdown = calib = interval = None
+    if ev is not None:
+        breakdown = diagnostics.error_breakdown(ev)
+        calib = diagnostics.calibration(ev)
+        files["error_breakdown"] = diagnostics.plot_error_breakdown(breakdown, os.path.join(folder, "error_breakdown.png"))
+        files["error_breakdown_json"] = metrics.write_json(breakdown, os.path.join(folder, "error_breakdown.json"))
+        files["reliability"] = diagnostics.plot_reliability(calib, os.path.join(folder, "reliability.png"))
+        files["reliability_json"] = metrics.write_json(calib, os.path.join(folder, "reliability.json"))
+        out["errors"] = {k: breakdown[k] for k in ("AP50", "dAP", "count", "dAP_false_positives", "dAP_false_negatives")}
+        out["calibration"] = {k: calib[k] for k in ("ECE", "MCE", "num_detections")}
+        n = diagnostics.EVALUATION_BOOTSTRAP if n_bootstrap is None else int(n_bootstrap)
+        if n >= 2:
+            interval = diagnostics.bootstrap_interval(ev, n_bootstrap=n, seed=seed)
+            files["bootstrap_json"] = metrics.write_json(interval, os.path.join(folder, "bootstrap.json"))
+            out["AP_ci95"] = [interval["AP"]["lower"], interval["AP"]["upper"]]
+            out["AP50_ci95"] = [interval["AP50"]["lower"], interval["AP50"]["upper"]]
+            out["bootstrap"] = {"n_bootstrap": n, "seed": int(seed), "std_err_AP": interval["AP"]["std_err"],
+                                "std_err_AP50": interval["AP50"]["std_err"]}
+    if label_errors:
+        found = errors_mod.find_label_errors(evaluator.gt_dataset, results, image_ids, category_names=category_names)
+        found = errors_mod.original_ids(found, evaluator.original_ids)
+        files["label_errors"] = errors_mod.write_label_errors(os.path.join(output_dir, errors_mod.LABEL_ERRORS_FILE),
+                                                              found, {"score_thresh": 0.3, "iou": 0.5})
+        out["label_errors"] = {k: sum(e["type"] == k for e in found) for k in errors_mod.KINDS}
+        logger.info("%s\n  (all of them: %s)", errors_mod.format_label_errors(found), files["label_errors"])
+    seconds = time.perf_counter() - t0
+    logger.info("evaluation diagnostics (errors, calibration, %s) took %.2f s",
+                f"{interval['n_bootstrap']} bootstrap resamples" if interval else "no bootstrap", seconds)
+    return {"metrics": out, "line": diagnostics.format_diagnostics(breakdown, calib, interval), "files": files,
+            "seconds": seconds}
+
+
+def log_diagnostics_to_trackers(accelerator, diagnostics_out: dict, step: int) -> None:
+    """The diagnostics' scalars and plots to every tracker (main process; not collective), at the evaluation's step.
+
+    Scalars: errors/dAP_<type>, errors/count_<type> (types: classification, localisation, both, duplicate,
+    background, missed), errors/dAP_false_positives, errors/dAP_false_negatives, calibration/ECE, calibration/MCE,
+    ci/AP_lower, ci/AP_upper, ci/AP50_lower, ci/AP50_upper; images: plots/error_breakdown, plots/reliability.
+    """
+    if not accelerator.is_main_process:
+        return
+    m = diagnostics_out["metrics"]
+    scalars = {}
+    if "errors" in m:
+        scalars.update({f"errors/dAP_{k}": v for k, v in m["errors"]["dAP"].items()})
+        scalars.update({f"errors/count_{k}": v for k, v in m["errors"]["count"].items()})
+        scalars.update({"errors/dAP_false_positives": m["errors"]["dAP_false_positives"],
+                        "errors/dAP_false_negatives": m["errors"]["dAP_false_negatives"],
+                        "calibration/ECE": m["calibration"]["ECE"], "calibration/MCE": m["calibration"]["MCE"]})
+    for key in ("AP", "AP50"):
+        if f"{key}_ci95" in m:
+            scalars[f"ci/{key}_lower"], scalars[f"ci/{key}_upper"] = m[f"{key}_ci95"]
+    pngs = {k: p for k, p in diagnostics_out["files"].items() if k in ("error_breakdown", "reliability")}
+    run = _tracker(accelerator, "wandb")
+    if run is not None:
+        import wandb
+
+        run.log({**scalars, **{f"plots/{k}": wandb.Image(p) for k, p in pngs.items()}}, step=step)
+    writer = _tracker(accelerator, "tensorboard")
+    if writer is not None:
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, step)
+        for k, p in pngs.items():
+            with open(p, "rb") as f:
+                data = f.read()
+            _tb_encoded_image(writer, f"plots/{k}", data, *drawing.image_size(p), step)
+        writer.flush()
