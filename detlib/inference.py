@@ -19,17 +19,13 @@ import glob
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable
 
-import numpy as np
 import torch
-from PIL import Image
 
-from .data.coco import unreadable_item
 from .data.imagefolder import IMG_EXTENSIONS, is_hidden
-from .data.images import IMAGE_ERRORS, load_rgb
 from .data.loaders import quiet_resource_sharer_errors
-from .data.transforms import make_sample
 from .files import atomic_write
 from .labels import CategoryMap
 from .retinanet.model import build_retinanet_from_config
@@ -55,19 +51,32 @@ def list_image_files(source: str, exclude: tuple[str, ...] = (), extensions: tup
     Raises:
         FileNotFoundError: nothing matches (names the source), or everything that matches lies in `exclude`.
     """
-    root, found = _list_image_files(source, extensions)
+    if os.path.isfile(source):
+        root, found = os.path.dirname(os.path.abspath(source)), [os.path.abspath(source)]
+    elif os.path.isdir(source):
+        root, found = os.path.abspath(source), []
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if not is_hidden(d))
+            found += [os.path.join(dirpath, f) for f in filenames
+                      if not is_hidden(f) and f.lower().endswith(extensions)]
+        if not found:
+            raise FileNotFoundError(f"no {'image or video' if extensions != IMG_EXTENSIONS else 'image'} file "
+                                    f"({', '.join(extensions)}) below {source}")
+    else:
+        found = [os.path.abspath(p) for p in glob.glob(source, recursive=True) if os.path.isfile(p)]
+        if not found:
+            raise FileNotFoundError(f"no file matches {source} (not a file, a folder or a glob pattern that matches)")
+        root = os.path.commonpath([os.path.dirname(p) for p in found])
     below = tuple(os.path.realpath(f) + os.sep for f in exclude)
-    if below:
-        kept = [p for p in found if not os.path.realpath(p).startswith(below)]
-        if not kept:
-            raise FileNotFoundError(f"every image file of {source} lies in an output folder of this prediction "
-                                    f"({', '.join(exclude)}; the outputs of an earlier one?): choose an --output_dir "
-                                    "outside the source")
-        if len(kept) < len(found):
-            logger.info("left out %d files of %s that lie in this prediction's output folders %s (outputs of an earlier "
-                        "prediction)", len(found) - len(kept), source, ", ".join(exclude))
-        found = kept
-    return root, found
+    kept = [p for p in sorted(found) if not os.path.realpath(p).startswith(below)] if below else sorted(found)
+    if not kept:
+        raise FileNotFoundError(f"every image file of {source} lies in an output folder of this prediction "
+                                f"({', '.join(exclude)}; the outputs of an earlier one?): choose an --output_dir "
+                                "outside the source")
+    if len(kept) < len(found):
+        logger.info("left out %d files of %s that lie in this prediction's output folders %s (outputs of an earlier "
+                    "prediction)", len(found) - len(kept), source, ", ".join(exclude))
+    return root, kept
 
 
 def list_media_files(source: str, exclude: tuple[str, ...] = ()) -> tuple[str, list[str], list[str], list[str]]:
@@ -88,38 +97,14 @@ def list_media_files(source: str, exclude: tuple[str, ...] = ()) -> tuple[str, l
     root, found = list_image_files(source, exclude, extensions=IMG_EXTENSIONS + VIDEO_EXTENSIONS)
     images, videos, unsupported = [], [], []
     for p in found:
-        if p.lower().endswith(IMG_EXTENSIONS):
-            images.append(p)
-        elif is_video_file(p):
+        if is_video_file(p):
             videos.append(p)
-        elif read_image_header(p)[0] == "ok":
+        elif p.lower().endswith(IMG_EXTENSIONS) or read_image_header(p)[0] == "ok":
             images.append(p)
         else:
-            ext = os.path.splitext(p)[1] or "no extension"
-            unsupported.append(f"{p} (unsupported file type {ext}: neither an image nor a video)")
+            unsupported.append(f"{p} (unsupported file type {os.path.splitext(p)[1] or 'no extension'}: neither an "
+                               "image nor a video)")
     return root, images, videos, unsupported
-
-
-def _list_image_files(source: str, extensions: tuple[str, ...] = IMG_EXTENSIONS) -> tuple[str, list[str]]:
-    if os.path.isfile(source):
-        path = os.path.abspath(source)
-        return os.path.dirname(path), [path]
-    if os.path.isdir(source):
-        root = os.path.abspath(source)
-        found = []
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not is_hidden(d))
-            found += [os.path.join(dirpath, f) for f in filenames
-                      if not is_hidden(f) and f.lower().endswith(extensions)]
-        if not found:
-            raise FileNotFoundError(f"no {'image or video' if extensions != IMG_EXTENSIONS else 'image'} file "
-                                    f"({', '.join(extensions)}) below {source}")
-        return root, sorted(found)
-    found = sorted(os.path.abspath(p) for p in glob.glob(source, recursive=True) if os.path.isfile(p))
-    if not found:
-        raise FileNotFoundError(f"no file matches {source} (not a file, a folder or a glob pattern that matches)")
-    root = os.path.commonpath([os.path.dirname(p) for p in found])
-    return root, found
 
 
 def output_names(names: list[str], keep_extension: bool = False) -> list[str]:
@@ -147,9 +132,7 @@ def output_names(names: list[str], keep_extension: bool = False) -> list[str]:
         preferred = names
     else:
         stems = [os.path.splitext(n)[0] for n in names]
-        count: dict[str, int] = {}
-        for s in stems:
-            count[s.casefold()] = count.get(s.casefold(), 0) + 1
+        count = Counter(s.casefold() for s in stems)
         preferred = [s if count[s.casefold()] == 1 else n for s, n in zip(stems, names)]
     wanted = {p.casefold() for p in preferred}
     used: set[str] = set()
@@ -212,49 +195,6 @@ def write_skipped(output_dir: str, skipped: list[str]) -> str:
     return path
 
 
-class DetectionImageFiles(torch.utils.data.Dataset):
-    """Image files as detection samples, in the item layout of `CocoDetection` (so `collate_detection` and the
-    evaluation's decoding apply unchanged).
-
-    Args:
-        paths: the files; item i has `image_id` = i.
-        transform: the evaluation transform (`build_transform(size, "none", max_size)`).
-        exif_transpose: turn images upright by their EXIF orientation before anything else.
-    Item: {"image": [3, h, w] uint8 resized, "boxes" / "crowd_boxes": [0, 4], "labels": [0], "image_id": int,
-           "scale": (sy, sx), "valid": bool}; an unreadable file gives
-           an 8x8 placeholder with valid=False (and a logged warning), never an exception.
-    """
-
-    def __init__(self, paths: list[str], transform=None, exif_transpose: bool = True):
-        self.paths = list(paths)
-        self.transform = transform
-        self.exif_transpose = exif_transpose
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, index: int) -> dict:
-        try:
-            pil, truncated = load_rgb(self.paths[index], exif_transpose=self.exif_transpose)
-        except IMAGE_ERRORS as e:
-            logger.warning("skipping unreadable image: %s", e)
-            return unreadable_item(index)
-        if truncated:
-            logger.warning("image %s is truncated; its missing part is decoded as grey", self.paths[index])
-        return detection_item(np.asarray(pil), self.transform, index)
-
-
-def detection_item(rgb: np.ndarray, transform, image_id: int) -> dict:
-    """The item of `DetectionImageFiles` for an [H, W, 3] uint8 RGB array (an image file's pixels, a video frame)."""
-    empty = torch.zeros((0, 4))
-    image = torch.from_numpy(np.ascontiguousarray(rgb).copy()).permute(2, 0, 1)
-    sample = make_sample(image, empty, torch.zeros((0,), dtype=torch.int64), torch.zeros((0,), dtype=torch.bool))
-    if transform is not None:
-        sample = transform(sample)
-    return {"image": sample["image"].as_subclass(torch.Tensor), "boxes": empty, "labels": torch.zeros((0,), dtype=torch.int64),
-            "crowd_boxes": empty, "image_id": image_id, "scale": sample.get("scale", (1.0, 1.0)), "valid": True}
-
-
 def load_retinanet(weights: str, notes: list[str] | None = None) -> tuple[torch.nn.Module, dict, CategoryMap]:
     """Rebuild a trained RetinaNet from its weights and model_config.json, in eval mode on the CPU.
 
@@ -264,23 +204,30 @@ def load_retinanet(weights: str, notes: list[str] | None = None) -> tuple[torch.
         notes: when given, the line saying which model keys an old model_config.json lacked and where they
             were found (the run's config.yaml; `complete_model_config`) is appended to it.
     Returns:
-        (model, model_config, CategoryMap of the config's `category_ids` and `category_names`; a config
-        without names, written before names were stored, names each class by its id).
+        (model, model_config, CategoryMap of the config's `category_ids` (default 1..num_classes) named by its
+        `category_names`; a config without names, written before names were stored, names each class by its id).
     Raises:
         FileNotFoundError: no weights, or no model_config.json next to them (names the path).
         RuntimeError: the weights do not fit the config's model.
     """
-    f = weights_path(weights)
-    config = read_model_config(weights)
+    f, config = weights_path(weights), read_model_config(weights)
     if config is None:
         raise FileNotFoundError(f"no model_config.json next to {f} (nor in its parent folder): the model cannot be "
                                 "rebuilt; the training script writes one into best/, last/ and every checkpoint")
-    config, note = complete_model_config(config, weights, {k: REQUIRED for k in ("num_classes", "backbone", "fpn_channels")})
+    model, config = _rebuild(weights, config, notes, {k: REQUIRED for k in ("num_classes", "backbone", "fpn_channels")},
+                             build_retinanet_from_config)
+    ids = config.get("category_ids") or list(range(1, int(config["num_classes"]) + 1))
+    return model, config, CategoryMap(ids, config.get("category_names"))
+
+
+def _rebuild(weights: str, config: dict, notes: list[str] | None, keys: dict, build) -> tuple[torch.nn.Module, dict]:
+    """(`build(config)` in eval mode with the weights loaded, the config with `keys` completed): both loaders'."""
+    config, note = complete_model_config(config, weights, keys)
     if note and notes is not None:
         notes.append(note)
-    model = build_retinanet_from_config(config)
+    model = build(config)
     load_model_weights(model, weights)
-    return model.eval(), config, category_map_from_config(config)
+    return model.eval(), config
 
 
 def retinanet_input_size(config: dict, weights: str, image_size: int | None = None, max_size: int | None = None,
@@ -299,34 +246,6 @@ def retinanet_input_size(config: dict, weights: str, image_size: int | None = No
     return int(config["image_size"]), max_size or config.get("max_size"), note
 
 
-def category_map_from_config(config: dict) -> CategoryMap:
-    """The CategoryMap of a model_config.json: `category_ids` (default 1..num_classes) named by
-    `category_names` in the same order, or by the ids as strings when the config has no names."""
-    ids = config.get("category_ids") or list(range(1, int(config["num_classes"]) + 1))
-    return CategoryMap(ids, config.get("category_names"))
-
-
-class ClassificationImageFiles(DetectionImageFiles):
-    """Image files for a classifier.
-
-    Args:
-        paths: the files; transform: PIL RGB -> tensor (`classification_transform(size, train=False)`).
-        exif_transpose: turn images upright by their EXIF orientation first.
-    Item: {"image": float32 [3, S, S] (a black image's transform when unreadable), "index": int, "valid": bool};
-    an unreadable file is logged and flagged, never raised. (The file list and EXIF handling are the detection
-    set's; only the item differs.)
-    """
-
-    def __getitem__(self, index: int) -> dict:
-        try:
-            img, _ = load_rgb(self.paths[index], exif_transpose=self.exif_transpose)
-            valid = True
-        except IMAGE_ERRORS as e:
-            logger.warning("skipping unreadable image: %s", e)
-            img, valid = Image.new("RGB", (64, 64)), False
-        return {"image": self.transform(img), "index": index, "valid": valid}
-
-
 def load_classifier(weights: str, notes: list[str] | None = None) -> tuple[torch.nn.Module, dict]:
     """Rebuild a trained classifier from its weights and model_config.json (`model`, `classes`), eval mode.
 
@@ -338,16 +257,11 @@ def load_classifier(weights: str, notes: list[str] | None = None) -> tuple[torch
     """
     from .classification import build_classifier
 
-    f = weights_path(weights)
-    config = read_model_config(weights)
+    f, config = weights_path(weights), read_model_config(weights)
     if config is None or "classes" not in config:
         raise FileNotFoundError(f"no classifier model_config.json (with 'classes') next to {f}: the model cannot be rebuilt")
-    config, note = complete_model_config(config, weights, {"model": "resnet18"})
-    if note and notes is not None:
-        notes.append(note)
-    model = build_classifier(config["model"], len(config["classes"]))
-    load_model_weights(model, weights)
-    return model.eval(), config
+    return _rebuild(weights, config, notes, {"model": "resnet18"},
+                    lambda c: build_classifier(c["model"], len(c["classes"])))
 
 
 def prediction_parser(description: str, batch_size: int) -> tuple[argparse.ArgumentParser, dict]:
@@ -376,14 +290,10 @@ def prediction_parser(description: str, batch_size: int) -> tuple[argparse.Argum
 def earlier_outputs(output_dir: str, folders: tuple[str, ...]) -> str | None:
     """A warning line when `output_dir`'s per-input folders (`images`, `json`, `by_class`) already hold files (an
     earlier prediction): files of the same name are replaced, the others stay. None when they are empty."""
-    counts = {}
-    for name in folders:
-        n = sum(len(files) for _, _, files in os.walk(os.path.join(output_dir, name)))
-        if n:
-            counts[name] = n
-    if not counts:
+    counts = {name: sum(len(files) for _, _, files in os.walk(os.path.join(output_dir, name))) for name in folders}
+    held = ", ".join(f"{n} in {name}/" for name, n in counts.items() if n)
+    if not held:
         return None
-    held = ", ".join(f"{n} in {name}/" for name, n in counts.items())
     return (f"{output_dir} already holds the outputs of an earlier prediction ({held}): files of the same name are "
             "replaced, the others stay; use a new --output_dir for a set of this run's files only")
 

@@ -36,11 +36,12 @@ from tqdm.auto import tqdm
 
 from detlib.classification import classification_transform
 from detlib.data import INSTALL_HINT, av_available, video_frames, worker_loader_kwargs
+from detlib.data.images import ClassificationImageFiles
 from detlib.engine import int_at_least
 from detlib.files import atomic_write, write_json
-from detlib.inference import (ClassificationImageFiles, earlier_outputs, list_media_files, load_classifier, output_names,
-                              outputs_written, predict_videos, prediction_error, prediction_parser, run_prediction,
-                              shard_batches, start_prediction, write_skipped)
+from detlib.inference import (earlier_outputs, list_media_files, load_classifier, output_names, outputs_written,
+                              predict_videos, prediction_error, prediction_parser, run_prediction, shard_batches,
+                              start_prediction, write_skipped)
 from detlib.weights import complete_model_config, weights_path
 
 logger = logging.getLogger("predict_catsdogs")

@@ -1,4 +1,5 @@
-"""Reading image files the way real data sets need: every colour mode to RGB, damaged files survived.
+"""Reading image files the way real data sets need: every colour mode to RGB, damaged files survived; and image
+files as the samples of a prediction (`DetectionImageFiles`, `ClassificationImageFiles`).
 
 Real folders hold grayscale, CMYK, RGBA and palette images next to RGB ones, JPEGs cut short by an
 interrupted download, zero-byte files and non-images with an image extension.
@@ -12,7 +13,11 @@ import warnings
 from contextlib import contextmanager
 from typing import Callable, TypeVar
 
+import numpy as np
+import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from .transforms import make_sample
 
 logger = logging.getLogger(__name__)
 
@@ -133,3 +138,71 @@ def load_skipping_unreadable(load: Callable[[int], T], index: int, size: int, tr
                 return placeholder(i, e)
             logger.warning("skipping unreadable image: %s", e)
     raise RuntimeError(f"{tries} images in a row starting at index {index} could not be read; see the warnings above")
+
+
+# ---- image files as the samples of a prediction (scripts/predict_*.py)
+
+
+class DetectionImageFiles(torch.utils.data.Dataset):
+    """Image files as detection samples, in the item layout of `CocoDetection` (so `collate_detection` and the
+    evaluation's decoding apply unchanged).
+
+    Args:
+        paths: the files; item i has `image_id` = i.
+        transform: the evaluation transform (`build_transform(size, "none", max_size)`).
+        exif_transpose: turn images upright by their EXIF orientation before anything else.
+    Item: {"image": [3, h, w] uint8 resized, "boxes" / "crowd_boxes": [0, 4], "labels": [0], "image_id": int,
+           "scale": (sy, sx), "valid": bool}; an unreadable file gives
+           an 8x8 placeholder with valid=False (and a logged warning), never an exception.
+    """
+
+    def __init__(self, paths: list[str], transform=None, exif_transpose: bool = True):
+        self.paths = list(paths)
+        self.transform = transform
+        self.exif_transpose = exif_transpose
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> dict:
+        try:
+            pil, truncated = load_rgb(self.paths[index], exif_transpose=self.exif_transpose)
+        except IMAGE_ERRORS as e:
+            logger.warning("skipping unreadable image: %s", e)
+            return {**detection_item(np.zeros((8, 8, 3), np.uint8), None, index), "valid": False}
+        if truncated:
+            logger.warning("image %s is truncated; its missing part is decoded as grey", self.paths[index])
+        return detection_item(np.asarray(pil), self.transform, index)
+
+
+def detection_item(rgb: np.ndarray, transform, image_id: int) -> dict:
+    """The item of `DetectionImageFiles` for an [H, W, 3] uint8 RGB array (an image file's pixels, a video frame)."""
+    empty = torch.zeros((0, 4))
+    image = torch.from_numpy(np.ascontiguousarray(rgb).copy()).permute(2, 0, 1)
+    sample = make_sample(image, empty, torch.zeros((0,), dtype=torch.int64), torch.zeros((0,), dtype=torch.bool))
+    if transform is not None:
+        sample = transform(sample)
+    return {"image": sample["image"].as_subclass(torch.Tensor), "boxes": empty,
+            "labels": torch.zeros((0,), dtype=torch.int64), "crowd_boxes": empty, "image_id": image_id,
+            "scale": sample.get("scale", (1.0, 1.0)), "valid": True}
+
+
+class ClassificationImageFiles(DetectionImageFiles):
+    """Image files for a classifier.
+
+    Args:
+        paths: the files; transform: PIL RGB -> tensor (`classification_transform(size, train=False)`).
+        exif_transpose: turn images upright by their EXIF orientation first.
+    Item: {"image": float32 [3, S, S] (a black image's transform when unreadable), "index": int, "valid": bool};
+    an unreadable file is logged and flagged, never raised. (The file list and EXIF handling are the detection
+    set's; only the item differs.)
+    """
+
+    def __getitem__(self, index: int) -> dict:
+        try:
+            img, _ = load_rgb(self.paths[index], exif_transpose=self.exif_transpose)
+            valid = True
+        except IMAGE_ERRORS as e:
+            logger.warning("skipping unreadable image: %s", e)
+            img, valid = Image.new("RGB", (64, 64)), False
+        return {"image": self.transform(img), "index": index, "valid": valid}
