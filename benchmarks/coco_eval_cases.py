@@ -19,7 +19,9 @@ time, plus background boxes of random classes, scores higher for the jittered co
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import random
@@ -139,6 +141,32 @@ def real_cases() -> dict[str, dict]:
     person["categories"] = [c for c in person["categories"] if c["id"] == 1]
     cases["real_one_class"] = {"gt": person, "results": model_like_detections(person, seed=5)}
     return cases
+
+
+def pycocotools_eval(gt: dict, results: list[dict], area_rng=None, img_ids=None):
+    """The reference: plain pycocotools as a user calls it (annotation ids renumbered 1..N as evaluate_coco does),
+    evaluated, accumulated and summarized; `gt` and `results` are not modified."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    gt = copy.deepcopy(gt)
+    gt.setdefault("info", {})
+    gt.setdefault("licenses", [])
+    for k, a in enumerate(gt["annotations"], 1):
+        a["id"] = k
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_gt = COCO()
+        coco_gt.dataset = gt
+        coco_gt.createIndex()
+        ev = COCOeval(coco_gt, coco_gt.loadRes(copy.deepcopy(results)), "bbox")
+        if img_ids is not None:
+            ev.params.imgIds = sorted(img_ids)
+        if area_rng is not None:
+            ev.params.areaRng = [list(r) for r in area_rng]
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return ev
 
 
 def all_cases() -> dict[str, dict]:

@@ -9,9 +9,6 @@ same `params.areaRng`.
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import io
 import sys
 
 import numpy as np
@@ -23,32 +20,8 @@ from detlib.evaluation.coco import (COCO_AREA_EDGES, COCO_AREA_RANGES, STAT_NAME
 from conftest import REPO, needs_coco_subset
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from coco_eval_cases import SMALL_OBJECT_RANGES, hand_made_cases, model_like_detections, real_cases, real_json  # noqa: E402
-
-
-def pycocotools_eval(gt: dict, results: list[dict], area_rng=None, img_ids=None):
-    """Plain pycocotools, as a user calls it (annotation ids renumbered 1..N as evaluate_coco does)."""
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
-
-    gt = copy.deepcopy(gt)
-    gt.setdefault("info", {})
-    gt.setdefault("licenses", [])
-    for k, a in enumerate(gt["annotations"], 1):
-        a["id"] = k
-    with contextlib.redirect_stdout(io.StringIO()):
-        coco_gt = COCO()
-        coco_gt.dataset = gt
-        coco_gt.createIndex()
-        ev = COCOeval(coco_gt, coco_gt.loadRes(copy.deepcopy(results)), "bbox")
-        if img_ids is not None:
-            ev.params.imgIds = sorted(img_ids)
-        if area_rng is not None:
-            ev.params.areaRng = [list(r) for r in area_rng]
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    return ev
+from coco_eval_cases import (SMALL_OBJECT_RANGES, hand_made_cases, model_like_detections, pycocotools_eval,  # noqa: E402
+                             real_cases, real_json)
 
 
 def check_equal(case: dict):

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import os
 import random
@@ -30,10 +29,7 @@ from detlib.evaluation.coco import evaluate_coco
 from conftest import REPO, needs_coco_subset
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from coco_eval_cases import model_like_detections, real_json  # noqa: E402
-
-sys.path.insert(0, str(REPO / "tests"))
-from test_evaluation_backends import pycocotools_eval  # noqa: E402
+from coco_eval_cases import model_like_detections, pycocotools_eval, real_json  # noqa: E402
 
 
 def hot(gt, results):
