@@ -30,7 +30,7 @@ import torch
 from detlib.data.coco import CocoDetection, collate_detection
 from detlib.data.transforms import build_transform
 from detlib.engine.flags import HelpFormatter
-from detlib.engine.tracking import init_trackers, make_accelerator
+from detlib.engine import make_accelerator, start_trackers
 from detlib.evaluation.coco import CocoEvaluator, detections_to_coco
 from detlib.evaluation.report import log_evaluation_extras
 from detlib.inference import load_retinanet
@@ -74,7 +74,7 @@ def main(argv=None):
     loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, collate_fn=collate_detection)
     out_dir = args.output_dir or tempfile.mkdtemp(prefix="eval_extras_")
     accelerator = make_accelerator("no", 1, "all", out_dir, cpu=True)
-    init_trackers(accelerator, "detlib-eval-extras", {"what": what}, out_dir, None)
+    start_trackers(accelerator, "detlib-eval-extras", {"what": what}, out_dir, None)
     anchor_gen = AnchorGenerator()
     evaluator = CocoEvaluator(ds.dataset, backend="auto")
     eval_s, extras_s = [], []

@@ -1,7 +1,7 @@
 """Image classification: the transforms, the model builder with its weight loading, and the metrics.
 
 The data (ImageFolder scan and data set) is `detlib.data.imagefolder`; the built-in stripes data set is
-`detlib.data.builtin`; weights files are read by `detlib.engine.checkpoint_io.load_state_dict_file`.
+`detlib.data.builtin`; weights files are read by `detlib.weights.load_state_dict_file`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ is written under a temporary name in the same folder and renamed over the final 
 (`os.replace` is atomic on one file system): a reader, a killed run or a full disk never leaves half a file
 under the final name. The temporary name carries the process id, so two processes writing one file at once
 each rename a whole file of their own. A checkpoint is a folder and follows the same rule on its own
-(`detlib.engine.checkpoint_io`).
+(`detlib.engine.checkpoints`).
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from detlib.engine import float_range, int_at_least
 from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, drawing_scale,
                                save_image, upright_image_and_boxes)
 from detlib.files import write_json
+from detlib.data.formats import read_class_names
 from detlib.data.images import DetectionImageFiles, detection_item
 from detlib.inference import (earlier_outputs, list_media_files, load_retinanet, output_names, outputs_written,
                               prediction_error, prediction_parser, predict_videos, retinanet_input_size, run_prediction,
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: none, an image source)")
     g.add_argument("--split", default="val", help="the split of a VOC / YOLO source (VOC: ImageSets/Main/<split>.txt, "
                    "YOLO: the yaml key)")
+    g.add_argument("--class_names", help="a VOC source's classes in id order: a file with one name a line, or the names "
+                   "separated by commas (default: none, the names its xml files use, sorted; give the training run's list "
+                   "if it had one)")
     g.add_argument("--categories_by_name", action="store_true", help="a COCO-json source whose category ids name other "
                    "classes than the model's: match the classes by name and write the json's ids (default: such a "
                    "json is refused)")
@@ -163,7 +167,9 @@ def labelled_split(args) -> tuple[dict, str]:
         FileNotFoundError, ValueError: the layout's files are missing, or the check finds errors (the report)."""
     paths = data_dir_paths(args.source, args.data_format, None, args.split, need_train=False)
     report = DataReport()
-    dataset = read_data_dir_splits(paths, {"train": None, "val": args.split}, report=report, progress=False)["val"]
+    class_names = read_class_names(args.class_names) if args.class_names else None
+    dataset = read_data_dir_splits(paths, {"train": None, "val": args.split}, report=report, progress=False,
+                                   class_names=class_names)["val"]
     check = check_coco(dataset, None, split="val", report=report, check_images=False, source=paths["val_annotations"])
     if not report.ok:
         raise ValueError(f"{args.source}: {report.format()}")
@@ -210,6 +216,9 @@ def ignored_flags(args, coco_source: bool) -> list[str]:
     if args.no_exif_transpose and coco_source:
         out.append("--no_exif_transpose changes nothing here: a COCO-json source is always read as stored (its boxes "
                    "refer to the stored pixels)")
+    if args.class_names and not (args.data_format or args.source.lower().endswith((".yaml", ".yml"))):
+        out.append(f"--class_names {args.class_names} is not used: it is the class list of a VOC --source (--data_format "
+                   "voc), and --source is not one")
     if args.no_images and args.draw_thresh is not None:
         out.append(f"--draw_thresh {args.draw_thresh} is not used: --no_images draws nothing")
     return out

@@ -47,10 +47,10 @@ from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_cl
 from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
 from detlib.datacheck import check_folders_for_training
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
-                           TrainState, TrainWindow, best_record, data_defaults_table, divergence, float_range,
+                           TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
                            format_given, given_flags, improves_best, int_at_least, make_accelerator, min_over_processes,
                            parse_with_config, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
-                           running, save_checkpoint, save_config, save_weights, show_data_defaults, start_trackers, stop,
+                           record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
                            stop_together, summary_lines)
 from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
 from detlib.files import atomic_write
@@ -117,12 +117,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parse_with_config(build_parser(), argv, RECORD_KEYS)
 
 
-def resolve_model(args, given: set[str]) -> tuple[dict | None, list[str]]:
-    """--evaluate_only rebuilds the model its model_config.json describes, at its size unless --image_size is given
-    (an old file without them: the run's config.yaml, else the defaults, said). Returns (the saved model config or
-    None, notes: one line each for what was missing and for flags this run cannot honour). Stops on a bad path."""
-    if not args.evaluate_only:
-        return None, []
+def check_flags(args, given: set[str], synthetic: bool) -> tuple[dict | None, list[str]]:
+    """What can be checked before any work, one line and exit 1 or 2 each (`stop`). --evaluate_only rebuilds the
+    model its model_config.json describes, at its size unless --image_size is given (an old file without them: the
+    run's config.yaml, else the defaults, said). Returns (the saved model config or None, notes: one line each for
+    what was missing and for flags this run cannot honour)."""
+    saved, notes = resolve_evaluated_model(args, given) if args.evaluate_only else (None, [])
+    try:
+        check_classifier(args.model, args.image_size)
+    except ValueError as e:
+        stop(f"--model: {e}" if not args.evaluate_only else f"model of {args.evaluate_only}: {e}")
+    if args.weights and not args.evaluate_only and not os.path.isfile(args.weights):
+        stop(f"weights file not found: {args.weights} (--weights)", code=1)
+    if not synthetic and not args.val_dir:
+        stop("--val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
+    if not synthetic and not args.train_dir and not args.evaluate_only:
+        stop("--train_dir is required for training (or pass --evaluate_only PATH)")
+    if args.evaluate_only:  # never over a training run's files
+        args.output_dir = os.path.join(args.output_dir, "evaluate_only")
+    return saved, notes
+
+
+def resolve_evaluated_model(args, given: set[str]) -> tuple[dict, list[str]]:
     try:
         weights_path(args.evaluate_only)  # a wrong path stops here, before the data is scanned
         saved = read_model_config(args.evaluate_only) or {}
@@ -326,9 +342,53 @@ def match_classifier_classes(model, weights: str, classes: list[str], by_name: b
     logger.info("--classes_by_name: outputs of %s moved to this data's order %s (they were %s)", weights, classes, theirs)
 
 
-def check_classes(saved: dict | None, classes: list[str], args, val_dir: str) -> None:
+def load_data(args, accelerator, synthetic: bool) -> tuple:
+    """The folders (the built-in set's, generated once by the main process, without --train_dir / --val_dir) and
+    `build_dataloaders`' data sets and loaders. Raises RunStop on every process for bad paths or data."""
+    with accelerator.main_process_first():  # the main process generates / checks the files, the others reuse it
+        dirs = make_synthetic_image_folder() if synthetic else {"train_dir": args.train_dir, "val_dir": args.val_dir}
+        if synthetic:
+            logger.info("no --train_dir / --val_dir given: using the built-in stripes data set (horizontal vs vertical) "
+                        "in %s (%s, %d px); pass --train_dir and --val_dir for real data",
+                        os.path.dirname(dirs["train_dir"]), args.model, args.image_size)
+        dirs["train_dir"] = None if args.evaluate_only else dirs["train_dir"]
+        try:
+            data, error = build_dataloaders(args, dirs), None
+        except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
+            data, error = None, str(e)
+    stop_together(accelerator, error)  # out of main_process_first, whose barrier a lone exit would leave waiting
+    return dirs, *data
+
+
+def build_model(args, classes: list[str], saved: dict | None):
+    """The classifier: --evaluate_only's weights loaded strictly (its classes the val folder's), or --weights /
+    --pretrained. Returns (model, the weights file evaluated or None); raises RunStop in one line."""
+    check_classes(saved, classes, args)
+    try:
+        model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
+                                 weights=None if args.evaluate_only else args.weights)
+        weights = load_model_weights(model, args.evaluate_only) if args.evaluate_only else None
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # a --weights / --model / --pretrained problem
+        raise RunStop(str(e)) from None
+    if args.weights and not args.evaluate_only:
+        match_classifier_classes(model, args.weights, classes, args.classes_by_name)
+    logger.info("%s: %.2fM parameters, %d classes (%s)%s", args.model, sum(p.numel() for p in model.parameters()) / 1e6,
+                len(classes), short_list(classes), f"; weights {weights}" if weights else "")
+    return model, weights
+
+
+def save_model(accelerator, args, name: str, model, model_config: dict, card: dict, evaluation: dict | None = None,
+               extra: dict | None = None) -> None:
+    """`output_dir/name/`: the weights (detlib.engine.save_weights) and the model card of what the run knows of them
+    (`card`: its data set and command; `evaluation`: of exactly these weights, or None)."""
+    folder = save_weights(accelerator, model, args.output_dir, name, model_config, extra)
+    if accelerator.is_main_process:
+        write_card(classifier_card(model_config, evaluation=evaluation, weights_name=name, where=folder, **card), folder)
+
+
+def check_classes(saved: dict | None, classes: list[str], args) -> None:
     """--evaluate_only: the evaluated model's classes are the val folder's (one line naming the difference)."""
-    theirs = (saved or {}).get("classes")
+    theirs, val_dir = (saved or {}).get("classes"), args.val_dir or "the built-in val set"
     if theirs in (None, classes):
         return
     if max(len(theirs), len(classes)) <= 8:
@@ -391,19 +451,7 @@ def main(argv=None):
     synthetic = not (args.train_dir or args.val_dir)
     args.model = args.model or DEFAULT_MODEL
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
-    saved, notes = resolve_model(args, given)
-    try:  # values checkable without data, before the folders are scanned and the model is built: one line, exit 2
-        check_classifier(args.model, args.image_size)
-    except ValueError as e:
-        stop(f"--model: {e}" if not args.evaluate_only else f"model of {args.evaluate_only}: {e}")
-    if args.weights and not args.evaluate_only and not os.path.isfile(args.weights):
-        stop(f"weights file not found: {args.weights} (--weights)", code=1)
-    if not synthetic and not args.val_dir:
-        stop("--val_dir is required with --train_dir (a held-out ImageFolder with the same classes)")
-    if not synthetic and not args.train_dir and not args.evaluate_only:
-        stop("--train_dir is required for training (or pass --evaluate_only PATH)")
-    if args.evaluate_only:  # never over a training run's files
-        args.output_dir = os.path.join(args.output_dir, "evaluate_only")
+    saved, notes = check_flags(args, given, synthetic)
     accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
                                    args.output_dir, args.seed, args.verbose,
                                    args.compile_backend if args.compile and not args.evaluate_only else None,
@@ -413,58 +461,22 @@ def main(argv=None):
                  args.overwrite_output_dir, args.verbose):
         for line in notes:
             logger.warning("%s", line)
-        # ---- data
-        with accelerator.main_process_first():  # the main process generates / checks the files, the others reuse it
-            dirs = make_synthetic_image_folder() if synthetic else {"train_dir": args.train_dir, "val_dir": args.val_dir}
-            if synthetic:
-                logger.info("no --train_dir / --val_dir given: using the built-in stripes data set (horizontal vs "
-                            "vertical) in %s (%s, %d px); pass --train_dir and --val_dir for real data",
-                            os.path.dirname(dirs["train_dir"]), args.model, args.image_size)
-            dirs["train_dir"] = None if args.evaluate_only else dirs["train_dir"]
-            try:
-                train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, dirs)
-                error = None
-            except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
-                error = str(e)
-        stop_together(accelerator, error)  # out of main_process_first, whose barrier a lone exit would leave waiting
+        dirs, train_ds, val_ds, train_loader, val_loader = load_data(args, accelerator, synthetic)
         classes = val_ds.classes
-        check_classes(saved, classes, args, dirs["val_dir"])
-
-        # ---- model
-        try:
-            model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
-                                     weights=None if args.evaluate_only else args.weights)
-            weights = load_model_weights(model, args.evaluate_only) if args.evaluate_only else None
-        except (FileNotFoundError, ValueError, RuntimeError) as e:  # a --weights / --model / --pretrained problem
-            raise RunStop(str(e)) from None
-        if args.weights and not args.evaluate_only:
-            match_classifier_classes(model, args.weights, classes, args.classes_by_name)
-        logger.info("%s: %.2fM parameters, %d classes (%s)%s", args.model, sum(p.numel() for p in model.parameters())
-                    / 1e6, len(classes), short_list(classes), f"; weights {weights}" if weights else "")
+        model, weights = build_model(args, classes, saved)
         model_config = {"model": args.model, "num_classes": len(classes), "classes": classes, "image_size": args.image_size}
         config = {**vars(args), "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
                   "synthetic_data": synthetic, "classes": classes, "num_val_images": len(val_ds),
                   "num_train_images": len(train_ds) if train_ds else 0, **{f"data_{k}": v for k, v in dirs.items()},
                   "not_used": ["momentum"] if args.optimizer != "sgd" else []}
-        metrics = MetricsLog(accelerator, args.output_dir)
-
-        def record_config() -> None:  # config.yaml and the log's line: the flags the user gave, the rest default
-            if accelerator.is_main_process:
-                save_config(config, os.path.join(args.output_dir, "config.yaml"))
-            logger.info("config: %s; all %d settings in %s/config.yaml", f"the defaults and {text}" if (
-                text := format_given(build_parser(), config, given)) else "the defaults", len(config), args.output_dir)
-
-        def save_model(name: str, module, evaluation: dict | None = None, extra: dict | None = None) -> None:
-            folder = save_weights(accelerator, module, args.output_dir, name, model_config, extra)
-            if accelerator.is_main_process:  # the model card of what this run knows of these weights
-                data = {"name": "detlib synthetic" if synthetic else os.path.basename(os.path.dirname(os.path.abspath(
-                        dirs["val_dir"]))), "train": dirs.get("train_dir"), "val": dirs.get("val_dir")}
-                write_card(classifier_card(model_config, evaluation=evaluation, dataset=data, weights_name=name,
-                                           where=folder, command=command_line("train_catsdogs.py", argv)), folder)
+        card = {"command": command_line("train_catsdogs.py", argv), "dataset": {
+            "name": "detlib synthetic" if synthetic else os.path.basename(os.path.dirname(os.path.abspath(dirs["val_dir"]))),
+            "train": dirs.get("train_dir"), "val": dirs.get("val_dir")}}  # data/<name>/val
+        metrics, given_line = MetricsLog(accelerator, args.output_dir), format_given(build_parser(), config, given)
 
         if args.evaluate_only:
             model, val_loader = accelerator.prepare(model, val_loader)
-            record_config()
+            record_config(accelerator, config, given_line, args.output_dir)
             start_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name, args.report_to)
             try:
                 return evaluate_and_log({"": model}, val_loader, val_ds, accelerator, metrics, state, args, None, weights)[""]
@@ -493,7 +505,7 @@ def main(argv=None):
         checkpoint = resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
                             FIXED_ON_RESUME, "--weights")
         resume_ema(ema, checkpoint)
-        record_config()
+        record_config(accelerator, config, given_line, args.output_dir)
         state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
                                       args.report_to)
         guard, window = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator)
@@ -512,9 +524,9 @@ def main(argv=None):
             stats = evaluate_and_log({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
                                      val_loader, val_ds, accelerator, metrics, state, args, epoch)
             evaluated.update({p: {"epoch": epoch, "step": state.global_step, **v} for p, v in stats.items()})
-            prefix = "ema_" if ema and stats["ema_"]["val_accuracy"] > stats[""]["val_accuracy"] else ""
+            prefix = best_weights(stats, "val_accuracy")
             if improves_best(accelerator, args.output_dir, "val_accuracy", value := stats[prefix]["val_accuracy"], state):
-                save_model("best", ema.module if prefix else model, evaluated[prefix],
+                save_model(accelerator, args, "best", ema.module if prefix else model, model_config, card, evaluated[prefix],
                            {"metric": "val_accuracy", "value": value, "epoch": epoch, "step": state.global_step,
                             "weights": "ema" if prefix else "trained"})
                 logger.info("new best val_accuracy %.4f (%s weights), saved %s/best/", value,
@@ -549,9 +561,9 @@ def main(argv=None):
                           "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
                           f"{EXIT_PREEMPTED})", EXIT_PREEMPTED) from None
         final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
-        save_model("last", model, final.get(""))
+        save_model(accelerator, args, "last", model, model_config, card, final.get(""))
         if ema is not None:
-            save_model("last_ema", ema.module, final.get("ema_"))
+            save_model(accelerator, args, "last_ema", ema.module, model_config, card, final.get("ema_"))
         best = best_record(accelerator, args.output_dir, "val_accuracy")
     logger.info("summary:\n  %s", "\n  ".join(summary_lines(
         args.output_dir, "val_accuracy", time.time() - t_start, state, best, final.get(""), window.images_seen,

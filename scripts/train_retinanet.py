@@ -55,10 +55,10 @@ from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT
                          GroupedBatchSampler, aspect_groups, build_transform, check_coco_for_training, collate_detection,
                          data_dir_paths, loader_settings, make_synthetic_coco)
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
-                           TrainState, TrainWindow, best_record, data_defaults_table, divergence, float_range,
+                           TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
                            format_given, given_flags, improves_best, int_at_least, make_accelerator, min_over_processes,
                            parse_with_config, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
-                           running, save_checkpoint, save_config, save_weights, show_data_defaults, start_trackers, stop,
+                           record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
                            stop_together, summary_lines)
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, best_f1_thresholds, command_line, detections_to_coco,
                                detector_card, format_best_f1, log_evaluation_extras, per_class_ap,
@@ -711,12 +711,7 @@ def main(argv=None):
                   **{f"data_{k}": v for k, v in paths.items()}, "not_used": not_used_flags(args)}
         card = {"dataset": card_dataset(args, paths, synthetic), "command": command_line("train_retinanet.py", argv)}
         metrics, evaluator = MetricsLog(accelerator, args.output_dir), CocoEvaluator(val_ds.dataset, args.coco_eval_backend)
-
-        def record_config() -> None:  # config.yaml and the log's line: the flags the user gave, the rest default
-            if accelerator.is_main_process:
-                save_config(config, os.path.join(args.output_dir, "config.yaml"))
-            logger.info("config: %s; all %d settings in %s/config.yaml", f"the defaults and {text}" if (
-                text := format_given(build_parser(), config, given)) else "the defaults", len(config), args.output_dir)
+        given_line = format_given(build_parser(), config, given)  # the flags the user set, for the config's log line
 
         def evaluate_epoch(models: dict, epoch: int | None, weights: str | None = None) -> dict:
             return evaluate_and_log(models, val_loader, val_ds, evaluator, anchor_gen, accelerator, metrics, state, args,
@@ -724,7 +719,7 @@ def main(argv=None):
 
         if args.evaluate_only:
             model, val_loader = accelerator.prepare(model, val_loader)
-            record_config()
+            record_config(accelerator, config, given_line, args.output_dir)
             start_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name, args.report_to)
             try:
                 return {k: v for k, v in evaluate_epoch({"": model}, None, weights)[""].items() if k in STAT_NAMES}
@@ -756,7 +751,7 @@ def main(argv=None):
                          warmup_power=0.75) if args.model_ema else None
         resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
                                FIXED_ON_RESUME))
-        record_config()
+        record_config(accelerator, config, given_line, args.output_dir)
         state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
                                       args.report_to)
         guard, window, evaluated = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
@@ -771,7 +766,7 @@ def main(argv=None):
         def evaluate_and_keep_best(epoch: int) -> None:  # best/: the weights that beat every earlier evaluation
             evaluated.update(evaluate_epoch({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
                                             epoch))
-            prefix = "ema_" if ema and evaluated["ema_"]["AP"] > evaluated[""]["AP"] else ""
+            prefix = best_weights(evaluated, "AP")
             if improves_best(accelerator, args.output_dir, "AP", value := evaluated[prefix]["AP"], state):
                 save_model(accelerator, args, "best", ema.module if prefix else model, model_config, evaluated[prefix],
                            card, {"metric": "AP", "value": value, "epoch": epoch, "step": state.global_step,

@@ -93,6 +93,24 @@ def run_ok(name: str, argv: list, capsys=None) -> str:
         fresh_accelerate()  # the next in-process run (of any test) starts from the defaults again
 
 
+def enable_cpu_fp16(accelerator) -> None:
+    """Make an Accelerator on the CPU run fp16 as it does on a GPU: the prepared model's forward under
+    `torch.autocast("cpu", torch.float16)` (outputs cast back to float32, as accelerate does on a GPU) and a
+    `torch.amp.GradScaler("cpu")` for `backward`, `clip_grad_norm_` (unscaled first) and the optimizer step (skipped,
+    and the scale halved, on a non-finite gradient). Call before `accelerator.prepare`.
+
+    accelerate runs `mixed_precision: fp16` on a CPU with no autocast and no GradScaler, in plain fp32, so a CPU run
+    would test nothing of fp16; this switches on the two pieces accelerate leaves out, and the rest is accelerate's
+    own GPU code path. Raises ValueError unless the accelerator is on the CPU with mixed precision "fp16"."""
+    import torch
+
+    if accelerator.device.type != "cpu" or accelerator.mixed_precision != "fp16":
+        raise ValueError(f"enable_cpu_fp16 needs a CPU accelerator with mixed_precision fp16, got "
+                         f"{accelerator.device.type} / {accelerator.mixed_precision}")
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+
+
 def fresh_root_logging() -> None:
     """No handlers on the root logger, as in a fresh process: a one-process tool's `logging.basicConfig` (export,
     data check) then prints to this test's stderr, not to pytest's log capture or to the console and train.log

@@ -376,30 +376,6 @@ def test_case_d17_classifier_old_config_and_topk_beyond_the_classes_are_said(tmp
     assert len(rows[0]["topk"]) == 2
 
 
-def test_resume_says_which_flags_the_checkpoint_replaces_and_refuses_another_optimizer():
-    from detlib.engine.checkpoint_io import ResumeError, replaced_by_checkpoint
-
-    asked = [{"lr": 1e-5, "initial_lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999)},
-             {"lr": 1e-5, "initial_lr": 1e-3, "weight_decay": 0.05, "betas": (0.9, 0.999)}]
-    loaded = [{**g, "initial_lr": 1e-4, "weight_decay": w} for g, w in zip(asked, (0.0, 0.01))]
-    lines = replaced_by_checkpoint(asked, loaded, None, "out/checkpoints/epoch_0002")
-    assert lines == ["--lr 0.001 is not used: the resumed checkpoint's optimizer state brings back its run's 0.0001 (a "
-                     "resume continues that recipe; to train with another, start a new run with --init_from "
-                     "out/checkpoints/epoch_0002)",
-                     "--weight_decay 0.05 is not used: the resumed checkpoint's optimizer state brings back its run's 0.01 "
-                     "(a resume continues that recipe; to train with another, start a new run with --init_from "
-                     "out/checkpoints/epoch_0002)"]
-    assert replaced_by_checkpoint(asked, [dict(g) for g in asked], None, "c") == []
-    # plateau: no initial_lr; the recorded base LR is compared, not the dropped current one
-    plateau = [{"lr": 1e-3, "weight_decay": 0.0}]
-    assert replaced_by_checkpoint(plateau, [{"lr": 1e-5, "weight_decay": 0.0}], {"kind": "plateau", "base_lrs": [1e-3]}, "c") == []
-    assert replaced_by_checkpoint(plateau, [{"lr": 1e-5, "weight_decay": 0.0}], {"kind": "plateau", "base_lrs": [1e-4]},
-                                  "c")[0].startswith("--lr 0.001 is not used")
-    sgd = [{"lr": 0.01, "momentum": 0.9, "dampening": 0, "nesterov": True, "weight_decay": 0.0}]
-    with pytest.raises(ResumeError, match="another --optimizer"):
-        replaced_by_checkpoint(sgd, loaded[:1], None, "c")
-
-
 # ---- D19: bad choices stop before the work
 
 @pytest.mark.parametrize("backbone,message", [
@@ -449,7 +425,7 @@ def test_close_names_by_hand():
 
 @needs_catsdogs
 @pytest.mark.slow
-def test_case_d17_resume_with_another_lr_is_said_and_another_optimizer_refused(tmp_path, capsys):
+def test_case_d17_resume_with_another_lr_or_optimizer_is_refused_and_another_length_said(tmp_path, capsys):
     data = tmp_path / "data"
     for cls in ("cat", "dog"):
         (data / cls).mkdir(parents=True)
@@ -460,13 +436,16 @@ def test_case_d17_resume_with_another_lr_is_said_and_another_optimizer_refused(t
     script = load_script("train_catsdogs")
     script.main([*common, "--epochs", "1", "--lr", "1e-3"])
     capsys.readouterr()
-    script.main([*common, "--epochs", "2", "--lr", "0.5", "--resume_from_checkpoint", "latest"])
-    out = capsys.readouterr().out
-    assert "--lr 0.5 is not used: the resumed checkpoint's optimizer state brings back its run's 0.001" in out
-    with pytest.raises(SystemExit) as e:
-        script.main([*common, "--epochs", "3", "--optimizer", "sgd", "--resume_from_checkpoint", "latest"])
-    err = capsys.readouterr().err
-    assert e.value.code == 1 and "its optimizer is another one than this run's" in err and "Traceback" not in err
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    for flag, value, said in (("--lr", "0.5", "--lr 0.001 -> 0.5"), ("--optimizer", "sgd", "--optimizer adamw -> sgd")):
+        with pytest.raises(SystemExit) as e:  # the optimizer's state would bring the old values back: refused
+            script.main([*common, "--epochs", "2", flag, value, "--resume_from_checkpoint", "latest"])
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and "Traceback" not in err
+        assert "it does not fit this run: " in err and said in err and "(fixed by the checkpoint's state)" in err
+        assert (tmp_path / "run" / "config.yaml").read_text() == config  # the refused run recorded nothing
+    script.main([*common, "--epochs", "2", "--resume_from_checkpoint", "latest"])
+    assert "with other flags than its run's: --epochs 1 -> 2" in capsys.readouterr().out
 
 
 def test_export_without_the_onnx_packages_is_one_line_that_says_what_to_install(tmp_path, monkeypatch):

@@ -246,3 +246,38 @@ def test_case_e25_yolo_boxes_clipped_are_named_by_label_file_and_line(tmp_path, 
     f.write_text("\n".join(rows) + "\n")
     _, _, report = checked(root)
     assert finding(report, "crossing the image border").examples == ["labels/train/000000022892.txt:2"]
+
+
+def test_case_e06_predict_reads_a_voc_source_with_the_training_runs_class_list(tmp_path, coco_pair, capsys):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from detlib.retinanet.model import build_retinanet_from_config
+    from helpers import fresh_accelerate, run_main
+
+    train, val = coco_pair
+    root = write_voc(tmp_path / "VOC", {"train": train, "val": val})
+    names = [c["name"] for c in reversed(train["categories"])]  # a run trained with --class_names in this order
+    (tmp_path / "classes.txt").write_text("".join(f"{n}\n" for n in names))
+    config = {"num_classes": len(names), "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
+              "category_ids": list(range(1, len(names) + 1)), "category_names": names}
+    torch.manual_seed(0)
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    model = build_retinanet_from_config(config)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights / "model.safetensors"))
+    (weights / "model_config.json").write_text(json.dumps(config))
+    common = ["--weights", weights, "--source", root, "--data_format", "voc", "--no_images", "--num_workers", "0",
+              "--score_thresh", "0.0"]
+    fresh_accelerate()
+    code, _, err = run_main("predict_retinanet", [*common, "--output_dir", tmp_path / "a"], capsys)
+    assert code == 1 and "the model's classes are not this data set's" in err  # the xml names, sorted: not its order
+    fresh_accelerate()
+    code, _, err = run_main("predict_retinanet", [*common, "--class_names", tmp_path / "classes.txt", "--output_dir",
+                                                  tmp_path / "b"], capsys)
+    fresh_accelerate()
+    assert code == 0, err
+    predicted = json.loads((tmp_path / "b" / "predictions.json").read_text())
+    assert len(predicted) == 300 and {p["category_id"] for p in predicted} <= set(range(1, 26))

@@ -267,12 +267,9 @@ def test_classification_metrics_by_hand():
 
 
 def test_warmup_cosine_schedule_by_hand():
-    from detlib.engine.schedules import build_lr_scheduler
-
     script = load_script()
-    spec = script.SCHEDULE
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = build_lr_scheduler(opt, spec["kind"], 6, warmup_steps=2, warmup_start=spec["warmup_start"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: script.warmup_cosine(s, 6, 2))
     lrs = []
     for _ in range(6):
         lrs.append(opt.param_groups[0]["lr"])
@@ -280,9 +277,8 @@ def test_warmup_cosine_schedule_by_hand():
         sched.step()
     c = lambda p: 0.5 * (1 + math.cos(math.pi * p))  # noqa: E731
     assert lrs == pytest.approx([0.5, 1.0, c(0), c(1 / 4), c(2 / 4), c(3 / 4)])
-    assert spec["warmup_fraction"] == 0.05  # the run resolves it once: 5 steps of a 100-step run
-    default = build_lr_scheduler(opt, spec["kind"], 100, warmup_steps=round(spec["warmup_fraction"] * 100), warmup_start=0.0)
-    assert default.lr_lambdas[0](0) == pytest.approx(1 / 5)
+    assert script.WARMUP_FRACTION == 0.05  # the run resolves it once: 5 steps of a 100-step run
+    assert script.warmup_cosine(0, 100, round(script.WARMUP_FRACTION * 100)) == pytest.approx(1 / 5)
 
 
 # ---- /dev/shm (B23)

@@ -183,7 +183,7 @@ B31_HELPER = textwrap.dedent('''
     spec = importlib.util.spec_from_file_location("train_catsdogs", sys.argv[1])
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    from detlib.engine.tracking import make_accelerator
+    from detlib.engine import make_accelerator
     out = sys.argv[3]
     args = script.parse_args(["--train_dir", sys.argv[2], "--val_dir", sys.argv[2], "--image_size", "16",
                               "--per_device_batch_size", "2", "--num_workers", "0", "--output_dir", out])
@@ -191,7 +191,7 @@ B31_HELPER = textwrap.dedent('''
     _, _, train_loader, _ = script.build_dataloaders(args, {"train_dir": args.train_dir, "val_dir": args.val_dir})
     train_loader = accelerator.prepare(train_loader)
     seen = []
-    for e in range(3):  # what detlib.engine.run.Run.batches does: the epoch's seeded order, minus a resume's done batches
+    for e in range(3):  # what the scripts' train_one_epoch does: the epoch's seeded order, minus a resume's done batches
         train_loader.set_epoch(e)
         seen.append([b["index"].tolist() for b in train_loader])
     train_loader.set_epoch(2)
@@ -299,12 +299,12 @@ def test_a_flag_error_before_the_run_is_printed_once_by_two_processes(tmp_path):
 
 @pytest.mark.slow
 def test_the_first_process_flag_error_line_survives_a_quicker_second_process(tmp_path):
-    """`detlib.engine.flags.stop` on 2 processes where the first one reaches it late (it was: the second one exited at
+    """`detlib.engine.stop` on 2 processes where the first one reaches it late (it was: the second one exited at
     once, the launcher stopped the first before it printed, and the launch ended with no error line at all)."""
     probe = tmp_path / "probe.py"
     probe.write_text(textwrap.dedent("""
         import os, time
-        from detlib.engine.flags import stop
+        from detlib.engine import stop
         if os.environ.get("RANK") == "0":
             time.sleep(3.0)  # the first process is the slow one
         stop("a flag error found before the run")
@@ -315,37 +315,33 @@ def test_the_first_process_flag_error_line_survives_a_quicker_second_process(tmp
     assert proc.returncode != 0
 
 
-def test_the_other_processes_wait_for_the_first_one_to_end_not_for_the_whole_grace():
-    """The wait of `flags.wait_for_the_first_process` ends when the first process ends: a launcher that does not
-    stop the others at once (a SIGTERM'd torchrun waits for every process) must not hold the run STOP_GRACE_S
-    longer (a SIGTERM to a 2-process launch took 10 s more, and a kill -9 of the launcher left a process behind
-    for 10 s; that one is tests/test_exit_paths.py's). This test is the launcher: it starts both processes with
-    their RANK, and reaps the first when it ends, as torchrun does."""
-    import subprocess
-    import sys
+@pytest.mark.slow
+def test_the_processes_of_a_stop_meet_after_the_first_has_printed_and_end_together(tmp_path):
+    """`stop` on 2 processes (forked, the rank variables of cpu_2proc.yaml) where the first reaches it 3 s late: the
+    second waits for it on the process group (it does not exit first, which under torchrun would cost the line) and
+    both end within a second of the first's line, with no fixed grace to sit out."""
     import time
 
-    from conftest import launch_env
-    from detlib.engine.flags import STOP_GRACE_S
+    from helpers import forked_launch
 
-    other = textwrap.dedent("""
-        import sys, time
-        from detlib.engine.flags import wait_for_the_first_process
-        print("ready", flush=True)
-        sys.stdin.readline()  # the first process runs now
-        t0 = time.time()
-        wait_for_the_first_process()
-        print(f"waited {time.time() - t0:.2f} s", flush=True)
-    """)
-    second = subprocess.Popen([sys.executable, "-c", other], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=launch_env({"RANK": "1", "PYTHONPATH": str(REPO)}))
-    assert second.stdout.readline().strip() == "ready"
-    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2.0)"], env=launch_env({"RANK": "0"}))
+    probe = tmp_path / "probe.py"
+    probe.write_text(textwrap.dedent("""
+        import os, sys, time
+        from detlib.engine import stop
+        if os.environ["RANK"] == "0":
+            time.sleep(3.0)
+        print(f"at the stop {time.time():.3f}", file=sys.stderr, flush=True)
+        try:
+            stop("a flag error found before the run")
+        finally:
+            print(f"leaving {time.time():.3f}", file=sys.stderr, flush=True)
+    """))
     t0 = time.time()
-    second.stdin.write("go\n")
-    second.stdin.flush()
-    first.wait(timeout=60)  # reaped at once: the end the other process waits for
-    ended = time.time() - t0
-    out = second.communicate(timeout=60)[0]
-    waited = float(out.split("waited ")[1].split()[0])
-    assert ended - 1.0 <= waited < ended + STOP_GRACE_S / 2, (ended, out)
+    run = forked_launch(probe, [])
+    assert run.codes == [2, 2] and time.time() - t0 < 30
+    assert error_lines(run.texts[0]) == ["error: a flag error found before the run"] and not error_lines(run.texts[1])
+    stamp = lambda text, what: float(text.split(what + " ")[1].split()[0])  # noqa: E731
+    first_at, second_at = stamp(run.texts[0], "at the stop"), stamp(run.texts[1], "at the stop")
+    assert first_at - second_at > 2.5  # the second reached the stop first ...
+    assert stamp(run.texts[1], "leaving") >= first_at  # ... and left only once the first was there
+    assert max(stamp(t, "leaving") for t in run.texts) - first_at < 2.0  # no grace: both left right after

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from detlib.engine import checkpoint_io as ckpt
+from detlib.engine import checkpoints as ckpt
 from detlib.retinanet.model import RetinaNet
 from detlib.weights import WeightsFileError, load_model_weights, load_state_dict_file
 from helpers import fake_checkpoint, plant
@@ -80,10 +80,10 @@ def test_resolve_resume_picks_newest_complete_checkpoint(tmp_path):
         fake_checkpoint(root / name, step)
     (root / "epoch_0003.tmp").mkdir()  # a save that was killed half-way is never picked
     (root / "epoch_0004").mkdir()  # nor a folder without trainer_state.json
-    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(root / "step_00000025")
-    assert ckpt.resolve_resume(str(tmp_path / "empty"), "latest") is None
-    with pytest.raises(FileNotFoundError, match="epoch_0004"):
-        ckpt.resolve_resume(str(tmp_path), str(root / "epoch_0004"))
+    assert ckpt.find_checkpoint(str(tmp_path), "latest") == str(root / "step_00000025")
+    assert ckpt.find_checkpoint(str(tmp_path / "empty"), "latest") is None
+    with pytest.raises(ckpt.CheckpointError, match="epoch_0004 is not a complete checkpoint"):
+        ckpt.find_checkpoint(str(tmp_path), str(root / "epoch_0004"))
 
 
 def test_load_state_dict_file_rejects_non_state_dicts(tmp_path):
@@ -143,13 +143,13 @@ def test_planted_pickle_payload_never_runs(tmp_path, saved_run, name, fmt, caplo
     marker = tmp_path / "MARKER"
     plant(newest / name, marker, fmt)
     os.utime(older, (1e9, 1e9))  # written before the planted one
-    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(older)  # falls back, saying why
+    assert ckpt.find_checkpoint(str(tmp_path), "latest") == str(older)  # falls back, saying why
     (warned,) = [r.getMessage() for r in caplog.records if "skipping damaged checkpoint" in r.getMessage()]
     assert f"step_00000012/{name}" in warned and "\n" not in warned
     if name.endswith((".bin", ".pt", ".pkl")):
         assert "holds pickled objects other than tensors and plain values" in warned and "refused" in warned
     with pytest.raises(ckpt.CheckpointError, match=f"step_00000012/{name}"):  # named explicitly: one line
-        ckpt.resolve_resume(str(tmp_path), str(newest))
+        ckpt.find_checkpoint(str(tmp_path), str(newest))
     assert not marker.exists()
 
 
@@ -164,7 +164,9 @@ def test_load_checkpoint_restores_exactly_and_refuses_a_payload_planted_after_th
     opt.step()
     sched.step()
     norm(torch.tensor(50.0))
-    ckpt.load_checkpoint(acc, str(folder))
+    state = ckpt.TrainState()
+    ckpt.load_checkpoint(acc, str(folder), state)
+    assert state.global_step == 1 and state.epoch == 1
     assert all(torch.equal(v, saved[0][k]) for k, v in model.state_dict().items())
     assert sched.state_dict() == saved[1] and norm.value == saved[2]
     assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], saved[3])
@@ -175,7 +177,7 @@ def test_load_checkpoint_restores_exactly_and_refuses_a_payload_planted_after_th
     marker = tmp_path / "MARKER"
     plant(folder / "custom_checkpoint_0.pkl", marker, "torch")  # after verify_checkpoint passed the folder
     with pytest.raises(ckpt.CheckpointError, match="custom_checkpoint_0.pkl holds pickled objects .*refused"):
-        ckpt.load_checkpoint(acc, str(folder))
+        ckpt.load_checkpoint(acc, str(folder), ckpt.TrainState())
     assert not marker.exists()
 
 

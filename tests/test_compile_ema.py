@@ -214,44 +214,20 @@ def test_compile_and_model_ema_catsdogs(tmp_path):
 
 
 def test_best_takes_the_ema_weights_when_they_score_higher(tmp_path):
-    """Run.report_evaluation with both evaluations: best/ holds whichever weights score higher, best.json says
-    which, both metrics are logged under the epoch number (from 1), and what is written beside best/ (model card,
-    score thresholds: `Run.evaluation_of("best")`) is the evaluation of the weights best/ holds."""
-    from types import SimpleNamespace
+    """best/ holds whichever weights score higher (`best_weights`), and only when they beat every earlier evaluation
+    and the best/ on disk (`improves_best`); a non-finite EMA score never wins."""
+    from accelerate import Accelerator
 
-    from detlib.engine import checkpoint_io as ckpt
-    from detlib.engine.run import Run
+    from detlib.engine import TrainState, best_weights, improves_best
 
-    trained, averaged = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
-    saved, logged, described = [], [], []
-    run = SimpleNamespace(state=ckpt.TrainState(), metric="AP", epoch=0, epoch_number=1,
-                          ema=SimpleNamespace(module=averaged),
-                          metrics=SimpleNamespace(log=lambda line, **kw: logged.append(line)))
-
-    def keep_best(model, value, st, epoch, weights="trained"):
-        saved.append((model, value, epoch, weights))
-        described.append(Run.evaluation_of(run, "best"))  # what describe(best/) would write there
-        return True
-
-    run.checkpointer = SimpleNamespace(keep_best=keep_best)
-    ema_f1 = {"all": {"threshold": 0.4, "f1": 0.7}}
-    Run.report_evaluation(run, {"AP": 0.30, "AP50": 0.5}, trained, extra={"best_f1": {"all": {"threshold": 0.2}}},
-                          ema_stats={"AP": 0.32, "AP50": 0.55}, ema_extra={"best_f1": ema_f1})
-    run.epoch, run.epoch_number = 1, 2
-    Run.report_evaluation(run, {"AP": 0.40, "AP50": 0.6}, trained, ema_stats={"AP": 0.35, "AP50": 0.58})
-    Run.report_evaluation(run, {"AP": 0.41, "AP50": 0.6}, trained, ema_stats={"AP": float("nan"), "AP50": 0.0})
-    assert saved == [(averaged, 0.32, 1, "ema"), (trained, 0.40, 2, "trained"), (trained, 0.41, 2, "trained")]
-    assert logged[0]["epoch"] == 1 and logged[1]["epoch"] == 2
-    assert logged[0]["AP"] == 0.30 and logged[0]["ema_AP"] == 0.32 and logged[0]["ema_AP50"] == 0.55
-    assert logged[0]["best_f1"] == {"all": {"threshold": 0.2}}  # the line's own thresholds are the trained weights'
-    assert described[0]["AP"] == 0.32 and described[0]["best_f1"] == ema_f1 and described[0]["weights"] == "ema"
-    assert described[0]["epoch"] == 1
-    assert described[1]["AP"] == 0.40 and "ema_AP" in described[1]
-    # last/ and last_ema/ take the evaluation of their own weights when it is of the final step
-    assert Run.evaluation_of(run, "last")["AP"] == 0.41
-    assert Run.evaluation_of(run, "last_ema")["AP50"] == 0.0 and Run.evaluation_of(run, "last_ema")["weights"] == "ema"
-    run.state.global_step += 1  # trained on past the last evaluation
-    assert Run.evaluation_of(run, "last") is None and Run.evaluation_of(run, "last_ema") is None
+    acc, state, out, kept = Accelerator(cpu=True), TrainState(), str(tmp_path), []
+    for trained, averaged in ((0.30, 0.32), (0.40, 0.35), (0.41, float("nan")), (0.39, 0.40)):
+        evaluations = {"": {"AP": trained}, "ema_": {"AP": averaged}}
+        prefix = best_weights(evaluations, "AP")
+        if improves_best(acc, out, "AP", evaluations[prefix]["AP"], state):
+            kept.append((prefix, evaluations[prefix]["AP"]))
+    assert kept == [("ema_", 0.32), ("", 0.40), ("", 0.41)] and state.best_metric == 0.41
+    assert best_weights({"": {"AP": 0.2}}, "AP") == "" and best_weights({"": {"AP": 0.2}, "ema_": {"AP": 0.2}}, "AP") == ""
 
 
 @pytest.mark.parametrize("value", ["1", "0", "1.5", "nan"])

@@ -1,5 +1,6 @@
 """The run machinery's parts in one process: checkpoint verification and fallback (C07), a failed save (disk
-full), the output-folder lock, flag values, schedule continuation after a resume."""
+full), the output-folder lock and its checks, flag values, the step guard, the train line, the preemption flag,
+best/, the flag comparison of a resume, the console."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import REPO
-from detlib.engine import checkpoint_io as ckpt
+from detlib.engine import checkpoints as ckpt
 from detlib.engine import run_folder
-from detlib.engine.schedules import build_lr_scheduler, lr_factor, set_position
+from detlib.engine.run_folder import RunStop
 from detlib.weights import WeightsFileError, load_model_weights
 from helpers import fake_checkpoint
 
@@ -71,12 +72,12 @@ def test_case_c07_latest_falls_back_past_a_damaged_newest_checkpoint(tmp_path, d
         (newest / "trainer_state.json").write_text("")
     # an older damaged checkpoint never blocks `latest` either
     (root / "epoch_0001" / "trainer_state.json").write_text("")
-    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(root / "epoch_0002")
+    assert ckpt.find_checkpoint(str(tmp_path), "latest") == str(root / "epoch_0002")
     warned = [r.getMessage() for r in caplog.records if "skipping damaged checkpoint" in r.getMessage()]
     assert len(warned) == 1 and "step_00000012" in warned[0]
     assert ("model.safetensors" in warned[0]) if damage == "truncated_weights" else ("trainer_state.json" in warned[0])
     with pytest.raises(ckpt.CheckpointError):  # named explicitly, a damaged checkpoint is an error
-        ckpt.resolve_resume(str(tmp_path), str(newest))
+        ckpt.find_checkpoint(str(tmp_path), str(newest))
     assert ckpt.list_checkpoints(str(tmp_path)) == [str(root / "epoch_0002")] + (
         [str(newest)] if damage == "truncated_weights" else [])
 
@@ -113,7 +114,7 @@ def test_a_checkpoint_whose_weights_or_state_file_is_a_link_to_nothing_fails_ver
     (weights_dir / "model.safetensors").mkdir()
     with pytest.raises(ckpt.CheckpointError, match="step_00000020 holds no model weights"):
         ckpt.verify_checkpoint(str(weights_dir))
-    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(root / "epoch_0001")
+    assert ckpt.find_checkpoint(str(tmp_path), "latest") == str(root / "epoch_0001")
 
 
 def test_json_files_that_parse_but_hold_the_wrong_thing_are_one_line_errors(tmp_path):
@@ -131,7 +132,7 @@ def test_json_files_that_parse_but_hold_the_wrong_thing_are_one_line_errors(tmp_
     (listed / "model_config.json").write_text("[]")
     with pytest.raises(ckpt.CheckpointError, match=r"epoch_0003/model_config.json is damaged \(\[\], not a JSON object"):
         ckpt.verify_checkpoint(str(listed))
-    assert ckpt.resolve_resume(str(tmp_path), "latest") == str(root / "epoch_0001")
+    assert ckpt.find_checkpoint(str(tmp_path), "latest") == str(root / "epoch_0001")
     # the weights folders the scripts read (predict, --evaluate_only): a model_config.json of another JSON type
     for text in ("[]", '"resnet18"', "5", "null", deep):
         (listed / "model_config.json").write_text(text)
@@ -149,23 +150,42 @@ def test_failed_save_removes_its_folder_keeps_the_previous_and_says_no_space(tmp
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = acc.prepare(model, opt)
     state = ckpt.TrainState(epoch=1, global_step=4)
-    first = ckpt.save_checkpoint(acc, str(tmp_path), state, total_limit=1)
+    first = ckpt.save_checkpoint(acc, str(tmp_path), state, [model], limit=1)
     ckpt.verify_checkpoint(first)
 
     def full_disk(folder, *a, **k):
+        os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
             f.write(b"\0" * 100)  # half a file, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(acc, "save_state", full_disk)
     state.epoch, state.global_step = 2, 8
-    with pytest.raises(ckpt.CheckpointError) as e:
-        ckpt.save_checkpoint(acc, str(tmp_path), state, total_limit=1)
+    with pytest.raises(RunStop) as e:
+        ckpt.save_checkpoint(acc, str(tmp_path), state, [model], limit=1)
     msg = str(e.value)
-    assert "no space left on device" in msg and "MiB free" in msg and "epoch_0001 is kept" in msg and "\n" not in msg
-    names = sorted(os.listdir(tmp_path / "checkpoints"))
-    assert names == ["epoch_0001"]  # no partial epoch_0002(.tmp); the older one kept
+    assert msg.startswith(f"could not write checkpoint {tmp_path}/checkpoints/epoch_0002.tmp: OSError: [Errno 28] No "
+                          "space left on device (") and " MiB free in " in msg and "epoch_0001 is kept" in msg
+    assert "\n" not in msg and e.value.code == 1
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch_0001"]  # no partial epoch_0002(.tmp); the older kept
     ckpt.verify_checkpoint(first)
+    monkeypatch.undo()
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(RunStop, match="non-finite weights at step 8: not writing") as e:
+        ckpt.save_checkpoint(acc, str(tmp_path), state, [model], limit=1)
+    assert e.value.code == run_folder.EXIT_DIVERGED and sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch_0001"]
+
+
+def test_write_failure_names_the_error_the_free_space_and_a_full_disk():
+    from detlib.weights import write_failure
+
+    line = write_failure(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"),
+                         "/tmp/x/y.tmp", needed_bytes=2**60)
+    assert line.startswith("no space left on device: RuntimeError: [enforce fail at inline_container.cc:664] . "
+                           "unexpected pos 64 vs 0 (") and line.endswith(" MiB needed)") and " MiB free in /tmp" in line
+    line = write_failure(PermissionError(13, "Permission denied"), "/tmp/x")
+    assert line.startswith("PermissionError: [Errno 13] Permission denied (") and "no space" not in line
 
 
 # ---- the output folder's lock
@@ -211,8 +231,8 @@ def test_an_output_folder_on_a_full_disk_is_one_line_at_start(tmp_path, monkeypa
     /dev/full stands in for the full disk: every write to it fails with ENOSPC."""
     out = tmp_path / "run"
     monkeypatch.setattr(run_folder.tempfile, "TemporaryFile", lambda dir: open("/dev/full", "wb"))
-    error, _, locked = run_folder.prepare_output_dir(str(out), False, None, False)
-    assert error == f"cannot write to --output_dir {out}: No space left on device" and not locked
+    refused, _ = run_folder.prepare_output_dir(str(out), False, None, False)
+    assert refused == (f"cannot write to --output_dir {out}: No space left on device", False)
     monkeypatch.undo()
     real_fdopen = os.fdopen
     monkeypatch.setattr(run_folder.os, "fdopen", lambda fd, mode: (os.close(fd), real_fdopen(os.open("/dev/full",
@@ -243,32 +263,7 @@ def test_retinanet_max_size_below_image_size_is_refused(capsys):
     assert "--max_size 600 is smaller than --image_size 800" in capsys.readouterr().err
 
 
-# ---- schedules after a resume
-
-def test_cosine_anchor_continues_from_the_current_lr_without_a_jump():
-    total_old, at = 100, 60
-    f_at = lr_factor(at, "cosine", total_old, warmup_steps=10)
-    # the run is resumed at step 60 with twice as many epochs: from f_at down to 0 at step 200
-    anchored = [lr_factor(s, "cosine", 200, warmup_steps=10, anchor=(at, f_at)) for s in range(at, 201)]
-    assert anchored[0] == pytest.approx(f_at)
-    assert all(a >= b for a, b in zip(anchored, anchored[1:])) and anchored[-1] == pytest.approx(0.0, abs=1e-12)
-    assert anchored[70] == pytest.approx(f_at * 0.5 * (1 + math.cos(math.pi * 70 / 140)))
-    # without the anchor the new schedule would jump up at the resume step
-    assert lr_factor(at, "cosine", 200, warmup_steps=10) > 1.5 * f_at
-
-
-def test_set_position_moves_a_lambda_schedule():
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
-    sched = build_lr_scheduler(opt, "cosine", 40, warmup_steps=0)
-    set_position(sched, 10)
-    assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 10 / 40)))
-    opt.step()
-    sched.step()
-    assert sched.last_epoch == 11
-    assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * 0.5 * (1 + math.cos(math.pi * 11 / 40)))
-
-
-# ---- the run machinery's parts (detlib.engine.run.StepWindow, detlib.engine.run_folder, detlib.engine.checkpoint_io)
+# ---- the step guard (detlib.engine.step), the train line (detlib.engine.logs.TrainWindow)
 
 def _guarded_bn_model():
     from accelerate import Accelerator
@@ -281,223 +276,189 @@ def _guarded_bn_model():
     return acc, model, opt
 
 
-def _script_step(acc, window, model, opt, loss) -> bool:
-    """The optimizer step as scripts/train_*.py write it, with Run.end_step's buffer restore."""
+def _script_step(acc, guard, model, opt, loss, step) -> bool:
+    """The optimizer step as scripts/train_*.py write it. Returns whether it was skipped."""
     grad_norm = acc.clip_grad_norm_(model.parameters(), math.inf)
-    finite = window.all_finite(loss, grad_norm)
+    finite = guard.check(loss, grad_norm, step, 0.1)
     if finite or acc.scaler is not None:
         opt.step()
     opt.zero_grad(set_to_none=True)
-    if not finite:
-        window.restore_buffers()
     return not finite
 
 
 def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts_the_streak(caplog):
-    from detlib.engine.run import StepWindow
+    from detlib.engine.step import StepGuard
 
     acc, model, opt = _guarded_bn_model()
-    guard = StepWindow(acc, max_nonfinite_steps=2)
+    guard = StepGuard(acc, max_nonfinite_steps=2)
     x = torch.randn(4, 3)
 
-    guard.snapshot_buffers(model)
+    guard.snapshot(model)
     loss = model(x).pow(2).mean()
     loss.backward()
-    guard.add_losses({"loss": loss}, 4)
     before = model[0].weight.detach().clone()
-    skipped, sums = _script_step(acc, guard, model, opt, loss), guard.sums
-    assert not skipped and not torch.equal(model[0].weight, before)
-    assert sums[:2] == (0.0, 0.0) and sums[2] == pytest.approx(loss.item())
-    assert guard.record(1, 0.1) is False and guard.streak == 0
-    assert guard.last_grad_norm == pytest.approx(sums[3]) and sums[3] > 0
+    assert not _script_step(acc, guard, model, opt, loss, 1) and not torch.equal(model[0].weight, before)
+    assert guard.loss == pytest.approx(loss.item()) and guard.grad_norm > 0 and guard.streak == 0 and not guard.diverged
 
     weights, running_mean = model[0].weight.detach().clone(), model[1].running_mean.clone()
     for step in (2, 3):
-        guard.snapshot_buffers(model)
+        guard.snapshot(model)
         loss = model(x).sum() * float("nan")  # the forward moves the running mean, the loss is NaN
         loss.backward()
-        guard.add_losses({"loss": loss}, 4)
-        skipped, sums = _script_step(acc, guard, model, opt, loss), guard.sums
-        assert skipped and sums[0] == 1.0
+        assert _script_step(acc, guard, model, opt, loss, step)
         assert torch.equal(model[0].weight, weights) and torch.equal(model[1].running_mean, running_mean)
-        diverged = guard.record(step, 0.1)
-        assert guard.streak == step - 1 and diverged == (step == 3) and math.isnan(guard.last_grad_norm)
+        assert guard.streak == step - 1 and guard.diverged == (step == 3) and math.isnan(guard.grad_norm)
+        assert math.isnan(guard.loss)
     warned = [r.getMessage() for r in caplog.records if "non-finite loss" in r.getMessage()]
     assert warned == ["step 2: non-finite loss (lr 0.1); the step is skipped on every process (1 in a row)",
                       "step 3: non-finite loss (lr 0.1); the step is skipped on every process (2 in a row)"]
+    guard.snapshot(model)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    assert not _script_step(acc, guard, model, opt, loss, 4) and guard.streak == 0  # a finite step ends the streak
 
 
-def test_step_guard_window_line_is_the_mean_over_images_and_restarts():
+def test_train_window_line_is_the_mean_over_images_and_restarts():
     from accelerate import Accelerator
 
-    from detlib.engine.run import StepWindow
+    from detlib.engine.logs import TrainWindow
 
-    acc = Accelerator(cpu=True)
-    guard = StepWindow(acc, max_nonfinite_steps=3)
-    assert guard.window_line({"epoch": 0, "step": 0}, 0.1, 0, [{"lr": 0.1}]) is None  # no step yet
-    guard.add_losses({"loss": torch.tensor(2.0), "cls_loss": torch.tensor(1.0)}, 3)
-    guard.add_losses({"loss": torch.tensor(6.0), "cls_loss": torch.tensor(5.0)}, 1)
-    guard.sums = (0.0, 0.0, 6.0, 0.5)
-    guard.record(1, 0.1)
-    line, images = guard.window_line({"epoch": 0, "step": 1}, 0.1, 0, [{"lr": 0.1}, {"lr": 0.01}])
-    assert images == 4
-    assert list(line)[:4] == ["epoch", "step", "loss", "cls_loss"]
+    window = TrainWindow(Accelerator(cpu=True))
+    assert list(window.timed([1, 2])) == [1, 2]
+    window.add({"loss": torch.tensor(2.0), "cls_loss": torch.tensor(1.0)}, 3)
+    window.add({"loss": torch.tensor(6.0), "cls_loss": torch.tensor(5.0)}, 1)
+    line = window.line()
+    assert list(line)[:2] == ["loss", "cls_loss"] and window.images_seen == 4
     assert line["loss"] == pytest.approx((2 * 3 + 6) / 4) and line["cls_loss"] == pytest.approx((1 * 3 + 5) / 4)
-    assert line["grad_norm"] == 0.5 and line["lr_1"] == 0.01 and line["skipped_steps"] == 0
-    guard.reset_window()
-    assert guard.window_line({"epoch": 0, "step": 1}, 0.1, 0, [{"lr": 0.1}]) is None
+    assert 0 <= line["data_time_fraction"] <= 1 and line["images_per_s"] > 0
+    window.add({"loss": torch.tensor(1.0), "cls_loss": torch.tensor(1.0)}, 2)
+    assert window.line()["loss"] == pytest.approx(1.0) and window.images_seen == 6  # a new window
 
 
 def test_explosion_is_reported_once_per_order_of_magnitude(caplog):
     from accelerate import Accelerator
 
-    from detlib.engine.run import StepWindow
+    from detlib.engine.step import StepGuard
 
-    guard = StepWindow(Accelerator(cpu=True), max_nonfinite_steps=3)
+    guard = StepGuard(Accelerator(cpu=True), max_nonfinite_steps=3)
     for step, loss in enumerate([1.0, 1.0, 1.0, 150.0, 300.0, 2000.0], 1):
-        guard.sums = (0.0, 0.0, loss, 1.0)
-        guard.record(step, 0.1)
+        guard.check(torch.tensor(loss), torch.tensor(1.0), step, 0.1)
     warned = [r.getMessage() for r in caplog.records if "lowest running level" in r.getMessage()]
     # 150 > 100 x the level 1.0: reported; 300 is under 10 x 150: not; 2000 is over 10 x 150: reported
     assert len(warned) == 2 and warned[0].startswith("step 4: loss 150 is over 100x its lowest running level 1 ")
     assert warned[1].startswith("step 6: loss 2000 ")
 
 
-def test_run_length_counts_the_partial_accumulation_window_as_a_step():
-    from detlib.engine.run import run_length
-
-    # 10 batches per process, 3 per step: steps of 3, 3, 3 and 1 batches
-    assert run_length(10, num_processes=2, per_device_batch_size=4, accumulation_steps=3, epochs=5,
-                      max_steps=None) == (4, 24, 20)
-    assert run_length(10, 2, 4, 3, epochs=5, max_steps=7) == (4, 24, 7)
-
-
-def test_convert_position_keeps_the_samples_seen_on_another_process_count():
-    from detlib.engine.checkpoint_io import convert_position
-
-    # 2 processes x 8 samples per step, 10 steps per epoch; now 1 process: 20 steps per epoch of 8 samples
-    saved = ckpt.TrainState(epoch=1, step_in_epoch=4, global_step=14, num_processes=2, steps_per_epoch=10,
-                            samples_per_step=16)
-    state = ckpt.TrainState(**saved.state_dict())
-    assert convert_position(state, saved, num_processes=1, samples_per_step=8, steps_per_epoch=20)
-    assert (state.epoch, state.step_in_epoch, state.global_step) == (1, 8, 28)
-    same = ckpt.TrainState(**saved.state_dict())
-    assert not convert_position(same, saved, num_processes=2, samples_per_step=16, steps_per_epoch=10)
-    assert (same.step_in_epoch, same.global_step) == (4, 14)
+def test_train_state_counts_steps_and_the_epoch_mean():
+    state = ckpt.TrainState()
+    for stepped, loss in ((True, 2.0), (False, math.nan), (True, 4.0)):
+        state.step_done(stepped, loss)
+    assert (state.global_step, state.step_in_epoch, state.skipped_steps, state.epoch_steps) == (3, 3, 1, 2)
+    assert state.end_epoch() == pytest.approx(3.0)  # the mean of the finite steps
+    assert (state.epoch, state.step_in_epoch, state.epoch_loss_sum, state.epoch_steps) == (1, 0, 0.0, 0)
 
 
-def test_tracker_offset_continues_after_the_last_logged_step(tmp_path):
-    from detlib.engine.tracking import set_tracker_offset
-
-    path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 4, 5, 6)) + "not json\n")
-    state = ckpt.TrainState(global_step=3)  # resumed from the step-3 checkpoint; steps 4..6 were logged
-    set_tracker_offset(state, str(path), resumed=True)
-    assert state.tracker_offset == 3  # step 4 is logged to the trackers at 7
-    fresh = ckpt.TrainState(global_step=6)
-    set_tracker_offset(fresh, str(path), resumed=True)
-    assert fresh.tracker_offset == 0
-
+# ---- the preemption flag (detlib.engine.run_folder)
 
 def test_preemption_signals_set_a_flag_and_a_late_second_sigint_stops(monkeypatch):
     import signal
 
-    signals = run_folder.PreemptionSignals()
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
     before = signal.getsignal(signal.SIGUSR1)
-    signals.install()
+    old = run_folder._install_signals()
     try:
+        assert run_folder.preempted(acc) is None
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert signals.received == signal.SIGUSR1
+        assert run_folder.preempted(acc) == "SIGUSR1"
         clock = [100.0]
         monkeypatch.setattr(run_folder.time, "monotonic", lambda: clock[0])
-        signals._on_signal(signal.SIGINT, None)
+        run_folder._on_signal(signal.SIGINT, None)
         clock[0] += 0.5  # the same Ctrl-C forwarded by the launcher: still only the flag
-        signals._on_signal(signal.SIGINT, None)
-        assert signals.received == signal.SIGUSR1  # the first signal is the one named
+        run_folder._on_signal(signal.SIGINT, None)
+        assert run_folder.preempted(acc) == "SIGUSR1"  # the first signal is the one named
         clock[0] += run_folder.SECOND_SIGINT_AFTER_S
         with pytest.raises(KeyboardInterrupt):
-            signals._on_signal(signal.SIGINT, None)
+            run_folder._on_signal(signal.SIGINT, None)
     finally:
-        signals.restore()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
-def test_disk_check_refuses_less_than_one_checkpoint_and_warns_below_the_kept_ones(tmp_path, monkeypatch, caplog):
-    from collections import namedtuple
+def test_an_output_dir_that_cannot_be_made_names_what_is_in_the_way(tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for where, what in ((tmp_path / "file" / "run", f"{tmp_path / 'file'} is a file, not a folder"),
+                        (tmp_path / "dangling" / "run", f"{tmp_path / 'dangling'} is a link to {tmp_path / 'gone'}, "
+                                                        "which does not exist"),
+                        (tmp_path / "dangling", f"{tmp_path / 'dangling'} is a link to {tmp_path / 'gone'}")):
+        refused, _ = run_folder.prepare_output_dir(str(where), False, None, False)
+        assert refused[0].startswith(f"cannot make --output_dir {where}: {what}") and not refused[1]
 
-    model = torch.nn.Linear(256, 256)  # 65,792 float32 = 263,168 bytes
-    opt = torch.optim.AdamW(model.parameters())
-    weights, per_ckpt = run_folder.checkpoint_bytes(model, opt)
-    assert (weights, per_ckpt) == (263168, 3 * 263168)  # Adam: exp_avg and exp_avg_sq per weight
-    assert run_folder.checkpoint_bytes(model, torch.optim.SGD(model.parameters(), lr=0.1))[1] == 2 * 263168
-    usage = namedtuple("usage", "total used free")
-    caplog.set_level("INFO", logger="detlib.engine.run_folder")
-    for free, expect in [(per_ckpt + 2 * weights - 1, "error"), (per_ckpt * 3 + 2 * weights - 1, "warning"),
-                         (per_ckpt * 3 + 2 * weights, "info")]:
-        monkeypatch.setattr(run_folder.shutil, "disk_usage", lambda _, f=free: usage(0, 0, f))
-        caplog.clear()
-        error = run_folder.check_disk_space(str(tmp_path), model, opt, num_checkpoints=2)
-        if expect == "error":
-            assert error.startswith(f"not enough disk space in {tmp_path}: 1 MiB free, one checkpoint needs ~1 MiB")
-            assert not caplog.records
-        else:
-            (record,) = [r for r in caplog.records if "start-up checks" in r.getMessage()]
-            assert error is None and record.levelname == expect.upper()
-            assert "for 2 checkpoints of ~1 MiB + best/ + last/" in record.getMessage()
 
+# ---- best/, the summary, the flag comparison of a resume (detlib.engine.checkpoints)
 
 def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     from accelerate import Accelerator
 
-    from detlib.engine.checkpoint_io import Checkpointer, read_best_record, summary_lines
+    from detlib.engine.logs import summary_lines
 
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(3, 2))
-
-    def fail(message, code):
-        raise AssertionError(message)
-
-    saver = Checkpointer(acc, str(tmp_path), "AP", total_limit=2, fail=fail)
-    state = ckpt.TrainState(global_step=10)
-    assert saver.keep_best(model, 0.5, state, epoch=1) and state.best_metric == 0.5
-    assert read_best_record(str(tmp_path), "AP") == {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10,
-                                                     "weights": "trained"}
-    assert read_best_record(str(tmp_path), "accuracy") is None  # another metric's best/ does not count
-    older = ckpt.TrainState(global_step=4)  # a resume from an older checkpoint: best_metric -1
-    assert not saver.keep_best(model, 0.4, older, epoch=0) and older.best_metric == 0.4
-    assert saver.best_record()["value"] == 0.5  # best/ kept
-    assert not saver.keep_best(model, float("nan"), state, epoch=2) and state.best_metric == 0.5
-    (tmp_path / "predictions_val.csv").write_text("path,label\n")  # a classifier's run: no plots/, samples/, last/
     out = str(tmp_path)
-    lines = summary_lines(out, f"{out}/metrics.jsonl", "AP", 90.0, 10, 1, 0.5, saver.best_record(), 0.45, 300)
+    state = ckpt.TrainState(global_step=10)
+    assert ckpt.improves_best(acc, out, "AP", 0.5, state) and state.best_metric == 0.5
+    ckpt.save_weights(acc, model, out, "best", {"num_classes": 2},
+                      {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10, "weights": "trained"})
+    assert ckpt.best_record(acc, out, "AP") == {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10, "weights": "trained"}
+    assert ckpt.best_record(acc, out, "accuracy") is None  # another metric's best/ does not count
+    older = ckpt.TrainState(global_step=4)  # a resume from an older checkpoint: best_metric -1
+    assert not ckpt.improves_best(acc, out, "AP", 0.4, older) and older.best_metric == 0.4
+    assert not ckpt.improves_best(acc, out, "AP", float("nan"), state) and state.best_metric == 0.5
+    (tmp_path / "predictions_val.csv").write_text("path,label\n")  # a classifier's run: no plots/, samples/, last/
+    state.skipped_steps = 1
+    lines = summary_lines(out, "AP", 90.0, state, ckpt.best_record(acc, out, "AP"), {"AP": 0.45, "AP50": 0.931}, 300,
+                          {"best": "best", "last": "final"}, also=("AP50",))
     # only what exists is named; the verdict is the last line
     assert lines == [f"weights: {out}/best/ (best)", f"metrics: {out}/metrics.jsonl; evaluation: {out}/predictions_val.csv",
                      "mean throughput 3.3 images/s (all processes)",
-                     "run finished in 1.5 min: 10 steps, 1 skipped; best AP 0.5000 (epoch 1, step 10), final AP 0.4500"]
-    lines = summary_lines(out, f"{out}/metrics.jsonl", "AP", 90.0, 10, 1, 0.5, None, 0.45, 0, {"AP50": 0.931})
-    assert lines[-1] == "run finished in 1.5 min: 10 steps, 1 skipped; best AP 0.5000, final AP 0.4500, AP50 0.9310"
+                     "run finished in 1.5 min: 10 steps, 1 skipped; best AP 0.5000 (epoch 1, step 10), final AP 0.4500, "
+                     "AP50 0.9310"]
 
 
-def test_resume_onto_other_class_names_or_order_is_refused_in_one_line(tmp_path):
-    from detlib.engine.checkpoint_io import ResumeError, check_same_classes
+def _checkpoint_with_config(folder, config: dict, model_config: dict):
+    from helpers import fake_checkpoint
 
-    (tmp_path / "model_config.json").write_text(json.dumps({"num_classes": 2, "classes": ["cat", "dog"]}))
-    check_same_classes(str(tmp_path), {"num_classes": 2, "classes": ["cat", "dog"]})  # same list: fine
-    check_same_classes(str(tmp_path), None)  # nothing to compare with
-    for other in (["dog", "cat"], ["cat", "fox"], ["cat", "dog", "fox"]):
-        with pytest.raises(ResumeError) as e:
-            check_same_classes(str(tmp_path), {"num_classes": len(other), "classes": other})
-        msg = str(e.value)
-        assert "classes differ" in msg and "--init_from" in msg and "\n" not in msg
-    with pytest.raises(ResumeError, match="first difference at label 1: 'dog' vs 'fox'"):
-        check_same_classes(str(tmp_path), {"classes": ["cat", "fox"]})
-    (tmp_path / "model_config.json").write_text(json.dumps({"category_ids": [1, 3], "category_names": ["a", "b"]}))
-    with pytest.raises(ResumeError, match="category_ids"):
-        check_same_classes(str(tmp_path), {"category_ids": [1, 2], "category_names": ["a", "b"]})
-    for damaged in ("[1, 2]", "{not json"):  # a list, or no JSON: one line naming the file, not a traceback
-        (tmp_path / "model_config.json").write_text(damaged)
-        with pytest.raises(ResumeError, match=r"^cannot resume from .*model_config.json is damaged"):
-            check_same_classes(str(tmp_path), {"category_ids": [1, 2]})
+    fake_checkpoint(folder, 10)
+    import yaml
+
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / "model_config.json").write_text(json.dumps(model_config))
+    return folder
+
+
+def test_a_resume_names_every_flag_that_differs_and_refuses_the_fixed_ones(tmp_path, caplog):
+    run = {"lr": 0.001, "epochs": 6, "image_size": 128, "lr_steps": [8, 11], "output_dir": "a", "resume_from_checkpoint": None}
+    classes = {"classes": ["cat", "dog"]}
+    folder = str(_checkpoint_with_config(tmp_path / "epoch_0002", run, classes))
+    same = {**run, "resume_from_checkpoint": "latest"}  # what to do with the folder is not compared
+    assert ckpt._compare(folder, {**same, **classes}, ("lr",), "--init_from") is None and not caplog.records
+    changed = {**same, "epochs": 10, "image_size": 160, "lr_steps": (8, 12)}
+    assert ckpt._compare(folder, {**changed, **classes}, ("lr",), "--init_from") is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (f"resuming {folder} with other flags than its run's: --epochs 6 -> 10, --image_size 128 -> 160, "
+                    "--lr_steps [8, 11] -> [8, 12]")
+    refusal = ckpt._compare(folder, {**changed, "lr": 0.01, **classes}, ("lr",), "--weights")
+    assert refusal == (f"cannot resume from {folder}: it does not fit this run: --lr 0.001 -> 0.01 (fixed by the "
+                       f"checkpoint's state); resume with its values, or start a new run from its weights with --weights "
+                       f"{folder}")
+    for other in (["dog", "cat"], ["cat", "fox"], ["cat", "dog", "fox"]):  # the classes are always fixed
+        refusal = ckpt._compare(folder, {**same, "classes": other}, (), "--init_from")
+        assert refusal.startswith(f"cannot resume from {folder}: it does not fit this run: classes (2 -> {len(other)}; "
+                                  "first difference: ") and "\n" not in refusal
+    assert "'dog' -> 'fox'" in ckpt._compare(folder, {**same, "classes": ["cat", "fox"]}, (), "--init_from")
 
 
 # ---- a quiet console
@@ -507,7 +468,7 @@ def test_console_has_our_info_lines_and_only_the_warnings_of_other_libraries(tmp
     console and train.log unless --verbose; ours and every library's warnings stay."""
     import logging
 
-    from detlib.engine.tracking import setup_logging
+    from detlib.engine.logs import setup_logging
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level
@@ -515,7 +476,7 @@ def test_console_has_our_info_lines_and_only_the_warnings_of_other_libraries(tmp
         for verbose in (False, True):
             out = tmp_path / f"verbose_{verbose}"
             setup_logging(str(out), is_main=True, verbose=verbose)
-            logging.getLogger("detlib.engine.run").info("ours")
+            logging.getLogger("detlib.engine.step").info("ours")
             logging.getLogger("train_retinanet").info("the script's")
             logging.getLogger("onnxscript.optimizer").info("initializer_deduplication: Replaced initializer 'x'")
             logging.getLogger("faster_coco_eval.core").info("theirs")
@@ -532,7 +493,7 @@ def test_every_script_logs_under_a_name_the_console_shows():
     """A script's logger outside runtime.OWN_LOGGERS would have its INFO lines hidden like another library's."""
     import re
 
-    from detlib.engine.tracking import OWN_LOGGERS
+    from detlib.engine.logs import OWN_LOGGERS
 
     names = {m for f in (REPO / "scripts").glob("*.py") for m in re.findall(r'getLogger\("([\w.]+)"\)', f.read_text())}
     assert names and all(n.split(".")[0] in OWN_LOGGERS for n in names), names
@@ -540,7 +501,7 @@ def test_every_script_logs_under_a_name_the_console_shows():
 
 def test_offline_wandb_prints_nothing_of_its_own_unless_verbose(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from detlib.engine.tracking import resolve_trackers
+    from detlib.engine.logs import resolve_trackers
 
     for verbose in (False, True):
         env = {"HOME": str(tmp_path), "WANDB_BASE_URL": "http://127.0.0.1:9"}  # no key, no ~/.netrc

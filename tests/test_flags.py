@@ -12,7 +12,7 @@ import yaml
 
 from conftest import REPO, write_coco, write_image
 from detlib.engine import flags
-from detlib.engine.tracking import save_config
+from detlib.engine.logs import save_config
 from helpers import forked_launch
 
 SCRIPTS = ("train_retinanet", "train_catsdogs")
@@ -57,7 +57,7 @@ def one_line_error(capsys, script, argv: list[str]) -> str:
 def test_config_yaml_fed_back_gives_the_same_args(script, tmp_path):
     argv = ["--epochs", "3", "--optimizer", "sgd", "--seed", "7", "--output_dir", str(tmp_path / "run"), "--report_to", "none"]
     first = resolved(script, argv)
-    save_config(run_like_config(script, first), str(tmp_path))
+    save_config(run_like_config(script, first), str(tmp_path / "config.yaml"))
     again = resolved(script, ["--config", str(tmp_path / "config.yaml")])
     assert again.config == str(tmp_path / "config.yaml")
     assert {**vars(again), "config": None} == vars(first)
@@ -120,7 +120,7 @@ def test_missing_config_file_is_a_one_line_error(script, tmp_path, capsys):
 
 
 def test_evaluate_only_config_writes_where_the_evaluation_did(script, tmp_path):
-    # detlib.engine.run.Run records OUTPUT_DIR/evaluate_only as the output_dir of an evaluation-only run
+    # an evaluation-only run records OUTPUT_DIR/evaluate_only as the output_dir of an evaluation-only run
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"evaluate_only": "runs/a/best", "output_dir": "runs/a/evaluate_only"}))
     args = script.parse_args(["--config", str(path)])

@@ -291,18 +291,19 @@ def test_a_signal_the_prediction_runs_on_past_ends_it_with_its_code_and_says_the
 
 def test_the_other_processes_leave_a_prediction_error_silently_when_the_launcher_stops_them(monkeypatch,
                                                                                             prediction_signals, capsys):
-    """On a process other than the first, `prediction_error` waits for the first to print and end; torchrun then
-    SIGTERMs the waiting one, which must end silently (it was: a false `stopped: SIGTERM before the end` line from
-    run_prediction's handler). Checked: the wait leaves SIGINT and SIGTERM to their default action, and the
+    """On a process other than the first, `prediction_error` waits for the first to print; a launcher that
+    SIGTERMs the waiting one meanwhile must end it silently (it was: a false `stopped: SIGTERM before the end` line
+    from run_prediction's handler). Checked: the wait leaves SIGINT and SIGTERM to their default action, and the
     process exits 1 without a line."""
     import signal
 
-    from detlib.engine import flags
+    from detlib.engine import run_folder
     from detlib.inference import prediction_error, run_prediction
 
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     during_the_wait = []
-    monkeypatch.setattr(flags, "_first_process_beside", lambda: during_the_wait.append(
+    monkeypatch.setattr(run_folder, "_meet", lambda: during_the_wait.append(
         [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)]))
 
     def main():

@@ -47,7 +47,7 @@ def test_bf16_autocast_keeps_fp32_weights_and_grad_norm_case_b16():
     assert n16 == pytest.approx(n32, rel=0.1)  # the clipped norm is the real (unscaled) one
 
 
-# ---- fp16 on a CPU (accelerate itself runs fp16 on a CPU in fp32: detlib.engine.tracking.enable_cpu_fp16)
+# ---- fp16 on a CPU (accelerate itself runs fp16 on a CPU in fp32: tests/helpers.py's enable_cpu_fp16)
 
 def test_losses_are_fp32_from_fp16_logits_under_autocast_case_b17():
     """Focal and box losses come out float32 from fp16 logits and deltas, inside fp16 autocast, and equal the
@@ -86,7 +86,7 @@ def test_loss_stays_finite_with_saturated_fp16_logits_case_b17():
 
 
 def test_enable_cpu_fp16_refuses_other_settings():
-    from detlib.engine.tracking import enable_cpu_fp16
+    from helpers import enable_cpu_fp16
 
     AcceleratorState._reset_state(True)
     try:
@@ -98,8 +98,9 @@ def test_enable_cpu_fp16_refuses_other_settings():
 
 @pytest.mark.slow
 def test_fp16_inf_gradient_backs_off_scale_and_skips_on_every_rank_case_b16(tmp_path):
-    """2 gloo processes, autocast("cpu", float16) + GradScaler("cpu") through the scripts' step (Run.all_finite,
-    Run.end_step; tests/probes/fp16_step_probe.py): rank 1 alone gets an inf gradient at step 2."""
+    """2 gloo processes, autocast("cpu", float16) + GradScaler("cpu") through the scripts' step (StepGuard.check,
+    optimizer.step, TrainState.step_done; tests/probes/fp16_step_probe.py): rank 1 alone gets an inf gradient at
+    step 2."""
     import json
 
     from conftest import REPO, read_metrics

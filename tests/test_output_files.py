@@ -7,7 +7,7 @@ import stat
 import pytest
 import torch
 
-from detlib.engine import checkpoint_io as ckpt
+from detlib.engine import checkpoints as ckpt
 from detlib.weights import load_model_weights, save_model_weights
 
 
@@ -30,7 +30,7 @@ def test_weights_and_checkpoint_files_are_0644_under_umask_022(tmp_path, umask_0
     weights = save_model_weights(acc, model, str(tmp_path / "best"), model_config={"num_classes": 2})
     assert _mode(weights) == 0o644
     assert _mode(tmp_path / "best" / "model_config.json") == 0o644
-    folder = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=3))
+    folder = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=3), [model])
     modes = {name: _mode(os.path.join(folder, name)) for name in os.listdir(folder)
              if os.path.isfile(os.path.join(folder, name))}
     assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
@@ -62,6 +62,6 @@ def test_a_file_system_that_refuses_chmod_still_gets_the_weights_and_the_checkpo
     model = acc.prepare(torch.nn.Linear(3, 2))
     monkeypatch.setattr(os, "chmod", refuse)
     weights = save_model_weights(acc, model, str(tmp_path / "last"))
-    folder = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=3))
+    folder = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=3), [model])
     ckpt.verify_checkpoint(folder)
     assert load_model_weights(torch.nn.Linear(3, 2), weights) == weights

@@ -1,55 +1,60 @@
-"""LR schedules: warmup, multistep milestones, cosine end points."""
+"""The training scripts' LR schedules (built in the scripts beside the optimizer): warm-up, multistep milestones,
+cosine end points."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from detlib.engine.schedules import build_lr_scheduler, lr_factor
+from helpers import load_script
+
+retinanet = load_script("train_retinanet")
+catsdogs = load_script("train_catsdogs")
 
 
 def test_multistep_with_warmup_worked_values():
-    f = [lr_factor(s, "multistep", 100, warmup_steps=4, warmup_start=0.001, milestones=[10, 20]) for s in (0, 3, 4, 9, 10, 19, 20, 99)]
+    f = [retinanet.lr_factor(s, "multistep", 100, warmup_steps=4, milestones=[10, 20]) for s in (0, 3, 4, 9, 10, 19, 20, 99)]
     assert f[0] == pytest.approx(0.001 + 0.999 * 0.25)
     assert f[1:] == pytest.approx([1.0, 1.0, 1.0, 0.1, 0.1, 0.01, 0.01])
 
 
 def test_cosine_goes_from_one_to_zero_after_warmup():
-    assert lr_factor(0, "cosine", 10, warmup_steps=2, warmup_start=0.0) == pytest.approx(0.5)
-    assert lr_factor(2, "cosine", 10, warmup_steps=2, warmup_start=0.0) == pytest.approx(1.0)
-    assert lr_factor(6, "cosine", 10, warmup_steps=2, warmup_start=0.0) == pytest.approx(0.5 * (1 + math.cos(math.pi / 2)))
-    assert lr_factor(10, "cosine", 10, warmup_steps=2) == pytest.approx(0.0)
+    assert retinanet.lr_factor(0, "cosine", 10, warmup_steps=2) == pytest.approx(0.001 + 0.999 * 0.5)
+    assert retinanet.lr_factor(2, "cosine", 10, warmup_steps=2) == pytest.approx(1.0)
+    assert retinanet.lr_factor(6, "cosine", 10, warmup_steps=2) == pytest.approx(0.5 * (1 + math.cos(math.pi / 2)))
+    assert retinanet.lr_factor(10, "cosine", 10, warmup_steps=2) == pytest.approx(0.0)
+    # the classifier's: from 0, then the half cosine
+    assert [catsdogs.warmup_cosine(s, 10, 2) for s in (0, 1, 2, 6, 10)] == pytest.approx(
+        [0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 2)), 0.0])
 
 
-def test_scheduler_steps_the_optimizer_lr_and_rejects_unknown_kinds():
+def test_the_scheduler_steps_the_optimizer_lr_per_step_and_plateau_per_epoch():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
-    sched = build_lr_scheduler(opt, "multistep", 10, milestones=[2])
+    args = SimpleNamespace(lr_scheduler="multistep", plateau_patience=3, warmup_steps=0, lr_steps=[1])
+    sched = retinanet.build_scheduler(opt, args, steps_per_epoch=2, total_steps=10)
     lrs = []
     for _ in range(4):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert lrs == pytest.approx([0.5, 0.5, 0.05, 0.05])
-    with pytest.raises(ValueError, match="schedule"):
-        lr_factor(0, "linear", 10)
+    assert lrs == pytest.approx([0.5, 0.5, 0.05, 0.05])  # epoch 1 ends after 2 steps
+    plateau = retinanet.build_scheduler(opt, SimpleNamespace(**{**vars(args), "lr_scheduler": "plateau"}), 2, 10)
+    assert isinstance(plateau, torch.optim.lr_scheduler.ReduceLROnPlateau) and plateau.patience == 3
 
 
 def test_constant_warms_up_too_and_the_first_step_is_one_step_into_the_ramp():
-    f = [lr_factor(s, "constant", 200, warmup_steps=500, warmup_start=0.0) for s in (0, 1, 199)]
-    assert f == pytest.approx([1 / 500, 2 / 500, 200 / 500])  # a 200-step run never reaches its LR
-    assert lr_factor(3, "constant", 10, warmup_steps=4, warmup_start=0.0) == pytest.approx(1.0)
+    f = [retinanet.lr_factor(s, "constant", 200, warmup_steps=500) for s in (0, 1, 199)]
+    assert f == pytest.approx([0.001 + 0.999 / 500, 0.001 + 0.999 * 2 / 500, 0.001 + 0.999 * 200 / 500])
+    assert retinanet.lr_factor(3, "constant", 10, warmup_steps=4) == pytest.approx(1.0)
 
 
-def test_a_warmup_as_long_as_the_run_is_a_warning_once_at_the_start(caplog):
-    from detlib.engine.schedules import RunPosition, build_scheduler
-
+def test_a_warmup_as_long_as_the_run_is_a_warning(caplog):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    start = RunPosition(steps_per_epoch=20, total_steps=200)
-    with caplog.at_level("WARNING", logger="detlib"):
-        build_scheduler(opt, "constant", start, epochs=10, max_steps=0, warmup_steps=500)
+    args = SimpleNamespace(lr_scheduler="constant", plateau_patience=3, warmup_steps=500, lr_steps=[8])
+    retinanet.build_scheduler(opt, args, steps_per_epoch=20, total_steps=200)
     (record,) = [r for r in caplog.records if "warmup_steps" in r.getMessage()]
     assert "500" in record.getMessage() and "200 optimizer steps" in record.getMessage()
     caplog.clear()
-    with caplog.at_level("WARNING", logger="detlib"):
-        build_scheduler(opt, "constant", start, epochs=10, max_steps=0, warmup_steps=50)
+    retinanet.build_scheduler(opt, SimpleNamespace(**{**vars(args), "warmup_steps": 50}), 20, 200)
     assert not [r for r in caplog.records if "warmup_steps" in r.getMessage()]

@@ -307,14 +307,12 @@ def resume(accelerator, output_dir: str, resume_from: str | None, state: TrainSt
     if path is None:
         return None
     try:
-        with weights_only_loads():
-            accelerator.load_state(path)
-    except pickle.UnpicklingError as e:  # a file planted after the verification passed the folder
-        raise RunStop(f"--resume_from_checkpoint: {refused('a state file of ' + path, e)}") from None
+        load_checkpoint(accelerator, path, state)
+    except CheckpointError as e:
+        raise RunStop(f"--resume_from_checkpoint: {e}") from None
     except (RuntimeError, KeyError, ValueError, FileNotFoundError) as e:
         first = str(e).strip().splitlines() or [type(e).__name__]
         raise RunStop(f"cannot resume from {path}: it does not fit this run: {first[0][:200]}") from None
-    state.load(read_json(os.path.join(path, "trainer_state.json")))
     logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d", path, state.epoch + 1,
                 state.step_in_epoch, state.global_step)
     return path
@@ -339,6 +337,19 @@ def resume_ema(ema, checkpoint: str | None) -> None:
     except (RuntimeError, ValueError) as e:
         raise RunStop(f"cannot resume the EMA weights {path}: {(str(e).strip().splitlines() or [''])[0][:200]}") from None
     logger.info("resumed the EMA weights from %s", path)
+
+
+def load_checkpoint(accelerator, path: str, state: TrainState) -> None:
+    """`accelerator.load_state(path)` (collective) with every torch file read by `weights_only=True`, even one changed
+    after `verify_checkpoint` passed the folder; then `state` from trainer_state.json.
+    Raises CheckpointError (a refused file, named); accelerate's and torch's errors for states that do not fit."""
+    try:
+        with weights_only_loads():
+            accelerator.load_state(path)
+    except pickle.UnpicklingError as e:
+        verify_checkpoint(path)  # names the refused file
+        raise refused(f"a state file of {path}", e, CheckpointError) from None
+    state.load(read_json(os.path.join(path, "trainer_state.json")))
 
 
 def _compare(path: str, ours: dict, fixed: tuple[str, ...], init_flag: str) -> str | None:
@@ -383,6 +394,12 @@ def best_record(accelerator, output_dir: str, metric: str) -> dict | None:
         except (WeightsFileError, KeyError, TypeError, ValueError):
             record = None
     return broadcast_object_list([record])[0]
+
+
+def best_weights(evaluations: dict[str, dict], metric: str) -> str:
+    """Which weights best/ takes from one evaluation ({"": the trained weights', "ema_": their EMA's}): the prefix of
+    the higher `metric`, the trained weights on a tie or a non-finite EMA score."""
+    return "ema_" if evaluations.get("ema_", {}).get(metric, -math.inf) > evaluations[""][metric] else ""
 
 
 def improves_best(accelerator, output_dir: str, metric: str, value: float, state: TrainState) -> bool:

@@ -107,7 +107,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
-    """A parser with `--config` and the run machinery's flags (detlib.engine.run) in the groups both scripts use.
+    """A parser with `--config` and the run machinery's flags in the groups both scripts use.
 
     `defaults` set the script's own defaults of these flags (e.g. `output_dir`, `eval_interval`). Returns the
     parser and its groups by name, so the script adds its own flags beside them; parse with `parse_with_config`.

@@ -103,6 +103,15 @@ def save_config(config: dict, path: str) -> None:
         yaml.safe_dump(config, f, sort_keys=False)
 
 
+def record_config(accelerator, config: dict, given: str, output_dir: str) -> None:
+    """`output_dir/config.yaml` (main process) and one log line: `given`, the flags the user set as a command line
+    (`detlib.engine.flags.format_given`), the rest being the defaults."""
+    if accelerator.is_main_process:
+        save_config(config, os.path.join(output_dir, "config.yaml"))
+    logger.info("config: %s; all %d settings in %s", f"the defaults and {given}" if given else "the defaults",
+                len(config), os.path.join(output_dir, "config.yaml"))
+
+
 # ---- trackers
 
 def resolve_trackers(report_to: str, verbose: bool = False) -> list[str]:

@@ -1,8 +1,8 @@
 """Launched by tests/test_mixed_precision.py with 2 processes: the fp16 training step on a CPU, through the
-scripts' own step (clip, `Run.all_finite`, `optimizer.step()`, `Run.end_step`, as in scripts/train_*.py).
+scripts' own step (clip, `StepGuard.check`, `optimizer.step()`, the train line, as in scripts/train_*.py).
 
 accelerate runs `mixed_precision: fp16` on a CPU in fp32 (no autocast, no GradScaler), so the probe switches
-on `torch.autocast("cpu", torch.float16)` and `torch.amp.GradScaler("cpu")` with detlib.engine.tracking.enable_cpu_fp16.
+on `torch.autocast("cpu", torch.float16)` and `torch.amp.GradScaler("cpu")` with tests/helpers.py's enable_cpu_fp16.
 At step INF_STEP rank 1 alone gets an inf gradient (a hook on the class logits); the gradients are all-reduced,
 so every rank's GradScaler sees it. The probe records per rank and step: the scale before and after, whether the
 weights changed and by how much, the unscaled gradient norm computed here from the scaled gradients, and the class head's output
@@ -17,10 +17,9 @@ import sys
 import torch
 from accelerate.utils import gather_object
 
-from detlib.engine.flags import run_argument_parser
-from detlib.engine.run import Run, RunSettings
-from detlib.engine.tracking import enable_cpu_fp16
+from detlib.engine import MetricsLog, StepGuard, TrainState, TrainWindow, make_accelerator, running
 from detlib.retinanet.model import RetinaNet
+from helpers import enable_cpu_fp16
 
 INF_STEP = 2  # 1-based optimizer step whose gradient rank 1 makes inf
 STEPS = 4
@@ -44,69 +43,60 @@ def collate(samples: list[dict]) -> dict:
 
 def main():
     out_dir, result_path = sys.argv[1], sys.argv[2]
-    p, _ = run_argument_parser("fp16 probe")
-    args = p.parse_args(["--output_dir", out_dir, "--mixed_precision", "fp16", "--report_to", "none", "--epochs", "1",
-                         "--per_device_batch_size", "1", "--max_grad_norm", "0.1", "--log_interval", "1",
-                         "--eval_interval", "1", "--num_workers", "0", "--project", "probe"])
-    run = Run(RunSettings.from_flags(args), metric="AP")
-    acc = run.accelerator
+    acc = make_accelerator("fp16", output_dir=out_dir)
     enable_cpu_fp16(acc)
-    from detlib.retinanet.anchors import AnchorGenerator
-    from detlib.retinanet.loss import retinanet_loss
+    state = TrainState()
+    with running(acc, out_dir, state):
+        from detlib.retinanet.anchors import AnchorGenerator
+        from detlib.retinanet.loss import retinanet_loss
 
-    torch.manual_seed(0)
-    model = RetinaNet(3, "resnet18", fpn_channels=16, freeze_backbone_bn=False)
-    head_dtypes = []
-    model.cls_head.register_forward_hook(lambda m, i, o: head_dtypes.append(str(o.dtype)))
-    # plain SGD at lr 1: a step moves the weights by exactly the clipped gradient, so its norm shows whether the
-    # clipping saw the unscaled gradient (0.1, --max_grad_norm) or the scaled one
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    loader = torch.utils.data.DataLoader(batches(), batch_size=1, shuffle=False, collate_fn=collate)
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    from detlib.engine.schedules import build_scheduler
-
-    scheduler, schedule = build_scheduler(optimizer, "constant", run.resume_point(loader), 1, warmup_steps=0)
-    run.resume(model, optimizer, scheduler, schedule)
-    anchor_gen = AnchorGenerator()
-    params = [q for q in model.parameters() if q.requires_grad]
-    steps = []
-    while run.next_epoch():
-        for batch in run.batches(loader):
-            step = run.state.global_step + 1
+        torch.manual_seed(0)
+        model = RetinaNet(3, "resnet18", fpn_channels=16, freeze_backbone_bn=False)
+        head_dtypes = []
+        model.cls_head.register_forward_hook(lambda m, i, o: head_dtypes.append(str(o.dtype)))
+        # plain SGD at lr 1: a step moves the weights by exactly the clipped gradient, so its norm shows whether the
+        # clipping saw the unscaled gradient (0.1, --max_grad_norm) or the scaled one
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        loader = torch.utils.data.DataLoader(batches(), batch_size=1, shuffle=False, collate_fn=collate)
+        model, optimizer, loader = acc.prepare(model, optimizer, loader)
+        guard, window, metrics = StepGuard(acc, 5), TrainWindow(acc), MetricsLog(acc, out_dir)
+        anchor_gen = AnchorGenerator()
+        params = [q for q in model.parameters() if q.requires_grad]
+        steps = []
+        for batch in loader:
+            step = state.global_step + 1
+            guard.snapshot(model)
             with acc.accumulate(model):
                 out = model(batch["images"])
                 if step == INF_STEP and acc.process_index == 1:
                     out["cls_logits"].register_hook(lambda g: torch.full_like(g, float("inf")))
                 anchors, _ = anchor_gen(SIZE, SIZE, device=acc.device)
                 losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"])
-                acc.backward(losses["loss"] * run.loss_weight)
+                acc.backward(losses["loss"])
                 scale = float(acc.scaler.get_scale())
                 norm = float(torch.linalg.vector_norm(torch.stack([q.grad.double().norm() for q in params]))) / scale
                 before = torch.cat([q.detach().double().flatten() for q in params]).clone()
-                run.add_losses({"loss": losses["loss"]}, 1)
-                grad_norm = acc.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                finite = run.all_finite(losses["loss"], grad_norm)
+                window.add({"loss": losses["loss"]}, 1)
+                grad_norm = acc.clip_grad_norm_(model.parameters(), 0.1)
+                finite = guard.check(losses["loss"], grad_norm, step, 1.0)
                 if finite or acc.scaler is not None:
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                run.end_step(model, finite and not acc.optimizer_step_was_skipped)
+                state.step_done(finite and not acc.optimizer_step_was_skipped, guard.loss)
+                window.log(metrics, state, 1.0, guard.grad_norm, optimizer, STEPS)
                 after = torch.cat([q.detach().double().flatten() for q in params])
             steps.append({"step": step, "scale_before": scale, "scale_after": float(acc.scaler.get_scale()),
                           "changed": bool((before != after).any()), "unscaled_norm": norm,
                           "update_norm": float((after - before).norm()), "loss": float(losses["loss"].detach()),
                           "loss_dtype": str(losses["loss"].dtype),
                           "output_dtype": str(out["cls_logits"].dtype)})
-        run.end_epoch()
-    per_rank = gather_object([{"rank": acc.process_index, "steps": steps, "head_dtypes": sorted(set(head_dtypes)),
-                               "scaler": f"{type(acc.scaler).__module__}.{type(acc.scaler).__name__}",
-                               "skipped_steps": run.state.skipped_steps,
-                               "param_dtypes": sorted({str(q.dtype) for q in params})}])
-    if acc.is_main_process:
-        with open(result_path, "w") as f:
-            json.dump({"num_processes": acc.num_processes, "ranks": per_rank}, f)
-    run.finish(model)
-
+        per_rank = gather_object([{"rank": acc.process_index, "steps": steps, "head_dtypes": sorted(set(head_dtypes)),
+                                   "scaler": f"{type(acc.scaler).__module__}.{type(acc.scaler).__name__}",
+                                   "skipped_steps": state.skipped_steps,
+                                   "param_dtypes": sorted({str(q.dtype) for q in params})}])
+        if acc.is_main_process:
+            with open(result_path, "w") as f:
+                json.dump({"num_processes": acc.num_processes, "ranks": per_rank}, f)
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,7 @@ import torch
 from accelerate.utils import gather_object
 
 from detlib.data.sampler import GroupedBatchSampler
-from detlib.engine.tracking import make_accelerator
+from detlib.engine import make_accelerator
 
 out_path = sys.argv[1]
 groups = [0, 1, 1, 0, 0, 1, 0, 1, 0, 0, 1, 1, 0, 1, 0, 1]  # 8 landscape, 8 portrait

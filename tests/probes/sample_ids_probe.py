@@ -6,7 +6,7 @@ import sys
 
 from accelerate.utils import gather_object
 
-from detlib.engine.tracking import make_accelerator
+from detlib.engine import make_accelerator
 from detlib.evaluation.drawing import select_sample_ids
 
 annotations, out_path = sys.argv[1], sys.argv[2]
