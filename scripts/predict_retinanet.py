@@ -48,13 +48,13 @@ from tqdm.auto import tqdm
 
 from detlib.data import (INSTALL_HINT, CocoDetection, VideoWriter, av_available, build_transform, collate_detection,
                          data_dir_paths, read_data_dir_splits, video_frames, worker_loader_kwargs)
+from detlib.data.formats import read_class_names
+from detlib.data.images import DetectionImageFiles, detection_item
 from detlib.datacheck import DataReport, check_coco
 from detlib.engine import float_range, int_at_least
 from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, drawing_scale,
                                save_image, upright_image_and_boxes)
 from detlib.files import write_json
-from detlib.data.formats import read_class_names
-from detlib.data.images import DetectionImageFiles, detection_item
 from detlib.inference import (earlier_outputs, list_media_files, load_retinanet, output_names, outputs_written,
                               prediction_error, prediction_parser, predict_videos, retinanet_input_size, run_prediction,
                               shard_batches, start_prediction, write_skipped)
