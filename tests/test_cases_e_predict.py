@@ -37,7 +37,7 @@ def val_subset(n: int = 6) -> dict:
 @pytest.fixture(scope="module")
 def early_detector():
     """A seeded, freshly initialised RetinaNet on the subset's 80 classes (what an early evaluation scores: every
-    logit near the prior's -4.6) and 6 val images at 128 px in batches of 3."""
+    logit near the prior's -4.6), 6 val images at 128 px in batches of 3, and its float32 evaluation of them."""
     from detlib.data.coco import CocoDetection, collate_detection
     from detlib.data.transforms import build_transform
     from detlib.retinanet.model import build_retinanet_from_config
@@ -46,7 +46,8 @@ def early_detector():
     model = build_retinanet_from_config(SMALL_DETECTOR).eval()
     gt = val_subset()
     ds = CocoDetection(str(COCO_SUBSET / "images"), gt, build_transform(128, "none", None), train=False)
-    return model, gt, list(torch.utils.data.DataLoader(ds, batch_size=3, collate_fn=collate_detection))
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=3, collate_fn=collate_detection))
+    return model, gt, batches, evaluate_at(model, gt, batches, None)
 
 
 def evaluate_at(model, gt: dict, batches: list, dtype) -> tuple[list[dict], dict, set]:
@@ -80,8 +81,7 @@ def by_rank(results: list[dict]) -> list[dict]:
 @needs_coco_subset
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))
 def test_case_e24_reduced_precision_evaluation_scores_in_fp32_and_gives_the_fp32_ap(early_detector, precision):
-    model, gt, batches = early_detector
-    ref, ref_stats, ref_dtypes = evaluate_at(model, gt, batches, None)
+    model, gt, batches, (ref, ref_stats, ref_dtypes) = early_detector
     got, stats, dtypes = evaluate_at(model, gt, batches, PRECISIONS[precision])
     assert ref_dtypes == dtypes == {torch.float32}  # the heads' outputs, inside autocast too
     assert len(got) == len(ref) == 600  # threshold 0: each image its 100 best
@@ -115,7 +115,7 @@ def test_case_e24_prepared_bf16_model_as_the_training_evaluation_runs_it_scores_
 
     from accelerate import Accelerator
 
-    model, gt, batches = early_detector
+    model, gt, batches, _ = early_detector
     fresh_accelerate()
     try:
         prepared = Accelerator(cpu=True, mixed_precision="bf16").prepare(copy.deepcopy(model)).eval()
@@ -134,7 +134,7 @@ def test_case_e24_prepared_bf16_model_as_the_training_evaluation_runs_it_scores_
 def test_case_e24_predict_under_bf16_writes_the_fp32_detections(early_detector, tmp_path, capsys):
     from safetensors.torch import save_file
 
-    model, _, _ = early_detector
+    model = early_detector[0]
     weights = tmp_path / "weights"
     weights.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights / "model.safetensors"))
