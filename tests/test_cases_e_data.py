@@ -281,3 +281,17 @@ def test_case_e06_predict_reads_a_voc_source_with_the_training_runs_class_list(t
     assert code == 0, err
     predicted = json.loads((tmp_path / "b" / "predictions.json").read_text())
     assert len(predicted) == 300 and {p["category_id"] for p in predicted} <= set(range(1, 26))
+
+
+def test_case_e09_yolo_classes_txt_in_another_order_than_names_stops_the_run(tmp_path, coco_pair):
+    train, val = coco_pair
+    root = write_yolo(tmp_path / "yolo", {"train": train, "val": val})
+    names = [c["name"] for c in sorted(train["categories"], key=lambda c: c["id"])]
+    # LabelImg's class list beside the labels: the ids were written in its order, two classes swapped against names
+    swapped = [names[1], names[0], *names[2:]]
+    (root / "labels" / "train" / "classes.txt").write_text("".join(f"{n}\n" for n in swapped))
+    (root / "labels" / "val" / "classes.txt").write_text("".join(f"{n}\n" for n in names + ["zebra"]))  # same, + 1
+    _, _, report = checked(root)
+    (error,) = report.errors
+    assert error.message.startswith("classes.txt files (LabelImg's class list")
+    assert error.examples == [f"labels/train/classes.txt: class 0 is {names[1]!r} there, {names[0]!r} in names"]

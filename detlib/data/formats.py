@@ -32,7 +32,8 @@ What the conversion decides (boxes inside detlib are xyxy pixels; the COCO dicts
 * YOLO classes keep their index as the category id (0..K-1), named by `names`. A row whose class id is not one
   of them stops the run (an error naming `label file:line`, as ultralytics refuses the label). A set whose rows
   use class 1 but never class 0 looks written from 1: when a row also has class K (one past `names`) that is
-  an error saying so; when every id is inside `names`, a warning (class 0 may simply be unused).
+  an error saying so; when every id is inside `names`, a warning (class 0 may simply be unused). A LabelImg
+  `classes.txt` beside the label files that orders the classes otherwise than `names` is an error too.
 * YOLO label files (`yolo_label_files`): the image's path with its last `/images/` made `/labels/` and the
   extension `.txt` (ultralytics' `img2label_paths`), else the `.txt` beside the image (darknet's, CVAT's YOLO 1.1
   and LabelImg's layout). labels/ wins where both exist. A label file read beside its image and one that a
@@ -112,6 +113,8 @@ YOLO_FINDINGS = {
     "beside": ("warning", "images", "label files beside their images, not under labels/: read (ultralytics reads only "
                "labels/)"),
     "shadowed": ("warning", "images", "label files beside their images that the image's labels/ file replaces: not used"),
+    "classes_txt": ("error", "categories", "classes.txt files (LabelImg's class list, whose order the label rows' ids "
+                    "follow) that name the classes in another order than `names`: make `names` that list"),
 }
 
 
@@ -607,12 +610,15 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
     class_rows = Counter() if class_rows is None else class_rows
     images, annotations = [], []
     background = labelled = 0
+    label_dirs: set[str] = set()
     for path, iid, (status, fw, fh, orientation) in zip(files, image_ids, heads):
         # the boxes are normalised to the image as shown (ultralytics applies the EXIF turn, exif_size)
         sw, sh = (fh, fw) if status == "ok" and orientation in (5, 6, 7, 8) else (fw, fh)
         im = {"id": iid, "file_name": os.path.relpath(path, folder), "width": sw if status == "ok" else None,
               "height": sh if status == "ok" else None}
         label, unused = yolo_label_files(path)
+        if label is not None:
+            label_dirs.add(os.path.dirname(label))
         if unused:
             found["shadowed"].append(os.path.relpath(unused, base))
         rows = None
@@ -650,6 +656,7 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
             annotations.append({"image_id": iid, "category_id": cls, "bbox": [x1, y1, bw, bh], "area": bw * bh,
                                 "iscrowd": 0, "_source": where})
     found["orphan_label"].extend(_yolo_orphan_labels(entries, files))
+    found["classes_txt"].extend(_yolo_classes_txt_conflicts(label_dirs, names, base))
     found.add_to(report, split, last=len(names) - 1)
     if files and not labelled:  # every image background: say where the labels were looked for
         report.add("warning", "images", split, "no image has a label file, so every image is background: looked for "
@@ -693,6 +700,23 @@ def _yolo_row(row: list[str], num_classes: int, found: Findings, where: str, cla
         x1, y1, x2, y2 = max(x1, 0.0), max(y1, 0.0), min(x2, 1.0), min(y2, 1.0)
         cx, cy, w, h = (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1
     return cls, cx, cy, w, h
+
+
+def _yolo_classes_txt_conflicts(label_dirs: set[str], names: dict[int, str], base: str) -> list[str]:
+    """The classes.txt files in the folders labels were read from whose i-th name is not `names[i]` (for every i
+    both have; LabelImg appends new classes at the end), each with its first difference."""
+    out = []
+    for folder in sorted(label_dirs):
+        f = os.path.join(folder, "classes.txt")
+        try:
+            with open(f, encoding="utf-8") as fh:
+                listed = [line.strip() for line in fh if line.strip()]
+        except (OSError, UnicodeDecodeError):
+            continue
+        diff = next((i for i, n in enumerate(listed[:len(names)]) if n != names[i]), None)
+        if diff is not None:
+            out.append(f"{os.path.relpath(f, base)}: class {diff} is {listed[diff]!r} there, {names[diff]!r} in names")
+    return out
 
 
 def _yolo_orphan_labels(entries: list[str], files: list[str]) -> list[str]:
