@@ -48,7 +48,7 @@ from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_
 from detlib.datacheck import check_folders_for_training
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
                            TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
-                           format_given, given_flags, improves_best, int_at_least, make_accelerator, min_over_processes,
+                           format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
                            parse_with_config, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
                            record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
                            stop_together, summary_lines)
@@ -490,24 +490,23 @@ def main(argv=None):
             optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                         weight_decay=args.weight_decay, nesterov=True)
         model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-        if not min_over_processes(accelerator, len(train_loader) > 0):
-            raise RunStop(f"{len(train_ds)} training images on {accelerator.num_processes} process(es) with "
-                          f"--per_device_batch_size {args.per_device_batch_size} give no full batch on some process "
-                          "(the incomplete last batch is dropped): use a smaller batch size or fewer processes")
-        steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-        total_steps = args.max_steps or args.epochs * steps_per_epoch
+        steps_per_epoch, total_steps = run_length(accelerator, train_loader, args.gradient_accumulation_steps,
+                                                  args.epochs, args.max_steps)
         warmup = round(WARMUP_FRACTION * total_steps) if args.warmup_steps is None else args.warmup_steps
-        # per optimizer step, not prepared: a prepared scheduler steps once per process on every call
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup))
-        accelerator.register_for_checkpointing(scheduler)
         ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
                          use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
         checkpoint = resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
                             FIXED_ON_RESUME, "--weights")
         resume_ema(ema, checkpoint)
+        # a function of the step (built at the resumed one), stepped per optimizer step; not prepared: a prepared
+        # scheduler steps once per process on every call
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup),
+                                                      last_epoch=state.global_step - 1)
         record_config(accelerator, config, given_line, args.output_dir)
         state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
                                       args.report_to)
+        log_plan(state, args.epochs, total_steps, steps_per_epoch,
+                 args.per_device_batch_size * accelerator.num_processes * args.gradient_accumulation_steps)
         guard, window = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator)
         bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
 
@@ -537,9 +536,6 @@ def main(argv=None):
             if state.eval_pending:  # preempted in the evaluation after epoch `state.epoch`: run it first
                 evaluate_epoch(state.epoch)
                 state.eval_pending = False
-            if state.epoch >= args.epochs or state.global_step >= total_steps:
-                logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger "
-                               "--epochs to train on", state.epoch, args.epochs, state.global_step, total_steps)
             for epoch in range(state.epoch, args.epochs):
                 if state.global_step >= total_steps:
                     break
@@ -555,11 +551,8 @@ def main(argv=None):
                 if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
                     save()
         except Preempted as p:
-            state.eval_pending, where = p.in_evaluation, (f"in the evaluation after epoch {state.epoch}" if
-                                                          p.in_evaluation else f"in epoch {state.epoch + 1}")
-            raise RunStop(f"preempted by {p.signal_name} at step {state.global_step} ({where}): checkpoint {save()} "
-                          "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
-                          f"{EXIT_PREEMPTED})", EXIT_PREEMPTED) from None
+            state.eval_pending = p.in_evaluation
+            raise p.stop(state, save()) from None
         final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
         save_model(accelerator, args, "last", model, model_config, card, final.get(""))
         if ema is not None:
@@ -567,8 +560,7 @@ def main(argv=None):
         best = best_record(accelerator, args.output_dir, "val_accuracy")
     logger.info("summary:\n  %s", "\n  ".join(summary_lines(
         args.output_dir, "val_accuracy", time.time() - t_start, state, best, final.get(""), window.images_seen,
-        {"best": "best", "last": "final", "last_ema": "final EMA" if ema else "the EMA of an earlier part of the run, "
-         "not of its end"})))
+        ema is not None)))
     return final.get("")
 
 

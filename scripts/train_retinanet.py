@@ -56,7 +56,7 @@ from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT
                          data_dir_paths, loader_settings, make_synthetic_coco)
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
                            TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
-                           format_given, given_flags, improves_best, int_at_least, make_accelerator, min_over_processes,
+                           format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
                            parse_with_config, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
                            record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
                            stop_together, summary_lines)
@@ -506,9 +506,10 @@ def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, mil
     return warm
 
 
-def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int):
-    """ReduceLROnPlateau (stepped per epoch on its mean loss, no warm-up) or a per-step LambdaLR (`lr_factor`). Not
-    given to `accelerator.prepare`, which would step it once per process on every call."""
+def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, done_steps: int = 0):
+    """ReduceLROnPlateau (stepped per epoch on its mean loss, no warm-up; its state is checkpointed) or a per-step
+    LambdaLR (`lr_factor`), a function of the step alone: built after a resume at `done_steps`, it gives that step the
+    LR of this run's schedule. Not given to `accelerator.prepare`, which would step it once per process per call."""
     if args.lr_scheduler == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
                                                           patience=args.plateau_patience)
@@ -517,7 +518,8 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int):
                        "base value; lower --warmup_steps", args.warmup_steps, total_steps)
     milestones = [e * steps_per_epoch for e in args.lr_steps]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.lr_scheduler, total_steps,
-                                                                            args.warmup_steps, milestones))
+                                                                            args.warmup_steps, milestones),
+                                             last_epoch=done_steps - 1)
 
 
 @torch.no_grad()
@@ -734,14 +736,11 @@ def main(argv=None):
         optimizer = (torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay) if args.optimizer == "adamw"
                      else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay))
         model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-        if not min_over_processes(accelerator, len(train_loader) > 0):
-            raise RunStop(f"{len(train_ds)} training images on {accelerator.num_processes} process(es) with "
-                          f"--per_device_batch_size {args.per_device_batch_size} give no full batch on some process "
-                          "(the incomplete last batch is dropped): use a smaller batch size or fewer processes")
-        steps_per_epoch = math.ceil(len(train_loader) / args.gradient_accumulation_steps)
-        total_steps = args.max_steps or args.epochs * steps_per_epoch
-        scheduler = build_scheduler(optimizer, args, steps_per_epoch, total_steps)
-        accelerator.register_for_checkpointing(scheduler)
+        steps_per_epoch, total_steps = run_length(accelerator, train_loader, args.gradient_accumulation_steps,
+                                                  args.epochs, args.max_steps)
+        plateau = build_scheduler(optimizer, args, steps_per_epoch, total_steps) if args.lr_scheduler == "plateau" else None
+        if plateau:  # its patience counter and best loss; the per-step schedules are a function of the step
+            accelerator.register_for_checkpointing(plateau)
         normalizer = None
         if args.loss_normalizer == "ema":  # the same value on every process, checkpointed
             normalizer = EmaLossNormalizer(reduce=lambda t: accelerator.reduce(t, reduction="mean"))
@@ -751,9 +750,12 @@ def main(argv=None):
                          warmup_power=0.75) if args.model_ema else None
         resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
                                FIXED_ON_RESUME))
+        scheduler = plateau or build_scheduler(optimizer, args, steps_per_epoch, total_steps, state.global_step)
         record_config(accelerator, config, given_line, args.output_dir)
         state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
                                       args.report_to)
+        log_plan(state, args.epochs, total_steps, steps_per_epoch,
+                 args.per_device_batch_size * accelerator.num_processes * args.gradient_accumulation_steps)
         guard, window, evaluated = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
 
         def save() -> str:
@@ -779,9 +781,6 @@ def main(argv=None):
             if state.eval_pending:  # preempted in the evaluation after epoch `state.epoch`: run it first
                 evaluate_and_keep_best(state.epoch)
                 state.eval_pending = False
-            if state.epoch >= args.epochs or state.global_step >= total_steps:
-                logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger "
-                               "--epochs to train on", state.epoch, args.epochs, state.global_step, total_steps)
             for epoch in range(state.epoch, args.epochs):
                 if state.global_step >= total_steps:
                     break
@@ -804,11 +803,8 @@ def main(argv=None):
                 if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
                     save()
         except Preempted as p:
-            state.eval_pending, where = p.in_evaluation, (f"in the evaluation after epoch {state.epoch}" if
-                                                          p.in_evaluation else f"in epoch {state.epoch + 1}")
-            raise RunStop(f"preempted by {p.signal_name} at step {state.global_step} ({where}): checkpoint {save()} "
-                          "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
-                          f"{EXIT_PREEMPTED}){stop_note}", EXIT_PREEMPTED) from None
+            state.eval_pending = p.in_evaluation
+            raise p.stop(state, save(), stop_note) from None
         final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
         save_model(accelerator, args, "last", model, model_config, final.get(""), card)
         if ema is not None:
@@ -816,8 +812,7 @@ def main(argv=None):
         best = best_record(accelerator, args.output_dir, "AP")
     logger.info("summary:\n  %s", "\n  ".join(summary_lines(
         args.output_dir, "AP", time.time() - t_start, state, best, final.get(""), window.images_seen,
-        {"best": "best", "last": "final", "last_ema": "final EMA" if ema else "the EMA of an earlier part of the run, "
-         "not of its end"}, also=("AP50",))))
+        ema is not None, also=("AP50",))))
     if args.push_to_hub and accelerator.is_main_process:
         push_best(args.output_dir, args.push_to_hub, args.hub_private)
     return {k: v for k, v in final[""].items() if k in STAT_NAMES} if "" in final else None

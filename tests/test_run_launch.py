@@ -266,7 +266,7 @@ def test_case_c07_resume_skips_a_damaged_newest_checkpoint(two_epoch_run, tmp_pa
 
 
 def test_planted_pickle_payload_never_runs_on_resume(tmp_path, capsys):
-    """A checkpoint folder from someone else: a custom_checkpoint_0.pkl (the registered LR scheduler) whose
+    """A checkpoint folder from someone else: a custom_checkpoint_0.pkl (what accelerate writes for a registered object) whose
     `__reduce__` calls os.system. Named explicitly it is one error line; `latest` falls back to the older
     checkpoint, saying why; the command never runs. (Every kind of state file: tests/test_checkpoint.py.)"""
     from helpers import plant

@@ -86,7 +86,7 @@ def test_builtin_run_stopped_by_ctrl_c_says_its_model_is_not_ready(tmp_path, mon
 
     monkeypatch.setenv("DETLIB_CACHE", str(tmp_path / "cache"))
     run = Launch("train_retinanet.py", ["--num_workers", "0", "--output_dir", tmp_path / "o", "--report_to", "none"], None)
-    run.wait_for(" 1/450 [")  # the first step's progress: 6 epochs of 600 images / batch 8
+    run.wait_for("training: 450 optimizer steps (75 per epoch")  # 6 epochs of 600 images / batch 8
     os.killpg(run.proc.pid, signal.SIGINT)
     code, _ = run.finish("built-in run, Ctrl-C")
     lines = [ln for ln in run.text.replace("\r", "\n").splitlines() if ln.strip()]

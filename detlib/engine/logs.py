@@ -301,12 +301,24 @@ def compile_summary() -> str | None:
                "says why each recompile happened)" if graphs >= limit else ""))
 
 
+def log_plan(state, epochs: int, total_steps: int, steps_per_epoch: int, images_per_step: int) -> None:
+    """The training's one start line (what a progress bar would say), or that nothing is left to train."""
+    if state.epoch >= epochs or state.global_step >= total_steps:
+        logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger --epochs "
+                       "to train on", state.epoch, epochs, state.global_step, total_steps)
+    else:
+        logger.info("training: %d optimizer steps (%d per epoch, %d images each over all processes), from step %d",
+                    total_steps, steps_per_epoch, images_per_step, state.global_step)
+
+
 def summary_lines(output_dir: str, metric: str, elapsed_s: float, state, best: dict | None, final: dict | None,
-                  images_seen: float, weights: dict[str, str], also: tuple[str, ...] = ()) -> list[str]:
-    """The end-of-run summary: where the weights (`weights`: {folder name: what it holds}, those that exist), the
-    checkpoints, the metrics, the evaluation's files and the trackers' are; the mean throughput; last, the verdict:
-    time, steps, best `metric` (best/'s epoch and step from its record `best`), the `final` evaluation's `metric`
-    and `also` stats."""
+                  images_seen: float, ema: bool = False, also: tuple[str, ...] = ()) -> list[str]:
+    """The end-of-run summary: where the weights (best/, last/, last_ema/: `ema` when this run kept the average to
+    its end), the checkpoints, the metrics, the evaluation's files and the trackers' are; the mean throughput; last,
+    the verdict: time, steps, best `metric` (best/'s epoch and step from its record `best`), the `final`
+    evaluation's `metric` and `also` stats."""
+    weights = {"best": "best", "last": "final", "last_ema": "final EMA" if ema else
+               "the EMA of an earlier part of the run, not of its end"}
     def there(*names):
         return [os.path.join(output_dir, n) + "/" * os.path.isdir(os.path.join(output_dir, n)) for n in names
                 if os.path.exists(os.path.join(output_dir, n))]

@@ -65,6 +65,13 @@ class Preempted(Exception):
         super().__init__(signal_name)
         self.signal_name, self.in_evaluation = signal_name, in_evaluation
 
+    def stop(self, state, checkpoint: str, note: str = "") -> RunStop:
+        """The run's stop once `checkpoint` (of `state`, the script's TrainState) is written: where, and how to go on."""
+        where = f"in the evaluation after epoch {state.epoch}" if self.in_evaluation else f"in epoch {state.epoch + 1}"
+        return RunStop(f"preempted by {self.signal_name} at step {state.global_step} ({where}): checkpoint {checkpoint} "
+                       "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
+                       f"{EXIT_PREEMPTED}){note}", EXIT_PREEMPTED)
+
 
 def first_process() -> bool:
     """Rank 0 of a launch (torchrun / accelerate set RANK), or a plain `python` run: the one that prints a stop."""

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from .run_folder import RunStop
+
 logger = logging.getLogger(__name__)
 
 # A finite loss this many times its lowest running level (an EMA over about 1 / LOSS_EMA_WEIGHT steps, so one noisy
@@ -86,3 +88,16 @@ class StepGuard:
             self._warned = loss
         self._level = loss if self._level is None else (1 - LOSS_EMA_WEIGHT) * self._level + LOSS_EMA_WEIGHT * loss
         self._low = min(self._low, self._level)
+
+
+def run_length(accelerator, loader, accumulation_steps: int, epochs: int, max_steps: int) -> tuple[int, int]:
+    """(optimizer steps per epoch, steps of the run) of a prepared training `loader` (one process's batches; the
+    partial last accumulation window is a step too); `max_steps` > 0 replaces `epochs` x steps per epoch. Collective.
+    Raises RunStop when some process gets no full batch (so no step at all)."""
+    if not bool(accelerator.gather(torch.tensor([len(loader)], device=accelerator.device)).min()):
+        raise RunStop(f"{len(loader.dataset)} training images on {accelerator.num_processes} process(es) with "
+                      f"--per_device_batch_size {loader.total_batch_size // accelerator.num_processes} give no full "
+                      "batch on some process (the incomplete last batch is dropped), so no optimizer step: use a smaller "
+                      "batch size or fewer processes")
+    steps_per_epoch = math.ceil(len(loader) / accumulation_steps)
+    return steps_per_epoch, max_steps or epochs * steps_per_epoch
