@@ -27,7 +27,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from detlib.data.formats import FORMATS, data_dir_paths, read_data_dir_splits  # noqa: E402
+from detlib.data.formats import FORMATS, data_dir_paths, read_class_names, read_data_dir_splits  # noqa: E402
 from detlib.datacheck.coco import check_coco, check_learnable, check_train_val  # noqa: E402
 from detlib.datacheck.report import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
 from detlib.engine.flags import HelpFormatter  # noqa: E402
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data_format", choices=FORMATS, help="the layout of --data_dir (default: detected)")
     g.add_argument("--train_set", help="--data_dir's training split (default train2017 for COCO, train for VOC / YOLO)")
     g.add_argument("--val_set", help="--data_dir's validation split (default val2017 for COCO, val for VOC / YOLO)")
+    g.add_argument("--class_names", help="Pascal VOC: the classes in label order, a file of one name a line or names "
+                   "separated by commas (default: every name the xml files use, near-identical spellings merged)")
     g.add_argument("--write_fixed", metavar="OUT", help="write the repaired --annotations json (--data_dir: its training "
                    "split as COCO json) here (not on errors; default: not written)")
     g.add_argument("--write_fixed_val", metavar="OUT", help="write the repaired --val_annotations json (--data_dir: its "
@@ -133,7 +135,8 @@ def check_data_dir(args, report: DataReport, kw: dict):
     with tempfile.TemporaryDirectory() as tmp:  # YOLO's sizes are read from the headers: once, for both passes
         cache = os.path.join(tmp, "image_header_cache.json")
         dicts = read_data_dir_splits({**paths, "format": args.data_format}, {"train": args.train_set, "val": args.val_set},
-                                     report=report, progress=kw["progress"], cache_file=cache)
+                                     report=report, progress=kw["progress"], cache_file=cache,
+                                     class_names=read_class_names(args.class_names) if args.class_names else None)
         checks = [check_coco(dicts.get(s, paths[f"{s}_annotations"]), paths[f"{s}_images"], split=s,
                              source=paths[f"{s}_annotations"], cache_file=cache, **kw) for s in ("train", "val")]
     check_train_val(*checks, paths["train_images"], paths["val_images"])

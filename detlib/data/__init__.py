@@ -10,8 +10,8 @@ format), `video` (PyAV frames), `builtin` (the synthetic sets both scripts train
 
 from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS
 from .builtin import make_synthetic_coco, make_synthetic_image_folder
-from .coco import PAD_VALUE, CocoDetection, collate_detection
-from .formats import FORMATS, check_coco_for_training, data_dir_paths, read_data_dir_splits
+from .coco import PAD_VALUE, CocoDetection, EvaluationCollate, collate_detection, evaluation_canvas
+from .formats import FORMATS, check_coco_for_training, data_dir_paths, read_class_names, read_data_dir_splits
 from .imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
 from .loaders import loader_settings, stop_dataloader_workers, worker_loader_kwargs
 from .images import IMAGE_ERRORS, load_rgb
@@ -25,5 +25,5 @@ __all__ = [
     "check_coco_for_training", "data_dir_paths", "read_data_dir_splits", "VERIFY_MODES", "ImageFolderDataset",
     "scan_image_folder", "IMAGE_ERRORS", "load_rgb", "GroupedBatchSampler", "aspect_groups", "AUGMENTATIONS",
     "INPUT_DIVISIBILITY", "build_transform", "INSTALL_HINT", "VideoWriter", "av_available", "video_frames",
-    "video_info", "DEFAULT_MAX_IMAGE_PIXELS"
+    "video_info", "DEFAULT_MAX_IMAGE_PIXELS", "EvaluationCollate", "evaluation_canvas", "read_class_names"
 ]

@@ -161,12 +161,12 @@ class CocoDetection(torch.utils.data.Dataset):
                 x1, y1 = min(max(x, 0.0), W), min(max(y, 0.0), H)
                 x2, y2 = min(max(x + w, 0.0), W), min(max(y + h, 0.0), H)
                 if not all(map(math.isfinite, (x, y, w, h))) or x2 - x1 <= min_box_size or y2 - y1 <= min_box_size:
-                    dropped.append(ann.get("id", -1))
+                    dropped.append(ann.get("_source", ann.get("id", -1)))
                     continue
                 try:
                     label = self.category_map.to_label(ann["category_id"])
                 except KeyError:
-                    unknown_category.append(ann.get("id", -1))
+                    unknown_category.append(ann.get("_source", ann.get("id", -1)))
                     continue
                 boxes.append((x1, y1, x2, y2))
                 labels.append(label)
@@ -264,10 +264,10 @@ def _log_left_out(source: str, min_box_size: float, dropped: list, unknown_categ
     """One warning per kind of box or image the data set left out while indexing."""
     if dropped:
         logger.warning("%s: dropped %d degenerate boxes (w or h <= %g px after clipping to the image, "
-                       "or outside it); annotation ids %s%s", source, len(dropped), min_box_size,
+                       "or outside it): %s%s", source, len(dropped), min_box_size,
                        dropped[:LOGGED_IDS], " ..." if len(dropped) > LOGGED_IDS else "")
     if unknown_category:
-        logger.warning("%s: dropped %d annotations whose category_id is not in 'categories'; ids %s",
+        logger.warning("%s: dropped %d annotations whose category_id is not in 'categories': %s",
                        source, len(unknown_category), unknown_category[:LOGGED_IDS])
     if missing:
         logger.warning("%s: left out %d images whose file is missing or empty, e.g. %s",
