@@ -38,6 +38,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from coco_eval_cases import all_cases  # noqa: E402
 
+from detlib.engine import HelpFormatter  # noqa: E402
 from detlib.evaluation.coco import evaluate_coco  # noqa: E402
 
 EVALUATORS = ("pycocotools", "faster-coco-eval", "hotcoco", "ultrafast-pycocotools", "vernier")
@@ -159,12 +160,17 @@ def timing(names, images: int, repeats: int) -> dict:
             "median_s": med, "ratio_to_pycocotools": {n: med[n] / med["pycocotools"] for n in med}, "all_s": times}
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--images", type=int, default=5000, help="images of the timing benchmark")
     p.add_argument("--repeats", type=int, default=2, help="timed rounds (medians reported)")
     p.add_argument("--skip_timing", action="store_true", help="only the equality on the cases")
     p.add_argument("--out", default=os.path.join(HERE, "results_coco_evaluators.json"), help="the JSON summary")
+    return p
+
+
+def main(argv=None) -> dict:
+    p = build_parser()
     args = p.parse_args(argv)
     dists = {"pycocotools": "pycocotools", "faster-coco-eval": "faster-coco-eval", "hotcoco": "hotcoco",
              "ultrafast-pycocotools": "ultrafast-pycocotools", "vernier": "vernier"}

@@ -15,15 +15,17 @@ import argparse
 import json
 import sys
 
+from detlib.engine import HelpFormatter, int_at_least
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--annotations", required=True, help="the ground truth both runs were evaluated on (COCO json)")
     p.add_argument("--a", required=True, help="predictions of run A (COCO results json)")
     p.add_argument("--b", required=True, help="predictions of run B (COCO results json)")
-    p.add_argument("--n_bootstrap", type=int, default=1000, help="image resamples (default 1000)")
-    p.add_argument("--seed", type=int, default=0, help="the resampling seed (default 0)")
-    p.add_argument("--out", help="also write the comparison as JSON here")
+    p.add_argument("--n_bootstrap", type=int_at_least(1), default=1000, help="image resamples")
+    p.add_argument("--seed", type=int, default=0, help="the resampling seed")
+    p.add_argument("--out", help="also write the comparison as JSON here (default: none)")
     return p
 
 
