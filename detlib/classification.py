@@ -15,7 +15,7 @@ import torch.nn as nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from .logtext import EXTREMES, short_name
-from .weights import load_state_dict_file, refusal_reason, weights_only_loads
+from .weights import load_state_dict_file, refused, weights_only_loads
 
 
 logger = logging.getLogger(__name__)
@@ -98,9 +98,8 @@ def build_classifier(name: str, num_classes: int, pretrained: bool = False, weig
                 model = torchvision.models.resnet18(weights="IMAGENET1K_V1" if pretrained else None)
         except pickle.UnpicklingError as e:
             cache = os.path.join(torch.hub.get_dir(), "checkpoints")
-            raise RuntimeError(f"the cached torchvision weights of {name!r} in {cache} hold pickled objects "
-                               f"other than tensors ({refusal_reason(e)}): refused, nothing in them was run; delete "
-                               "the file to download it again, or pass --weights PATH") from None
+            raise RuntimeError(f"{refused(f'the cached torchvision weights of {name!r} in {cache}', e)}; delete the file "
+                               "to download it again, or pass --weights PATH") from None
         except Exception as e:  # urllib / hub errors of many kinds when offline
             raise RuntimeError(_offline_message(name, "torchvision", e)) from e
         model.fc = nn.Linear(model.fc.in_features, num_classes)

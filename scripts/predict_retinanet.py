@@ -53,14 +53,14 @@ from detlib.data.images import DetectionImageFiles, detection_item
 from detlib.datacheck import DataReport, check_coco
 from detlib.engine import float_range, int_at_least
 from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, drawing_scale,
-                               save_image, upright_image_and_boxes)
+                               read_score_thresholds, save_image, upright_image_and_boxes)
 from detlib.files import write_json
 from detlib.inference import (earlier_outputs, list_media_files, load_retinanet, output_names, outputs_written,
                               prediction_error, prediction_parser, predict_videos, retinanet_input_size, run_prediction,
                               shard_batches, start_prediction, write_skipped)
 from detlib.labels import describe_mapping, match_categories
 from detlib.retinanet import anchor_generator_from_config, decode_detections
-from detlib.weights import WeightsFileError, read_score_thresholds, weights_path
+from detlib.weights import WeightsFileError, weights_path
 
 logger = logging.getLogger("predict_retinanet")
 # OUT/<folder>/<name>: the files written per input (never read as inputs, see list_image_files)

@@ -64,7 +64,7 @@ from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLo
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
                                detections_to_coco, detector_card, evaluation_diagnostics, format_best_f1,
                                log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
-                               per_class_without_detections, write_card)
+                               per_class_without_detections, write_card, write_score_thresholds)
 from detlib.files import write_json
 from detlib.hub import check_push, local_weights, push_folder
 from detlib.labels import CategoryMap, describe_mapping, match_categories
@@ -72,7 +72,7 @@ from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLos
                               anchor_generator_from_config, check_backbone, decode_detections, load_matching_weights,
                               reorder_class_outputs, retinanet_loss)
 from detlib.weights import (WeightsFileError, complete_model_config, load_model_weights, load_state_dict_file,
-                            read_model_config, weights_path, write_score_thresholds)
+                            read_model_config, weights_path)
 
 logger = logging.getLogger("train_retinanet")
 

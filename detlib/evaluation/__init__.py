@@ -13,16 +13,17 @@ from .diagnostics import (bootstrap_interval, calibration, compare_evaluations, 
                           hotcoco_evaluation)
 from .label_errors import find_label_errors, write_label_errors
 from .drawing import boxes_from_coco, class_color, draw_detections, drawing_scale, save_image, upright_image_and_boxes
-from .metrics import best_f1_thresholds, format_best_f1, per_class_ap, per_class_without_detections
+from .metrics import (best_f1_thresholds, format_best_f1, per_class_ap, per_class_without_detections,
+                      read_score_thresholds, write_score_thresholds)
 from .model_card import classifier_card, command_line, detector_card, write_card
 from .report import (evaluation_diagnostics, log_classification_extras, log_diagnostics_to_trackers,
-                     log_evaluation_extras, record_evaluation)
+                     log_evaluation_extras)
 
 __all__ = [
     "STAT_NAMES", "CocoEvaluator", "detections_to_coco", "boxes_from_coco", "class_color", "draw_detections", "drawing_scale",
     "save_image", "upright_image_and_boxes", "best_f1_thresholds", "format_best_f1", "per_class_ap",
     "per_class_without_detections", "classifier_card", "command_line", "detector_card", "write_card",
-    "log_classification_extras", "log_evaluation_extras", "record_evaluation", "COCO_AREA_EDGES", "COCO_AREA_RANGES",
+    "log_classification_extras", "log_evaluation_extras", "read_score_thresholds", "write_score_thresholds", "COCO_AREA_EDGES", "COCO_AREA_RANGES",
     "area_ranges_from_edges", "bootstrap_interval", "calibration", "compare_evaluations", "error_breakdown",
     "format_diagnostics", "hotcoco_evaluation", "find_label_errors", "write_label_errors", "evaluation_diagnostics",
     "log_diagnostics_to_trackers"

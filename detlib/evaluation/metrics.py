@@ -617,3 +617,43 @@ def plot_training_curves(metrics_path: str, path: str, losses: tuple[str, ...] =
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=LABEL_FONTSIZE)
     return _save(fig, path)
+
+
+# ---- the best-F1 thresholds beside a weights folder (predict's --score_thresh best_f1)
+
+SCORE_THRESHOLDS = "score_thresholds.json"
+
+
+def write_score_thresholds(folder: str, best_f1: dict, evaluation: dict) -> str:
+    """`folder/score_thresholds.json`: `best_f1` (`best_f1_thresholds`, without its curves) and the epoch and step of
+    the `evaluation` (a metrics.jsonl line) it comes from. Returns the path."""
+    out = {k: v for k, v in best_f1.items() if k != "curves"}
+    out.update(epoch=evaluation.get("epoch"), step=evaluation.get("step"))
+    return write_json(out, os.path.join(folder, SCORE_THRESHOLDS), indent=1)
+
+
+def read_score_thresholds(weights: str) -> tuple[dict[int, float], float, str]:
+    """The best-F1 thresholds beside the weights of `weights` (`detlib.weights.weights_path`): ({category id:
+    threshold} of the classes that have one, the pooled threshold for the others, the file).
+    Raises:
+        FileNotFoundError: no score_thresholds.json there (an older run, or weights never evaluated), naming it.
+        WeightsFileError: the file does not parse, or holds no threshold (its evaluation had no true detection).
+    """
+    from ..weights import WeightsFileError, weights_path
+
+    path = os.path.join(os.path.dirname(weights_path(weights)), SCORE_THRESHOLDS)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {SCORE_THRESHOLDS} beside the weights ({path}): it is written into best/ and last/ "
+                                "by the training run's evaluations; give a number instead")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        pooled = data["all"]["score_thresh"]
+        per_class = {int(v["category_id"]): float(v["score_thresh"]) for v in data["per_class"].values()
+                     if v.get("score_thresh") is not None}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightsFileError(f"{path} is damaged ({type(e).__name__}: {e})") from None
+    if pooled is None:  # best_f1_thresholds found no true detection at any score: F1 is 0 everywhere
+        raise WeightsFileError(f"no threshold was found in {path}: the evaluation of these weights had no true "
+                               "detection (IoU 0.5), so no score maximises F1; give --score_thresh a number")
+    return per_class, float(pooled), path

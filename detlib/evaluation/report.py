@@ -1,8 +1,5 @@
 """What an evaluation adds to the run folder and the trackers, beside its 12 stats.
 
-`record_evaluation` writes an evaluation's line (metrics.jsonl, trackers, best/ in training; the weights scored when
-evaluating only) and says under which epoch and step its extras go.
-
 `log_evaluation_extras` is the one call a training script makes after each COCO evaluation (main process
 does the work; it is not collective). It writes
 
@@ -36,31 +33,6 @@ from . import metrics
 from . import drawing
 
 logger = logging.getLogger(__name__)
-
-
-def record_evaluation(run, stats: dict, model, weights: str | None = None, extra: dict | None = None,
-                      ema_stats: dict | None = None, ema_extra: dict | None = None) -> tuple[int | None, int]:
-    """The evaluation's line in metrics.jsonl and the trackers, for a training run and an evaluation-only run alike.
-
-    Call on every process (training: `run.report_evaluation` may write best/, which is collective).
-
-    Args:
-        run: the script's `detlib.engine.Run`.
-        stats: the evaluation's numbers, {name: float or list}; `extra`: more of the line (per-class AP, thresholds).
-        model: the trained model (training: best/ takes it, or `run.ema`'s average when `ema_stats` scores higher).
-        weights: evaluation only, the weights file scored: the line is {"epoch": None, "step": 0, **stats, **extra,
-            "weights": its absolute path}, and no best/ is written. None: a training evaluation, at the run's step,
-            with the EMA weights' `ema_stats` (and `ema_extra`) beside as ema_*.
-    Returns:
-        (epoch, step) under which the evaluation's extras go (`log_evaluation_extras`, `log_classification_extras`):
-        the epoch counted from 1 (None evaluating only: "final") and the trackers' step (the run's optimizer step
-        plus the offset of a resumed run's trackers; 0 plus that offset evaluating only).
-    """
-    if weights:
-        run.metrics.log({"epoch": None, "step": 0, **stats, **(extra or {}), "weights": os.path.abspath(weights)}, step=0)
-        return None, run.metrics.step_offset
-    run.report_evaluation(stats, model, extra=extra, ema_stats=ema_stats, ema_extra=ema_extra)
-    return run.epoch_number, run.state.global_step + run.metrics.step_offset
 
 
 def _tracker(accelerator, name: str):
@@ -218,7 +190,7 @@ def evaluation_diagnostics(evaluator, output_dir: str, epoch: int | None, n_boot
     """Why the AP is what it is (issue 29): TIDE errors, calibration, bootstrap intervals, optionally label errors.
 
     Call on the main process after `CocoEvaluator.evaluate()` (not collective: it reads the gathered results and
-    `evaluator.coco_eval`), before `record_evaluation`, so that `metrics` goes into the evaluation's line.
+    `evaluator.coco_eval`), before the evaluation's metrics.jsonl line, so that `metrics` goes into it.
 
     Args:
         evaluator: the `CocoEvaluator` just evaluated (its backend any: a hotcoco evaluation is made when it is not).
