@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from typing import Iterator
 
 
@@ -66,3 +67,26 @@ def file_key(path: str) -> str | None:
     except OSError:
         return None
     return f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def write_failure(error: BaseException, path: str, needed_bytes: int | None = None) -> str:
+    """Why writing `path` failed, in one line: the OS's (or the writer's) error and the space free where it was
+    written, beside `needed_bytes` (what was being written) when known; "no space left on device" when less is free."""
+    existing = os.path.abspath(path)
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    text = " ".join(str(error).split())[:200] or type(error).__name__
+    full = "no space left on device: " if needed_bytes and free < needed_bytes else ""
+    needed = f", ~{needed_bytes / 2**20:.1f} MiB needed" if needed_bytes else ""
+    return f"{full}{type(error).__name__}: {text} ({free / 2**20:.1f} MiB free in {existing}{needed})"
+
+
+def readable_as_umask_allows(path: str) -> None:
+    """The mode the run's other files get (0644 under umask 022): safetensors writes through a private temporary
+    file and leaves 0600, which a teammate or a serving job of another user cannot read. Best effort."""
+    if os.path.isfile(path):
+        umask = os.umask(0)
+        os.umask(umask)
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o666 & ~umask)

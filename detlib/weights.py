@@ -1,15 +1,6 @@
-"""Weights files: the bare model's weights written, found and read whatever wrote them, loaded strictly; the
-`model_config.json` beside them says how to rebuild the model.
-
-A weights folder (`best/`, `last/`, every checkpoint):
-  model.safetensors      the unwrapped model's state dict (no `module.` / `_orig_mod.` prefix)
-  model_config.json      the model's description (`build_retinanet_from_config`, the classifier's builder)
-  best.json              in best/: the metric, value, epoch and step these weights scored
-  score_thresholds.json  the evaluation's best-F1 thresholds (`detlib.evaluation.metrics`), for predict's best_f1
-  README.md              the model card (`detlib.evaluation.model_card`)
-
-Reading is timm's reader (`timm.models.load_state_dict`), so the classifier and the detector share it. Nothing read
-runs code: torch files are read with `weights_only=True` (tensors and plain values).
+"""Weights files: the bare model's weights written (model.safetensors, no wrapper prefix), found and read whatever
+wrote them (timm's reader; torch files with `weights_only=True`: nothing read runs code), loaded strictly; the
+model_config.json beside them, which rebuilds the model. A weights folder's files: docs/outputs.md.
 """
 
 from __future__ import annotations
@@ -18,7 +9,6 @@ import contextlib
 import json
 import os
 import pickle
-import shutil
 import warnings
 
 import torch
@@ -26,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from timm.models import load_state_dict as timm_load_state_dict
 
-from .files import atomic_path, write_json
+from .files import atomic_path, readable_as_umask_allows, write_failure, write_json
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's key prefixes
@@ -41,8 +31,8 @@ class WeightsFileError(RuntimeError):
 
 
 def read_json(path: str):
-    """The JSON value in the file `path`. Raises WeightsFileError (one line naming it) when it does not read or parse,
-    nesting past Python's recursion limit included."""
+    """The JSON value in `path`. Raises WeightsFileError (one line naming it): it does not read or parse (nesting past
+    the recursion limit included)."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -57,19 +47,6 @@ def read_json_object(path: str) -> dict:
     return value
 
 
-def write_failure(error: BaseException, path: str, needed_bytes: int | None = None) -> str:
-    """Why writing `path` failed, in one line: the OS's (or the writer's) error and the space free where it was
-    written, beside `needed_bytes` (what was being written) when known; "no space left on device" when less is free."""
-    existing = os.path.abspath(path)
-    while not os.path.isdir(existing):
-        existing = os.path.dirname(existing)
-    free = shutil.disk_usage(existing).free
-    text = " ".join(str(error).split())[:200] or type(error).__name__
-    full = "no space left on device: " if needed_bytes and free < needed_bytes else ""
-    needed = f", ~{needed_bytes / 2**20:.1f} MiB needed" if needed_bytes else ""
-    return f"{full}{type(error).__name__}: {text} ({free / 2**20:.1f} MiB free in {existing}{needed})"
-
-
 def verify_safetensors(path: str) -> None:
     """Raise WeightsFileError unless the .safetensors file is whole: its header parses and its tensors end at the
     end of the file (safetensors' own check; reads the header only)."""
@@ -78,16 +55,6 @@ def verify_safetensors(path: str) -> None:
             pass
     except (SafetensorError, OSError) as e:
         raise WeightsFileError(f"{path} is truncated or not a whole safetensors file ({e})") from None
-
-
-def readable_as_umask_allows(path: str) -> None:
-    """The mode the run's other files get (0644 under umask 022): safetensors writes through a private temporary
-    file and leaves 0600, which a teammate or a serving job of another user cannot read. Best effort."""
-    if os.path.isfile(path):
-        umask = os.umask(0)
-        os.umask(umask)
-        with contextlib.suppress(OSError):
-            os.chmod(path, 0o666 & ~umask)
 
 
 def refused(path: str, e: Exception, error: type[WeightsFileError] = WeightsFileError) -> WeightsFileError:
@@ -119,9 +86,8 @@ def weights_only_loads():
 
 
 def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:
-    """`folder/model.safetensors` (main process; the others return): the unwrapped model's weights without wrapper
-    prefixes, written beside and renamed over the old file, then `model_config.json` and `extra` as `best.json`.
-    Raises WeightsFileError (main process): the write failed (`write_failure`); the old file is kept."""
+    """`folder/model.safetensors` (main process): the unwrapped model's weights, no wrapper prefixes, renamed over the
+    old file; `model_config.json`, `extra` as best.json. Raises WeightsFileError: a failed write (the old file kept)."""
     path = os.path.join(folder, "model.safetensors")
     if accelerator.is_main_process:
         # get_state_dict unwraps DDP but keeps torch.compile's `_orig_mod.` prefix: stripped here

@@ -178,7 +178,7 @@ def test_failed_save_removes_its_folder_keeps_the_previous_and_says_no_space(tmp
 
 
 def test_write_failure_names_the_error_the_free_space_and_a_full_disk():
-    from detlib.weights import write_failure
+    from detlib.files import write_failure
 
     line = write_failure(RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"),
                          "/tmp/x/y.tmp", needed_bytes=2**60)
@@ -333,20 +333,6 @@ def test_train_window_line_is_the_mean_over_images_and_restarts():
     assert 0 <= line["data_time_fraction"] <= 1 and line["images_per_s"] > 0
     window.add({"loss": torch.tensor(1.0), "cls_loss": torch.tensor(1.0)}, 2)
     assert window.line()["loss"] == pytest.approx(1.0) and window.images_seen == 6  # a new window
-
-
-def test_explosion_is_reported_once_per_order_of_magnitude(caplog):
-    from accelerate import Accelerator
-
-    from detlib.engine.step import StepGuard
-
-    guard = StepGuard(Accelerator(cpu=True), max_nonfinite_steps=3)
-    for step, loss in enumerate([1.0, 1.0, 1.0, 150.0, 300.0, 2000.0], 1):
-        guard.check(torch.tensor(loss), torch.tensor(1.0), step, 0.1)
-    warned = [r.getMessage() for r in caplog.records if "lowest running level" in r.getMessage()]
-    # 150 > 100 x the level 1.0: reported; 300 is under 10 x 150: not; 2000 is over 10 x 150: reported
-    assert len(warned) == 2 and warned[0].startswith("step 4: loss 150 is over 100x its lowest running level 1 ")
-    assert warned[1].startswith("step 6: loss 2000 ")
 
 
 def test_train_state_counts_steps_and_the_epoch_mean():

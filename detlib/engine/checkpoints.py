@@ -1,25 +1,10 @@
-"""Checkpoints on accelerate's `save_state` / `load_state`, that survive a killed run, a full disk and a damaged or
-planted file.
+"""Checkpoints on accelerate's `save_state` / `load_state` that survive a killed run, a full disk and a damaged or
+planted file, and the weights folders best/ and last/ (the layout: docs/outputs.md).
 
-    checkpoints/epoch_0003/       after 3 epochs (`TrainState.epoch` = 3); step_00001200/ in the middle of one
-        model.safetensors, optimizer.bin, scheduler / registered objects (custom_checkpoint_N.pkl),
-        random_states_R.pkl per process, scaler.pt (fp16)     accelerate's save_state
-        trainer_state.json   the script's `TrainState`      config.yaml   the run's resolved flags
-        model_config.json    the model's description        model_ema.safetensors   the EMA weights (--model_ema)
-
-* A checkpoint is written into `<name>.tmp` and renamed when complete, so a killed save never leaves a half
-  checkpoint that `latest` would pick; the oldest beyond the limit are removed only after the new one is in place.
-  A save that fails removes its `.tmp` folder and stops the run in one line (the OS's error and the free space);
-  weights with a non-finite value are never written (the run stops with EXIT_DIVERGED instead).
-* `latest` is the newest checkpoint (by the time its folder was completed: after a resume from an older one, the
-  new checkpoints have lower steps than the abandoned ones) that passes `verify_checkpoint`; a damaged one is
-  skipped with a warning that names the file and the fault.
-* Nothing read from a checkpoint runs code (folders are shared on clusters and downloaded from colleagues): every
-  torch pickle is read with `weights_only=True` (tensors and plain values; numpy's RNG state), in the verification
-  and in accelerate's `load_state` alike (`detlib.weights.weights_only_loads`).
-* A resume compares the run's flags with the checkpoint's config.yaml: one line names each that differs (old ->
-  new); those the checkpoint's state fixes (the model, the classes, the optimizer and its settings, the process
-  geometry: the script's `fixed` keys) are refused in one line.
+A checkpoint is written into `<name>.tmp` and renamed when whole, the oldest beyond the limit removed after; `latest`
+is the newest folder (by completion time: a resume from an older one writes lower steps) that passes
+`verify_checkpoint`; every torch pickle is read with `weights_only=True`; a resume names each flag that differs from
+the checkpoint's config.yaml and refuses those its state fixes.
 """
 
 from __future__ import annotations
@@ -40,18 +25,16 @@ from accelerate.utils import broadcast_object_list
 from accelerate.utils.other import TORCH_SAFE_GLOBALS
 from safetensors.torch import save_file
 
-from ..files import write_json
+from ..files import readable_as_umask_allows, write_failure, write_json
 from ..weights import (WEIGHT_FILES, WeightsFileError, finite_weights, load_state_dict_file, read_json, read_json_object,
-                       readable_as_umask_allows, refused, save_model_weights, verify_safetensors, weights_only_loads,
-                       write_failure)
+                       refused, save_model_weights, verify_safetensors, weights_only_loads)
 from .logs import save_config
 from .run_folder import EXIT_DIVERGED, RunStop
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^(epoch|step)_(\d+)$")
 CLASS_KEYS = ("category_ids", "category_names", "classes")  # model_config.json's class lists, in label order
-EMA_WEIGHTS = "model_ema"  # the EMA weights' file in a checkpoint: model_ema.safetensors
+EMA_WEIGHTS = "model_ema"  # the EMA weights in a checkpoint: model_ema.safetensors
 NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "config")  # what to do with the folder this time
 
 
@@ -61,14 +44,13 @@ class CheckpointError(WeightsFileError):
 
 @dataclass
 class TrainState:
-    """The training script's own counters, `trainer_state.json` in every checkpoint.
+    """The training script's counters, trainer_state.json in every checkpoint.
 
-    epoch: epochs done (= the 0-based index of the epoch to run, or of the one in progress when step_in_epoch > 0).
-    step_in_epoch, global_step: optimizer steps done in `epoch` and since the start (skipped ones included).
-    skipped_steps: steps skipped as non-finite (or by the fp16 GradScaler) since the start.
-    best_metric: the best validation metric so far (-1 before the first evaluation).
-    epoch_loss_sum, epoch_steps: the running epoch's sum of step losses (means over processes) and their count,
-        so that the epoch's mean loss, which ReduceLROnPlateau steps on, covers the whole epoch after a resume.
+    epoch: epochs done (the 0-based index of the epoch to run, or of the one in progress if step_in_epoch > 0).
+    step_in_epoch, global_step: optimizer steps done in `epoch` and in all (skipped ones included).
+    skipped_steps: steps skipped as non-finite (or by the fp16 GradScaler). best_metric: -1 before an evaluation.
+    epoch_loss_sum, epoch_steps: the epoch's step losses (means over processes) and their count, so that the epoch
+        mean ReduceLROnPlateau steps on covers the whole epoch after a resume.
     eval_pending: the epoch ended but its evaluation was preempted: a resume runs it first.
     run_id: the tracker run id, so that a resumed run logs into the same wandb run.
     """
@@ -84,7 +66,6 @@ class TrainState:
     run_id: str | None = None
 
     def load(self, values: dict) -> None:
-        """Set the fields `values` has (keys of other versions are ignored)."""
         for f in fields(self):
             if f.name in values:
                 setattr(self, f.name, values[f.name])
@@ -98,25 +79,20 @@ class TrainState:
             self.epoch_loss_sum, self.epoch_steps = self.epoch_loss_sum + loss, self.epoch_steps + 1
 
     def end_epoch(self) -> float:
-        """Count the epoch done; returns its mean step loss (what ReduceLROnPlateau steps on: the same on every rank)."""
+        """Count the epoch done; returns its mean step loss (the same on every rank)."""
         mean = self.epoch_loss_sum / max(self.epoch_steps, 1)
         self.epoch, self.step_in_epoch, self.epoch_loss_sum, self.epoch_steps = self.epoch + 1, 0, 0.0, 0
         return mean
 
 
-def divergence(output_dir: str, state: TrainState, streak: int, lr: float) -> str:
-    """The line of a run stopped by `streak` non-finite steps in a row (nothing non-finite is saved)."""
-    last = list_checkpoints(output_dir)
-    return (f"training diverged: {streak} non-finite steps in a row up to step {state.global_step} (epoch "
-            f"{state.epoch + 1}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
-            f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --lr or "
-            "--max_grad_norm")
+def min_over_processes(accelerator, value: bool) -> bool:
+    """Whether `value` holds on every process (collective)."""
+    return bool(accelerator.reduce(torch.tensor(float(not value), device=accelerator.device), "sum") == 0)
 
 
 def _folders(output_dir: str) -> list[str]:
-    """The checkpoint folders of `output_dir` (epoch_NNNN, step_NNNNNNNN), oldest first."""
     root = os.path.join(output_dir, "checkpoints")
-    names = [n for n in os.listdir(root) if _NAME.match(n)] if os.path.isdir(root) else []
+    names = [n for n in os.listdir(root) if re.match(r"^(epoch|step)_\d+$", n)] if os.path.isdir(root) else []
     return sorted((os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))), key=os.path.getmtime)
 
 
@@ -131,9 +107,18 @@ def list_checkpoints(output_dir: str) -> list[str]:
     return [p for p in _folders(output_dir) if readable(p)]
 
 
+def divergence(output_dir: str, state: TrainState, streak: int, lr: float) -> str:
+    """The line of a run stopped by `streak` non-finite steps in a row."""
+    last = list_checkpoints(output_dir)
+    return (f"training diverged: {streak} non-finite steps in a row up to step {state.global_step} (epoch "
+            f"{state.epoch + 1}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
+            f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --lr or "
+            "--max_grad_norm")
+
+
 def read_state_file(path: str):
-    """A torch state file read without running code (`weights_only=True`, numpy's RNG state allowed; a zip archive's
-    members CRC-checked and memory-mapped). Raises CheckpointError: refused, or it does not load."""
+    """A torch state file read without running code (`weights_only=True`, numpy's RNG state allowed; a zip archive
+    CRC-checked and memory-mapped). Raises CheckpointError: refused, or it does not load."""
     try:
         if zipped := zipfile.is_zipfile(path):
             with zipfile.ZipFile(path) as z:
@@ -149,32 +134,24 @@ def read_state_file(path: str):
 
 
 def verify_checkpoint(path: str) -> None:
-    """Raise CheckpointError (one line naming the file) unless `path` can be resumed from: trainer_state.json and every
-    .json parse, a weights file is there, every .safetensors is whole, every other state file reads back with
-    `read_state_file`, and no entry is a link to nothing."""
-    state = os.path.join(path, "trainer_state.json")
-    if not os.path.isfile(state):
+    """Raise CheckpointError (one line naming the file) unless `path` resumes: every .json parses, a weights file is
+    there, every .safetensors is whole, every state file reads back (`read_state_file`), no link points to nothing."""
+    if not os.path.isfile(state := os.path.join(path, "trainer_state.json")):
         raise CheckpointError(f"{path} is not a complete checkpoint (no trainer_state.json)")
-    names = sorted(os.listdir(path))
-    for f in (os.path.join(path, n) for n in names):
-        if os.path.islink(f) and not os.path.exists(f):
-            raise CheckpointError(f"{f} is a symlink whose target {os.path.realpath(f)} is missing")
+    files = [os.path.join(path, n) for n in sorted(os.listdir(path))]
+    if dangling := next((f for f in files if os.path.islink(f) and not os.path.exists(f)), None):
+        raise CheckpointError(f"{dangling} is a symlink whose target {os.path.realpath(dangling)} is missing")
     if not any(os.path.isfile(os.path.join(path, n)) for n in WEIGHT_FILES):
         raise CheckpointError(f"{path} holds no model weights ({' / '.join(WEIGHT_FILES)})")
     try:
-        if not isinstance(read_json(state), dict):
-            raise CheckpointError(f"{state} is damaged (not a JSON object)")
-        for name in names:
-            f = os.path.join(path, name)
-            if not os.path.isfile(f) or name == "trainer_state.json":
-                continue
-            if name.endswith(".json"):
-                read_json_object(f)
+        for f in (f for f in files if os.path.isfile(f)):
+            if f.endswith(".json"):
+                (read_json_object if f == state or f.endswith("model_config.json") else read_json)(f)
             elif os.path.getsize(f) == 0:
                 raise CheckpointError(f"{f} is empty")
-            elif name.endswith(".safetensors"):
+            elif f.endswith(".safetensors"):
                 verify_safetensors(f)
-            elif name.endswith((".bin", ".pt", ".pth", ".pkl")):
+            elif f.endswith((".bin", ".pt", ".pth", ".pkl")):
                 read_state_file(f)
     except CheckpointError:
         raise
@@ -183,8 +160,8 @@ def verify_checkpoint(path: str) -> None:
 
 
 def find_checkpoint(output_dir: str, resume: str) -> str | None:
-    """`--resume_from_checkpoint` ("latest" or a folder) -> the checkpoint to resume, or None (latest: none usable,
-    said). Raises CheckpointError for a named folder that is not a whole checkpoint."""
+    """`--resume_from_checkpoint` ("latest" or a folder) -> the checkpoint, or None (latest found none: said). Raises
+    CheckpointError for a named folder that is not a whole checkpoint."""
     if resume != "latest":
         verify_checkpoint(resume)
         return resume
@@ -202,20 +179,13 @@ def find_checkpoint(output_dir: str, resume: str) -> str | None:
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: list, limit: int = 0,
                     config: dict | None = None, model_config: dict | None = None,
                     extra_weights: dict[str, dict] | None = None) -> str:
-    """Write a checkpoint of everything a resume needs (collective) and return its folder.
-
-    Args:
-        models: the modules whose weights the checkpoint holds (the trained model, the EMA's), checked finite first.
-        limit: checkpoints kept (0: all). config / model_config: written as config.yaml / model_config.json.
-        extra_weights: {name: state dict} written as name.safetensors (the EMA weights).
-    Raises:
-        RunStop: EXIT_DIVERGED when a weight is not finite on some process (nothing written); code 1 when a process
-        failed to write (the partial folder removed, the older checkpoints kept).
-    """
+    """Write a checkpoint of everything a resume needs (collective); returns its folder. `models`: checked finite
+    first; `limit`: checkpoints kept (0: all); `extra_weights`: {name: state dict} as name.safetensors (the EMA's).
+    Raises RunStop: EXIT_DIVERGED on a non-finite weight (nothing written); 1 on a failed write (the partial folder
+    removed, the older checkpoints kept)."""
     if not all(min_over_processes(accelerator, finite_weights(m)) for m in models):
-        last = list_checkpoints(output_dir)
-        raise RunStop(f"the model holds non-finite weights at step {state.global_step}: not writing a checkpoint; the "
-                      f"last good checkpoint is {last[-1] if last else 'none'}", EXIT_DIVERGED)
+        raise RunStop(f"the model holds non-finite weights at step {state.global_step}: not writing a checkpoint; "
+                      f"the last good checkpoint is {(list_checkpoints(output_dir) or ['none'])[-1]}", EXIT_DIVERGED)
     name = f"epoch_{state.epoch:04d}" if state.step_in_epoch == 0 else f"step_{state.global_step:08d}"
     final = os.path.join(output_dir, "checkpoints", name)
     tmp, error = final + ".tmp", None
@@ -235,8 +205,8 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
     except Exception as e:  # OSError; torch's zip writer a RuntimeError; safetensors its SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         previous = list_checkpoints(output_dir)
-        needed = _size(previous[-1]) if previous else None
-        error = (f"could not write checkpoint {tmp}: {write_failure(e, tmp, needed)}; removed the partial folder, "
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(previous[-1]) for f in fs) if previous else None
+        error = (f"could not write checkpoint {tmp}: {write_failure(e, tmp, size)}; removed the partial folder, "
                  + (f"the previous checkpoint {previous[-1]} is kept" if previous else "no earlier checkpoint exists"))
     if not min_over_processes(accelerator, error is None):
         raise RunStop(error or f"another process failed to write checkpoint {tmp}")
@@ -252,45 +222,24 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
     return final
 
 
-def save_weights(accelerator, model, output_dir: str, name: str, model_config: dict | None,
-                 extra: dict | None = None) -> str:
-    """Write `output_dir/name/` (collective): the bare model's model.safetensors, model_config.json, and `extra` as
-    best.json. Returns the folder. Raises RunStop: a non-finite weight (EXIT_DIVERGED, nothing written) or a failed
-    write (one line; the old files kept)."""
-    folder, error = os.path.join(output_dir, name), None
-    if not min_over_processes(accelerator, finite_weights(accelerator.unwrap_model(model))):
-        raise RunStop(f"the model holds non-finite weights: not writing {name}/; the last good checkpoint is kept",
-                      EXIT_DIVERGED)
+def load_checkpoint(accelerator, path: str, state: TrainState) -> None:
+    """`accelerator.load_state(path)` (collective), every torch file read by `weights_only=True` (one changed since the
+    verification too), then `state`. Raises CheckpointError (a refused file, named), torch's for states that do not fit."""
     try:
-        save_model_weights(accelerator, model, folder, model_config, extra)
-    except WeightsFileError as e:  # main process only
-        error = f"{e}; the checkpoints in {os.path.join(output_dir, 'checkpoints')} are kept"
-    if error := broadcast_object_list([error])[0]:
-        raise RunStop(error)
-    return folder
-
-
-def _size(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def min_over_processes(accelerator, value: bool) -> bool:
-    """Whether `value` holds on every process (collective)."""
-    return bool(accelerator.reduce(torch.tensor(float(not value), device=accelerator.device), "sum") == 0)
+        with weights_only_loads():
+            accelerator.load_state(path)
+    except pickle.UnpicklingError as e:
+        verify_checkpoint(path)  # names the refused file
+        raise refused(f"a state file of {path}", e, CheckpointError) from None
+    state.load(read_json(os.path.join(path, "trainer_state.json")))
 
 
 def resume(accelerator, output_dir: str, resume_from: str | None, state: TrainState, config: dict,
            model_config: dict, fixed: tuple[str, ...], init_flag: str = "--init_from") -> str | None:
-    """Resume `--resume_from_checkpoint` (collective; after `accelerator.prepare` and every
-    `register_for_checkpointing`): the main process finds the checkpoint (`find_checkpoint`) and compares its
-    config.yaml and class lists with this run's `config` and `model_config` (one warning line naming each flag that
-    differs, old -> new); then `accelerator.load_state` (`weights_only`) and `state` from trainer_state.json.
-    Returns the checkpoint, or None for a fresh start.
-
-    Raises:
-        RunStop: the checkpoint is damaged or refused, one of the `fixed` keys (or the classes) differs, or its states
-        do not fit this run's model or optimizer; one line each (`init_flag`: the script's flag to start from weights).
-    """
+    """Resume `--resume_from_checkpoint` (collective; after `prepare` and `register_for_checkpointing`): the main process
+    finds it and compares its flags and classes with `config` and `model_config` (`_compare`), then `load_checkpoint`.
+    Returns the checkpoint or None. Raises RunStop (one line): damaged or refused, a `fixed` key or the classes
+    changed (`init_flag`: the script's flag to start from weights instead), states that do not fit."""
     if not resume_from:
         return None
     path = error = None
@@ -311,50 +260,16 @@ def resume(accelerator, output_dir: str, resume_from: str | None, state: TrainSt
     except CheckpointError as e:
         raise RunStop(f"--resume_from_checkpoint: {e}") from None
     except (RuntimeError, KeyError, ValueError, FileNotFoundError) as e:
-        first = str(e).strip().splitlines() or [type(e).__name__]
-        raise RunStop(f"cannot resume from {path}: it does not fit this run: {first[0][:200]}") from None
+        raise RunStop(f"cannot resume from {path}: it does not fit this run: "
+                      f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}") from None
     logger.info("resumed from %s: epoch %d, step %d in epoch, global step %d", path, state.epoch + 1,
                 state.step_in_epoch, state.global_step)
     return path
 
 
-def resume_ema(ema, checkpoint: str | None) -> None:
-    """The resumed `checkpoint`'s EMA weights into `ema` (timm's ModelEmaV3; None without --model_ema), said in one
-    line when one side has none: without --model_ema the checkpoint's average is dropped (said before any checkpoint
-    of this run rotates it away); a checkpoint without one starts the average from the resumed weights.
-    Raises RunStop when the file does not fit the model."""
-    path = checkpoint and os.path.join(checkpoint, f"{EMA_WEIGHTS}.safetensors")
-    if not path or (ema is None and not os.path.isfile(path)):
-        return
-    if ema is None or not os.path.isfile(path):
-        logger.warning("--model_ema: %s", f"{checkpoint} holds EMA weights but this run has no --model_ema: the average "
-                       "is dropped, this run's checkpoints hold none, and last_ema/ stays the average of the earlier part"
-                       if ema is None else f"{checkpoint} holds no EMA weights (its run had no --model_ema): the average "
-                       "starts from the resumed weights")
-        return
-    try:
-        ema.module.load_state_dict(load_state_dict_file(path), strict=True)
-    except (RuntimeError, ValueError) as e:
-        raise RunStop(f"cannot resume the EMA weights {path}: {(str(e).strip().splitlines() or [''])[0][:200]}") from None
-    logger.info("resumed the EMA weights from %s", path)
-
-
-def load_checkpoint(accelerator, path: str, state: TrainState) -> None:
-    """`accelerator.load_state(path)` (collective) with every torch file read by `weights_only=True`, even one changed
-    after `verify_checkpoint` passed the folder; then `state` from trainer_state.json.
-    Raises CheckpointError (a refused file, named); accelerate's and torch's errors for states that do not fit."""
-    try:
-        with weights_only_loads():
-            accelerator.load_state(path)
-    except pickle.UnpicklingError as e:
-        verify_checkpoint(path)  # names the refused file
-        raise refused(f"a state file of {path}", e, CheckpointError) from None
-    state.load(read_json(os.path.join(path, "trainer_state.json")))
-
-
 def _compare(path: str, ours: dict, fixed: tuple[str, ...], init_flag: str) -> str | None:
-    """Warn in one line of each flag whose value differs from the checkpoint's run; return the refusal (one line) when
-    a `fixed` key or a class list differs, else None."""
+    """A warning naming each flag that differs from the checkpoint's run (old -> new); the refusal (one line) when a
+    `fixed` key or a class list differs, else None."""
     theirs = {}
     if os.path.isfile(os.path.join(path, "config.yaml")):
         with open(os.path.join(path, "config.yaml")) as f:
@@ -383,9 +298,47 @@ def _compare(path: str, ours: dict, fixed: tuple[str, ...], init_flag: str) -> s
     return None
 
 
+def resume_ema(ema, checkpoint: str | None) -> None:
+    """The resumed `checkpoint`'s EMA weights into `ema` (timm's ModelEmaV3, None without --model_ema); said when a side
+    has none (before this run's checkpoints rotate a dropped average away). Raises RunStop: weights that do not fit."""
+    path = checkpoint and os.path.join(checkpoint, f"{EMA_WEIGHTS}.safetensors")
+    if not path or (ema is None and not os.path.isfile(path)):
+        return
+    if ema is None or not os.path.isfile(path):
+        logger.warning("--model_ema: %s", f"{checkpoint} holds EMA weights but this run has no --model_ema: the average "
+                       "is dropped, this run's checkpoints hold none, and last_ema/ stays the average of the earlier part"
+                       if ema is None else f"{checkpoint} holds no EMA weights (its run had no --model_ema): the average "
+                       "starts from the resumed weights")
+        return
+    try:
+        ema.module.load_state_dict(load_state_dict_file(path), strict=True)
+    except (RuntimeError, ValueError) as e:
+        raise RunStop(f"cannot resume the EMA weights {path}: {(str(e).strip().splitlines() or [''])[0][:200]}") from None
+    logger.info("resumed the EMA weights from %s", path)
+
+
+# ---- best/ and last/
+
+def save_weights(accelerator, model, output_dir: str, name: str, model_config: dict | None,
+                 extra: dict | None = None) -> str:
+    """`output_dir/name/` (collective): model.safetensors, model_config.json, `extra` as best.json; returns the folder.
+    Raises RunStop: a non-finite weight (EXIT_DIVERGED, nothing written) or a failed write (the old files kept)."""
+    folder, error = os.path.join(output_dir, name), None
+    if not min_over_processes(accelerator, finite_weights(accelerator.unwrap_model(model))):
+        raise RunStop(f"the model holds non-finite weights: not writing {name}/; the last good checkpoint is kept",
+                      EXIT_DIVERGED)
+    try:
+        save_model_weights(accelerator, model, folder, model_config, extra)
+    except WeightsFileError as e:  # main process only
+        error = f"{e}; the checkpoints in {os.path.join(output_dir, 'checkpoints')} are kept"
+    if error := broadcast_object_list([error])[0]:
+        raise RunStop(error)
+    return folder
+
+
 def best_record(accelerator, output_dir: str, metric: str) -> dict | None:
-    """`output_dir/best/best.json` as the main process reads it ({"metric", "value", "epoch", "step", "weights"}) when it
-    scores `metric`; None otherwise (collective)."""
+    """best/best.json as the main process reads it ({"metric", "value", "epoch", "step", "weights"}) when it scores
+    `metric`, else None (collective)."""
     record = None
     if accelerator.is_main_process:
         try:
@@ -397,14 +350,14 @@ def best_record(accelerator, output_dir: str, metric: str) -> dict | None:
 
 
 def best_weights(evaluations: dict[str, dict], metric: str) -> str:
-    """Which weights best/ takes from one evaluation ({"": the trained weights', "ema_": their EMA's}): the prefix of
-    the higher `metric`, the trained weights on a tie or a non-finite EMA score."""
+    """Which of one evaluation's weights ({"": the trained, "ema_": their EMA}) best/ would take: the higher `metric`,
+    the trained weights on a tie or a non-finite EMA score."""
     return "ema_" if evaluations.get("ema_", {}).get(metric, -math.inf) > evaluations[""][metric] else ""
 
 
 def improves_best(accelerator, output_dir: str, metric: str, value: float, state: TrainState) -> bool:
-    """Whether `value` of `metric` beats every earlier evaluation of the run, best/ on disk included (so that a resume
-    from an older checkpoint never replaces best/ with a worse model); raises `state.best_metric` to it. Collective."""
+    """Whether `value` beats every earlier evaluation of the run and the best/ on disk (a resume from an older
+    checkpoint never replaces best/ with a worse model); raises `state.best_metric` to it. Collective."""
     best = best_record(accelerator, output_dir, metric)
     better = math.isfinite(value) and value > state.best_metric and (best is None or value > float(best["value"]))
     if math.isfinite(value):

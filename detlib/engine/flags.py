@@ -1,26 +1,18 @@
-"""The command-line flags both training scripts share, `--config FILE.yaml`, and argparse types that refuse values
-that cannot work.
+"""The flags both training scripts share, `--config FILE.yaml`, and argparse types that refuse values that cannot
+work: a nonsense value (`--epochs 0`, `--lr -1`), on the command line or in a --config file, is one argparse line
+at start (exit 2), never a traceback later.
 
-A nonsense value (`--epochs 0`, `--lr -1`, `--log_interval 0`) is an argparse error at start (exit code 2, one
-line naming the flag), never a traceback or a lost epoch later; a value read from a `--config` file goes through
-the same checks.
+`--config` is timm's two-stage parse: the file's `flag: value` lines become the parser's defaults, the command line
+overrides them. A run's own config.yaml re-runs it: its record keys (`num_processes`, ...) are not applied, nor
+what to do with the folder this time (`resume_from_checkpoint`, `overwrite_output_dir`).
 
-`--config` is timm's two-stage parse: a first parser reads only `--config`, the file's `flag: value` lines become
-the parser's defaults, and the full parse lets the command line override them. A run's own
-`OUTPUT_DIR/config.yaml` is such a file: fed back, it re-runs the run (the keys the run recorded beside its
-flags, e.g. `num_processes`, are read as what they are, a record, and not applied; nor are
-`resume_from_checkpoint` and `overwrite_output_dir`, which say what to do with the folder this time).
-
-Defaults that depend on the data (the built-in synthetic set or real data) and on the optimizer are written once
-per script, as a table `{flag: (built-in data, real data)}` or `{flag: {optimizer: (built-in, real)}}`;
-`data_defaults_table`, `show_data_defaults` and `resolve_data_defaults` print it in the docstring and `--help`
-and apply it.
+Defaults that depend on the data (built-in or real) and the optimizer are one table per script, `{flag: (built-in,
+real)}` or `{flag: {optimizer: (built-in, real)}}`, printed in the docstring and --help, and applied.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import difflib
 import math
 import os
@@ -32,15 +24,12 @@ import yaml
 from .run_folder import first_process, wait_for_the_first_process
 
 REPORT_TO = ("wandb", "tensorboard", "all", "none")
-# The default tracker: TensorBoard writes OUTPUT_DIR/tensorboard on this machine, needs no account and prints
-# nothing; wandb (an account, or offline files to sync later) is there when asked (`--report_to wandb`).
-DEFAULT_REPORT_TO = "tensorboard"
+DEFAULT_REPORT_TO = "tensorboard"  # on this machine, no account, prints nothing; wandb when asked
 
 GROUPS = ("data", "model", "optimization", "evaluation", "checkpointing", "logging")
-# Keys both scripts' `main` write to config.yaml beside the flags: what the run found, not what it was told.
-RUN_RECORD_KEYS = ("num_processes", "synthetic_data")
-# What to do with the output folder this time, not part of the recipe: a config.yaml re-run must not resume
-# or wipe a folder because the recorded run did. Given on the command line only.
+RUN_RECORD_KEYS = ("num_processes", "synthetic_data")  # in config.yaml beside the flags: what the run found
+# What to do with the folder this time: a config.yaml re-run must not resume or wipe a folder because the recorded
+# run did. Given on the command line only.
 FOLDER_ACTION_KEYS = ("resume_from_checkpoint", "overwrite_output_dir")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -74,8 +63,7 @@ def float_range(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written (the script's docstring: commands to copy) and every flag's default, appended
-    unless the help already states it (a help that says "default")."""
+    """The description as written (commands to copy) and every flag's default, unless its help says "default"."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -83,18 +71,10 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
-    def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS \
-                and not action.required:
-            action = copy.copy(action)  # argparse prints no help line for a flag without help, so no default either
-            action.help = "default: %(default)s"
-        return super()._format_action(action)
-
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse's parser for a script that every process of a launch runs (the training and predict scripts): its
-    usage, help and error lines are printed by the first process only, and on an error the others exit after it
-    (`wait_for_the_first_process`), so a 2-process launch prints a bad flag's line once, as `stop` does."""
+    """The parser of a script every process of a launch runs: usage, help and errors are printed by the first process
+    only, and on an error all meet after it (`wait_for_the_first_process`), so a bad flag is one line."""
 
     def _print_message(self, message, file=None):
         if first_process():
@@ -107,83 +87,61 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
-    """A parser with `--config` and the run machinery's flags in the groups both scripts use.
-
-    `defaults` set the script's own defaults of these flags (e.g. `output_dir`, `eval_interval`). Returns the
-    parser and its groups by name, so the script adds its own flags beside them; parse with `parse_with_config`.
-    """
+    """(a parser with `--config` and the shared flags, its groups by name for the script's own flags); `defaults`:
+    the script's defaults of the shared flags. Parse with `parse_with_config`."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter)
-    p.add_argument("--config", metavar="FILE.yaml",
-                   help="flag: value lines used as defaults; flags on the command line override them. A run's "
-                        "OUTPUT_DIR/config.yaml re-runs it (its record keys, e.g. num_processes, and --resume_from_checkpoint / "
-                        "--overwrite_output_dir are not applied from a file); "
-                        "an unknown key is an error (default: none)")
+    p.add_argument("--config", metavar="FILE.yaml", help="flag: value lines as defaults, the command line over them; a "
+                   "run's OUTPUT_DIR/config.yaml re-runs it (default: none)")
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     g = groups["data"]
     g.add_argument("--num_workers", type=int_at_least(0), default=4, help="DataLoader workers per process")
     g = groups["model"]
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model for training (accelerate's TorchDynamoPlugin, around the DDP "
-                        "wrapper so DDP's gradient buckets are kept). Shapes: torch's automatic dynamic shapes, the "
-                        "first input shape compiles static, the second with the sizes that changed symbolic, and that "
-                        "graph serves every later one (a side of at most 128 px, where P7 is 1x1, gets a graph of its "
-                        "own); evaluation runs uncompiled. The run's summary says how many graphs it compiled; saved "
-                        "weights and checkpoints keep their names (no _orig_mod.)")
-    g.add_argument("--compile_backend", default="inductor", choices=COMPILE_BACKENDS,
-                   help="torch.compile backend: inductor (generated kernels), aot_eager (the traced forward and "
-                        "backward graphs run by eager kernels: checks the tracing without inductor's compile time), "
-                        "eager (dynamo only)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model for training (accelerate's "
+                   "TorchDynamoPlugin, around DDP; automatic dynamic shapes; evaluation runs uncompiled; the summary "
+                   "counts the graphs; docs/mixed_precision.md)")
+    g.add_argument("--compile_backend", default="inductor", choices=COMPILE_BACKENDS, help="torch.compile backend: "
+                   "inductor, aot_eager (the traced graphs on eager kernels: the tracing without inductor's compile "
+                   "time), eager (dynamo only)")
     g.add_argument("--compile_mode", default="default", choices=COMPILE_MODES, help="inductor's mode")
     g = groups["optimization"]
     g.add_argument("--epochs", type=int_at_least(1), help="epochs to train")
     g.add_argument("--max_steps", type=int_at_least(0), default=0, help="stop after this many optimizer steps (0: no limit)")
     g.add_argument("--per_device_batch_size", type=int_at_least(1), help="images per device and step")
-    g.add_argument("--gradient_accumulation_steps", type=int_at_least(1), default=1,
-                   help="micro-batches per optimizer step (the step's batch grows by this factor)")
+    g.add_argument("--gradient_accumulation_steps", type=int_at_least(1), default=1, help="micro-batches per step")
     g.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="AdamW, or SGD with --momentum")
     g.add_argument("--momentum", type=float_range(0, 1), default=0.9, help="SGD momentum")
     g.add_argument("--max_grad_norm", type=float_range(0), help="gradient clipping norm (0: off)")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: the accelerate config")
-    g.add_argument("--seed", type=int, default=0, help="seed of the weights' initialisation, the data order and the "
-                   "augmentation")
-    g.add_argument("--max_nonfinite_steps", type=int_at_least(1), default=5,
-                   help="stop after this many non-finite optimizer steps in a row, each skipped")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the data order, the augmentation")
+    g.add_argument("--max_nonfinite_steps", type=int_at_least(1), default=5, help="non-finite steps in a row (each "
+                   "skipped) that stop the run")
     g.add_argument("--model_ema", metavar="DECAY", type=float_range(0, 1, lo_open=True, hi_open=True),
-                   help="keep an exponential moving average of the weights (timm's ModelEmaV3, updated after every "
-                        "optimizer step that is not skipped), e.g. 0.9998; evaluated beside the trained weights "
-                        "(ema_* metrics), best/ takes whichever scores higher, last_ema/ holds the final average; "
-                        "checkpointed as model_ema.safetensors (default: none)")
+                   help="an exponential moving average of the weights (timm's ModelEmaV3), e.g. 0.9998: evaluated "
+                        "beside them (ema_*), best/ takes the better, last_ema/ the final average (default: none)")
     g.add_argument("--model_ema_warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="warm the EMA decay up as timm does, 1 - step ** -0.75 capped at DECAY (0.9 after about 20 "
-                        "steps, 0.99 after 460, 0.999 after 10,000), so the average is not held near the random initial "
-                        "weights for the first 1 / (1 - DECAY) steps")
+                   help="timm's decay warm-up, 1 - step ** -0.75 capped at DECAY (0.99 after 460 steps), so that the "
+                        "average does not stay near the initial weights")
     g = groups["evaluation"]
     g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last")
     g.add_argument("--per_device_eval_batch_size", type=int_at_least(1), help="images per device and evaluation batch")
-    g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a run folder, best/, last/, a checkpoint folder "
-                   "or a model.safetensors and exit (results in OUTPUT_DIR/evaluate_only/; default: train)")
+    g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a run, best/, last/, a checkpoint or a weights "
+                   "file and exit (results in OUTPUT_DIR/evaluate_only/; default: train)")
     g = groups["checkpointing"]
-    g.add_argument("--output_dir", help="the run folder (config.yaml, train.log, metrics.jsonl, checkpoints/, best/, "
-                   "last/, ...)")
-    g.add_argument("--checkpoint_total_limit", type=int_at_least(0), default=2,
-                   help="keep the newest N checkpoints, epoch and step ones together (0: all)")
+    g.add_argument("--output_dir", help="the run folder (config.yaml, train.log, metrics.jsonl, checkpoints/, best/, ...)")
+    g.add_argument("--checkpoint_total_limit", type=int_at_least(0), default=2, help="checkpoints kept, the newest (0: all)")
     g.add_argument("--checkpoint_interval", type=int_at_least(1), default=1, help="checkpoint every N epochs and at the end")
-    g.add_argument("--checkpoint_steps", type=int_at_least(0), default=0,
-                   help="also checkpoint every N optimizer steps, mid-epoch included (0: off)")
-    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH",
-                   help="latest: the newest intact checkpoint of OUTPUT_DIR; or a checkpoint folder (default: a new run)")
-    g.add_argument("--overwrite_output_dir", action="store_true",
-                   help="start a new run in a folder that holds another run, deleting its checkpoints, best/, last/ and logs")
+    g.add_argument("--checkpoint_steps", type=int_at_least(0), default=0, help="also a checkpoint every N steps (0: off)")
+    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH", help="latest: the newest intact checkpoint of "
+                   "OUTPUT_DIR; or a checkpoint folder (default: a new run)")
+    g.add_argument("--overwrite_output_dir", action="store_true", help="a new run in a folder of another, deleting it")
     g = groups["logging"]
-    g.add_argument("--report_to", default=DEFAULT_REPORT_TO, choices=REPORT_TO,
-                   help="trackers: tensorboard writes OUTPUT_DIR/tensorboard (no account, nothing printed); wandb "
-                        "needs an account or logs offline to OUTPUT_DIR/wandb; metrics.jsonl and plots/ are written "
-                        "either way")
+    g.add_argument("--report_to", default=DEFAULT_REPORT_TO, choices=REPORT_TO, help="trackers: tensorboard "
+                   "(OUTPUT_DIR/tensorboard), wandb (offline to OUTPUT_DIR/wandb without an account); metrics.jsonl "
+                   "and plots/ either way")
     g.add_argument("--project", help="tracker project name")
     g.add_argument("--run_name", help="tracker run name (default: the name of OUTPUT_DIR)")
     g.add_argument("--log_interval", type=int_at_least(1), help="optimizer steps between train log lines")
-    g.add_argument("--verbose", action="store_true", help="also the INFO lines of the libraries (accelerate, wandb, "
-                   "the COCO evaluation) on the console and in train.log")
+    g.add_argument("--verbose", action="store_true", help="the libraries' INFO lines too, on the console and in train.log")
     p.set_defaults(**defaults)
     return p, groups
 
@@ -199,11 +157,9 @@ def _pair(builtin, real) -> str:
 
 
 def data_default_text(entry) -> str:
-    """One table entry as help text: `(160, 600)` -> "built-in data 160, real data 600"; `{"adamw": (1e-3, 1e-4),
-    "sgd": (0.01, 0.01)}` -> "adamw: built-in data 0.001, real data 0.0001; sgd: 0.01"."""
-    if isinstance(entry, dict):
-        return "; ".join(f"{optimizer}: {_pair(*pair)}" for optimizer, pair in entry.items())
-    return _pair(*entry)
+    """A table entry as help text: `(160, 600)` -> "built-in data 160, real data 600"; `{"adamw": (1e-3, 1e-4), "sgd":
+    (0.01, 0.01)}` -> "adamw: built-in data 0.001, real data 0.0001; sgd: 0.01"."""
+    return "; ".join(f"{k}: {_pair(*v)}" for k, v in entry.items()) if isinstance(entry, dict) else _pair(*entry)
 
 
 def data_defaults_table(table: dict) -> str:
@@ -238,12 +194,8 @@ def resolve_data_defaults(args: argparse.Namespace, table: dict, synthetic: bool
 
 def parse_with_config(p: argparse.ArgumentParser, argv: list[str] | None = None,
                       record_keys: tuple[str, ...] = ()) -> argparse.Namespace:
-    """Parse `argv` (default: sys.argv[1:]) with the values of `--config FILE.yaml` as the parser's defaults.
-
-    `record_keys`: keys the script writes to config.yaml beside its flags; they are not applied (besides
-    `RUN_RECORD_KEYS` and `config` itself). An unreadable file, a file that is not a mapping, an unknown key or a
-    value a flag refuses is one line naming the file and the key, exit code 2.
-    """
+    """Parse `argv` (default sys.argv[1:]) over the values of `--config FILE.yaml` (`read_config`); `record_keys`: the
+    script's keys in config.yaml beside its flags, not applied."""
     if config := _config_file(argv):
         p.set_defaults(**read_config(p, config, record_keys))
     return p.parse_args(argv)
@@ -293,9 +245,9 @@ def format_given(p: argparse.ArgumentParser, config: dict, given: set[str]) -> s
 
 
 def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, ...] = (), notes: bool = True) -> dict:
-    """The flag values of a --config file, each checked and converted as the flag's own type and choices do it
-    (so `lr: 1e-4`, which YAML reads as a string, is the number 1e-4). Exits as `parse_with_config` says.
-    `notes`: print the note on folder actions that are not applied from a file."""
+    """The flag values of a --config file, each checked and converted by the flag's own type and choices (`lr: 1e-4`,
+    a string to YAML, is 1e-4). An unreadable file, no mapping, an unknown key or a refused value: one line naming
+    the file and the key, exit 2. `notes`: say that folder actions are not applied from a file."""
     def fail(message: str):
         p.exit(2, f"{p.prog}: error: --config {path}: {message}\n")
 

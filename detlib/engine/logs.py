@@ -1,11 +1,9 @@
-"""What a run shows: the Accelerator it runs on, its log (console and train.log), `metrics.jsonl`, the trackers,
-the train line's window and the end-of-run summary.
+"""What a run shows: the Accelerator it runs on, its log, metrics.jsonl, the trackers, the train line, the summary.
 
-The main process logs: INFO lines of detlib and its scripts (`OWN_LOGGERS`), warnings of every library (all their
-lines with `--verbose`), to the console and `output_dir/train.log`; the other processes print warnings and errors
-only. `MetricsLog` appends one JSON object per line to `output_dir/metrics.jsonl` and sends the numbers to the
-trackers (accelerate's wandb / tensorboard, one tracker run on the main process) at the run's global step, which a
-resume restores: a resume from an older checkpoint logs steps the trackers already hold (wandb drops those).
+The main process logs INFO lines of detlib and its scripts (`OWN_LOGGERS`) and every library's warnings (all
+their lines with --verbose) to the console and train.log; the others, warnings and errors. `MetricsLog` writes
+metrics.jsonl and the trackers (accelerate's wandb / tensorboard, on the main process) at the global step, which a
+resume restores (a resume from an older checkpoint logs steps the trackers already hold: wandb drops those).
 """
 
 from __future__ import annotations
@@ -38,10 +36,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
                      report_to: str = "none", output_dir: str = ".", seed: int = 0, verbose: bool = False,
                      compile_backend: str | None = None, compile_mode: str = "default", cpu: bool = False):
-    """The `Accelerator` the scripts run on: the CPU without CUDA or with `cpu` (2+ processes: DDP over gloo); seedable samplers
-    (epoch e's order is a function of (seed, e) on every rank: disjoint shards, the same order after a resume);
-    `mixed_precision` None takes the accelerate config's; the trackers of `report_to` (`resolve_trackers`);
-    `compile_backend`: accelerate compiles the prepared model (TorchDynamoPlugin, around DDP's wrapper)."""
+    """The scripts' `Accelerator`: the CPU without CUDA or with `cpu` (DDP over gloo on 2+ processes); seedable
+    samplers (epoch e's order a function of (seed, e): disjoint shards, the same after a resume); `mixed_precision`
+    None: the accelerate config's; `report_to`'s trackers; `compile_backend`: the prepared model compiled."""
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, set_seed
 
@@ -57,8 +54,7 @@ def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_s
 
 
 def log_run_setup(accelerator) -> None:
-    """The process count, device and precision in one line (tests read the count from it); a warning when accelerate
-    does not apply the requested precision (fp16 on a CPU runs in fp32)."""
+    """The process count, device and precision; a warning where accelerate does not apply the precision."""
     logger.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
                 accelerator.mixed_precision)
     if accelerator.mixed_precision != "no" and not accelerator.native_amp:
@@ -79,8 +75,8 @@ def setup_console_logging(verbose: bool = False) -> None:
 
 
 def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log", verbose: bool = False) -> None:
-    """The console (stdout on the main process, stderr elsewhere) and, on the main process, `output_dir/filename`.
-    A record logged with extra={"console": False} goes to the file only (its text is printed elsewhere)."""
+    """The console (stdout on the main process, stderr elsewhere) and the main process's `output_dir/filename`; a
+    record logged with extra={"console": False} goes to the file only (its text is printed elsewhere)."""
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -115,9 +111,8 @@ def record_config(accelerator, config: dict, given: str, output_dir: str) -> Non
 # ---- trackers
 
 def resolve_trackers(report_to: str, verbose: bool = False) -> list[str]:
-    """The trackers of `--report_to` whose package imports (one warning for each that does not). wandb runs offline
-    (WANDB_MODE=offline) without credentials, so a run never waits at a login prompt, and prints nothing of its own
-    offline unless `verbose`. Raises ValueError for an unknown name."""
+    """The trackers of `report_to` whose package imports (a warning for each that does not); wandb offline without
+    credentials (never a login prompt), silent offline unless `verbose`. Raises ValueError for an unknown name."""
     if report_to not in REPORT_TO:
         raise ValueError(f"--report_to must be one of {REPORT_TO}, got {report_to!r}")
     out = []
@@ -154,13 +149,9 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
 
 def start_trackers(accelerator, project: str, config: dict, output_dir: str, run_id: str | None = None,
                    run_name: str | None = None, report_to: str = "") -> str:
-    """Start the tracker runs (collective; accelerate starts them on the main process) and return the wandb run id
-    (kept in the checkpoints, so a resumed run logs into the same wandb run).
-
-    Raises:
-        RunStop: on every process when a tracker did not start (no credentials, no network, a folder it cannot
-        write): one line naming the tracker, the error and the ways on; the trackers that did start are closed.
-    """
+    """Start the tracker runs (collective) and return the wandb run id (kept in the checkpoints: a resumed run logs
+    into the same wandb run). Raises RunStop on every process when one did not start (no credentials, no network, a
+    folder it cannot write): one line naming it, the error and the ways on; the others are closed."""
     from accelerate.utils import broadcast_object_list
 
     run_id, error = run_id or uuid.uuid4().hex[:12], None
@@ -191,8 +182,7 @@ def start_trackers(accelerator, project: str, config: dict, output_dir: str, run
 
 
 def finish_trackers(accelerator, output_dir: str) -> None:
-    """Close every tracker run; one that fails to close (no network at the end, a full disk) is a warning, not a
-    traceback at exit. The trackers are unregistered, so `accelerator.end_training()` closes none again."""
+    """Close every tracker run (one that fails to: a warning, not a traceback at exit) and unregister them."""
     for tracker in list(accelerator.trackers):
         try:
             tracker.finish()
@@ -208,12 +198,11 @@ def tracker(accelerator, name: str):
 
 
 class MetricsLog:
-    """`output_dir/metrics.jsonl` (main process; non-finite floats as the strings "nan" / "inf" so that every line
-    stays JSON) and the trackers, at `step` (the global step). wandb plots every scalar against `epoch` (fractional:
-    `tracker_epoch`), so the curves of a resumed run line up with its first part's."""
+    """`output_dir/metrics.jsonl` (main process; non-finite floats as "nan" / "inf": every line stays JSON) and the
+    trackers at `step`, with the fractional `tracker_epoch` as their "epoch"."""
 
     def __init__(self, accelerator, output_dir: str):
-        self.accelerator, self.path, self._defined = accelerator, os.path.join(output_dir, "metrics.jsonl"), set()
+        self.accelerator, self.path = accelerator, os.path.join(output_dir, "metrics.jsonl")
 
     def log(self, values: dict, step: int, tracker_epoch: float | None = None) -> None:
         if not self.accelerator.is_main_process:
@@ -224,17 +213,13 @@ class MetricsLog:
         numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if tracker_epoch is not None:
             numbers["epoch"] = float(tracker_epoch)
-        if run := tracker(self.accelerator, "wandb"):
-            for k in set(numbers) - self._defined - {"epoch"}:
-                run.define_metric(k, step_metric="epoch")
-            self._defined.update(numbers)
         if self.accelerator.trackers:
             self.accelerator.log(numbers, step=step)
 
 
 class TrainWindow:
-    """The train line: each logged value's mean over the images since the last line, over all processes, with the
-    images per second and the fraction of the time spent waiting for the data loader."""
+    """The train line: each value's mean over the images since the last line and all processes, images per second,
+    the fraction of the time spent waiting for the loader."""
 
     def __init__(self, accelerator):
         self.accelerator, self.images_seen = accelerator, 0.0  # images over all processes in the lines so far
@@ -279,8 +264,7 @@ class TrainWindow:
 
     def log(self, metrics: MetricsLog, state, lr: float, grad_norm: float, optimizer, steps_per_epoch: int) -> None:
         """The train line after step `state.global_step` (collective): epoch (from 1), step, the window's means, the
-        step's lr (and the other param groups' as lr_1, ...), its pre-clip grad_norm (mean over processes), the
-        skipped steps so far; the trackers get the fractional epoch."""
+        step's lr (other param groups' as lr_1, ...), its pre-clip grad_norm, the skipped steps so far."""
         line = {"epoch": state.epoch + 1, "step": state.global_step, **self.line(), "lr": lr, "grad_norm": grad_norm,
                 "skipped_steps": state.skipped_steps, **{f"lr_{i}": g["lr"] for i, g in enumerate(optimizer.param_groups[1:], 1)}}
         metrics.log(line, step=state.global_step, tracker_epoch=state.epoch + state.step_in_epoch / steps_per_epoch)
@@ -289,16 +273,14 @@ class TrainWindow:
 
 
 def compile_summary() -> str | None:
-    """What torch.compile did in this process: graphs compiled, frames left to eager; None when nothing compiled."""
+    """torch.compile's graphs in this process (at the recompile limit, shapes past it run eagerly), or None."""
     from torch._dynamo.utils import counters
 
     if not (graphs := counters["stats"].get("unique_graphs", 0)):
         return None
-    failed = counters["frames"].get("total", 0) - counters["frames"].get("ok", 0)
-    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
-    return (f"torch.compile: {graphs} graph(s) compiled" + (f", {failed} frame(s) left to eager" if failed else "")
-            + (f"; at torch._dynamo's recompile limit ({limit}): shapes past it run eagerly (TORCH_LOGS=recompiles "
-               "says why each recompile happened)" if graphs >= limit else ""))
+    limit = torch._dynamo.config.recompile_limit
+    return f"torch.compile: {graphs} graph(s) compiled" + (
+        f"; at torch._dynamo's recompile limit ({limit}): TORCH_LOGS=recompiles says why" if graphs >= limit else "")
 
 
 def log_plan(state, epochs: int, total_steps: int, steps_per_epoch: int, images_per_step: int) -> None:
@@ -313,25 +295,21 @@ def log_plan(state, epochs: int, total_steps: int, steps_per_epoch: int, images_
 
 def summary_lines(output_dir: str, metric: str, elapsed_s: float, state, best: dict | None, final: dict | None,
                   images_seen: float, ema: bool = False, also: tuple[str, ...] = ()) -> list[str]:
-    """The end-of-run summary: where the weights (best/, last/, last_ema/: `ema` when this run kept the average to
-    its end), the checkpoints, the metrics, the evaluation's files and the trackers' are; the mean throughput; last,
-    the verdict: time, steps, best `metric` (best/'s epoch and step from its record `best`), the `final`
-    evaluation's `metric` and `also` stats."""
-    weights = {"best": "best", "last": "final", "last_ema": "final EMA" if ema else
-               "the EMA of an earlier part of the run, not of its end"}
-    def there(*names):
-        return [os.path.join(output_dir, n) + "/" * os.path.isdir(os.path.join(output_dir, n)) for n in names
-                if os.path.exists(os.path.join(output_dir, n))]
+    """The end-of-run summary: where the weights (`ema`: this run kept last_ema/ to its end), checkpoints, metrics,
+    evaluation files and trackers' files are, the throughput; last, the verdict: time, steps, best `metric` (with
+    best/'s epoch and step from its record `best`), the `final` evaluation's `metric` and `also` stats."""
+    def there(names: dict) -> list[str]:  # {name: what it is} -> "path (what)" of those in the run folder
+        return [os.path.join(output_dir, n) + "/" * os.path.isdir(os.path.join(output_dir, n)) + f" ({what})" * bool(what)
+                for n, what in names.items() if os.path.exists(os.path.join(output_dir, n))]
 
-    held = [f"{os.path.join(output_dir, n)}/ ({what})" for n, what in weights.items()
-            if os.path.isdir(os.path.join(output_dir, n))]
-    checkpoints = os.path.join(output_dir, "checkpoints")
-    lines = ["weights: " + (", ".join(held) or "none") + (f"; checkpoints: {checkpoints}" * os.path.isdir(checkpoints))]
-    files = there("predictions_val.json", "predictions_val.csv", "plots", "samples")
-    lines.append(f"metrics: {os.path.join(output_dir, 'metrics.jsonl')}" + (f"; evaluation: {', '.join(files)}" * bool(files)))
-    trackers = ([f"tensorboard --logdir {os.path.join(output_dir, 'tensorboard')}"] * bool(there("tensorboard"))
-                + [f"wandb sync {os.path.join(output_dir, 'wandb', 'offline-run-*')} (offline run)"]
-                * bool(glob.glob(os.path.join(output_dir, "wandb", "offline-run-*"))))
+    weights = there({"best": "best", "last": "final", "last_ema": "final EMA" if ema else "the EMA of an earlier part "
+                     "of the run, not of its end", "checkpoints": "checkpoints"})
+    files = there(dict.fromkeys(("predictions_val.json", "predictions_val.csv", "plots", "samples", "label_errors.json"), ""))
+    lines = ["weights: " + (", ".join(weights) or "none"),
+             f"metrics: {os.path.join(output_dir, 'metrics.jsonl')}" + f"; evaluation: {', '.join(files)}" * bool(files)]
+    trackers = ([f"tensorboard --logdir {os.path.join(output_dir, 'tensorboard')}"] * os.path.isdir(
+        os.path.join(output_dir, "tensorboard")) + [f"wandb sync {os.path.join(output_dir, 'wandb', 'offline-run-*')} "
+                                                    "(offline run)"] * bool(glob.glob(os.path.join(output_dir, "wandb", "offline-run-*"))))
     if trackers:
         lines.append("trackers: " + "; ".join(trackers))
     if images_seen:

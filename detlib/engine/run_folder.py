@@ -1,15 +1,11 @@
 """The run folder and the run's processes: the start-up checks and the lock, how a run ends (`RunStop`, exit
-codes, `run_status.json`), and the signals that preempt it.
+codes, run_status.json), and the signals that preempt it.
 
-Exit codes: 0 finished; 1 error (bad data, a damaged checkpoint, a full disk); 2 bad flags; EXIT_DIVERGED (3)
-non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary failure, retry"): a checkpoint was written,
-resume with `--resume_from_checkpoint latest`. Launchers report a worker's code each in their own way (accelerate's
-1-process launcher: "returned non-zero exit status 75"; torchrun: exit 1), so `run_status.json` records it too
-(slurm/ reads it to requeue).
-
-A stop prints one line, last, from the first process: `error: ...`, or `stopped: ...` for a preemption or a
-refusal. Every process of a launch stops together, and they meet after the line is out
-(`wait_for_the_first_process`): a process that exited first would have torchrun stop the first before it printed.
+Exit codes: 0 finished; 1 error; 2 bad flags; EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75,
+sysexits' "temporary failure, retry"): a checkpoint was written, resume with `--resume_from_checkpoint latest`.
+Launchers report a worker's code each in their own way, so run_status.json records it too (slurm/ requeues on it).
+A stop is one line, last, from the first process (`error:`, or `stopped:` for a preemption or a refusal); the
+processes stop together and meet after it is out: one exiting first would have torchrun stop the first mid-line.
 """
 
 from __future__ import annotations
@@ -49,24 +45,23 @@ SECOND_SIGINT_AFTER_S = 1.0
 
 
 class RunStop(Exception):
-    """End the run: `message` is its last line (`stopped:` for EXIT_PREEMPTED or a `refusal`, else `error:`), `code`
-    its exit code. Raised on every process together; `running` turns it into the line, run_status.json and exit."""
+    """End the run with its last line (`stopped:` for EXIT_PREEMPTED, else `error:`) and exit `code`: raised on every
+    process together, `running` turns it into the line, run_status.json and the exit."""
 
-    def __init__(self, message: str, code: int = 1, refusal: bool = False):
+    def __init__(self, message: str, code: int = 1):
         super().__init__(message)
-        self.code, self.word = code, "stopped" if refusal or code == EXIT_PREEMPTED else "error"
+        self.code, self.word = code, "stopped" if code == EXIT_PREEMPTED else "error"
 
 
 class Preempted(Exception):
-    """A preemption signal reached a process (`preempted` returned its name on every rank): the script writes a
-    checkpoint, then raises RunStop(..., EXIT_PREEMPTED)."""
+    """A preemption signal, on every rank (`preempted`): the script writes a checkpoint, then raises `stop(...)`."""
 
     def __init__(self, signal_name: str, in_evaluation: bool = False):
         super().__init__(signal_name)
         self.signal_name, self.in_evaluation = signal_name, in_evaluation
 
     def stop(self, state, checkpoint: str, note: str = "") -> RunStop:
-        """The run's stop once `checkpoint` (of `state`, the script's TrainState) is written: where, and how to go on."""
+        """The stop once `checkpoint` (of `state`, the script's TrainState) is written: where, and how to go on."""
         where = f"in the evaluation after epoch {state.epoch}" if self.in_evaluation else f"in epoch {state.epoch + 1}"
         return RunStop(f"preempted by {self.signal_name} at step {state.global_step} ({where}): checkpoint {checkpoint} "
                        "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
@@ -79,9 +74,9 @@ def first_process() -> bool:
 
 
 def wait_for_the_first_process() -> None:
-    """Every process of a launch calls it once the first has printed a stop's line, then exits: they meet (a barrier
-    on the launch's process group, made now if the run has none yet), so none exits before the line is out. SIGINT
-    and SIGTERM take their default action meanwhile: a launcher stopping this process ends it without a line."""
+    """Every process calls it once the first has printed a stop's line: they meet (a barrier on the launch's process
+    group, made now if there is none yet), so none exits before the line is out. Meanwhile SIGINT and SIGTERM take
+    their default action: a launcher stopping this process ends it without a line of its own."""
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return
     if threading.current_thread() is threading.main_thread():
@@ -109,8 +104,7 @@ def stop_together(accelerator, error: str | None, code: int = 1) -> None:
     """Collective: raise RunStop(error) on every process when any process has one (the first one's message)."""
     from accelerate.utils import gather_object
 
-    errors = [e for e in gather_object([error]) if e] if accelerator.num_processes > 1 else [error] * bool(error)
-    if errors:
+    if errors := [e for e in gather_object([error]) if e]:
         raise RunStop(errors[0], code)
 
 
@@ -128,8 +122,8 @@ def _in_the_way(folder: str) -> str | None:
 
 
 def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
-    """Take `output_dir/run.lock` (pid, host, start time, command). Returns (refusal or error, note): refused when a
-    live run holds it (or a run on another host: we cannot tell); a stale lock of a dead process is replaced."""
+    """Take `output_dir/run.lock` (pid, host, start, command): (refusal or error, note). A live run's lock (or one of
+    another host: we cannot tell) refuses; a stale lock of a dead process is replaced, with a note."""
     path, note = os.path.join(output_dir, LOCK_FILE), None
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
     for _ in range(2):
@@ -149,7 +143,7 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
                 note = f"replaced a stale lock of process {pid} (no longer running) in {output_dir}"
                 os.remove(path)
                 continue
-            if host not in (None, me["host"]):
+            if host not in (None, me["host"]):  # a process we cannot see
                 return (f"{output_dir} is locked by a run on host {host} (pid {pid}, since {other.get('started')}); if "
                         f"that run is dead, delete {path}"), None
             return (f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; use "
@@ -175,8 +169,8 @@ def release_lock(output_dir: str) -> None:
 
 def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwrite: bool) -> tuple[tuple | None, list[str]]:
     """The main process's start-up checks: the folder can be made and written, holds no other run (unless resumed or
-    overwritten) and no live run's lock; then the lock is taken, an overwritten run's files and a killed save's
-    `.tmp` folders removed. Returns ((message, is a refusal) or None, notes to log)."""
+    overwritten), no live run's lock; then the lock, an overwritten run's files and killed saves' `.tmp` removed.
+    Returns ((message, is a refusal) or None, notes)."""
     notes = []
     if problem := _in_the_way(out):
         return (f"cannot make --output_dir {out}: {problem}", False), notes
@@ -212,8 +206,7 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
 
 
 def write_run_status(output_dir: str, code: int, message: str = "", **counters) -> None:
-    """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message",
-    **counters}."""
+    """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message", ...}."""
     with contextlib.suppress(OSError):
         write_json({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters},
                    os.path.join(output_dir, "run_status.json"), indent=1)
@@ -222,15 +215,11 @@ def write_run_status(output_dir: str, code: int, message: str = "", **counters) 
 @contextlib.contextmanager
 def running(accelerator, output_dir: str, state, evaluate_only: bool = False, resume: str | None = None,
             overwrite: bool = False, verbose: bool = False):
-    """The run in `output_dir`, from its start-up checks to its last line (collective: every process enters it).
-
-    On entry: the folder checks and the lock (`prepare_output_dir`), logging to the console and train.log
-    (`detlib.engine.logs.setup_logging`), the preemption signals. On exit, whatever ends the block: DataLoader
-    workers stopped, trackers closed, `accelerator.end_training()`, signals put back, lock released, and
-    run_status.json (with `state.global_step` / `state.epoch`). A `RunStop` becomes its line (train.log and stderr,
-    after the trackers' own end lines) and `SystemExit(code)`; any other exception is recorded as "failed" and
-    propagates with its traceback.
-    """
+    """The run in `output_dir`, from its start-up checks to its last line (every process enters it). On entry: the
+    folder checks and the lock (`prepare_output_dir`), the log, the preemption signals. On exit, whatever ends the
+    block: run_status.json (`state`'s step and epoch), DataLoader workers stopped, trackers closed, the process group
+    ended, signals and lock given back. A `RunStop` becomes its line (after the trackers' own end lines) and
+    `SystemExit(code)`; any other exception is recorded as failed and propagates with its traceback."""
     from accelerate.utils import broadcast_object_list
 
     from .logs import finish_trackers, log_run_setup, setup_logging
@@ -300,8 +289,8 @@ def _on_signal(signum, frame) -> None:
 
 
 def _install_signals() -> dict:
-    """SIGTERM, SIGUSR1 and a first SIGINT set a flag (`preempted` reads it); under a launcher the process also asks
-    the kernel for SIGTERM when the launcher dies (even by kill -9). Returns the handlers replaced."""
+    """SIGTERM, SIGUSR1 and a first SIGINT set a flag (`preempted`); under a launcher the kernel sends SIGTERM when the
+    launcher dies, even by kill -9. Returns the handlers replaced."""
     _received.clear()
     _first_sigint.clear()
     _handler_pid[:] = [os.getpid()]
@@ -317,8 +306,8 @@ def _install_signals() -> dict:
 
 
 def preempted(accelerator) -> str | None:
-    """Collective (every rank calls it at the same points): the name of the first preemption signal when any process
-    got one (accelerate's trigger; "a signal to another process" on the ranks that got none), else None."""
+    """Collective, at the same points on every rank: the first preemption signal's name when any process got one
+    (accelerate's trigger; "a signal to another process" where none came), else None."""
     if _received:
         accelerator.set_trigger()
     if not accelerator.check_trigger():
