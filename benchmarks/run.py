@@ -43,7 +43,7 @@ from detlib.retinanet.anchors import AnchorGenerator  # noqa: E402
 from detlib.retinanet.matching import match_anchors  # noqa: E402
 
 BENCHMARKS = ("train_step", "inference", "assign_3000", "coco_eval", "data_pipeline", "compile", "model_ema")
-GOALS = {"train_step": 0.8, "inference": 0.7, "assign_3000": 1.0, "coco_eval": 0.33}
+GOALS = {"train_step": 0.8, "inference": 0.7, "assign_3000": 1.0, "coco_eval": 0.05}  # coco_eval: issue 29
 # The throughput the data loader must feed: the issue's aim for one H200 (images/s).
 GPU_IMAGES_PER_S = 100.0
 
@@ -263,20 +263,20 @@ def pycocotools_stats(gt: dict, results: list[dict]) -> list[float]:
 
 
 def bench_coco_eval(args) -> dict:
-    """`evaluate_coco(backend="faster")` vs pycocotools' COCOeval on N images x 100 detections."""
+    """`evaluate_coco(backend="hotcoco")` (the "auto" backend) vs pycocotools' COCOeval on N images x 100 detections."""
     n = args.coco_images
     gt, results = coco_eval_inputs(n, 100)
     warm_gt, warm_results = coco_eval_inputs(20, 100, seed=1)
     stats = {}
 
     def ours():
-        by_name, _ = evaluate_coco(gt, results, backend="faster")
+        by_name, _ = evaluate_coco(gt, results, backend="hotcoco")
         stats["ours"] = [by_name[k] for k in STAT_NAMES]
 
     def peer():
         stats["peer"] = pycocotools_stats(gt, results)
 
-    evaluate_coco(warm_gt, warm_results, backend="faster")  # warm-up: imports, first allocations
+    evaluate_coco(warm_gt, warm_results, backend="hotcoco")  # warm-up: imports, first allocations
     pycocotools_stats(warm_gt, warm_results)
     times = alternate({"ours": ours, "peer": peer}, warmup=0, repeats=2 if args.quick else 3)
     out = summarise(times, "ours", "peer", GOALS["coco_eval"])

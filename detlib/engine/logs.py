@@ -261,7 +261,6 @@ class TrainWindow:
         self._reset()
         return line
 
-
     def log(self, metrics: MetricsLog, state, lr: float, grad_norm: float, optimizer, steps_per_epoch: int) -> None:
         """The train line after step `state.global_step` (collective): epoch (from 1), step, the window's means, the
         step's lr (other param groups' as lr_1, ...), its pre-clip grad_norm, the skipped steps so far."""
@@ -307,9 +306,11 @@ def summary_lines(output_dir: str, metric: str, elapsed_s: float, state, best: d
     files = there(dict.fromkeys(("predictions_val.json", "predictions_val.csv", "plots", "samples", "label_errors.json"), ""))
     lines = ["weights: " + (", ".join(weights) or "none"),
              f"metrics: {os.path.join(output_dir, 'metrics.jsonl')}" + f"; evaluation: {', '.join(files)}" * bool(files)]
-    trackers = ([f"tensorboard --logdir {os.path.join(output_dir, 'tensorboard')}"] * os.path.isdir(
-        os.path.join(output_dir, "tensorboard")) + [f"wandb sync {os.path.join(output_dir, 'wandb', 'offline-run-*')} "
-                                                    "(offline run)"] * bool(glob.glob(os.path.join(output_dir, "wandb", "offline-run-*"))))
+    trackers, offline = [], os.path.join(output_dir, "wandb", "offline-run-*")
+    if os.path.isdir(os.path.join(output_dir, "tensorboard")):
+        trackers.append(f"tensorboard --logdir {os.path.join(output_dir, 'tensorboard')}")
+    if glob.glob(offline):
+        trackers.append(f"wandb sync {offline} (offline run)")
     if trackers:
         lines.append("trackers: " + "; ".join(trackers))
     if images_seen:
