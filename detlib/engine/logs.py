@@ -1,9 +1,5 @@
-"""What a run shows: the Accelerator it runs on, its log, metrics.jsonl, the trackers, the train line, the summary.
-
-The main process logs INFO lines of detlib and its scripts (`OWN_LOGGERS`) and every library's warnings (all
-their lines with --verbose) to the console and train.log; the others, warnings and errors. `MetricsLog` writes
-metrics.jsonl and the trackers (accelerate's wandb / tensorboard, on the main process) at the global step, which a
-resume restores (a resume from an older checkpoint logs steps the trackers already hold: wandb drops those).
+"""What a run shows: the Accelerator it runs on, its log (detlib's INFO lines, every library's warnings, on the main
+process; --verbose: all), metrics.jsonl and the trackers at the global step, the train line, the summary.
 """
 
 from __future__ import annotations
@@ -174,10 +170,6 @@ def start_trackers(accelerator, project: str, config: dict, output_dir: str, run
                  f"{todo}, or pass --report_to none")
     if error := broadcast_object_list([error])[0]:
         raise RunStop(error)
-    if accelerator.is_main_process and os.environ.get("WANDB_MODE") == "offline" and any(
-            t.name == "wandb" for t in accelerator.trackers):
-        logger.info("wandb: no credentials found, logging offline under %s/wandb (upload later with `wandb sync`)",
-                    output_dir)
     return run_id
 
 
@@ -190,11 +182,6 @@ def finish_trackers(accelerator, output_dir: str) -> None:
             logger.warning("the %s tracker did not close cleanly (%s: %s); the run's own files in %s are complete",
                            tracker.name, type(e).__name__, _one_line(e), output_dir)
     accelerator.trackers.clear()
-
-
-def tracker(accelerator, name: str):
-    """The running tracker `name` ("wandb": its run, "tensorboard": its SummaryWriter), or None."""
-    return accelerator.get_tracker(name, unwrap=True) if any(t.name == name for t in accelerator.trackers) else None
 
 
 class MetricsLog:

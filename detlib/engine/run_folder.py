@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import glob
 import json
 import logging
 import os
@@ -197,11 +198,9 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
             elif os.path.exists(path):
                 os.remove(path)
         notes.append(f"--overwrite_output_dir: removed the previous run's {', '.join(present)} from {out}")
-    root = os.path.join(out, "checkpoints")
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        if name.endswith(".tmp"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            notes.append(f"removed the unfinished checkpoint folder {name} (a save that was interrupted)")
+    for tmp in glob.glob(os.path.join(out, "checkpoints", "*.tmp")):  # a save that was killed: never resumed from
+        shutil.rmtree(tmp, ignore_errors=True)
+        notes.append(f"removed the unfinished checkpoint folder {os.path.basename(tmp)} (a save that was interrupted)")
     return None, notes
 
 
