@@ -58,11 +58,14 @@ def main(argv=None) -> dict:
     print(f"{c['num_images']} images, {c['n_bootstrap']} paired image resamples, seed {c['seed']}")
     for m in ("AP", "AP50"):
         v = c[m]
+        verdict = ("the same on every resample" if v["lower"] == v["upper"] == 0 else
+                   f"P(B better) {v['prob_b_better']:.3f}")  # identical files: a tie, not "B never better"
         print(f"{m:<5} A {v['A']:.4f}  B {v['B']:.4f}  B - A {v['delta']:+.4f}  95 % [{v['lower']:+.4f}, {v['upper']:+.4f}]"
-              f"  P(B better) {v['prob_b_better']:.3f}")
-    worst, best = c["per_class"][:3], c["per_class"][-3:][::-1]
-    print("largest AP losses:", ", ".join(f"{p['class']} {p['delta']:+.3f}" for p in worst))
-    print("largest AP gains: ", ", ".join(f"{p['class']} {p['delta']:+.3f}" for p in best))
+              f"  {verdict}")
+    losses = [p for p in c["per_class"] if p["delta"] < 0][:3]  # per_class: the largest loss first
+    gains = [p for p in reversed(c["per_class"]) if p["delta"] > 0][:3]
+    print("largest AP losses:", ", ".join(f"{p['class']} {p['delta']:+.3f}" for p in losses) or "none")
+    print("largest AP gains: ", ", ".join(f"{p['class']} {p['delta']:+.3f}" for p in gains) or "none")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(c, f, indent=1)

@@ -786,8 +786,8 @@ def main(argv=None):
         record_config(accelerator, config, given_line, args.output_dir)
         state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
                                       args.report_to)
-        log_plan(state, args.epochs, total_steps, steps_per_epoch,
-                 args.per_device_batch_size * accelerator.num_processes * args.gradient_accumulation_steps)
+        log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size
+                 * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"])
         guard, window, evaluated = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
 
         def save() -> str:

@@ -89,7 +89,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
     """(a parser with `--config` and the shared flags, its groups by name for the script's own flags); `defaults`:
     the script's defaults of the shared flags. Parse with `parse_with_config`."""
-    p = ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=HelpFormatter, usage="%(prog)s [flags]")
     p.add_argument("--config", metavar="FILE.yaml", help="flag: value lines as defaults, the command line over them; a "
                    "run's OUTPUT_DIR/config.yaml re-runs it (default: none)")
     groups = {name: p.add_argument_group(name) for name in GROUPS}

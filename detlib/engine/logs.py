@@ -269,14 +269,15 @@ def compile_summary() -> str | None:
         f"; at torch._dynamo's recompile limit ({limit}): TORCH_LOGS=recompiles says why" if graphs >= limit else "")
 
 
-def log_plan(state, epochs: int, total_steps: int, steps_per_epoch: int, images_per_step: int) -> None:
-    """The training's one start line (what a progress bar would say), or that nothing is left to train."""
+def log_plan(state, epochs: int, total_steps: int, steps_per_epoch: int, images_per_step: int, lr: float) -> None:
+    """The training's one start line (what a progress bar would say, and the LR it starts at: a resume with another
+    --epochs moves a schedule), or that nothing is left to train."""
     if state.epoch >= epochs or state.global_step >= total_steps:
         logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger --epochs "
                        "to train on", state.epoch, epochs, state.global_step, total_steps)
     else:
-        logger.info("training: %d optimizer steps (%d per epoch, %d images each over all processes), from step %d",
-                    total_steps, steps_per_epoch, images_per_step, state.global_step)
+        logger.info("training: %d optimizer steps (%d per epoch, %d images each over all processes), from step %d at "
+                    "lr %.3g", total_steps, steps_per_epoch, images_per_step, state.global_step, lr)
 
 
 def summary_lines(output_dir: str, metric: str, elapsed_s: float, state, best: dict | None, final: dict | None,

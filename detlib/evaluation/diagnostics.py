@@ -259,7 +259,7 @@ def plot_reliability(calib: dict, path: str) -> str:
         if b["count"]:
             ax.text(x, b["accuracy"] + 0.01, str(b["count"]), ha="center", fontsize=7)
     used = [b for b in bins if b["count"]]
-    ax.plot([b["confidence"] for b in used], [b["accuracy"] for b in used], "o", color="#d62728", label="mean score")
+    ax.plot([b["confidence"] for b in used], [b["accuracy"] for b in used], "o", color="#d62728", label="each bin at its mean score")
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1.05)
