@@ -156,6 +156,7 @@ def resolve_evaluated_model(args, given: set[str]) -> tuple[dict, list[str]]:
         args.image_size = saved["image_size"]
     notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in (
         ("weights", "loads the weights it names"), ("pretrained", "loads the weights it names"),
+        ("resume_from_checkpoint", "trains nothing"),
         ("compile", "runs the weights uncompiled, as every evaluation does"),
         ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema")) if getattr(args, k)]
     return saved, notes
@@ -228,7 +229,7 @@ def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False)
     parts = []
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
         if poll and i % 10 == 0 and (name := preempted(accelerator)):
-            raise Preempted(name, in_evaluation=True)
+            raise Preempted(name)
         logits = model(batch["image"]).float()
         loss = F.cross_entropy(logits, batch["label"], reduction="none")
         conf, pred = logits.softmax(-1).max(-1)
@@ -411,18 +412,20 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, gua
     for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
         if i % G == 0:  # the first micro-batch of an accumulation window
             guard.snapshot(model)
-            lr = optimizer.param_groups[0]["lr"]
+            lrs, window_loss = [g["lr"] for g in optimizer.param_groups], 0.0  # the step's LRs; its micro-batches' loss
         with accelerator.accumulate(model):
             logits = model(batch["image"])
             loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
             # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
             accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
+            window_loss = window_loss + loss.detach()
             accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
             window.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
             if not accelerator.sync_gradients:
                 continue
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            finite = guard.check(loss, grad_norm, state.global_step + 1, lr)  # every rank steps or skips together
+            # one all-reduce: every rank steps or skips together, on the mean loss of the window's micro-batches
+            finite = guard.check(window_loss / (i % G + 1), grad_norm, state.global_step + 1, lrs[0])
             if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -433,9 +436,9 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, gua
         state.step_done(stepped, guard.loss)
         end = state.step_in_epoch == steps_per_epoch or state.global_step == total_steps
         if state.global_step % args.log_interval == 0 or end or guard.diverged:
-            window.log(metrics, state, lr, guard.grad_norm, optimizer, steps_per_epoch)
+            window.log(metrics, state, lrs, guard.grad_norm, steps_per_epoch)
         if guard.diverged:
-            raise RunStop(divergence(args.output_dir, state, guard.streak, lr), EXIT_DIVERGED)
+            raise RunStop(divergence(args.output_dir, state, guard.streak, lrs[0]), EXIT_DIVERGED)
         if args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0 and not end:
             save()
         if name := preempted(accelerator):
@@ -510,16 +513,19 @@ def main(argv=None):
         guard, window = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator)
         bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
 
-        evaluated = {}  # the last evaluation, by prefix ("": the trained weights, "ema_": their EMA)
+        evaluated, saved, start_step = {}, {}, state.global_step  # the last evaluation, by prefix ("", "ema_")
 
-        def save() -> str:
-            path = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema else [])],
-                                   args.checkpoint_total_limit, config, model_config,
-                                   {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
-            logger.info("saved checkpoint %s", path)
-            return path
+        def save() -> str:  # the state's checkpoint, once (a preemption right after one reuses it)
+            if repr(state) not in saved:
+                saved.clear()
+                saved[repr(state)] = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema
+                                                     else [])], args.checkpoint_total_limit, config, model_config,
+                                                     {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
+                logger.info("saved checkpoint %s", saved[repr(state)])
+            return saved[repr(state)]
 
         def evaluate_epoch(epoch: int) -> None:  # the epoch counted from 1; best/ when it beats every earlier one
+            state.eval_pending = epoch  # a preemption's checkpoint says the evaluation is to be run
             stats = evaluate_and_log({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
                                      val_loader, val_ds, accelerator, metrics, state, args, epoch)
             evaluated.update({p: {"epoch": epoch, "step": state.global_step, **v} for p, v in stats.items()})
@@ -530,12 +536,12 @@ def main(argv=None):
                             "weights": "ema" if prefix else "trained"})
                 logger.info("new best val_accuracy %.4f (%s weights), saved %s/best/", value,
                             "EMA" if prefix else "trained", args.output_dir)
+            state.eval_pending = 0
 
         # ---- train
         try:
-            if state.eval_pending:  # preempted in the evaluation after epoch `state.epoch`: run it first
-                evaluate_epoch(state.epoch)
-                state.eval_pending = False
+            if state.eval_pending:  # preempted in an evaluation: run it first
+                evaluate_epoch(state.eval_pending)
             for epoch in range(state.epoch, args.epochs):
                 if state.global_step >= total_steps:
                     break
@@ -551,11 +557,11 @@ def main(argv=None):
                 if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
                     save()
         except Preempted as p:
-            state.eval_pending = p.in_evaluation
             raise p.stop(state, save()) from None
         final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
-        save_model(accelerator, args, "last", model, model_config, card, final.get(""))
-        if ema is not None:
+        if state.global_step > start_step or not os.path.isdir(os.path.join(args.output_dir, "last")):
+            save_model(accelerator, args, "last", model, model_config, card, final.get(""))
+        if ema is not None and state.global_step > start_step:
             save_model(accelerator, args, "last_ema", ema.module, model_config, card, final.get("ema_"))
         best = best_record(accelerator, args.output_dir, "val_accuracy")
     logger.info("summary:\n  %s", "\n  ".join(summary_lines(

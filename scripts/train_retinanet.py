@@ -413,7 +413,8 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
     if args.evaluate_only:
         notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in (
             ("backbone_weights", "loads the weights it names"), ("pretrained_backbone", "loads the weights it names"),
-            ("init_from", "loads the weights it names"), ("compile", "runs the weights uncompiled, as every evaluation does"),
+            ("init_from", "loads the weights it names"), ("resume_from_checkpoint", "trains nothing"),
+            ("compile", "runs the weights uncompiled, as every evaluation does"),
             ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema")) if getattr(args, k)]
     settings["head_norm"] = args.head_norm or settings["head_norm"]  # given: over the saved model's
     largest = args.max_size or max([args.image_size, *(args.train_scales or [])])  # training and evaluation
@@ -551,7 +552,7 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
     evaluator.reset()
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
         if i % 10 == 0 and (name := preempted(accelerator)):
-            raise Preempted(name, in_evaluation=True)
+            raise Preempted(name)
         out = model(batch["images"])
         anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
         dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
@@ -639,7 +640,7 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
     for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
         if i % G == 0:  # the first micro-batch of an accumulation window
             guard.snapshot(model)
-            lr = optimizer.param_groups[0]["lr"]
+            lrs, window_loss = [g["lr"] for g in optimizer.param_groups], 0.0  # the step's LRs; its micro-batches' loss
         with accelerator.accumulate(model):
             images = batch["images"]
             if args.channels_last:
@@ -651,12 +652,14 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
             loss, n = losses["loss"], len(batch["image_ids"])
             # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
             accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
+            window_loss = window_loss + loss.detach()
             window.add({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
                         "pos_anchors_per_image": losses["num_pos"] / n}, n)
             if not accelerator.sync_gradients:
                 continue
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            finite = guard.check(loss, grad_norm, state.global_step + 1, lr)  # every rank steps or skips together
+            # one all-reduce: every rank steps or skips together, on the mean loss of the window's micro-batches
+            finite = guard.check(window_loss / (i % G + 1), grad_norm, state.global_step + 1, lrs[0])
             if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -668,9 +671,9 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
         state.step_done(stepped, guard.loss)
         end = state.step_in_epoch == steps_per_epoch or state.global_step == total_steps
         if state.global_step % args.log_interval == 0 or end or guard.diverged:
-            window.log(metrics, state, lr, guard.grad_norm, optimizer, steps_per_epoch)
+            window.log(metrics, state, lrs, guard.grad_norm, steps_per_epoch)
         if guard.diverged:
-            raise RunStop(divergence(args.output_dir, state, guard.streak, lr), EXIT_DIVERGED)
+            raise RunStop(divergence(args.output_dir, state, guard.streak, lrs[0]), EXIT_DIVERGED)
         if args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0 and not end:
             save()
         if name := preempted(accelerator):
@@ -789,15 +792,19 @@ def main(argv=None):
         log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size
                  * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"])
         guard, window, evaluated = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
+        saved, start_step = {}, state.global_step
 
-        def save() -> str:
-            path = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema else [])],
-                                   args.checkpoint_total_limit, config, model_config,
-                                   {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
-            logger.info("saved checkpoint %s", path)
-            return path
+        def save() -> str:  # the state's checkpoint, once (a preemption right after one reuses it)
+            if repr(state) not in saved:
+                saved.clear()
+                saved[repr(state)] = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema
+                                                     else [])], args.checkpoint_total_limit, config, model_config,
+                                                     {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
+                logger.info("saved checkpoint %s", saved[repr(state)])
+            return saved[repr(state)]
 
         def evaluate_and_keep_best(epoch: int, final: bool) -> None:  # best/: weights that beat every earlier one
+            state.eval_pending = epoch  # a preemption's checkpoint says the evaluation is to be run
             evaluated.update(evaluate_epoch({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
                                             epoch, final=final))
             prefix = best_weights(evaluated, "AP")
@@ -807,12 +814,12 @@ def main(argv=None):
                                   "weights": "ema" if prefix else "trained"})
                 logger.info("new best AP %.4f (%s weights), saved %s/best/", value, "EMA" if prefix else "trained",
                             args.output_dir)
+            state.eval_pending = 0
 
         # ---- train
         try:
-            if state.eval_pending:  # preempted in the evaluation after epoch `state.epoch`: run it first
-                evaluate_and_keep_best(state.epoch, state.epoch >= args.epochs)
-                state.eval_pending = False
+            if state.eval_pending:  # preempted in an evaluation: run it first
+                evaluate_and_keep_best(state.eval_pending, state.global_step >= total_steps)
             for epoch in range(state.epoch, args.epochs):
                 if state.global_step >= total_steps:
                     break
@@ -835,11 +842,11 @@ def main(argv=None):
                 if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
                     save()
         except Preempted as p:
-            state.eval_pending = p.in_evaluation
             raise p.stop(state, save(), stop_note) from None
         final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
-        save_model(accelerator, args, "last", model, model_config, final.get(""), card)
-        if ema is not None:
+        if state.global_step > start_step or not os.path.isdir(os.path.join(args.output_dir, "last")):
+            save_model(accelerator, args, "last", model, model_config, final.get(""), card)
+        if ema is not None and state.global_step > start_step:
             save_model(accelerator, args, "last_ema", ema.module, model_config, final.get("ema_"), card)
         best = best_record(accelerator, args.output_dir, "AP")
     logger.info("summary:\n  %s", "\n  ".join(summary_lines(

@@ -498,3 +498,63 @@ def test_offline_wandb_prints_nothing_of_its_own_unless_verbose(tmp_path, monkey
     monkeypatch.setattr(os, "environ", env)
     resolve_trackers("all")
     assert env["WANDB_SILENT"] == "false"  # the user's own setting wins
+
+
+# ---- what a tester broke (docs: long_runs.md)
+
+def test_resume_and_overwrite_together_are_refused_and_nothing_is_deleted(tmp_path):
+    (tmp_path / "config.yaml").write_text("epochs: 1\n")
+    refused, _ = run_folder.prepare_output_dir(str(tmp_path), False, "latest", True)
+    assert refused == ("--resume_from_checkpoint continues the run in the folder, --overwrite_output_dir deletes it: "
+                       "give one", False)
+    assert (tmp_path / "config.yaml").read_text() == "epochs: 1\n" and not (tmp_path / run_folder.LOCK_FILE).exists()
+
+
+def test_a_lock_of_a_dead_run_whose_pid_was_reused_is_stale(tmp_path):
+    """After a restart a dead run's pid may belong to another process: the lock records the process's start time."""
+    import psutil
+
+    (tmp_path / run_folder.LOCK_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                             "created": psutil.Process().create_time() - 3600}))
+    error, note = run_folder.acquire_lock(str(tmp_path))
+    assert error is None and f"stale lock of process {os.getpid()}" in note
+    error, _ = run_folder.acquire_lock(str(tmp_path))  # this process's own lock, with its start time: live
+    assert "another run" in error
+    run_folder.release_lock(str(tmp_path))
+
+
+def test_a_run_that_stops_before_its_first_step_keeps_the_earlier_run_status_beside(tmp_path):
+    run_folder.write_run_status(str(tmp_path), 0, "", global_step=24, epoch=2)
+    run_folder.write_run_status(str(tmp_path), 1, "cannot resume from ...", global_step=0, epoch=0)
+    status = json.loads((tmp_path / "run_status.json").read_text())
+    assert status["status"] == "failed" and status["previous"]["status"] == "finished"
+    assert status["previous"]["global_step"] == 24
+    run_folder.write_run_status(str(tmp_path), 1, "again", global_step=0, epoch=0)  # the run's record stays
+    assert json.loads((tmp_path / "run_status.json").read_text())["previous"]["global_step"] == 24
+
+
+def test_max_steps_past_the_epochs_is_said_and_the_schedule_spans_what_runs(caplog):
+    from types import SimpleNamespace
+
+    from detlib.engine.step import run_length
+
+    acc = SimpleNamespace(gather=lambda t: t, device="cpu", num_processes=1)
+    loader = list(range(12))  # 12 batches
+    assert run_length(acc, loader, 1, epochs=1, max_steps=50) == (12, 12)
+    assert "--max_steps 50 is past --epochs 1 (12 steps): the run ends after its 1 epochs" in caplog.text
+    assert run_length(acc, loader, 2, epochs=3, max_steps=10) == (6, 10) and run_length(acc, loader, 5, 3, 0) == (3, 9)
+
+
+def test_nothing_left_names_the_limit_and_other_ranks_log_only_errors(caplog):
+    import logging
+
+    from detlib.engine.logs import log_plan, set_log_levels
+
+    log_plan(ckpt.TrainState(epoch=1, global_step=8), epochs=3, total_steps=8, steps_per_epoch=6, images_per_step=4,
+             lr=0.1)
+    assert "nothing left to train" in caplog.text and "pass a larger --max_steps" in caplog.text
+    try:
+        set_log_levels(is_main=False)
+        assert logging.getLogger("detlib").level == logging.ERROR  # a warning every rank computes comes once
+    finally:
+        set_log_levels(is_main=True)

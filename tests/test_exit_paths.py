@@ -173,6 +173,9 @@ def test_ctrl_c_mid_evaluation(script, config, cats_data, detection_data, tmp_pa
     assert "KeyboardInterrupt" not in run.text or config == "cpu.yaml", run.text[-3000:]  # 1 process: accelerate's own
     written = Path(st["message"].split("checkpoint ")[1].split(" written")[0])  # both ranks' states, one checkpoint
     assert written.parent == out / "checkpoints" and (written / f"random_states_{processes(config) - 1}.pkl").is_file()
+    epoch = int(st["message"].split("in the evaluation after epoch ")[1].split(")")[0])  # the epoch that was evaluated
+    assert written.name == f"epoch_{epoch:04d}" and json.loads((written / "trainer_state.json").read_text())[
+        "eval_pending"] == epoch  # the resume runs that evaluation first, under its epoch
 
 
 @pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])

@@ -144,6 +144,7 @@ def test_case_c11_nonfinite_steps_are_skipped_then_the_run_stops(tmp_path, capsy
     text = stdout + stderr
     assert code == 3, text[-3000:]
     assert "training diverged: 5 non-finite steps in a row up to step" in text and "lr 100" in text
+    assert "resume from it with a lower --max_grad_norm, or start a new run from its weights with a lower --lr" in text
     m = trains(out)
     assert m[-1]["skipped_steps"] >= 5
     skipped = [t for t in m if not math.isfinite(float(t["loss"]))]
@@ -504,3 +505,32 @@ def test_resume_with_another_model_is_one_line(tmp_path, capsys):
     assert code != 0 and not traceback_through_our_code(err) and not traceback_through_our_code(out_text)
     (line,) = error_lines(err)
     assert "cannot resume from" in line and "does not fit this run" in line
+
+
+# ---- what a tester broke (docs/long_runs.md)
+
+def test_the_epoch_mean_covers_every_micro_batch_and_the_train_line_gives_the_step_s_lrs(tmp_path, capsys):
+    """With gradient accumulation the epoch's mean loss (what ReduceLROnPlateau steps on) is over every micro-batch
+    of each window (it was the windows' last micro-batch only), so it equals the mean of the step lines; the line's
+    lr_1 is the LR the step used, like lr (it was the next step's)."""
+    data = make_detection_set(tmp_path / "d", 8)
+    out = tmp_path / "run"
+    stdout = run_ok("train_retinanet", data + TINY + NO_WORKERS + [
+        "--gradient_accumulation_steps", "2", "--per_device_batch_size", "2", "--epochs", "1", "--lr_scheduler",
+        "cosine", "--warmup_steps", "2", "--output_dir", out], capsys)
+    steps = trains(out)
+    assert len(steps) == 2  # 4 batches of 2 images, windows of 2
+    mean = float(stdout.split("epoch 1: mean loss ")[1].split(",")[0])
+    assert mean == pytest.approx(sum(t["loss"] for t in steps) / 2, abs=1e-4)
+    assert all(t["lr_1"] == t["lr"] for t in steps)  # AdamW's two groups (decay, no decay) share the LR
+
+
+def test_a_resume_with_nothing_left_to_train_keeps_last_and_its_model_card(tmp_path, capsys):
+    data = make_tiny_folder(tmp_path / "data", [4, 4])
+    common = CATS + NO_WORKERS + ["--train_dir", data, "--val_dir", data, "--per_device_batch_size", "4", "--epochs", "1",
+                                  "--output_dir", tmp_path / "run"]
+    run_ok("train_catsdogs", common, capsys)
+    card = (tmp_path / "run" / "last" / "README.md").read_text()
+    stdout = run_ok("train_catsdogs", common + ["--resume_from_checkpoint", "latest"], capsys)
+    assert "nothing left to train" in stdout and "pass a larger --epochs" in stdout
+    assert (tmp_path / "run" / "last" / "README.md").read_text() == card  # not rewritten without its evaluation

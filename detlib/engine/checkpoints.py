@@ -51,7 +51,8 @@ class TrainState:
     skipped_steps: steps skipped as non-finite (or by the fp16 GradScaler). best_metric: -1 before an evaluation.
     epoch_loss_sum, epoch_steps: the epoch's step losses (means over processes) and their count, so that the epoch
         mean ReduceLROnPlateau steps on covers the whole epoch after a resume.
-    eval_pending: the epoch ended but its evaluation was preempted: a resume runs it first.
+    eval_pending: the epoch number (from 1) of an evaluation that was running, 0 when none: one preempted is run
+        first on resume.
     run_id: the tracker run id, so that a resumed run logs into the same wandb run.
     """
 
@@ -62,7 +63,7 @@ class TrainState:
     best_metric: float = -1.0
     epoch_loss_sum: float = 0.0
     epoch_steps: int = 0
-    eval_pending: bool = False
+    eval_pending: int = 0
     run_id: str | None = None
 
     def load(self, values: dict) -> None:
@@ -112,8 +113,8 @@ def divergence(output_dir: str, state: TrainState, streak: int, lr: float) -> st
     last = list_checkpoints(output_dir)
     return (f"training diverged: {streak} non-finite steps in a row up to step {state.global_step} (epoch "
             f"{state.epoch + 1}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
-            f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --lr or "
-            "--max_grad_norm")
+            f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --max_grad_norm, "
+            "or start a new run from its weights with a lower --lr")
 
 
 def read_state_file(path: str):

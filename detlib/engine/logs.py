@@ -59,9 +59,10 @@ def log_run_setup(accelerator) -> None:
 
 
 def set_log_levels(is_main: bool = True, verbose: bool = False) -> None:
+    """The main process: our INFO lines; the others: our errors (our warnings, alike on every rank, come once)."""
     logging.getLogger().setLevel(logging.INFO if is_main and verbose else logging.WARNING)
     for name in OWN_LOGGERS:
-        logging.getLogger(name).setLevel(logging.INFO if is_main else logging.WARNING)
+        logging.getLogger(name).setLevel(logging.INFO if is_main else logging.ERROR)
 
 
 def setup_console_logging(verbose: bool = False) -> None:
@@ -248,11 +249,11 @@ class TrainWindow:
         self._reset()
         return line
 
-    def log(self, metrics: MetricsLog, state, lr: float, grad_norm: float, optimizer, steps_per_epoch: int) -> None:
+    def log(self, metrics: MetricsLog, state, lrs: list[float], grad_norm: float, steps_per_epoch: int) -> None:
         """The train line after step `state.global_step` (collective): epoch (from 1), step, the window's means, the
-        step's lr (other param groups' as lr_1, ...), its pre-clip grad_norm, the skipped steps so far."""
-        line = {"epoch": state.epoch + 1, "step": state.global_step, **self.line(), "lr": lr, "grad_norm": grad_norm,
-                "skipped_steps": state.skipped_steps, **{f"lr_{i}": g["lr"] for i, g in enumerate(optimizer.param_groups[1:], 1)}}
+        LRs the step used (`lrs`, per param group: lr, lr_1, ...), its pre-clip grad_norm, the skipped steps so far."""
+        line = {"epoch": state.epoch + 1, "step": state.global_step, **self.line(), "lr": lrs[0], "grad_norm": grad_norm,
+                "skipped_steps": state.skipped_steps, **{f"lr_{i}": lr for i, lr in enumerate(lrs[1:], 1)}}
         metrics.log(line, step=state.global_step, tracker_epoch=state.epoch + state.step_in_epoch / steps_per_epoch)
         logger.info("epoch %d step %d: %s", line["epoch"], line["step"], ", ".join(
             f"{k} {v:.4g}" for k, v in line.items() if k not in ("epoch", "step", "data_time_fraction")))
@@ -273,8 +274,9 @@ def log_plan(state, epochs: int, total_steps: int, steps_per_epoch: int, images_
     """The training's one start line (what a progress bar would say, and the LR it starts at: a resume with another
     --epochs moves a schedule), or that nothing is left to train."""
     if state.epoch >= epochs or state.global_step >= total_steps:
-        logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger --epochs "
-                       "to train on", state.epoch, epochs, state.global_step, total_steps)
+        logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger %s to "
+                       "train on", state.epoch, epochs, state.global_step, total_steps,
+                       "--epochs" if state.epoch >= epochs else "--max_steps")
     else:
         logger.info("training: %d optimizer steps (%d per epoch, %d images each over all processes), from step %d at "
                     "lr %.3g", total_steps, steps_per_epoch, images_per_step, state.global_step, lr)

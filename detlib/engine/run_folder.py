@@ -57,13 +57,14 @@ class RunStop(Exception):
 class Preempted(Exception):
     """A preemption signal, on every rank (`preempted`): the script writes a checkpoint, then raises `stop(...)`."""
 
-    def __init__(self, signal_name: str, in_evaluation: bool = False):
+    def __init__(self, signal_name: str):
         super().__init__(signal_name)
-        self.signal_name, self.in_evaluation = signal_name, in_evaluation
+        self.signal_name = signal_name
 
     def stop(self, state, checkpoint: str, note: str = "") -> RunStop:
         """The stop once `checkpoint` (of `state`, the script's TrainState) is written: where, and how to go on."""
-        where = f"in the evaluation after epoch {state.epoch}" if self.in_evaluation else f"in epoch {state.epoch + 1}"
+        where = (f"in the evaluation after epoch {state.eval_pending}" if state.eval_pending else
+                 f"in epoch {state.epoch + 1}")
         return RunStop(f"preempted by {self.signal_name} at step {state.global_step} ({where}): checkpoint {checkpoint} "
                        "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
                        f"{EXIT_PREEMPTED}){note}", EXIT_PREEMPTED)
@@ -126,7 +127,8 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
     """Take `output_dir/run.lock` (pid, host, start, command): (refusal or error, note). A live run's lock (or one of
     another host: we cannot tell) refuses; a stale lock of a dead process is replaced, with a note."""
     path, note = os.path.join(output_dir, LOCK_FILE), None
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
+          "created": psutil.Process().create_time()}  # with the pid, names the process (a pid is reused)
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -140,7 +142,7 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
                 return (f"{path} does not say which run holds {output_dir} (empty or damaged); if no run is writing "
                         "there, delete it"), None
             pid, host = other.get("pid"), other.get("host")
-            if host == me["host"] and isinstance(pid, int) and not psutil.pid_exists(pid):
+            if host == me["host"] and isinstance(pid, int) and not _alive(pid, other.get("created")):
                 note = f"replaced a stale lock of process {pid} (no longer running) in {output_dir}"
                 os.remove(path)
                 continue
@@ -160,6 +162,15 @@ def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
     return f"could not take the lock {path}", None
 
 
+def _alive(pid: int, created: float | None) -> bool:
+    """Whether process `pid` runs and, when the lock recorded it, is the one created at `created` (not a reuse)."""
+    if not psutil.pid_exists(pid) or created is None:
+        return psutil.pid_exists(pid)
+    with contextlib.suppress(psutil.Error):
+        return abs(psutil.Process(pid).create_time() - created) < 1.0
+    return False
+
+
 def release_lock(output_dir: str) -> None:
     """Remove `output_dir/run.lock` if this process holds it."""
     path = os.path.join(output_dir, LOCK_FILE)
@@ -173,6 +184,9 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
     overwritten), no live run's lock; then the lock, an overwritten run's files and killed saves' `.tmp` removed.
     Returns ((message, is a refusal) or None, notes)."""
     notes = []
+    if resume and overwrite and not evaluate_only:
+        return ("--resume_from_checkpoint continues the run in the folder, --overwrite_output_dir deletes it: give one",
+                False), notes
     if problem := _in_the_way(out):
         return (f"cannot make --output_dir {out}: {problem}", False), notes
     try:
@@ -205,10 +219,16 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
 
 
 def write_run_status(output_dir: str, code: int, message: str = "", **counters) -> None:
-    """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message", ...}."""
+    """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message", ...};
+    a run that stopped before its first step keeps the earlier run's record as "previous"."""
+    path, previous = os.path.join(output_dir, "run_status.json"), None
+    if not counters.get("global_step") and os.path.isfile(path):
+        with contextlib.suppress(OSError, ValueError, AttributeError), open(path) as f:
+            old = json.load(f)
+            previous = old if old.get("global_step") else old.get("previous")
     with contextlib.suppress(OSError):
-        write_json({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters},
-                   os.path.join(output_dir, "run_status.json"), indent=1)
+        write_json({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters,
+                    **({"previous": previous} if previous else {})}, path, indent=1)
 
 
 @contextlib.contextmanager
@@ -259,8 +279,8 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
                 wait_for_the_first_process()
             accelerator.end_training()
         finally:
-            for sig, handler in signals.items():
-                signal.signal(sig, handler)
+            for sig, handler in signals.items():  # after a stop, a second signal must not change its exit code
+                signal.signal(sig, signal.SIG_IGN if stopped is not None else handler)
             if is_main:
                 release_lock(output_dir)
     if stopped is not None:

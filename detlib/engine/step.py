@@ -61,12 +61,15 @@ class StepGuard:
 
 def run_length(accelerator, loader, accumulation_steps: int, epochs: int, max_steps: int) -> tuple[int, int]:
     """(optimizer steps per epoch, steps of the run) of a prepared training `loader` (the partial last accumulation
-    window is a step too; `max_steps` > 0 replaces epochs x steps per epoch). Collective. Raises RunStop when some
-    process gets no full batch, so no step at all."""
+    window is a step too; `max_steps` > 0 stops the run earlier, never later, than `epochs`: said when it is past
+    them). Collective. Raises RunStop when some process gets no full batch, so no step at all."""
     if not bool(accelerator.gather(torch.tensor([len(loader)], device=accelerator.device)).min()):
         raise RunStop(f"{len(loader.dataset)} training images on {accelerator.num_processes} process(es) with "
                       f"--per_device_batch_size {loader.total_batch_size // accelerator.num_processes} give no full "
                       "batch on some process (the incomplete last batch is dropped), so no optimizer step: use a smaller "
                       "batch size or fewer processes")
     steps_per_epoch = math.ceil(len(loader) / accumulation_steps)
-    return steps_per_epoch, max_steps or epochs * steps_per_epoch
+    if max_steps > epochs * steps_per_epoch:
+        logger.warning("--max_steps %d is past --epochs %d (%d steps): the run ends after its %d epochs", max_steps,
+                       epochs, epochs * steps_per_epoch, epochs)
+    return steps_per_epoch, min(max_steps or math.inf, epochs * steps_per_epoch)
