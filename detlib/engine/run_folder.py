@@ -87,10 +87,17 @@ def wait_for_the_first_process() -> None:
     _meet()
 
 
-def _meet() -> None:
-    from accelerate import PartialState
+def _meet(timeout_s: float = 60.0) -> None:
+    """The barrier, given up after `timeout_s` (a process that never comes) or when the group cannot be made."""
+    def barrier():
+        with contextlib.suppress(Exception):
+            from accelerate import PartialState
 
-    PartialState().wait_for_everyone()
+            PartialState().wait_for_everyone()
+
+    waiting = threading.Thread(target=barrier, daemon=True)
+    waiting.start()
+    waiting.join(timeout_s)
 
 
 def stop(message: str, code: int = 2):

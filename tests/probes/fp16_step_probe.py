@@ -83,7 +83,7 @@ def main():
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 state.step_done(finite and not acc.optimizer_step_was_skipped, guard.loss)
-                window.log(metrics, state, 1.0, guard.grad_norm, optimizer, STEPS)
+                window.log(metrics, state, [1.0], guard.grad_norm, STEPS)
                 after = torch.cat([q.detach().double().flatten() for q in params])
             steps.append({"step": step, "scale_before": scale, "scale_after": float(acc.scaler.get_scale()),
                           "changed": bool((before != after).any()), "unscaled_norm": norm,
