@@ -46,8 +46,8 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from detlib.data import (INSTALL_HINT, CocoDetection, VideoWriter, av_available, build_transform, collate_detection,
-                         data_dir_paths, read_data_dir_splits, video_frames, worker_loader_kwargs)
+from detlib.data import (INSTALL_HINT, CocoDetection, EvaluationCollate, VideoWriter, av_available, build_transform,
+                         data_dir_paths, evaluation_canvas, read_data_dir_splits, video_frames, worker_loader_kwargs)
 from detlib.data.formats import read_class_names
 from detlib.data.images import DetectionImageFiles, detection_item
 from detlib.datacheck import DataReport, check_coco
@@ -236,10 +236,10 @@ def predict_video(args, path: str, name: str, out_name: str, detect, transform, 
                                                      frames.fps)
     results, per_frame = [], []
     bar = tqdm(total=frames.declared, desc=f"video {name}", unit="frame", disable=quiet, leave=False)
-    stream = iter(frames)
+    stream, collate = iter(frames), EvaluationCollate(None, args.batch_size)
     try:
         while chunk := list(itertools.islice(stream, args.batch_size)):
-            batch = collate_detection([detection_item(rgb, transform, i) for i, _, rgb in chunk])
+            batch = collate([detection_item(rgb, transform, i) for i, _, rgb in chunk])  # zip drops the fill
             for (i, t, rgb), res in zip(chunk, detect(batch)):
                 for r in res:
                     r.update(file_name=name, frame=i, time=t)
@@ -367,7 +367,12 @@ def main(argv=None):
         if held:
             logger.warning("%s", held)
     batches = shard_batches(len(ds), args.batch_size, accelerator.process_index, accelerator.num_processes)
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate_detection,
+    # the evaluation's batches: a labelled set's images on its canvas, every batch filled (EvaluationCollate), so that
+    # an image's detections are those of the training script's evaluation, whatever the batch and process count
+    canvas = (evaluation_canvas([r["size"] for r in ds.records], image_size, max_size)
+              if isinstance(ds, CocoDetection) and len(ds) else None)
+    collate = EvaluationCollate(canvas, args.batch_size)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate,
                                          **worker_loader_kwargs(min(args.num_workers, os.cpu_count() or 1)))
     logger.info("%d images%s from %s at %d px (max %s), %d process(es), batch size %d", len(ds),
                 f" and {len(ds.videos)} videos" if ds.videos else "", args.source, image_size, max_size,
@@ -401,6 +406,8 @@ def main(argv=None):
         for i, res in enumerate(detect(batch)):
             image_id = int(batch["image_ids"][i])  # the json's id, or the file's index in the sorted list
             index = image_id if index_of is None else index_of[image_id]
+            if index in per_image or index in failed:  # a copy that fills the last batch
+                continue
             if res is None:
                 failed.append(index)
                 continue

@@ -91,20 +91,19 @@ def test_case_e24_reduced_precision_evaluation_scores_in_fp32_and_gives_the_fp32
     assert ref_stats["AP"] > 0 and ref_stats["AP50"] > 0
     for key in ("AP", "AP50", "AR100"):  # the same AP as fp32 within the towers' rounding
         assert stats[key] == pytest.approx(ref_stats[key], rel=0.15), key
-    # the detections: scores in rank order within 1e-5 of fp32's, nearly every box the same
+    # the detections: scores in rank order within 1e-5 of fp32's
     score_gap = max(abs(a["score"] - b["score"]) for a, b in zip(by_rank(ref), by_rank(got)))
     assert score_gap < 1e-5
-    assert paired(ref, got) >= 0.9 * len(ref)
-
-
-def paired(ref: list[dict], got: list[dict], tol: float = 0.5) -> int:
-    """How many detections of `ref` have one in `got` of the same image and class with a box within `tol` px (the
-    order of equal scores is arbitrary, so detections are paired by what they are, not by rank)."""
-    pool: dict[tuple, list] = {}
-    for r in got:
-        pool.setdefault((r["image_id"], r["category_id"]), []).append(np.asarray(r["bbox"]))
-    return sum(any(np.abs(b - np.asarray(r["bbox"])).max() <= tol for b in pool.get((r["image_id"], r["category_id"]), []))
-               for r in ref)
+    # the logits themselves: within the towers' rounding (measured: up to 3e-6), far below bf16's step at the prior's
+    # -4.6 (2**-6: a logit rounded to bf16 is up to 0.008 off). Which detections are kept is not compared: a fresh
+    # model's 600 kept scores tie within 1e-6, so the towers' rounding picks others among equals (on an AMD EPYC,
+    # 83 of 600 under bf16), which says nothing about the decoding.
+    images = batches[0]["images"]
+    with torch.no_grad():
+        fp32 = model(images)["cls_logits"]
+        with torch.autocast("cpu", dtype=PRECISIONS[precision]):
+            reduced = model(images)["cls_logits"]
+    assert reduced.dtype == torch.float32 and (reduced - fp32).abs().max() < 1e-4
 
 
 @needs_coco_subset

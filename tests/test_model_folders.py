@@ -117,19 +117,23 @@ def test_predict_with_score_thresh_best_f1_keeps_each_class_above_its_threshold(
     source = str(COCO_SUBSET / "images" / "000000000790.jpg")
     common = ["--weights", str(weights), "--source", source, "--no_images", "--num_workers", "0"]
     every = predict.main([*common, "--score_thresh", "0", "--output_dir", str(tmp_path / "all")])
-    # hand-set thresholds among the highest scores that no two detections share (an early model ties many low
-    # scores, and NMS and the cap of 100 choose among ties by position): person (1) its own, the others the pooled
-    scores = sorted((r["score"] for r in every), reverse=True)
-    distinct = next((k for k in range(1, len(scores)) if scores[k] == scores[k - 1]), len(scores))
-    top = scores[:distinct]
-    assert len(top) >= 4
-    for t_person, t_pooled in ((top[len(top) // 2], 1.0), (None, top[len(top) // 2])):
-        thresholds["per_class"] = {} if t_person is None else {"person": {**next(iter(thresholds["per_class"].values())),
-                                                                          "category_id": 1, "score_thresh": t_person}}
+    # hand-set thresholds among the highest scores that no other detection shares (an early model ties many low
+    # scores, and NMS and the cap of 100 choose among ties by position; how many lead untied depends on the CPU's
+    # kernels): the top detection's class its own threshold, then the pooled one alone
+    ranked = sorted(every, key=lambda r: -r["score"])
+    scores = [r["score"] for r in ranked]
+    first_tie = next((k for k in range(1, len(scores)) if scores[k] == scores[k - 1]), len(scores) + 1)
+    untied = ranked[:first_tie - 1]
+    assert untied, "no detection scores above every tie"
+    top_class = untied[0]["category_id"]
+    t_class = min(r["score"] for r in untied if r["category_id"] == top_class)
+    for t_own, t_pooled in ((t_class, 1.0), (None, untied[-1]["score"])):
+        thresholds["per_class"] = {} if t_own is None else {"top": {**next(iter(thresholds["per_class"].values())),
+                                                                    "category_id": top_class, "score_thresh": t_own}}
         thresholds["all"]["score_thresh"] = t_pooled
         (weights / "score_thresholds.json").write_text(json.dumps(thresholds))
         kept = predict.main([*common, "--score_thresh", "best_f1", "--output_dir", str(tmp_path / "best")])
-        expected = [r for r in every if r["score"] >= (t_person if r["category_id"] == 1 and t_person else t_pooled)]
+        expected = [r for r in every if r["score"] >= (t_own if r["category_id"] == top_class and t_own else t_pooled)]
         assert kept == expected and 0 < len(kept) < len(every)
     # no thresholds beside the weights: one line naming the file
     (weights / "score_thresholds.json").unlink()

@@ -401,7 +401,8 @@ class EvaluationCollate:
     portrait image shared its batch before), and the last batch of each process computes its fill copies.
 
     Args:
-        canvas: (H, W) px, multiples of `size_divisibility` (`evaluation_canvas`).
+        canvas: (H, W) px, multiples of `size_divisibility` (`evaluation_canvas`); None: each batch padded to its
+            largest image (inputs whose sizes are not known beforehand: a folder, a video), still filled.
         batch_size: the loader's batch size (`--per_device_eval_batch_size`); batches are filled to
             max(batch_size, MIN_EVALUATION_BATCH).
     Raises:
@@ -410,11 +411,11 @@ class EvaluationCollate:
     A plain class, not a closure: DataLoader workers pickle it.
     """
 
-    def __init__(self, canvas: tuple[int, int], batch_size: int, size_divisibility: int = INPUT_DIVISIBILITY):
-        if len(canvas) != 2 or any(int(c) <= 0 or int(c) % size_divisibility for c in canvas):
+    def __init__(self, canvas: tuple[int, int] | None, batch_size: int, size_divisibility: int = INPUT_DIVISIBILITY):
+        if canvas is not None and (len(canvas) != 2 or any(int(c) <= 0 or int(c) % size_divisibility for c in canvas)):
             raise ValueError(f"the canvas {canvas} must be (H, W), positive multiples of {size_divisibility} px "
                              "(evaluation_canvas)")
-        self.canvas = (int(canvas[0]), int(canvas[1]))
+        self.canvas = None if canvas is None else (int(canvas[0]), int(canvas[1]))
         self.batch_size = max(int(batch_size), MIN_EVALUATION_BATCH)
         self.size_divisibility = size_divisibility
 
