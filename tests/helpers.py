@@ -194,6 +194,25 @@ def make_tiny_folder(root: Path, per_class: list[int], size: int = 32, seed: int
 
 # ---- checkpoint folders
 
+def write_tiny_detector(folder: Path) -> Path:
+    """A freshly initialised tiny RetinaNet (ResNet-18, 16-channel FPN, 3 classes, 64 px; seed 0) as a weights folder
+    (model.safetensors, model_config.json): what predict reads, without a training run."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from detlib.retinanet.model import build_retinanet_from_config
+
+    config = {"num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
+              "category_ids": [1, 2, 3], "category_names": ["cat", "dog", "bird"]}
+    torch.manual_seed(0)
+    model = build_retinanet_from_config(config).eval()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "model_config.json").write_text(json.dumps(config))
+    return folder
+
+
 def fake_checkpoint(folder, step: int):
     """A checkpoint folder with the files accelerate's save_state writes (tiny tensors)."""
     import json

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from conftest import COCO_SUBSET, needs_coco_subset
-from helpers import fresh_accelerate, load_script, run_main
+from helpers import fresh_accelerate, load_script, run_main, write_tiny_detector
 
 # ---- E24: scores and decoding in float32 whatever the precision
 
@@ -203,18 +203,7 @@ def damaged_videos(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_detector(tmp_path_factory) -> Path:
-    from safetensors.torch import save_file
-
-    from detlib.retinanet.model import build_retinanet_from_config
-
-    folder = tmp_path_factory.mktemp("detector")
-    config = {"num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
-              "category_ids": [1, 2, 3], "category_names": ["cat", "dog", "bird"]}
-    torch.manual_seed(0)
-    model = build_retinanet_from_config(config).eval()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "model_config.json").write_text(json.dumps(config))
-    return folder
+    return write_tiny_detector(tmp_path_factory.mktemp("detector"))
 
 
 @pytest.fixture(scope="module")

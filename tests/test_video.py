@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from conftest import COCO_SUBSET, REPO, needs_coco_subset
+from helpers import write_tiny_detector
 
 av = pytest.importorskip("av")
 
@@ -31,18 +32,7 @@ def load_script(name: str):
 @pytest.fixture(scope="module")
 def detector(tmp_path_factory) -> Path:
     """A freshly initialised tiny RetinaNet folder (seeded): what predict reads, without a training run."""
-    from safetensors.torch import save_file
-
-    from detlib.retinanet.model import build_retinanet_from_config
-
-    folder = tmp_path_factory.mktemp("detector")
-    config = {"num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
-              "category_ids": [1, 2, 3], "category_names": ["cat", "dog", "bird"]}
-    torch.manual_seed(0)
-    model = build_retinanet_from_config(config).eval()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "model_config.json").write_text(json.dumps(config))
-    return folder
+    return write_tiny_detector(tmp_path_factory.mktemp("detector"))
 
 
 def write_video(path: Path, frames: int = FRAMES) -> Path:
