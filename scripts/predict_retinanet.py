@@ -405,9 +405,9 @@ def main(argv=None):
     for batch in tqdm(loader, desc="predict", disable=not accelerator.is_local_main_process or not len(ds)):
         for i, res in enumerate(detect(batch)):
             image_id = int(batch["image_ids"][i])  # the json's id, or the file's index in the sorted list
-            index = image_id if index_of is None else index_of[image_id]
-            if index in per_image or index in failed:  # a copy that fills the last batch
+            if i and image_id == int(batch["image_ids"][i - 1]):  # a copy that fills the batch (EvaluationCollate)
                 continue
+            index = image_id if index_of is None else index_of[image_id]
             if res is None:
                 failed.append(index)
                 continue
