@@ -32,7 +32,7 @@ from collections import Counter
 
 import torch
 from accelerate.utils import gather_object
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.classification import classification_transform
 from detlib.data import INSTALL_HINT, av_available, video_frames, worker_loader_kwargs

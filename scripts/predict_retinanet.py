@@ -44,7 +44,7 @@ from collections import Counter
 
 import torch
 from accelerate.utils import gather_object
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.data import (INSTALL_HINT, CocoDetection, EvaluationCollate, VideoWriter, av_available, build_transform,
                          data_dir_paths, evaluation_canvas, read_data_dir_splits, video_frames, worker_loader_kwargs)

@@ -40,7 +40,7 @@ import time
 import torch
 import torch.nn.functional as F
 from timm.utils import ModelEmaV3
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
                                    classification_transform, per_class_summary, per_class_table)

@@ -49,7 +49,7 @@ import torch
 from accelerate.utils import broadcast_object_list
 from timm.optim import param_groups_weight_decay
 from timm.utils import ModelEmaV3
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
                          EvaluationCollate, GroupedBatchSampler, aspect_groups, build_transform, check_coco_for_training,
