@@ -64,7 +64,7 @@ def main(argv=None):
     os.environ.setdefault("WANDB_SILENT", "true")
 
     if args.untrained:
-        model = build_retinanet_from_config({"num_classes": 80, "backbone": args.untrained, "fpn_channels": args.fpn_channels}).eval()
+        model = build_retinanet_from_config({"num_classes": 80, "backbone": args.untrained, "fpn_channels": args.fpn_channels, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}).eval()
         image_size, max_size, what = args.image_size or 600, None, f"untrained {args.untrained}, fpn {args.fpn_channels}"
     else:
         model, config, _ = load_retinanet(args.weights)

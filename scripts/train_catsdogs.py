@@ -509,7 +509,8 @@ def main(argv=None):
         state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
                                       args.report_to)
         log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size
-                 * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"])
+                 * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"],
+                 args.max_grad_norm)
         guard, window = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator)
         bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
 

@@ -72,7 +72,7 @@ from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLos
                               anchor_generator_from_config, check_backbone, decode_detections, load_matching_weights,
                               reorder_class_outputs, retinanet_loss)
 from detlib.weights import (WeightsFileError, complete_model_config, load_model_weights, load_state_dict_file,
-                            read_model_config, weights_path)
+                            model_config_file, read_model_config, weights_path)
 
 logger = logging.getLogger("train_retinanet")
 
@@ -92,6 +92,9 @@ DATA_DEFAULTS = {
     "per_device_batch_size": (8, 15),
     "lr": {"adamw": (1e-3, 1e-4), "sgd": (0.01, 0.01)},
     "weight_decay": {"adamw": (0.01, 0.01), "sgd": (1e-4, 1e-4)},  # AdamW's is torch's default
+    # the AdamW recipe's clip 0.1; SGD trains unclipped as in torchvision's and detectron2's recipes (a norm of 0.1 would
+    # scale down every SGD step: gradient norms start at 0.15-0.26 on a small model)
+    "max_grad_norm": {"adamw": (0.1, 0.1), "sgd": (0.0, 0.0)},
     "lr_scheduler": ("cosine", "plateau"),
     "warmup_steps": (100, 500),
     # a folder each, so a real-data run after a built-in one is not refused as "a folder of another run"
@@ -104,7 +107,7 @@ BUILTIN_HEAD_NORM = "gn"
 # What the built-in run with these defaults gives (docs/recipes.md run log), for its start line and its stop line.
 BUILTIN_RUN = "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
 # This script's defaults of the run machinery's flags (detlib.engine.flags).
-RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
+RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5,
                 "per_device_eval_batch_size": 8, "log_interval": 20}
 # What a resume cannot change: the model and its classes, the optimizer and schedule with their settings (their state
 # brings them back), the loss normaliser's state, the samples per step and the data position (process count, batch,
@@ -168,8 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: none)")
     g.add_argument("--categories_by_name", action="store_true", help="--evaluate_only / --init_from a model whose "
                    "category ids name other classes than this data set's: match the classes by name (default: refused)")
-    g.add_argument("--freeze_at", type=int, choices=range(6), metavar="{0..5}", help="freeze the backbone's stem (1) and first stages (2-5; "
-                   "detectron2's FREEZE_AT) (default: 2 with pretrained weights, 0 from scratch)")
+    g.add_argument("--freeze_at", type=int, choices=range(6), metavar="{0..5}", help="freeze what the backbone computes "
+                   "before stride 4 (1: the stem), 8 (2: the stem and first stage, detectron2's FREEZE_AT 2), 16 (3), "
+                   "32 (4), or all of it (5), on every timm family; frozen parts' BatchNorm is frozen too (default: 2 "
+                   "with pretrained weights, 0 from scratch)")
     g.add_argument("--backbone_bn", default="auto", choices=["auto", "frozen", "train"],
                    help="backbone BatchNorm: frozen (the standard setting with pretrained weights), train, or "
                         "auto = frozen when pretrained weights are loaded, trained when training from scratch "
@@ -428,7 +433,7 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
              "or --head_norm none")
     try:
         check_backbone(args.backbone, image_sizes=(args.max_size,) if args.max_size else
-                       (args.image_size, *(args.train_scales or ())), freeze_at=args.freeze_at)
+                       (args.image_size, *(args.train_scales or ())))
     except ValueError as e:
         stop(f"--backbone: {e}" if "backbone" in given and not args.evaluate_only else
              f"backbone {args.backbone!r} (from {source or 'the default'}): {e}")
@@ -453,13 +458,18 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
     if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
         logger.info("backbone from scratch (no --backbone_weights): its BatchNorm is trained, not frozen")
     anchor_gen = anchor_generator_from_config({**settings, "num_classes": len(category_map)})
+    # the saved model's input normalisation (a converted or trained detector's), else the backbone's own
+    normalisation = {k: saved[k] for k in ("mean", "std") if saved and saved.get("backbone") == args.backbone and k in saved}
+    if args.evaluate_only and saved and len(normalisation) < 2:
+        raise RunStop(f"{model_config_file(args.evaluate_only)} lacks \"mean\" and \"std\" (the input normalisation, "
+                      "per RGB channel on a 0-1 scale, as timm's pretrained_cfg gives it): add them from the backbone's tag")
     try:
         model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
                           pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
                           backbone_weights=None if args.evaluate_only else args.backbone_weights,
                           freeze_backbone_bn=args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained),
                           freeze_at=args.freeze_at, p6_input=settings["p6_input"], head_norm=settings["head_norm"],
-                          num_anchors=anchor_gen.num_anchors_per_location)
+                          num_anchors=anchor_gen.num_anchors_per_location, **normalisation)
         if args.evaluate_only:
             return model, anchor_gen, load_model_weights(model, args.evaluate_only)
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # weights that do not fit, an offline download
@@ -734,6 +744,7 @@ def main(argv=None):
                         "image_size": args.image_size, "max_size": args.max_size,
                         "category_ids": category_map.category_ids, "category_names": category_map.names, **settings}
         model, anchor_gen, weights = build_model(args, settings, saved, category_map, paths.get("train_annotations"))
+        model_config.update(mean=model.mean, std=model.std)
         if args.sync_bn and accelerator.num_processes > 1 and accelerator.device.type == "cuda":
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         elif args.sync_bn and accelerator.num_processes > 1:
@@ -790,7 +801,8 @@ def main(argv=None):
         state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
                                       args.report_to)
         log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size
-                 * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"])
+                 * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"],
+                 args.max_grad_norm)
         guard, window, evaluated = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
         saved, start_step = {}, state.global_step
 

@@ -204,7 +204,7 @@ def write_tiny_detector(folder: Path) -> Path:
 
     from detlib.retinanet.model import build_retinanet_from_config
 
-    config = {"num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
+    config = {"num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 64, "max_size": None,
               "category_ids": [1, 2, 3], "category_names": ["cat", "dog", "bird"]}
     torch.manual_seed(0)
     model = build_retinanet_from_config(config).eval()

@@ -45,7 +45,7 @@ def save_retinanet(folder, config: dict, seed: int = 0):
     return folder
 
 
-TINY_CONFIG = {"num_classes": 3, "backbone": "resnet18", "fpn_channels": 8, "image_size": 64, "max_size": None,
+TINY_CONFIG = {"num_classes": 3, "backbone": "resnet18", "fpn_channels": 8, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 64, "max_size": None,
                "category_ids": [1, 2, 3], "category_names": ["person", "bicycle", "car"]}
 
 
@@ -188,7 +188,7 @@ def early_model(tmp_path_factory):
     """A RetinaNet as it is at the start of training: every score at the prior 0.01, tied within 1e-7 over all
     anchors and classes (below the default --score_thresh 0.05)."""
     cats = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())["categories"]
-    config = {"num_classes": len(cats), "backbone": "resnet18", "fpn_channels": 16, "image_size": 128, "max_size": None,
+    config = {"num_classes": len(cats), "backbone": "resnet18", "fpn_channels": 16, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 128, "max_size": None,
               "category_ids": [c["id"] for c in cats], "category_names": [c["name"] for c in cats]}
     return save_retinanet(tmp_path_factory.mktemp("early") / "best", config)
 

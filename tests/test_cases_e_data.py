@@ -261,7 +261,7 @@ def test_case_e06_predict_reads_a_voc_source_with_the_training_runs_class_list(t
     root = write_voc(tmp_path / "VOC", {"train": train, "val": val})
     names = [c["name"] for c in reversed(train["categories"])]  # a run trained with --class_names in this order
     (tmp_path / "classes.txt").write_text("".join(f"{n}\n" for n in names))
-    config = {"num_classes": len(names), "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
+    config = {"num_classes": len(names), "backbone": "resnet18", "fpn_channels": 16, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 64, "max_size": None,
               "category_ids": list(range(1, len(names) + 1)), "category_names": names}
     torch.manual_seed(0)
     weights = tmp_path / "weights"

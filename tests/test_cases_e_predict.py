@@ -20,7 +20,7 @@ from helpers import fresh_accelerate, load_script, run_main, write_tiny_detector
 # ---- E24: scores and decoding in float32 whatever the precision
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SMALL_DETECTOR = {"num_classes": 80, "backbone": "resnet18", "fpn_channels": 32}
+SMALL_DETECTOR = {"num_classes": 80, "backbone": "resnet18", "fpn_channels": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
 
 def val_subset(n: int = 6) -> dict:

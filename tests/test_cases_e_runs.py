@@ -32,7 +32,7 @@ def test_case_e20_best_f1_with_no_true_detection_says_so_and_the_card_does_not_r
     best_f1 = best_f1_thresholds(val, results)
     assert best_f1["all"]["score_thresh"] is None  # no true detection: no threshold maximises F1
     cats = sorted(c["id"] for c in val["categories"])
-    config = {"num_classes": len(cats), "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
+    config = {"num_classes": len(cats), "backbone": "resnet18", "fpn_channels": 16, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 64, "max_size": None,
               "category_ids": cats, "category_names": [c["name"] for c in sorted(val["categories"], key=lambda c: c["id"])]}
     weights = tmp_path / "best"
     weights.mkdir()

@@ -61,7 +61,7 @@ def shapes_model(tmp_path_factory) -> Path:
     model = RetinaNet(3, "resnet18", fpn_channels=16)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
     (folder / "model_config.json").write_text(json.dumps({
-        "num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
+        "num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 64, "max_size": None,
         "category_ids": [1, 2, 3], "category_names": ["circle", "square", "triangle"]}))
     return folder
 

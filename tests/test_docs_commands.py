@@ -226,7 +226,7 @@ def test_onnx_snippet_runs_as_pasted(tmp_path, monkeypatch):
     model = RetinaNet(3, "resnet18", fpn_channels=16)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, best / "model.safetensors")
     (best / "model_config.json").write_text(json.dumps({
-        "num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "max_size": None,
+        "num_classes": 3, "backbone": "resnet18", "fpn_channels": 16, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 64, "max_size": None,
         "category_ids": [1, 2, 3], "category_names": ["circle", "square", "triangle"]}))
     photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 80, 3), dtype=np.uint8))  # 80 wide, 48 high
     exif = photo.getexif()

@@ -36,7 +36,7 @@ def test_the_12_stats_are_the_same_on_1_2_and_3_processes_at_any_eval_batch(tmp_
     weights.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights / "model.safetensors"))
     (weights / "model_config.json").write_text(json.dumps({
-        "num_classes": len(categories), "backbone": "resnet18", "fpn_channels": 32, "image_size": 192,
+        "num_classes": len(categories), "backbone": "resnet18", "fpn_channels": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 192,
         "max_size": None, "category_ids": categories,
         "category_names": ["object"]}))
     common = ["--val_images", COCO_SUBSET / "images", "--val_annotations", tmp_path / "val.json", "--evaluate_only",

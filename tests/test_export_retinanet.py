@@ -40,7 +40,7 @@ def weights(tmp_path_factory):
     folder = tmp_path_factory.mktemp("weights") / "best"
     folder.mkdir()
     cats = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())["categories"]
-    config = {"num_classes": len(cats), "backbone": "resnet18", "fpn_channels": 16, "image_size": 128, "max_size": None,
+    config = {"num_classes": len(cats), "backbone": "resnet18", "fpn_channels": 16, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 128, "max_size": None,
               "category_ids": [c["id"] for c in cats], "category_names": [c["name"] for c in cats]}
     torch.manual_seed(0)
     model = build_retinanet_from_config(config)

@@ -140,6 +140,26 @@ def test_default_lr_and_weight_decay_follow_the_optimizer_and_an_explicit_lr_win
     assert resolved(catsdogs, ["--optimizer", "sgd"], synthetic=False).weight_decay == 5e-5
 
 
+def test_gradient_clipping_follows_the_optimizer_and_the_start_line_says_it(caplog):
+    """--max_grad_norm: 0.1 with AdamW (the 600 px recipe's), off with SGD as the SGD references train (a 0.1 clip
+    scales down every SGD step); a given value wins; the start line names what is used."""
+    import logging
+
+    from detlib.engine.logs import log_plan
+    from detlib.engine.checkpoints import TrainState
+
+    retinanet = load_script("train_retinanet")
+    for synthetic in (True, False):
+        assert resolved(retinanet, [], synthetic).max_grad_norm == 0.1
+        assert resolved(retinanet, ["--optimizer", "sgd"], synthetic).max_grad_norm == 0.0
+    assert resolved(retinanet, ["--optimizer", "sgd", "--max_grad_norm", "5"]).max_grad_norm == 5.0
+    with caplog.at_level(logging.INFO):
+        log_plan(TrainState(), 1, 10, 10, 8, 0.01, 0.0)
+        log_plan(TrainState(), 1, 10, 10, 8, 1e-3, 0.1)
+    assert "no gradient clipping (--max_grad_norm 0)" in caplog.messages[0]
+    assert "gradients clipped to norm 0.1 (--max_grad_norm)" in caplog.messages[1]
+
+
 def test_data_defaults_apply_only_to_flags_left_unset():
     retinanet = load_script("train_retinanet")
     recipe = ("image_size", "backbone", "fpn_channels", "augmentation", "epochs", "per_device_batch_size",

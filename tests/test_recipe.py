@@ -1,4 +1,4 @@
-"""Recipe settings of the references: backbone stages frozen (detectron2 FREEZE_AT), no weight decay on norms and
+"""Recipe settings of the references (the frozen stages: tests/test_backbones.py): no weight decay on norms and
 biases, training images without a usable box left out."""
 
 from __future__ import annotations
@@ -8,23 +8,7 @@ import torch
 
 from conftest import write_coco, write_image
 from detlib.data.coco import CocoDetection
-from detlib.retinanet.model import RetinaNet, freeze_backbone_stages
-
-
-@pytest.mark.parametrize("freeze_bn", [True, False])
-def test_freeze_at_stops_the_stem_then_each_stage(freeze_bn):
-    trainable = {}
-    for k in range(6):
-        model = RetinaNet(3, "resnet18", fpn_channels=16, freeze_backbone_bn=freeze_bn, freeze_at=k)
-        frozen = {n.split(".")[1] for n, p in model.named_parameters() if not p.requires_grad}
-        stem = {"conv1"} | (set() if freeze_bn else {"bn1"})  # a frozen BN is folded into conv1 (no parameter left)
-        expected = (stem if k >= 1 else set()) | {f"layer{i}" for i in range(1, k)}
-        assert frozen == expected, k
-        assert all(p.requires_grad for n, p in model.named_parameters() if not n.startswith("backbone."))  # FPN, heads
-        trainable[k] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert all(trainable[k] > trainable[k + 1] for k in range(5))
-    with pytest.raises(ValueError, match="freeze_at must be in 0..5"):
-        freeze_backbone_stages(model.backbone, 6)
+from detlib.retinanet.model import RetinaNet
 
 
 def test_weight_decay_groups_leave_out_norms_and_biases():

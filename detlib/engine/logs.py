@@ -270,16 +270,19 @@ def compile_summary() -> str | None:
         f"; at torch._dynamo's recompile limit ({limit}): TORCH_LOGS=recompiles says why" if graphs >= limit else "")
 
 
-def log_plan(state, epochs: int, total_steps: int, steps_per_epoch: int, images_per_step: int, lr: float) -> None:
-    """The training's one start line (what a progress bar would say, and the LR it starts at: a resume with another
-    --epochs moves a schedule), or that nothing is left to train."""
+def log_plan(state, epochs: int, total_steps: int, steps_per_epoch: int, images_per_step: int, lr: float,
+             max_grad_norm: float | None = None) -> None:
+    """The training's one start line (what a progress bar would say, the LR it starts at: a resume with another
+    --epochs moves a schedule, and the gradient clipping), or that nothing is left to train."""
     if state.epoch >= epochs or state.global_step >= total_steps:
         logger.warning("nothing left to train: the run has done %d of %d epochs, step %d of %d; pass a larger %s to "
                        "train on", state.epoch, epochs, state.global_step, total_steps,
                        "--epochs" if state.epoch >= epochs else "--max_steps")
     else:
         logger.info("training: %d optimizer steps (%d per epoch, %d images each over all processes), from step %d at "
-                    "lr %.3g", total_steps, steps_per_epoch, images_per_step, state.global_step, lr)
+                    "lr %.3g, %s", total_steps, steps_per_epoch, images_per_step, state.global_step, lr,
+                    f"gradients clipped to norm {max_grad_norm:g} (--max_grad_norm)" if max_grad_norm else
+                    "no gradient clipping (--max_grad_norm 0)")
 
 
 def summary_lines(output_dir: str, metric: str, elapsed_s: float, state, best: dict | None, final: dict | None,

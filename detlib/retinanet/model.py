@@ -7,6 +7,7 @@ figure 3. The model returns raw head outputs only; matching, losses and decoding
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict
 
@@ -18,10 +19,13 @@ from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from torchvision.ops.misc import FrozenBatchNorm2d
 
-from ..backbones import meta_forward_problem, unknown_timm_model
-from ..data.transforms import IMAGENET_MEAN, IMAGENET_STD, INPUT_DIVISIBILITY
+from ..backbones import (backbone_mean_std, frozen_parameters, freeze_stages, load_timm_weights, meta_forward_problem,
+                         unknown_timm_model)
+from ..data.transforms import INPUT_DIVISIBILITY
 from ..weights import load_state_dict_file
 from .anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -32,6 +36,17 @@ HEAD_NORMS = ("none", "gn")
 
 # The strides the FPN takes from the backbone: C3, C4, C5.
 BACKBONE_REDUCTIONS = (8, 16, 32)
+# What model_config.json must hold to rebuild the model (the rest has defaults: p6_input, head_norm, anchors).
+MODEL_CONFIG_KEYS = ("num_classes", "backbone", "fpn_channels", "mean", "std")
+
+
+class ModelConfigError(KeyError):
+    """A model_config.json that lacks what rebuilds the model; its message is one line (KeyError's str quotes it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 # Devices whose autocast the heads' float32 output leaves (`RetinaNetHead._output`); a meta tensor has none.
 AUTOCAST_DEVICES = ("cpu", "cuda", "xpu")
 
@@ -119,10 +134,11 @@ def build_backbone(name: str, pretrained: bool = False, weights_path: str | None
     Args:
         name: any timm model name (`resnet50`, `resnet18`, `convnext_tiny`, ...).
         pretrained: use timm's own download of pretrained weights (needs the internet or a filled cache).
-        weights_path: local weights of the same timm model (classifier keys are ignored).
+        weights_path: local weights of the same timm model: the plain model's `state_dict()` (what
+            `timm.create_model(name)` holds, classifier included) or a `features_only` one, read by `load_timm_weights`.
     Raises:
         RuntimeError: if pretrained weights cannot be fetched (with what to do instead).
-        ValueError: if the model lacks stride 8/16/32 features, or the weights file misses backbone keys.
+        ValueError: if the model lacks stride 8/16/32 features, or the weights file does not fit (one line).
     """
     try:
         backbone = timm.create_model(name, pretrained=pretrained, features_only=True)
@@ -139,20 +155,11 @@ def build_backbone(name: str, pretrained: bool = False, weights_path: str | None
     if missing:
         raise ValueError(f"timm model '{name}' has feature reductions {reductions}; RetinaNet needs 8, 16 and 32")
     if weights_path:
-        sd = load_state_dict_file(weights_path)
-        try:
-            result = backbone.load_state_dict(sd, strict=False)
-        except RuntimeError as e:  # shape mismatches
-            raise ValueError(f"{weights_path} does not fit timm '{name}': {e}") from e
-        if result.missing_keys:
-            raise ValueError(
-                f"{weights_path} does not fit timm '{name}': {len(result.missing_keys)} backbone keys missing, "
-                f"e.g. {result.missing_keys[:5]}"
-            )
+        logger.info("%s", load_timm_weights(backbone, load_state_dict_file(weights_path), weights_path))
     return backbone
 
 
-def check_backbone(name: str, image_sizes: tuple[int, ...] = (), freeze_at: int | None = None) -> None:
+def check_backbone(name: str, image_sizes: tuple[int, ...] = ()) -> None:
     """Check before the data check and the model build that timm model `name` can be RetinaNet's backbone.
 
     Nothing is downloaded and no weights are allocated: the `features_only` model is built on the meta device
@@ -161,10 +168,9 @@ def check_backbone(name: str, image_sizes: tuple[int, ...] = (), freeze_at: int 
         image_sizes: longest input sides in pixels (the training size, `--train_scales`, `--max_size`); each is
             rounded up to a multiple of 32 (the padding) and run as a square and as a half-height input, so a
             backbone fixed at one input size (a Swin or CoaT at 224) fails here, not in the first step.
-        freeze_at: `--freeze_at`: at most the backbone's number of feature parts.
     Raises:
         ValueError: one line: not a timm name (with close names), no stride 8 / 16 / 32 features (with the
-            strides it has), an input size the model refuses (its message), `freeze_at` beyond its parts.
+            strides it has), an input size the model refuses (its message).
     """
     problem = unknown_timm_model(name)
     if problem:
@@ -184,9 +190,6 @@ def check_backbone(name: str, image_sizes: tuple[int, ...] = (), freeze_at: int 
         raise ValueError(f"timm model {name!r} gives features at strides {reductions}; RetinaNet's FPN needs strides 8, "
                          "16 and 32 (a CNN or a hierarchical backbone: resnet50, convnext_tiny, efficientnet_b3, "
                          "regnety_016; a plain ViT has one stride)")
-    parts = len(backbone.feature_info.module_name())
-    if freeze_at is not None and freeze_at > parts:
-        raise ValueError(f"--freeze_at {freeze_at}: timm model {name!r} has {parts} feature parts (0..{parts})")
     shapes = []
     for size in image_sizes:
         s = int(math.ceil(size / INPUT_DIVISIBILITY) * INPUT_DIVISIBILITY)
@@ -265,31 +268,6 @@ def fold_frozen_batchnorm(backbone: nn.Module) -> int:
     return n
 
 
-def freeze_backbone_stages(backbone: nn.Module, freeze_at: int) -> list[str]:
-    """Stop the gradient of a timm `features_only` backbone's first `freeze_at` parts (0: none; 1: the stem;
-    k: the stem and the first k-1 stages; the number of feature levels + ... : all).
-
-    The parts are cut at the feature modules timm lists (`feature_info.module_name()`: for a ResNet `act1`
-    (the stem's end), `layer1` ... `layer4`): every parameter registered before the first parameter of
-    feature module k is frozen (requires_grad False). Returns the frozen parameter names.
-    Raises:
-        ValueError: for `freeze_at` outside 0..number of feature levels.
-    """
-    names = backbone.feature_info.module_name()
-    if not 0 <= freeze_at <= len(names):
-        raise ValueError(f"freeze_at must be in 0..{len(names)}, got {freeze_at}")
-    if freeze_at == 0:
-        return []
-    stop = names[freeze_at] + "." if freeze_at < len(names) else None
-    frozen = []
-    for name, param in backbone.named_parameters():
-        if stop is not None and name.startswith(stop):
-            break
-        param.requires_grad_(False)
-        frozen.append(name)
-    return frozen
-
-
 class RetinaNet(nn.Module):
     """RetinaNet with a timm backbone.
 
@@ -307,12 +285,16 @@ class RetinaNet(nn.Module):
         fold_frozen_bn: with `freeze_backbone_bn`, apply each frozen BatchNorm of a ResNet backbone inside
             the conv before it (`fold_frozen_batchnorm`): the same function, fewer passes over the
             activations; state dict keys are unchanged.
-        freeze_at: freeze the backbone's first `freeze_at` parts, 0-5: the stem, then its stages (ResNet:
-            layer1..layer4), as detectron2's `FREEZE_AT` (2 in its RetinaNet recipe: stem and res2) and
-            torchvision's `trainable_backbone_layers` (3 trainable = freeze_at 2); see `freeze_backbone_stages`.
+        freeze_at: 0-5, by stride on every family (`detlib.backbones.frozen_parameters`): 1 freezes the stem
+            (what runs before stride 4), 2 the stem and the first stage (before stride 8: detectron2's `FREEZE_AT`
+            2 of its RetinaNet recipe, torchvision's `trainable_backbone_layers` 3), 3 and 4 a stage more each, 5
+            the whole backbone. Frozen parts have FrozenBatchNorm2d whatever `freeze_backbone_bn` says.
         p6_input: "c5" (the paper, footnote 2) or "p5" (torchvision's v1 RetinaNet: its LastLevelP6P7 takes P5
             when the FPN width equals its input width, 256 -> 256): what the P6 conv reads.
         head_norm: "none" or "gn" (GroupNorm in the heads' hidden convs, torchvision's v2; see RetinaNetHead).
+        mean, std: the input normalisation, per RGB channel on timm's 0-1 scale (`pretrained_cfg["mean"]`); default
+            the backbone's own, from the `pretrained_cfg` of the tag `backbone` names (`resnetv2_50x1_bit.goog_in21k`:
+            0.5 / 0.5; an untagged name: timm's default tag's). Kept as `self.mean` / `self.std` for model_config.json.
 
     Input: images [B, 3, H, W], uint8 or float in [0, 255], RGB, H and W multiples of 32 (see anchors).
     Output: dict with
@@ -336,6 +318,8 @@ class RetinaNet(nn.Module):
         freeze_at: int = 0,
         p6_input: str = "c5",
         head_norm: str = "none",
+        mean: tuple[float, float, float] | None = None,
+        std: tuple[float, float, float] | None = None,
     ):
         super().__init__()
         if p6_input not in P6_INPUTS:
@@ -344,9 +328,9 @@ class RetinaNet(nn.Module):
         self.backbone = build_backbone(backbone, pretrained_backbone, backbone_weights)
         if freeze_backbone_bn:
             self.backbone = timm.layers.freeze_batch_norm_2d(self.backbone)
-            if fold_frozen_bn:
-                fold_frozen_batchnorm(self.backbone)
-        freeze_backbone_stages(self.backbone, freeze_at)
+        freeze_stages(self.backbone, frozen_parameters(backbone, freeze_at))
+        if freeze_backbone_bn and fold_frozen_bn:
+            fold_frozen_batchnorm(self.backbone)
         reductions = self.backbone.feature_info.reduction()
         channels = self.backbone.feature_info.channels()
         self.feature_indices = [reductions.index(r) for r in BACKBONE_REDUCTIONS]
@@ -361,8 +345,11 @@ class RetinaNet(nn.Module):
         self.fpn = FeaturePyramidNetwork(in_channels, fpn_channels, extra_blocks=extra)
         self.cls_head = RetinaNetHead(fpn_channels, num_anchors, num_classes, bias_prior=prior_prob, norm=head_norm)
         self.box_head = RetinaNetHead(fpn_channels, num_anchors, 4, norm=head_norm)
-        self.register_buffer("pixel_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("pixel_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+        own_mean, own_std = backbone_mean_std(self.backbone)
+        self.mean, self.std = tuple(map(float, mean or own_mean)), tuple(map(float, std or own_std))
+        # the images come in [0, 255]: the 0-1 statistics scaled once here
+        self.register_buffer("pixel_mean", 255 * torch.tensor(self.mean).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", 255 * torch.tensor(self.std).view(1, 3, 1, 1), persistent=False)
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         x = (images.float() - self.pixel_mean) / self.pixel_std
@@ -421,7 +408,7 @@ def reorder_class_outputs(model: RetinaNet, source_class: list[int | None], prio
 
 
 def build_retinanet_from_config(config: dict, freeze_backbone_bn: bool = False) -> RetinaNet:
-    """The RetinaNet a model_config.json describes (`num_classes`, `backbone`, `fpn_channels`, and `p6_input` /
+    """The RetinaNet a model_config.json describes (`MODEL_CONFIG_KEYS`, and `p6_input` /
     `head_norm` when present: "c5" / "none" otherwise), freshly initialised, for loading trained weights into.
 
     `freeze_backbone_bn=False` builds what `--evaluate_only` builds by default: plain BatchNorm, which in
@@ -429,12 +416,16 @@ def build_retinanet_from_config(config: dict, freeze_backbone_bn: bool = False) 
     match the evaluation's to the bit; a frozen, folded BatchNorm rounds differently.
 
     Raises:
-        KeyError: the config lacks one of the three keys (names it).
+        KeyError: the config lacks one of `MODEL_CONFIG_KEYS` (one line naming them; `mean` / `std` are the input
+            normalisation, per channel on timm's 0-1 scale).
     """
-    missing = [k for k in ("num_classes", "backbone", "fpn_channels") if k not in config]
+    missing = [k for k in MODEL_CONFIG_KEYS if k not in config]
     if missing:
-        raise KeyError(f"model config lacks {missing}")
+        raise ModelConfigError(f"model_config.json lacks {', '.join(missing)}" + (
+            " (the input normalisation, per RGB channel on a 0-1 scale, as timm's pretrained_cfg gives it: what "
+            "train_retinanet.py and convert_weights.py write; add it by hand from the backbone's tag)"
+            if {"mean", "std"} & set(missing) else ""))
     return RetinaNet(int(config["num_classes"]), config["backbone"], fpn_channels=int(config["fpn_channels"]),
                      freeze_backbone_bn=freeze_backbone_bn, p6_input=config.get("p6_input") or "c5",
-                     head_norm=config.get("head_norm") or "none",
+                     head_norm=config.get("head_norm") or "none", mean=config["mean"], std=config["std"],
                      num_anchors=anchor_generator_from_config(config).num_anchors_per_location)

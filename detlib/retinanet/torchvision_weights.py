@@ -22,6 +22,7 @@ import re
 from collections import OrderedDict
 
 import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from .anchors import anchor_config, torchvision_anchor_settings
 
@@ -59,7 +60,9 @@ def torchvision_model_config(category_ids: list[int], category_names: list[str],
     return {"num_classes": len(category_ids), "backbone": "resnet50", "fpn_channels": 256,
             "p6_input": "p5" if version == "v1" else "c5", "head_norm": "none" if version == "v1" else "gn",
             **anchor_config(torchvision_anchor_settings()), "image_size": image_size, "max_size": max_size,
-            "resize_mode": "torchvision", "category_ids": list(category_ids), "category_names": list(category_names)}
+            "resize_mode": "torchvision", "category_ids": list(category_ids), "category_names": list(category_names),
+            # GeneralizedRCNNTransform's image_mean / image_std
+            "mean": list(IMAGENET_DEFAULT_MEAN), "std": list(IMAGENET_DEFAULT_STD)}
 
 
 def convert_torchvision_retinanet(state_dict: dict, category_ids: list[int]) -> OrderedDict:
@@ -68,7 +71,7 @@ def convert_torchvision_retinanet(state_dict: dict, category_ids: list[int]) -> 
 
     Args:
         state_dict: torchvision's tensors (FrozenBatchNorm2d buffers or BatchNorm2d ones; wrapper prefixes
-            already stripped, see `detlib.engine.checkpoint_io.load_state_dict_file`).
+            already stripped, see `detlib.weights.load_state_dict_file`).
         category_ids: the COCO ids to keep, any order; they become labels 0..K-1 in sorted order. Torchvision's
             label of a class is its COCO id, and its classification output has A x 91 channels, anchor-major
             (channel = a * 91 + id), the layout of our head's [A * K] output, so our channel a * K + k is
