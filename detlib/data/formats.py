@@ -39,6 +39,15 @@ What the conversion decides (boxes inside detlib are xyxy pixels; the COCO dicts
   and LabelImg's layout). labels/ wins where both exist. A label file read beside its image and one that a
   labels/ file replaces are warnings, and a split where no image has either says where it looked: an image
   never becomes background without a word.
+* YOLO image lists (`train: train.txt`, ultralytics' coco.yaml form): one image path a line, absolute or relative to
+  the list's folder (ultralytics replaces a leading `./` by it), else to the set's root (`path:`); the split's
+  `file_name`s are relative to the list's folder (`_yolo_folder`). A path found in neither is a repair naming the
+  list, the line and the folders looked in.
+* Text files (data.yaml, label files, classes.txt, image lists, split and class lists) are read by one rule,
+  `read_text`: UTF-8 with or without a BOM, UTF-16 with a BOM; any line end; spaces or tabs between fields.
+* Sizes: a YOLO image's is its file's as shown (EXIF orientation applied: its rows are normalised to that, as
+  ultralytics' `exif_size`); a VOC xml without <size> takes the same; a VOC <size> is stated and decides with the
+  EXIF rule of `detlib.datacheck.orientation`, as a COCO json's does.
 * Every converted annotation carries `_source`, its xml and object or its label file and line, by which the data
   check names it (a box clipped or dropped there is named by its file, not by the annotation id given here).
 * Image ids: the file stems when all are distinct integers (COCO-style names), else 1..N in sorted order
