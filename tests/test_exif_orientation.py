@@ -176,6 +176,19 @@ def test_predict_reads_every_exif_orientation_as_shown_from_files_and_labelled_s
         assert exif  # its drawn images are shown as the model saw them
 
 
+def test_drawn_samples_show_every_exif_orientation_upright_with_the_boxes_on_the_pattern(tmp_path):
+    from detlib.evaluation.drawing import sample_detections
+
+    root, folder, names = data_set(tmp_path, "coco")
+    gt = json.loads((root / "annotations" / "instances_val2017.json").read_text())
+    results = [{"image_id": a["image_id"], "category_id": 1, "bbox": a["bbox"], "score": 0.9} for a in gt["annotations"]]
+    samples = sample_detections(gt, results, str(folder), [im["id"] for im in gt["images"]])
+    assert sorted(s["file_name"] for s in samples) == sorted(names)
+    for s in samples:
+        assert np.array_equal(s["image"].permute(1, 2, 0).numpy(), as_shown(folder / s["file_name"])), s["file_name"]
+        assert s["gt_boxes"].tolist() == s["boxes"].tolist() == [[float(v) for v in BOX]], s["file_name"]
+
+
 @pytest.mark.parametrize("fmt", ["coco", "voc"])
 @pytest.mark.parametrize("orientation", [5, 6, 7, 8])
 def test_an_annotation_file_giving_the_stored_size_of_a_sideways_image_is_read_as_stored(tmp_path, orientation, fmt):
