@@ -250,7 +250,8 @@ def test_case_e11_yolo_files_from_windows_every_row_read(tmp_path, coco_pair):
     t, v, report = checked(root)
     assert boxes(t) == boxes(ref_train) and len(t["annotations"]) == 34  # before: 31 of 34 rows dropped as bad
     assert [b[1:] for b in boxes(v)] == [b[1:] for b in boxes(ref_val)] and len(v["images"]) == 3
-    assert report.ok and not [f for f in report.findings if f.level != "warning" or "label" in f.message], report.format()
+    unexpected = [f for f in report.findings if f.level != "warning" or "label" in f.message]
+    assert report.ok and not unexpected, report.format()
 
 
 def test_case_e11_voc_files_from_windows_every_object_read(tmp_path, coco_pair):
@@ -259,7 +260,8 @@ def test_case_e11_voc_files_from_windows_every_object_read(tmp_path, coco_pair):
     train, val = coco_pair
     ref_train, ref_val, _ = checked(write_voc(tmp_path / "ref", {"train": train, "val": val}))
     root = write_voc(tmp_path / "VOC", {"train": train, "val": val})
-    for k, f in enumerate(sorted((root / "Annotations").glob("*.xml")) + sorted((root / "ImageSets" / "Main").glob("*.txt"))):
+    texts = sorted((root / "Annotations").glob("*.xml")) + sorted((root / "ImageSets" / "Main").glob("*.txt"))
+    for k, f in enumerate(texts):
         windows_text(f, bom=k % 2 == 0, blank_end=True)
     listing = tmp_path / "classes.txt"
     listing.write_text("".join(f"{c['name']}\n" for c in train["categories"]))
@@ -291,7 +293,8 @@ def test_case_e13_yolo_splits_as_image_lists_are_read_as_the_folder_form(tmp_pat
     t, v = check_coco_for_training(paths, str(tmp_path / "out"), data_format="yolo")  # before: 0 images, stopped
     for got, want in ((t, ref_train), (v, ref_val)):
         assert [b[1:] for b in boxes(got)] == [b[1:] for b in boxes(want)]
-    assert len(CocoDetection(paths["train_images"], t)) == 6 and len(CocoDetection(paths["val_images"], v, train=False)) == 3
+    assert len(CocoDetection(paths["train_images"], t)) == 6
+    assert len(CocoDetection(paths["val_images"], v, train=False)) == 3
     # a listed image that is really missing is named with the folders it was looked for in
     with open(root / "train.txt", "a") as f:
         f.write("./images/train/gone.jpg\n")

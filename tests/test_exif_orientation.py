@@ -93,8 +93,8 @@ def write_coco(root, names: dict) -> None:
     x1, y1, x2, y2 = BOX
     images = [{"id": k, "file_name": n, "width": SHAPES[s][0], "height": SHAPES[s][1]}
               for k, (n, (_, s)) in enumerate(sorted(names.items()), 1)]
-    anns = [{"id": k, "image_id": k, "category_id": 1, "bbox": [x1, y1, x2 - x1, y2 - y1], "area": (x2 - x1) * (y2 - y1),
-             "iscrowd": 0} for k in range(1, len(images) + 1)]
+    anns = [{"id": k, "image_id": k, "category_id": 1, "bbox": [x1, y1, x2 - x1, y2 - y1],
+             "area": (x2 - x1) * (y2 - y1), "iscrowd": 0} for k in range(1, len(images) + 1)]
     (root / "annotations").mkdir(parents=True)
     for split in ("train2017", "val2017"):
         (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(
@@ -181,7 +181,8 @@ def test_drawn_samples_show_every_exif_orientation_upright_with_the_boxes_on_the
 
     root, folder, names = data_set(tmp_path, "coco")
     gt = json.loads((root / "annotations" / "instances_val2017.json").read_text())
-    results = [{"image_id": a["image_id"], "category_id": 1, "bbox": a["bbox"], "score": 0.9} for a in gt["annotations"]]
+    results = [{"image_id": a["image_id"], "category_id": 1, "bbox": a["bbox"], "score": 0.9}
+               for a in gt["annotations"]]
     samples = sample_detections(gt, results, str(folder), [im["id"] for im in gt["images"]])
     assert sorted(s["file_name"] for s in samples) == sorted(names)
     for s in samples:
@@ -214,12 +215,14 @@ def test_an_annotation_file_giving_the_stored_size_of_a_sideways_image_is_read_a
         (root / "ImageSets" / "Main" / "val.txt").write_text("side\n")
         (root / "Annotations" / "side.xml").write_text(
             "<annotation><size><width>32</width><height>48</height></size><object><name>red</name><bndbox>"
-            f"<xmin>{x1 + 1}</xmin><ymin>{y1 + 1}</ymin><xmax>{x2}</xmax><ymax>{y2}</ymax></bndbox></object></annotation>")
+            f"<xmin>{x1 + 1}</xmin><ymin>{y1 + 1}</ymin><xmax>{x2}</xmax><ymax>{y2}</ymax>"
+            "</bndbox></object></annotation>")
     paths = data_dir_paths(str(root), fmt, None, None, need_train=False)
     _, val = check_coco_for_training(paths, str(tmp_path / "out"), data_format=fmt)
     report = json.loads((tmp_path / "out" / "data_report.json").read_text())
     (warning,) = [f for f in report["findings"] if "EXIF" in f["message"]]
-    assert warning["level"] == "warning" and warning["examples"] == [f"side.jpg (orientation {orientation}, json 32x48)"]
+    assert warning["level"] == "warning"
+    assert warning["examples"] == [f"side.jpg (orientation {orientation}, json 32x48)"]
     assert "val (turned upright by their EXIF orientation)" not in report["summaries"]
     sets = [CocoDetection(paths["val_images"], val, train=False)]
     if fmt == "coco":  # the loader decides by the same rule where the check did not run (predict on a json)

@@ -595,8 +595,8 @@ def _yolo_listed(line: str, listing: str, base: str) -> tuple[str | None, list[s
     if os.path.isabs(line):
         return (line if os.path.isfile(line) else None), [os.path.dirname(line)]
     folders = list(dict.fromkeys([os.path.dirname(listing), base]))
-    found = next((os.path.abspath(os.path.join(d, line)) for d in folders if os.path.isfile(os.path.join(d, line))), None)
-    return found, folders
+    found = next((os.path.join(d, line) for d in folders if os.path.isfile(os.path.join(d, line))), None)
+    return (os.path.abspath(found) if found else None), folders
 
 
 def _yolo_images(entries: list[str], found: Findings, base: str) -> list[str]:
