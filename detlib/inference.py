@@ -8,8 +8,8 @@ is with one process: the results of n processes are those of one, to the bit (a 
 its largest image, and the convolutions near an image's border see that padding).
 
 Orientation: image files are turned upright by their EXIF tag (a phone photo is predicted as it is shown),
-unless `exif_transpose=False`; COCO-json sources are read as stored, as in evaluation, because their boxes
-refer to the stored pixels.
+unless `exif_transpose=False`; labelled sources (COCO json, VOC, YOLO) are read as in evaluation, by the data's
+EXIF rule (`detlib.datacheck.orientation`).
 """
 
 from __future__ import annotations

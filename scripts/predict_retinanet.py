@@ -130,13 +130,14 @@ def class_thresholds(args, category_map) -> torch.Tensor:
 
 
 def build_dataset(args, transform):
-    """(data set, names relative to the source root, COCO image ids or None, exif applied, skipped files)."""
+    """(data set, names relative to the source root, COCO image ids or None, EXIF turn on (a labelled source: by the
+    data's rule, docs/data_check.md), skipped files)."""
     if args.data_format or (args.source.lower().endswith((".yaml", ".yml")) and os.path.isfile(args.source)):
         dataset, image_dir = labelled_split(args)
         ds = CocoDetection(image_dir, dataset, transform, train=False)
         ds.videos = []
         names = [os.path.relpath(r["path"], image_dir) for r in ds.records]
-        return ds, names, [r["id"] for r in ds.records], False, list(ds.missing_images)
+        return ds, names, [r["id"] for r in ds.records], True, list(ds.missing_images)
     if args.source.lower().endswith(".json") and os.path.isfile(args.source):
         if not args.images:
             raise prediction_error("a COCO-json --source needs --images DIR (its image folder)")
@@ -144,7 +145,7 @@ def build_dataset(args, transform):
         ds = CocoDetection(args.images, args.source, transform, train=False)
         ds.videos = []
         names = [os.path.relpath(r["path"], args.images) for r in ds.records]
-        return ds, names, [r["id"] for r in ds.records], False, list(ds.missing_images)
+        return ds, names, [r["id"] for r in ds.records], True, list(ds.missing_images)
     root, paths, videos, skipped = list_media_files(args.source, exclude=tuple(os.path.join(args.output_dir, f)
                                                                                 for f in PER_INPUT_FOLDERS))
     if videos and not av_available():
@@ -213,9 +214,9 @@ def ignored_flags(args, coco_source: bool) -> list[str]:
     if args.images and not coco_source:
         out.append(f"--images {args.images} is not used: it is the image folder of a COCO-json --source, and --source "
                    f"{args.source} is not one")
-    if args.no_exif_transpose and coco_source:
-        out.append("--no_exif_transpose changes nothing here: a COCO-json source is always read as stored (its boxes "
-                   "refer to the stored pixels)")
+    if args.no_exif_transpose and (coco_source or args.data_format or args.source.lower().endswith((".yaml", ".yml"))):
+        out.append("--no_exif_transpose changes nothing here: a labelled source is turned by the data's EXIF rule "
+                   "(its boxes refer to the image as shown unless its json gives the stored size; docs/data_check.md)")
     if args.class_names and not (args.data_format or args.source.lower().endswith((".yaml", ".yml"))):
         out.append(f"--class_names {args.class_names} is not used: it is the class list of a VOC --source (--data_format "
                    "voc), and --source is not one")

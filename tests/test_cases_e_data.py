@@ -1,7 +1,8 @@
 """E cases of VOC and YOLO reading (../shared/cases/README.md, "E cases"): class names spelt two ways and a class
-list (E06), YOLO class ids outside `names` or written from 1 (E09), YOLO labels beside their images (E10), every
-dropped or repaired box named by its file (E25). Each set is written from the real COCO subset
-(formats_fixtures.reference_coco: 6 train images with 34 boxes, 3 val images with 38) and then damaged."""
+list (E06), YOLO class ids outside `names` or written from 1 (E09), YOLO labels beside their images (E10), text
+files from Windows (E11), YOLO splits as image lists (E13), every dropped or repaired box named by its file (E25).
+Each set is written from the real COCO subset (formats_fixtures.reference_coco: 6 train images with 34 boxes, 3 val
+images with 38) and then damaged."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+import yaml
+
 from conftest import needs_coco_subset
+from detlib.data.coco import CocoDetection
 from detlib.data.formats import check_coco_for_training, data_dir_paths, read_data_dir_splits
 from detlib.datacheck.coco import check_coco_data
 from detlib.datacheck.report import DataCheckError, DataReport
@@ -213,6 +217,90 @@ def test_case_e10_yolo_split_without_any_label_file_says_where_it_looked(tmp_pat
     assert looked.split == "train" and looked.count == 6
     assert "looked for labels/train/000000011813.txt and images/train/000000011813.txt" in looked.message
     assert any("no usable (non-crowd, non-degenerate) box" in f.message for f in report.errors)
+
+
+# ---- E11: text files from Windows
+
+
+def windows_text(path: Path, bom: bool = False, tabs: bool = False, blank_end: bool = False) -> None:
+    """Rewrite a text file as Windows tools write it: CRLF; a UTF-8 BOM (Notepad), or tabs between fields and a blank
+    last line."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if tabs:
+        lines = ["\t".join(line.split(" ")) for line in lines]
+    text = "\r\n".join(lines + ([""] if blank_end else [])) + "\r\n"
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode("utf-8"))
+
+
+def test_case_e11_yolo_files_from_windows_every_row_read(tmp_path, coco_pair):
+    train, val = coco_pair
+    ref_train, ref_val, _ = checked(write_yolo(tmp_path / "ref", {"train": train, "val": val}))
+    root = write_yolo(tmp_path / "yolo", {"train": train, "val": val})
+    names = yaml.safe_load((root / "data.yaml").read_text())["names"]
+    for split in ("train", "val"):
+        for k, f in enumerate(sorted((root / "labels" / split).glob("*.txt"))):
+            windows_text(f, bom=k % 2 == 0, tabs=k % 2 == 1, blank_end=k % 2 == 1)
+        (root / "labels" / split / "classes.txt").write_text("".join(f"{n}\n" for n in names))  # LabelImg's, in order
+        windows_text(root / "labels" / split / "classes.txt", bom=True)
+    # the val split as an image list, and the yaml, written by Notepad too
+    (root / "val.txt").write_text("".join(f"./images/val/{im['file_name']}\n" for im in val["images"]))
+    (root / "data.yaml").write_text((root / "data.yaml").read_text().replace("val: images/val", "val: val.txt"))
+    windows_text(root / "val.txt", bom=True)
+    windows_text(root / "data.yaml", bom=True)
+    t, v, report = checked(root)
+    assert boxes(t) == boxes(ref_train) and len(t["annotations"]) == 34  # before: 31 of 34 rows dropped as bad
+    assert [b[1:] for b in boxes(v)] == [b[1:] for b in boxes(ref_val)] and len(v["images"]) == 3
+    unexpected = [f for f in report.findings if f.level != "warning" or "label" in f.message]
+    assert report.ok and not unexpected, report.format()
+
+
+def test_case_e11_voc_files_from_windows_every_object_read(tmp_path, coco_pair):
+    from detlib.data.formats import read_class_names
+
+    train, val = coco_pair
+    ref_train, ref_val, _ = checked(write_voc(tmp_path / "ref", {"train": train, "val": val}))
+    root = write_voc(tmp_path / "VOC", {"train": train, "val": val})
+    texts = sorted((root / "Annotations").glob("*.xml")) + sorted((root / "ImageSets" / "Main").glob("*.txt"))
+    for k, f in enumerate(texts):
+        windows_text(f, bom=k % 2 == 0, blank_end=True)
+    listing = tmp_path / "classes.txt"
+    listing.write_text("".join(f"{c['name']}\n" for c in train["categories"]))
+    windows_text(listing, bom=True, blank_end=True)
+    assert read_class_names(str(listing)) == [c["name"] for c in train["categories"]]
+    t, v, report = checked(root, class_names=read_class_names(str(listing)))
+    assert boxes(t) == boxes(ref_train) and boxes(v) == boxes(ref_val)  # before: the first id of a BOM list missing
+    assert report.ok and not [f for f in report.findings if f.level != "warning"], report.format()
+
+
+# ---- E13: YOLO splits as .txt image lists
+
+
+def test_case_e13_yolo_splits_as_image_lists_are_read_as_the_folder_form(tmp_path, coco_pair):
+    train, val = coco_pair
+    ref = write_yolo(tmp_path / "ref", {"train": train, "val": val})
+    ref_train, ref_val = check_coco_for_training(data_dir_paths(str(ref), None, None, None), None, data_format="yolo")
+    root = write_yolo(tmp_path / "yolo", {"train": train, "val": val})
+    # ultralytics' coco.yaml form: lists at the root, lines ./images/<split>/<name>; val: one line absolute, one
+    # without ./, and its list in a subfolder (lines relative to the set's root)
+    (root / "train.txt").write_text("".join(f"./images/train/{im['file_name']}\n" for im in train["images"]))
+    (root / "lists").mkdir()
+    files = [im["file_name"] for im in val["images"]]
+    (root / "lists" / "val.txt").write_text(f"{root / 'images' / 'val' / files[0]}\nimages/val/{files[1]}\n"
+                                            f"./images/val/{files[2]}\n")
+    (root / "data.yaml").write_text((root / "data.yaml").read_text().replace("train: images/train", "train: train.txt")
+                                    .replace("val: images/val", "val: lists/val.txt"))
+    paths = data_dir_paths(str(root), None, None, None)
+    t, v = check_coco_for_training(paths, str(tmp_path / "out"), data_format="yolo")  # before: 0 images, stopped
+    for got, want in ((t, ref_train), (v, ref_val)):
+        assert [b[1:] for b in boxes(got)] == [b[1:] for b in boxes(want)]
+    assert len(CocoDetection(paths["train_images"], t)) == 6
+    assert len(CocoDetection(paths["val_images"], v, train=False)) == 3
+    # a listed image that is really missing is named with the folders it was looked for in
+    with open(root / "train.txt", "a") as f:
+        f.write("./images/train/gone.jpg\n")
+    _, _, report = checked(root)
+    assert finding(report, "images listed that do not exist").examples == [
+        f"train.txt: ./images/train/gone.jpg (looked for in {root})"]
 
 
 # ---- E25: every dropped or repaired box named by its file

@@ -176,7 +176,7 @@ def test_case_c13_large_image_refused_at_start_naming_the_flag_then_accepted(tmp
     # the raised limit also holds where the image is opened (PIL refuses this file by default)
     opened = []
 
-    def header_only(path, exif_transpose=False):
+    def header_only(path, exif_transpose=True, labelled_size=None):
         with Image.open(path) as im:
             opened.append(im.size)
         return Image.new("RGB", (8, 8)), False
@@ -349,7 +349,7 @@ def test_image_file_faults_missing_unreadable_sizes_and_exif(tmp_path):
     assert _find(r, "by a resize").examples == ["half.jpg (json 128x96, file 64x48)"]
     assert _find(r, "another aspect ratio").examples == ["wrong.jpg (json 64x64, file 64x48)"]
     assert _find(r, "taken from the file").examples == ["nosize.jpg"]
-    assert _find(r, "EXIF orientation").examples == ["turned.jpg (orientation 6)"]
+    assert r.summaries["train (turned upright by their EXIF orientation)"] == {"turned.jpg": "orientation 6"}
     assert [f.level for f in r.errors] == ["error"]
     assert sorted(im["id"] for im in check.dataset["images"]) == [1, 4, 5, 6, 7]
     assert sorted(a["image_id"] for a in check.dataset["annotations"]) == [1, 4, 5, 6, 7]  # not "unknown image"

@@ -175,7 +175,7 @@ class CocoDetection(torch.utils.data.Dataset):
                 "id": int(img["id"]), "path": path, "size": (H, W),
                 "boxes": np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
                 "labels": np.asarray(labels, dtype=np.int64),
-                "iscrowd": np.asarray(crowd, dtype=bool), "exif_transpose": bool(img.get("_exif_transpose", False)),
+                "iscrowd": np.asarray(crowd, dtype=bool),
             })
         return records, dropped, unknown_category, missing
 
@@ -199,7 +199,8 @@ class CocoDetection(torch.utils.data.Dataset):
         rec = self.records[index]
         # Set in the worker that loads: DataLoader workers do not share the parent's later changes.
         Image.MAX_IMAGE_PIXELS = self.max_image_pixels
-        pil, truncated = load_rgb(rec["path"], exif_transpose=rec["exif_transpose"])
+        # turned as PIL's exif_transpose shows it unless the json's size is the stored one (the EXIF rule)
+        pil, truncated = load_rgb(rec["path"], labelled_size=rec["size"][::-1])
         if truncated:
             logger.warning("image %s is truncated; its missing part is decoded as grey", rec["path"])
         image = F.pil_to_tensor(pil)

@@ -39,6 +39,15 @@ What the conversion decides (boxes inside detlib are xyxy pixels; the COCO dicts
   and LabelImg's layout). labels/ wins where both exist. A label file read beside its image and one that a
   labels/ file replaces are warnings, and a split where no image has either says where it looked: an image
   never becomes background without a word.
+* YOLO image lists (`train: train.txt`, ultralytics' coco.yaml form): one image path a line, absolute or relative to
+  the list's folder (ultralytics replaces a leading `./` by it), else to the set's root (`path:`); the split's
+  `file_name`s are relative to the list's folder (`_yolo_folder`). A path found in neither is a repair naming the
+  list, the line and the folders looked in.
+* Text files (data.yaml, label files, classes.txt, image lists, split and class lists) are read by one rule,
+  `read_text`: UTF-8 with or without a BOM, UTF-16 with a BOM; any line end; spaces or tabs between fields.
+* Sizes: a YOLO image's is its file's as shown (EXIF orientation applied: its rows are normalised to that, as
+  ultralytics' `exif_size`); a VOC xml without <size> takes the same; a VOC <size> is stated and decides with the
+  EXIF rule of `detlib.datacheck.orientation`, as a COCO json's does.
 * Every converted annotation carries `_source`, its xml and object or its label file and line, by which the data
   check names it (a box clipped or dropped there is named by its file, not by the annotation id given here).
 * Image ids: the file stems when all are distinct integers (COCO-style names), else 1..N in sorted order
@@ -51,6 +60,7 @@ image, counted), a label file without an image is warned about.
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import glob
 import math
@@ -61,6 +71,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from ..datacheck.coco import check_coco_data
+from ..datacheck.orientation import shown_size
 from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS, DataReport, Findings, publish_report, read_image_headers
 
 FORMATS = ("coco", "voc", "yolo")
@@ -116,6 +127,27 @@ YOLO_FINDINGS = {
     "classes_txt": ("error", "categories", "classes.txt files (LabelImg's class list, whose order the label rows' ids "
                     "follow) that name the classes in another order than `names`: make `names` that list"),
 }
+
+
+def read_text(path: str) -> str:
+    """A text file as every reader here takes it (data.yaml, label files, classes.txt, image lists, split lists,
+    class lists), whatever wrote it: UTF-8 with or without a BOM (Windows Notepad writes one), UTF-16 with its BOM
+    (Notepad's "Unicode"). Lines are then split by `str.splitlines` (LF, CRLF or CR) and rows by `str.split` (spaces
+    or tabs). VOC xml goes to its parser as bytes, which honours a BOM itself.
+
+    Raises:
+        OSError: the file cannot be read; UnicodeDecodeError: it is neither.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return data.decode("utf-16")
+    return data.decode("utf-8-sig")
+
+
+def read_lines(path: str) -> list[str]:
+    """The non-blank lines of a text file (`read_text`), stripped."""
+    return [line.strip() for line in read_text(path).splitlines() if line.strip()]
 
 
 def _yaml_in(root: str) -> str | None:
@@ -210,10 +242,7 @@ def _yolo_split(root: str, name: str) -> tuple[str, str]:
     if yaml_path is None:
         raise FileNotFoundError(f"no {' / '.join(YOLO_YAML_NAMES)} in {root}")
     cfg = read_yolo_yaml(yaml_path)
-    images = _yolo_image_entries(cfg, yaml_path, name)
-    folder = images[0] if len(images) == 1 and os.path.isdir(images[0]) else os.path.commonpath(
-        [p if os.path.isdir(p) else os.path.dirname(p) for p in images])
-    return folder, yaml_path
+    return _yolo_folder(_yolo_image_entries(cfg, yaml_path, name)), yaml_path
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -308,8 +337,7 @@ def read_class_names(text: str) -> list[str]:
         ValueError: no name, or two names that are one class by `class_key` (both named).
     """
     if os.path.isfile(text):
-        with open(text, encoding="utf-8") as f:
-            names = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        names = [line for line in read_lines(text) if not line.startswith("#")]
     else:
         names = [n.strip() for n in text.split(",") if n.strip()]
     return _checked_class_list(names, text)
@@ -384,8 +412,7 @@ def read_voc_split(listing: str, *, report: DataReport, split: str, cache_file: 
                    classes: VocClasses | None = None) -> dict:
     """A VOC split list (ImageSets/Main/<split>.txt) and its xml files as a COCO dict (see `read_split`)."""
     root = _voc_root(listing)
-    with open(listing) as f:
-        ids_listed = [line.split()[0] for line in f if line.strip()]
+    ids_listed = [line.split()[0] for line in read_lines(listing)]
     found = Findings(VOC_FINDINGS)
     seen, ids = set(), []
     for i in ids_listed:
@@ -453,10 +480,10 @@ def read_voc_split(listing: str, *, report: DataReport, split: str, cache_file: 
                                 "difficult": int(is_difficult), "truncated": int(is_truncated), "_source": where})
     if need_size:
         image_dir = os.path.join(root, "JPEGImages")
-        for im, (status, fw, fh, _) in zip(need_size, read_image_headers(
+        for im, (status, fw, fh, orientation) in zip(need_size, read_image_headers(
                 [os.path.join(image_dir, im["file_name"]) for im in need_size], progress=False, cache_file=cache_file)):
-            if status == "ok":
-                im["width"], im["height"] = fw, fh
+            if status == "ok":  # as shown: a size taken from the file states nothing against the EXIF rule
+                im["width"], im["height"] = shown_size((fw, fh), orientation)
                 found["size_from_file"].append(im["file_name"])
     found.add_to(report, split)
     report.summaries[f"{split} (voc)"] = {"list": listing, "difficult (ignored, as crowd)": difficult,
@@ -480,8 +507,7 @@ def _voc_image_file(root: str, vid: str, filename: str | None) -> str:
 def _voc_unlisted(root: str) -> list[str]:
     listed = set()
     for f in glob.glob(os.path.join(root, "ImageSets", "Main", "*.txt")):
-        with open(f) as fh:
-            listed.update(line.split()[0] for line in fh if line.strip())
+        listed.update(line.split()[0] for line in read_lines(f))
     return sorted(os.path.basename(f) for f in glob.glob(os.path.join(root, "Annotations", "*.xml"))
                   if os.path.splitext(os.path.basename(f))[0] not in listed)
 
@@ -498,8 +524,7 @@ def read_yolo_yaml(path: str) -> dict:
     import yaml
 
     try:
-        with open(path) as f:
-            cfg = yaml.safe_load(f)
+        cfg = yaml.safe_load(read_text(path))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not yaml ({type(e).__name__})") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("names"), (list, dict)) or not cfg["names"]:
@@ -558,8 +583,25 @@ def yolo_label_files(image_path: str) -> tuple[str | None, str | None]:
     return (beside, None) if os.path.isfile(beside) else (None, None)
 
 
-def _yolo_images(entries: list[str], found: Findings) -> list[str]:
-    """The image files of a split's entries (folders searched recursively, .txt lists read), sorted, unique."""
+def _yolo_folder(entries: list[str]) -> str:
+    """The image folder of a split's entries, which its images' `file_name`s are relative to: the folder of one
+    entry (a list's own folder), or the folder that holds them all."""
+    return os.path.commonpath([e if os.path.isdir(e) else os.path.dirname(e) for e in entries])
+
+
+def _yolo_listed(line: str, listing: str, base: str) -> tuple[str | None, list[str]]:
+    """(the image file a line of an image list names, or None; the folders it was looked for in). A relative line
+    is relative to the list's folder (ultralytics replaces a leading `./` by it), else to the set's root `base`."""
+    if os.path.isabs(line):
+        return (line if os.path.isfile(line) else None), [os.path.dirname(line)]
+    folders = list(dict.fromkeys([os.path.dirname(listing), base]))
+    found = next((os.path.join(d, line) for d in folders if os.path.isfile(os.path.join(d, line))), None)
+    return (os.path.abspath(found) if found else None), folders
+
+
+def _yolo_images(entries: list[str], found: Findings, base: str) -> list[str]:
+    """The image files of a split's entries (folders searched recursively, .txt lists read: `_yolo_listed`), sorted,
+    unique; `base` the set's root."""
     files = []
     for e in entries:
         if os.path.isdir(e):
@@ -568,17 +610,12 @@ def _yolo_images(entries: list[str], found: Findings) -> list[str]:
                 files += [os.path.join(dirpath, f) for f in filenames
                           if not f.startswith(".") and f.lower().endswith(YOLO_IMAGE_EXTENSIONS)]
         else:
-            with open(e) as f:
-                for line in f:
-                    line = line.strip()
-                    if not line:
-                        continue
-                    p = line if os.path.isabs(line) else os.path.join(os.path.dirname(e), line)
-                    p = os.path.abspath(p)
-                    if os.path.isfile(p):
-                        files.append(p)
-                    else:
-                        found["no_image"].append(line)
+            for line in read_lines(e):
+                p, looked = _yolo_listed(line, e, base)
+                if p is not None:
+                    files.append(p)
+                else:
+                    found["no_image"].append(f"{os.path.basename(e)}: {line} (looked for in {' and '.join(looked)})")
     out, seen = [], set()
     for p in sorted(files):
         if p in seen:
@@ -602,9 +639,8 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
     base = _yolo_base(cfg, yaml_path)
     entries = _yolo_image_entries(cfg, yaml_path, key)
     found = Findings(YOLO_FINDINGS)
-    files = _yolo_images(entries, found)
-    folder = entries[0] if len(entries) == 1 and os.path.isdir(entries[0]) else (
-        os.path.commonpath([os.path.dirname(p) for p in files]) if files else os.path.dirname(entries[0]))
+    files = _yolo_images(entries, found, base)
+    folder = _yolo_folder(entries)
     heads = read_image_headers(files, progress=progress, cache_file=cache_file)
     image_ids, _ = _image_ids([os.path.splitext(os.path.basename(p))[0] for p in files])
     class_rows = Counter() if class_rows is None else class_rows
@@ -613,7 +649,7 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
     label_dirs: set[str] = set()
     for path, iid, (status, fw, fh, orientation) in zip(files, image_ids, heads):
         # the boxes are normalised to the image as shown (ultralytics applies the EXIF turn, exif_size)
-        sw, sh = (fh, fw) if status == "ok" and orientation in (5, 6, 7, 8) else (fw, fh)
+        sw, sh = shown_size((fw, fh), orientation)
         im = {"id": iid, "file_name": os.path.relpath(path, folder), "width": sw if status == "ok" else None,
               "height": sh if status == "ok" else None}
         label, unused = yolo_label_files(path)
@@ -627,8 +663,7 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
             if label != yolo_label_path(path):
                 found["beside"].append(os.path.relpath(label, base))
             try:
-                with open(label) as f:
-                    rows = [line.split() for line in f if line.strip()]
+                rows = [(n, line.split()) for n, line in enumerate(read_text(label).splitlines(), 1) if line.strip()]
             except (OSError, UnicodeDecodeError):
                 found["unreadable_label"].append(os.path.relpath(label, base))
                 continue
@@ -639,7 +674,7 @@ def read_yolo_split(yaml_path: str, key: str, *, report: DataReport, split: str,
         if status != "ok":
             continue  # the image check reports the file; its boxes go with it
         seen_rows = set()
-        for n, row in enumerate(rows, 1):
+        for n, row in rows:
             where = f"{os.path.relpath(label, base)}:{n}"
             box = _yolo_row(row, len(names), found, where, class_rows)
             if box is None:
@@ -709,8 +744,7 @@ def _yolo_classes_txt_conflicts(label_dirs: set[str], names: dict[int, str], bas
     for folder in sorted(label_dirs):
         f = os.path.join(folder, "classes.txt")
         try:
-            with open(f, encoding="utf-8") as fh:
-                listed = [line.strip() for line in fh if line.strip()]
+            listed = read_lines(f)
         except (OSError, UnicodeDecodeError):
             continue
         diff = next((i for i, n in enumerate(listed[:len(names)]) if n != names[i]), None)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
+from ..datacheck.orientation import exif_orientation, labels_on_shown_image
 from .transforms import make_sample
 
 logger = logging.getLogger(__name__)
@@ -55,13 +56,19 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def load_rgb(path: str | os.PathLike, exif_transpose: bool = False, allow_truncated: bool = True) -> tuple[Image.Image, bool]:
-    """Open an image file as an RGB PIL image, decoded in full.
+def load_rgb(path: str | os.PathLike, exif_transpose: bool = True, allow_truncated: bool = True,
+             labelled_size: tuple[int, int] | None = None) -> tuple[Image.Image, bool]:
+    """Open an image file as an RGB PIL image, decoded in full, turned as its labels see it.
 
     Args:
         path: the file.
-        exif_transpose: apply the EXIF orientation. Off for COCO, whose boxes refer to the stored pixels.
+        exif_transpose: turn the image as PIL's `ImageOps.exif_transpose` shows it, by the one EXIF rule
+            (`detlib.datacheck.orientation.labels_on_shown_image`): every orientation 2..8, square or not, unless
+            `labelled_size` is the stored size and not the shown one. False: the stored pixels (predict's
+            `--no_exif_transpose`).
         allow_truncated: decode a truncated file (the missing part is grey) instead of failing.
+        labelled_size: (width, height) px an annotation file gives the image (a COCO json's, a VOC xml's); None: no
+            size is stated (YOLO, predict on files), the image is turned.
     Returns:
         (image in mode RGB, truncated) where `truncated` says the file was cut short.
     Raises:
@@ -83,7 +90,7 @@ def load_rgb(path: str | os.PathLike, exif_transpose: bool = False, allow_trunca
                 with _tolerate_truncation(), Image.open(path) as im:
                     im.load()
                     img = im
-            if exif_transpose:
+            if exif_transpose and labels_on_shown_image(exif_orientation(img), img.size, labelled_size):
                 img = ImageOps.exif_transpose(img)
             return to_rgb(img), truncated
     except IMAGE_ERRORS as e:

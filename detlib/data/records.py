@@ -6,12 +6,12 @@ process, a few hundred MiB each ("copy-on-read"; detectron2 serialises its recor
 reason). Numpy arrays hold no per-element objects: workers read them without copying a page.
 
 `CompactRecords` keeps, for N images and T boxes:
-    ids [N] int64, sizes [N, 2] int32 (H, W), flags [N] bool (EXIF transpose),
+    ids [N] int64, sizes [N, 2] int32 (H, W),
     offsets [N + 1] int64 (boxes of image i: rows offsets[i]:offsets[i + 1]),
     boxes [T, 4] float32 xyxy pixels, labels [T] int64, iscrowd [T] bool,
     paths: one uint8 buffer of the UTF-8 paths, with path_offsets [N + 1] int64.
-Indexing returns the dict a list of records would hold (`id`, `path`, `size`, `boxes`, `labels`, `iscrowd`,
-`exif_transpose`), with array views: nothing is copied.
+Indexing returns the dict a list of records would hold (`id`, `path`, `size`, `boxes`, `labels`, `iscrowd`), with
+array views: nothing is copied.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class CompactRecords:
 
     Args:
         records: dicts with `id` (int), `path` (str), `size` ((H, W)), `boxes` ([n, 4] float32), `labels` ([n]
-            int64), `iscrowd` ([n] bool) and optionally `exif_transpose` (bool).
+            int64) and `iscrowd` ([n] bool).
     """
 
     def __init__(self, records: Sequence[dict]):
@@ -36,7 +36,6 @@ class CompactRecords:
         np.cumsum(counts, out=self.offsets[1:])
         self.ids = np.fromiter((r["id"] for r in records), dtype=np.int64, count=n)
         self.sizes = np.asarray([r["size"] for r in records], dtype=np.int32).reshape(n, 2)
-        self.exif = np.fromiter((bool(r.get("exif_transpose", False)) for r in records), dtype=bool, count=n)
         self.boxes = (np.concatenate([r["boxes"] for r in records]) if n else np.zeros((0, 4))).astype(np.float32).reshape(-1, 4)
         self.labels = (np.concatenate([r["labels"] for r in records]) if n else np.zeros(0)).astype(np.int64)
         self.iscrowd = (np.concatenate([r["iscrowd"] for r in records]) if n else np.zeros(0)).astype(bool)
@@ -56,7 +55,7 @@ class CompactRecords:
         p, q = self.path_offsets[index], self.path_offsets[index + 1]
         return {"id": int(self.ids[index]), "path": self.paths[p:q].tobytes().decode("utf-8"),
                 "size": (int(self.sizes[index, 0]), int(self.sizes[index, 1])), "boxes": self.boxes[a:b],
-                "labels": self.labels[a:b], "iscrowd": self.iscrowd[a:b], "exif_transpose": bool(self.exif[index])}
+                "labels": self.labels[a:b], "iscrowd": self.iscrowd[a:b]}
 
     def __iter__(self) -> Iterator[dict]:
         return (self[i] for i in range(len(self)))

@@ -5,9 +5,9 @@ The normalised json (`CocoCheck.dataset`) is a COCO dict where every image has a
 `width` / `height` and a `file_name`; every annotation an int `id` > 0 (unique), an int `image_id` and
 `category_id` that exist, a finite `bbox` [x, y, w, h] (pixels, clipped to the image, w and h > 0), a finite
 `area` and an int `iscrowd`; every category an int `id` (unique) and a `name`. Images whose id had to be
-renumbered (non-numeric) keep the json's own id as `original_id`; `_exif_transpose: True` tells the loader
-that the json's size is the file's EXIF-rotated one. `CocoDetection` trains and `CocoEvaluator` evaluates on
-it, so both see the same repaired values.
+renumbered (non-numeric) keep the json's own id as `original_id`. An image is turned by its EXIF orientation as
+`detlib.datacheck.orientation` rules, its width / height then the size as loaded. `CocoDetection` trains and
+`CocoEvaluator` evaluates on it, so both see the same repaired values.
 
 Here: the entry points (`check_coco`, val against train, the scripts' one call). The checks of the json's
 parts: `detlib.datacheck.coco_images` (images and their files), `detlib.datacheck.coco_annotations` (categories and annotations),

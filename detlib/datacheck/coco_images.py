@@ -1,6 +1,6 @@
 """The images of a COCO json, checked for `detlib.datacheck.coco`: the `images` list (ids, file names, sizes, one
 file under two ids) and, with the image folder, the files themselves (present, readable, within the pixel
-limit, of the json's size up to an EXIF turn or a resize).
+limit, of the json's size up to a resize once turned by the EXIF rule of `detlib.datacheck.orientation`).
 """
 
 from __future__ import annotations
@@ -9,14 +9,11 @@ import os
 from collections import defaultdict
 
 from .coco_fields import ids_after, int_id, positive_size
+from .orientation import labels_on_shown_image, same_aspect, shown_size
 from .report import DataReport, Findings, read_image_headers
 
-# A json size that differs from the file's only by a resize (same aspect ratio within this) is repaired.
-ASPECT_TOLERANCE = 0.01
 # Image ids travel through a batch as torch.int64; an id outside its range is renumbered like a string id.
 INT64_RANGE = range(-2**63, 2**63)
-# EXIF orientations 5-8 turn the image by 90 degrees: its shown size is the stored one transposed.
-TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)
 
 IMAGE_LIST_FINDINGS = {
     "bad": ("error", "structure", "images that are not objects"),
@@ -37,14 +34,18 @@ IMAGE_FILE_FINDINGS = {
     "unreadable": ("repair", "images", "image files that cannot be read as images: left out with their annotations"),
     "too_big": ("error", "images", "images larger than the pixel limit {limit} (PIL's decompression-bomb guard); "
                 "if they are genuine, pass --max_image_pixels {needed} or more"),
-    "filled": ("repair", "images", "width / height missing in the json: taken from the file"),
-    "rotated": ("repair", "images", "json size is the file's size turned by its EXIF orientation: the image is "
-                "turned the same way when loaded"),
+    "filled": ("repair", "images", "width / height missing in the json: taken from the file (as shown, by its EXIF "
+               "orientation)"),
+    "stored": ("warning", "images", "images whose EXIF orientation turns them by 90 degrees but whose json width / "
+               "height is their stored size, not their shown one: read as stored, unturned (their boxes taken to "
+               "refer to the stored pixels)"),
     "resized": ("repair", "images", "json size differs from the file's by a resize (same aspect ratio): the image is "
                 "resized to the json's size when loaded, so the boxes stay in place"),
     "mismatch": ("error", "images", "json size differs from the file's with another aspect ratio: the boxes cannot "
                  "be placed on the file"),
 }
+# The summary that names every image the loader turns by its EXIF orientation (console and data_report.json).
+TURNED_SUMMARY = "{split} (turned upright by their EXIF orientation)"
 
 
 def check_image_list(raw: list, need_files: bool, report: DataReport, split: str
@@ -160,15 +161,16 @@ def check_image_files(images: list[dict], image_dir: str, max_image_pixels: int 
                       ) -> tuple[list[dict], set[int]]:
     """The image files of normalised images, by their headers; findings added to `report`.
 
-    A missing width / height is taken from the file; a json size that is the file's turned by its EXIF
-    orientation marks the image `_exif_transpose`. Other arguments: see `check_coco`.
+    A missing width / height is taken from the file as shown. Every image the loader turns by its EXIF orientation
+    (`labels_on_shown_image`) is named in `report.summaries[TURNED_SUMMARY]` (file name: orientation). Other
+    arguments: see `check_coco`.
     Returns:
         (the images whose file can be read, modified in place; the ids of those left out).
     """
     heads = read_image_headers([os.path.join(image_dir, im["file_name"]) for im in images], num_workers,
                                progress, cache_file)
     found = Findings(IMAGE_FILE_FINDINGS)
-    out, left_out = [], set()
+    out, left_out, turned = [], set(), {}
     for im, (status, fw, fh, orientation) in zip(images, heads):
         fn = im["file_name"]
         if status != "ok":
@@ -178,32 +180,36 @@ def check_image_files(images: list[dict], image_dir: str, max_image_pixels: int 
         out.append(im)
         if max_image_pixels and fw * fh > max_image_pixels:
             found["too_big"].append((fw * fh, f"{fn} ({fw}x{fh})"))
-        _match_json_size(im, fw, fh, orientation, found)
+        if _match_json_size(im, fw, fh, orientation, found):
+            turned[fn] = f"orientation {orientation}"
     too_big = found["too_big"]
     too_big.sort(reverse=True)  # the largest first: the message names the limit that lets all of them in
     needed = too_big[0][0] if too_big else None
     too_big[:] = [text for _, text in too_big]
     found.add_to(report, split, limit=max_image_pixels, needed=needed)
+    if turned:
+        report.summaries[TURNED_SUMMARY.format(split=split)] = turned
     return out, left_out
 
 
-def _match_json_size(im: dict, fw: int, fh: int, orientation: int, found: Findings) -> None:
-    """Compare the json's size of an image with its file's stored size (fw, fh) and EXIF orientation."""
+def _match_json_size(im: dict, fw: int, fh: int, orientation: int, found: Findings) -> bool:
+    """Compare the json's size of an image with its file's stored size (fw, fh) and EXIF orientation; True when the
+    loader turns the image (`labels_on_shown_image`: the json's size, not its pixels, decides the exception)."""
     fn = im["file_name"]
-    sw, sh = (fh, fw) if orientation in TRANSPOSING_ORIENTATIONS else (fw, fh)
-    w, h = im["width"], im["height"]
-    if w is None or h is None:
-        im["width"], im["height"] = fw, fh
+    stated = None if im["width"] is None or im["height"] is None else (im["width"], im["height"])
+    turn = labels_on_shown_image(orientation, (fw, fh), stated)
+    w, h = shown_size((fw, fh), orientation) if turn else (fw, fh)
+    if stated is None:
+        im["width"], im["height"] = w, h
         found["filled"].append(fn)
-    elif (w, h) == (fw, fh):
-        return
-    elif (w, h) == (sw, sh):
-        im["_exif_transpose"] = True
-        found["rotated"].append(f"{fn} (orientation {orientation})")
-    elif abs(w / h - fw / fh) <= ASPECT_TOLERANCE * fw / fh:
-        found["resized"].append(f"{fn} (json {w}x{h}, file {fw}x{fh})")
-    elif (sw, sh) != (fw, fh) and abs(w / h - sw / sh) <= ASPECT_TOLERANCE * sw / sh:
-        im["_exif_transpose"] = True
-        found["resized"].append(f"{fn} (json {w}x{h}, file {fw}x{fh} turned by EXIF orientation {orientation})")
+        return turn
+    if not turn and shown_size((fw, fh), orientation) != (fw, fh):
+        found["stored"].append(f"{fn} (orientation {orientation}, json {stated[0]}x{stated[1]})")
+    if stated == (w, h):
+        return turn
+    if same_aspect(stated, (w, h)):
+        how = f" turned by EXIF orientation {orientation}" if turn and (w, h) != (fw, fh) else ""
+        found["resized"].append(f"{fn} (json {stated[0]}x{stated[1]}, file {w}x{h}{how})")
     else:
-        found["mismatch"].append(f"{fn} (json {w}x{h}, file {fw}x{fh})")
+        found["mismatch"].append(f"{fn} (json {stated[0]}x{stated[1]}, file {w}x{h})")
+    return turn

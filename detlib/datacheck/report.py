@@ -28,6 +28,7 @@ from PIL import Image
 
 from ..files import file_key, read_json_cache, write_json
 from ..logtext import short_middle
+from .orientation import exif_orientation
 
 logger = logging.getLogger(__name__)
 
@@ -175,10 +176,7 @@ def read_image_header(path: str) -> tuple[str, int, int, int]:
     try:
         with Image.open(path) as im:
             w, h = im.size
-            try:
-                orientation = int(im.getexif().get(0x0112, 1) or 1)
-            except Exception:  # a damaged EXIF block does not make the pixels unusable
-                orientation = 1
+            orientation = exif_orientation(im)
     except Exception as e:  # PIL raises many types for non-images
         return f"unreadable: {type(e).__name__}: {e}"[:200], 0, 0, 1
     return "ok", int(w), int(h), orientation

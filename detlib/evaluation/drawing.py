@@ -4,10 +4,11 @@ The sample is chosen once from the sorted image ids with a seeded `random.Random
 every evaluation (a user scrubs through epochs on the same images) and on every process count (it depends on
 the ground-truth json alone, never on the sharding).
 
-Orientation: detlib reads COCO images as stored (boxes in COCO json refer to the stored pixels, see
-`detlib.data.images.load_rgb`). A photo whose EXIF tag says "rotate" would show sideways, so for display the image
-is turned upright the way viewers do (`PIL.ImageOps.exif_transpose`) and the boxes are mapped with it
-(`exif_transpose_boxes`): what a user sees is the image as a viewer shows it, boxes on the right objects.
+Orientation: boxes refer to the image as the data set reads it, turned by its EXIF orientation as
+`detlib.datacheck.orientation` rules (`detlib.data.images.load_rgb`). Where that rule reads an image as stored (a
+json that gives the stored size) or predict ran with `--no_exif_transpose`, the image is still shown upright the way
+viewers do (`PIL.ImageOps.exif_transpose`) and the boxes are mapped with it (`exif_transpose_boxes`): what a user
+sees is the image as a viewer shows it, boxes on the right objects.
 
 Drawing: PIL's ImageDraw, labels in matplotlib's DejaVu Sans (installed with matplotlib). A drawn sample
 (`draw_sample`) is resized up to SAMPLE_DISPLAY_SIZE px, so labels are legible on the built-in 128 px images,
@@ -31,6 +32,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ..boxes import box_xywh_to_xyxy
 from ..data.images import load_rgb
+from ..datacheck.orientation import labels_on_shown_image
 
 EXIF_ORIENTATION_TAG = 0x0112
 # PIL transpose method of each EXIF orientation, as in PIL.ImageOps.exif_transpose.
@@ -98,13 +100,19 @@ def exif_transpose_boxes(boxes: torch.Tensor, orientation: int, width: int, heig
     return torch.stack((xs[0], ys[0], xs[1], ys[1]), dim=-1)
 
 
-def load_display_image(path: str, size: tuple[int, int] | None = None) -> tuple[Image.Image, int]:
-    """The stored pixels of an image file as RGB, resized to the json's `size` = (height, width) when the
-    file differs (as `CocoDetection` does), and its EXIF orientation. Raises OSError naming the path."""
-    img, _ = load_rgb(path)
+def load_display_image(path: str, size: tuple[int, int] | None = None,
+                       exif_transpose: bool = True) -> tuple[Image.Image, int]:
+    """An image file as RGB as the data set reads it (`load_rgb(path, exif_transpose, labelled_size)` with the json's
+    `size` = (height, width)), resized to `size` when the file differs (as `CocoDetection` does), and the EXIF
+    orientation still to apply to show it upright: 1 when it was read turned. Raises OSError naming the path."""
+    labelled = None if size is None else (int(size[1]), int(size[0]))
+    img, _ = load_rgb(path, exif_transpose, labelled_size=labelled)
+    orientation = exif_orientation(path)
+    if exif_transpose and labels_on_shown_image(orientation, image_size(path)[::-1], labelled):
+        orientation = 1
     if size is not None and (img.height, img.width) != tuple(size):
         img = img.resize((int(size[1]), int(size[0])), Image.Resampling.BILINEAR)
-    return img, exif_orientation(path)
+    return img, orientation
 
 
 def image_size(path: str) -> tuple[int, int]:
@@ -113,27 +121,25 @@ def image_size(path: str) -> tuple[int, int]:
         return im.height, im.width
 
 
-def upright_image_and_boxes(path: str, boxes: torch.Tensor, boxes_upright: bool,
+def upright_image_and_boxes(path: str, boxes: torch.Tensor, exif_transpose: bool = True,
                             size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """An image file as a viewer shows it (EXIF orientation applied), and boxes in its pixels.
 
     Args:
         path: the image file.
-        boxes: [N, 4] float xyxy pixels, of the upright image when `boxes_upright` (the model saw the file
-            turned upright), else of the stored pixels (COCO), which are then mapped with the image.
-        size: (height, width) the stored pixels are resized to first (a COCO json's size, when the file differs).
+        boxes: [N, 4] float xyxy pixels of the image as the model saw it: `load_display_image(path, size,
+            exif_transpose)`; where that is not upright they are mapped with the image.
+        exif_transpose: False: the model saw the stored pixels (predict's `--no_exif_transpose`).
+        size: (height, width) a json gives the image (the EXIF rule's stated size; the pixels are resized to it).
     Returns:
         (image [3, H, W] uint8 RGB upright, boxes [N, 4] float32 xyxy pixels of it).
     Raises:
         OSError: the file cannot be read (names it).
     """
-    if boxes_upright:
-        pil, _ = load_rgb(path, exif_transpose=True)
-    else:
-        pil, orientation = load_display_image(path, size)
-        if orientation != 1:
-            boxes = exif_transpose_boxes(boxes, orientation, pil.width, pil.height)
-            pil = pil.transpose(_EXIF_METHODS[orientation])
+    pil, orientation = load_display_image(path, size, exif_transpose)
+    if orientation != 1:
+        boxes = exif_transpose_boxes(boxes, orientation, pil.width, pil.height)
+        pil = pil.transpose(_EXIF_METHODS[orientation])
     return torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1), boxes.float()
 
 
