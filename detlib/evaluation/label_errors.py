@@ -60,24 +60,34 @@ def _ioa(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(area_a[:, None] > 0, inter / np.where(area_a[:, None] > 0, area_a[:, None], 1), 0.0)
 
 
+def _covered(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[A] share of each box of `a` inside the boxes of `b` (IoAs summed, capped at 1: overlapping covers count twice)."""
+    return np.minimum(_ioa(a, b).sum(axis=1), 1.0) if len(a) and len(b) else np.zeros(len(a))
+
+
 def find_label_errors(gt_dataset: dict, results: list[dict], image_ids=None, score_thresh: float = 0.3,
                       iou: float = 0.5, min_overlap: float = 0.1, max_detections: int = 100,
                       category_names: dict | None = None) -> list[dict]:
-    """The ranked list of likely annotation errors (see the module docstring).
+    """The ranked list of disagreements between the detections and the annotations (see the module docstring).
 
     Args:
         gt_dataset: the ground truth as a COCO dict (`bbox` xywh px, `category_id`, `iscrowd`, `id`).
-        results: COCO results of the same images (xywh px, `category_id`, `score`, `image_id`).
+        results: COCO results of the same images (xywh px, `category_id`, `score`, `image_id`); all of them, down to
+            the evaluation's lowest score: those below `score_thresh` still say how much the model believes the label.
         image_ids: the images to look at (default: all of `gt_dataset`).
-        score_thresh: detections below it are not evidence (and not matched).
+        score_thresh: detections below it are not evidence against a label (and not matched).
         iou: the match threshold (COCO's AP50 one); min_overlap: below it a detection touches no box.
         max_detections: per image, the highest-scoring detections kept (COCO's 100).
         category_names: {category id: name}; default the json's.
     Returns:
-        [{"rank": 1.., "type": one of `KINDS`, "score": the detection's score, "image_id", "annotation_id" (None for
+        [{"rank": 1.., "type": one of `KINDS`, "confidence": how likely the label is wrong, 0-1 (the module
+        docstring), "score": the detection's score, "label_score": the best score of a detection of the annotated
+        class at the annotated box (IoU >= `iou`; None for missing_box), "covered": the share of the annotated box
+        (missing_box: of the detection) inside the other annotated boxes, "image_id", "annotation_id" (None for
         missing_box), "category": the annotated class name (None for missing_box), "suggested_category": the
         detection's class name, "annotated_bbox": xywh px or None, "suggested_bbox": xywh px (the detection's),
-        "iou": IoU of the two boxes (missing_box: the largest IoU with any box)}], highest score first; ties by type, image, annotation id.
+        "iou": IoU of the two boxes (missing_box: the largest IoU with any box)}], highest confidence first; ties by
+        score, type, image, annotation id.
     """
     names = category_names or {c["id"]: str(c.get("name", c["id"])) for c in gt_dataset["categories"]}
     ids = sorted(int(i) for i in (image_ids if image_ids is not None else (im["id"] for im in gt_dataset["images"])))
@@ -88,11 +98,12 @@ def find_label_errors(gt_dataset: dict, results: list[dict], image_ids=None, sco
             gts[a["image_id"]].append(a)
     dts: dict[int, list[dict]] = {i: [] for i in ids}
     for r in results:
-        if r["image_id"] in wanted and r["score"] >= score_thresh:
+        if r["image_id"] in wanted:
             dts[r["image_id"]].append(r)
     found = []
     for iid in ids:
-        d = sorted(dts[iid], key=lambda r: -r["score"])[:max_detections]  # stable: ties keep the results' order
+        d_all = sorted(dts[iid], key=lambda r: -r["score"])[:max_detections]  # stable: ties keep the results' order
+        d = [r for r in d_all if r["score"] >= score_thresh]
         g = gts[iid]
         if not d:
             continue
@@ -101,6 +112,14 @@ def find_label_errors(gt_dataset: dict, results: list[dict], image_ids=None, sco
         g_cls = np.array([a["category_id"] for a in g])
         d_cls = np.array([r["category_id"] for r in d])
         overlap = _iou(d_box, g_box) if len(g) else np.zeros((len(d), 0))  # [D, G]
+        # the model's belief in each label: its best score for the box's class at the box, below score_thresh too
+        all_overlap = _iou(_xyxy([r["bbox"] for r in d_all]), g_box) if len(g) else np.zeros((len(d_all), 0))
+        same_cls = np.array([r["category_id"] for r in d_all])[:, None] == g_cls[None, :]
+        label_score = np.where(same_cls & (all_overlap >= iou), np.array([r["score"] for r in d_all])[:, None],
+                               0.0).max(axis=0, initial=0.0)  # [G]
+        real = g_box[~crowd]
+        g_covered = np.array([_covered(g_box[k:k + 1], np.delete(g_box, k, axis=0)[~np.delete(crowd, k)])[0]
+                              for k in range(len(g))])  # [G]
         g_used = crowd.copy()  # crowd boxes are never matched nor reported
         d_used = np.zeros(len(d), dtype=bool)
         for j in range(len(d)):  # COCO's greedy matching: best unmatched box of the detection's class
@@ -120,19 +139,32 @@ def find_label_errors(gt_dataset: dict, results: list[dict], image_ids=None, sco
                     continue
                 k = cand[np.argmax(overlap[j, cand])]
                 g_used[k] = d_used[j] = True
-                found.append(_entry(kind, d[j], g[k], float(overlap[j, k]), names))
+                found.append(_entry(kind, d[j], g[k], float(overlap[j, k]), names, float(label_score[k]),
+                                    float(g_covered[k])))
         inside_crowd = (_ioa(d_box, g_box[crowd]) >= iou).any(axis=1) if crowd.any() else np.zeros(len(d), dtype=bool)
+        d_covered = _covered(d_box, real)
         for j in range(len(d)):
             if not d_used[j] and not inside_crowd[j] and (not len(g) or overlap[j].max() < iou):
-                found.append(_entry("missing_box", d[j], None, float(overlap[j].max()) if len(g) else 0.0, names))
-    found.sort(key=lambda e: (-e["score"], KINDS.index(e["type"]), e["image_id"], e["annotation_id"] or 0))
+                found.append(_entry("missing_box", d[j], None, float(overlap[j].max()) if len(g) else 0.0, names,
+                                    None, float(d_covered[j])))
+    found.sort(key=lambda e: (-e["confidence"], -e["score"], KINDS.index(e["type"]), e["image_id"],
+                              e["annotation_id"] or 0))
     for rank, e in enumerate(found, 1):
         e["rank"] = rank
     return found
 
 
-def _entry(kind: str, det: dict, ann: dict | None, overlap: float, names: dict) -> dict:
-    return {"rank": 0, "type": kind, "score": float(det["score"]), "image_id": det["image_id"],
+def label_error_confidence(score: float, label_score: float | None, covered: float) -> float:
+    """How likely a disagreement is an annotation error, 0-1: the model's score for its suggestion, times its
+    disbelief in the label at that box (1 - `label_score`; 1 for missing_box), times the share of the box in view
+    (1 - `covered`). See the module docstring for why each factor, and docs/evaluation.md for what it measured."""
+    return float(score * (1.0 - (label_score or 0.0)) * (1.0 - covered))
+
+
+def _entry(kind: str, det: dict, ann: dict | None, overlap: float, names: dict, label_score: float | None,
+           covered: float) -> dict:
+    return {"rank": 0, "type": kind, "confidence": label_error_confidence(det["score"], label_score, covered),
+            "score": float(det["score"]), "label_score": label_score, "covered": covered, "image_id": det["image_id"],
             "annotation_id": None if ann is None else ann.get("id"),
             "category": None if ann is None else names.get(ann["category_id"], str(ann["category_id"])),
             "suggested_category": names.get(det["category_id"], str(det["category_id"])),
