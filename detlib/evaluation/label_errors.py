@@ -71,6 +71,10 @@ def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(union > 0, inter / np.where(union > 0, union, 1), 0.0)
 
 
+def _area(boxes: np.ndarray) -> np.ndarray:
+    return np.prod(boxes[:, 2:] - boxes[:, :2], axis=1)
+
+
 def _ioa(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """[A, B] share of each box of `a` inside each box of `b` (pycocotools' IoU against a crowd box)."""
     lt = np.maximum(a[:, None, :2], b[None, :, :2])
@@ -85,8 +89,7 @@ def _occluded(a: np.ndarray, b: np.ndarray, skip: np.ndarray | None = None) -> n
     capped at 1: overlapping covers count twice); `skip` [A, B] bool: pairs left out (a box and itself)."""
     if not len(a) or not len(b):
         return np.zeros(len(a))
-    area = lambda x: np.prod(x[:, 2:] - x[:, :2], axis=1)  # noqa: E731
-    near = area(b)[None, :] <= OCCLUDER_AREA * area(a)[:, None]
+    near = _area(b)[None, :] <= OCCLUDER_AREA * _area(a)[:, None]
     if skip is not None:
         near &= ~skip
     return np.minimum(np.where(near, _ioa(a, b), 0.0).sum(axis=1), 1.0)
