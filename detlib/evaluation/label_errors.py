@@ -16,7 +16,8 @@ disagreement is either an annotation error or the model's own mistake; its `conf
   score x (1 - label_score) x (1 - covered)
 
   score        the contradicting detection's: a trained detector is rarely confidently wrong where its labels were
-               right (the idea of cleanlab's object-detection label-quality scores and of hotcoco's `image_diagnostics`);
+               right (the idea of cleanlab's object-detection label-quality scores and of hotcoco's
+               `image_diagnostics`);
   label_score  the model's best score for the annotated class at the annotated box (IoU >= `iou`, any score down to
                the evaluation's lowest): a model that half sees the labelled class there is unsure, not contradicting;
   covered      the share of the annotated box (missing_box: of the detection) inside other annotated boxes of at most
