@@ -48,8 +48,8 @@ logger = logging.getLogger(__name__)
 KINDS = ("wrong_class", "badly_placed", "missing_box")
 LABEL_ERRORS_FILE = "label_errors.json"
 # A box covers another only when it is at most this much larger: a cup inside a table's box is not hidden by the
-# table, two shapes of about one size drawn over each other are (1.5: of 1.5, 2 and 4 it kept the most planted errors
-# of the real subset's test; docs/evaluation.md).
+# table, two shapes of about one size drawn over each other are (of 1.5, 2 and 4, 1.5 kept the most planted errors in
+# the real subset's test at the same false alarms on the built-in set; docs/evaluation.md).
 OCCLUDER_AREA = 1.5
 # The confidence above which an entry is counted as a likely label error (docs/evaluation.md: its precision and
 # false alarms on the built-in set).
