@@ -11,7 +11,7 @@ evaluation writes to the run folder and the trackers),
 from .coco import COCO_AREA_EDGES, COCO_AREA_RANGES, STAT_NAMES, CocoEvaluator, area_ranges_from_edges, detections_to_coco
 from .diagnostics import (bootstrap_interval, calibration, compare_evaluations, error_breakdown, format_diagnostics,
                           hotcoco_evaluation)
-from .label_errors import find_label_errors, write_label_errors
+from .label_errors import count_label_errors, find_label_errors, write_label_errors
 from .drawing import boxes_from_coco, class_color, draw_detections, drawing_scale, save_image, upright_image_and_boxes
 from .metrics import (best_f1_thresholds, format_best_f1, per_class_ap, per_class_without_detections,
                       read_score_thresholds, write_score_thresholds)
@@ -25,6 +25,6 @@ __all__ = [
     "per_class_without_detections", "classifier_card", "command_line", "detector_card", "write_card",
     "log_classification_extras", "log_evaluation_extras", "read_score_thresholds", "write_score_thresholds", "COCO_AREA_EDGES", "COCO_AREA_RANGES",
     "area_ranges_from_edges", "bootstrap_interval", "calibration", "compare_evaluations", "error_breakdown",
-    "format_diagnostics", "hotcoco_evaluation", "find_label_errors", "write_label_errors", "evaluation_diagnostics",
+    "format_diagnostics", "hotcoco_evaluation", "find_label_errors", "count_label_errors", "write_label_errors", "evaluation_diagnostics",
     "log_diagnostics_to_trackers"
 ]

@@ -242,7 +242,7 @@ def evaluation_diagnostics(evaluator, output_dir: str, epoch: int | None, n_boot
         found = errors_mod.original_ids(found, evaluator.original_ids)
         files["label_errors"] = errors_mod.write_label_errors(os.path.join(output_dir, errors_mod.LABEL_ERRORS_FILE),
                                                               found, {"score_thresh": 0.3, "iou": 0.5})
-        out["label_errors"] = {k: sum(e["type"] == k for e in found) for k in errors_mod.KINDS}
+        out["label_errors"] = errors_mod.count_label_errors(found)
         logger.info("%s\n  (all of them: %s)", errors_mod.format_label_errors(found), files["label_errors"])
     seconds = time.perf_counter() - t0
     logger.info("evaluation diagnostics (errors, calibration, %s) took %.2f s",
