@@ -1,0 +1,124 @@
+"""F cases of the runs (../shared/cases/README.md, "F cases"): F09, `--config` from another folder; F12, the resume
+warning on paths spelt another way; F21, caches in an unwritable home; F22, a console that is not UTF-8; F25, a
+process of a 2-process run killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import yaml
+
+from conftest import write_coco, write_image
+from helpers import load_script, make_tiny_folder, run_main
+
+# Every flag of the training scripts that names a file or folder (read back by --config, compared on resume).
+PATH_FLAGS = {
+    "train_retinanet": {"config", "evaluate_only", "data_dir", "train_images", "train_annotations", "val_images",
+                        "val_annotations", "class_names", "backbone_weights", "init_from"},
+    "train_catsdogs": {"config", "evaluate_only", "train_dir", "val_dir", "weights"},
+}
+TINY_DETECTOR = ["--backbone", "resnet18", "--image_size", "64", "--fpn_channels", "16", "--per_device_batch_size", "2",
+                 "--per_device_eval_batch_size", "2", "--num_workers", "0", "--report_to", "none", "--eval_bootstrap",
+                 "0", "--num_log_images", "0"]
+
+
+# ---- F09: --config from another folder reads the same files
+
+@pytest.mark.parametrize("script", sorted(PATH_FLAGS))
+def test_case_f09_every_path_flag_is_recorded_absolute_and_a_missing_one_is_named_as_from_the_config(script, tmp_path,
+                                                                                                     monkeypatch, capsys):
+    """Each path flag given relative is parsed to the absolute path of what it names (so config.yaml records it and a
+    --config re-run from another folder reads the same file); --output_dir is absolute once its default is known;
+    a recorded path that no longer exists stops the re-run in one line naming the file and the key."""
+    from detlib.engine import path, resolve_data_defaults
+
+    module = load_script(script)
+    parser = module.build_parser()
+    flags = {a.dest for a in parser._actions if a.type is path}
+    assert flags == PATH_FLAGS[script]
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir()
+    other.mkdir()
+    monkeypatch.chdir(first)
+    argv = []
+    for dest in sorted(flags - {"config"}):
+        (first / dest).mkdir()
+        argv += [f"--{dest}", f"./{dest}/"]
+    args = module.parse_args(argv + ["--output_dir", "run"])
+    resolve_data_defaults(args, module.DATA_DEFAULTS, synthetic=False)
+    recorded = {k: v for k, v in vars(args).items() if k in flags | {"output_dir"} and v is not None}
+    assert recorded == {**{k: str(first / k) for k in flags - {"config"}}, "output_dir": str(first / "run")}
+    (first / "config.yaml").write_text(yaml.safe_dump(recorded))
+    monkeypatch.chdir(other)
+    for dest in flags - {"config"}:
+        (other / dest).mkdir()  # the same names here: a relative record would read these
+    again = module.parse_args(["--config", "../first/config.yaml"])
+    assert {k: getattr(again, k) for k in recorded} == recorded
+    for dest in sorted(flags - {"config"}):
+        shutil.rmtree(first / dest)
+        with pytest.raises(SystemExit) as stop:
+            module.parse_args(["--config", "../first/config.yaml"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1, err
+        assert err[0].endswith(f"error: --config ../first/config.yaml: {dest}: {first / dest} does not exist (the run "
+                               f"that wrote the file read it there); give --{dest} on the command line to read another")
+        module.parse_args(["--config", "../first/config.yaml", f"--{dest}", str(other / dest)])  # replaced: no stop
+        (first / dest).mkdir()
+
+
+@pytest.mark.slow  # three short in-process runs of the classifier
+def test_case_f09_a_config_rerun_from_another_folder_trains_on_the_first_runs_data(tmp_path, monkeypatch, capsys):
+    """`--train_dir data` recorded by a run in p1, re-run with `--config ../p1/run/config.yaml` from p2, which has a
+    `data` folder of its own: it reads p1's 4 images (it read p2's 6); with p1's data gone it stops in one line."""
+    p1, p2 = tmp_path / "p1", tmp_path / "p2"
+    for folder in (p1, p2):
+        folder.mkdir()
+    make_tiny_folder(tmp_path / "d1", [2, 2]).rename(p1 / "data")
+    make_tiny_folder(tmp_path / "d2", [3, 3]).rename(p2 / "data")
+    monkeypatch.chdir(p1)
+    common = ["--model", "test_resnet", "--image_size", "32", "--per_device_batch_size", "2", "--num_workers", "0",
+              "--report_to", "none", "--max_steps", "1"]
+    code, _, err = run_main("train_catsdogs", common + ["--train_dir", "data", "--val_dir", "data", "--output_dir",
+                                                        "run"], capsys)
+    assert code == 0, err[-2000:]
+    monkeypatch.chdir(p2)
+    code, _, err = run_main("train_catsdogs", ["--config", "../p1/run/config.yaml", "--output_dir", "run2"], capsys)
+    assert code == 0, err[-2000:]
+    again = yaml.safe_load((p2 / "run2" / "config.yaml").read_text())
+    assert again["train_dir"] == str(p1 / "data") and again["num_train_images"] == 4
+    shutil.rmtree(p1 / "data")
+    code, _, err = run_main("train_catsdogs", ["--config", "../p1/run/config.yaml", "--output_dir", "run3"], capsys)
+    assert code == 2 and "Traceback" not in err and not (p2 / "run3").exists()
+    assert f"--config ../p1/run/config.yaml: train_dir: {p1 / 'data'} does not exist" in err
+
+
+# ---- F12: a resume compares paths as the files they name
+
+@pytest.mark.slow  # two short in-process RetinaNet runs
+def test_case_f12_a_resume_with_paths_spelt_otherwise_names_only_the_real_change(tmp_path, monkeypatch, capsys):
+    """The same four data files spelt another way on resume (`./img/`, `ann/./train.json`, absolute, through a link)
+    and one real change (--max_steps 2 -> 3): the warning names that change alone, under its flag."""
+    images, anns = [], []
+    for i in range(6):
+        write_image(tmp_path / "img" / f"{i}.png", 64, 64, seed=i)
+        images.append({"id": i + 1, "file_name": f"{i}.png", "width": 64, "height": 64})
+        anns.append({"image_id": i + 1, "category_id": 1, "bbox": [4 + i, 6, 30, 24]})
+    write_coco(tmp_path / "ann" / "train.json", images, anns)
+    write_coco(tmp_path / "ann" / "val.json", images[:2], anns[:2])
+    (tmp_path / "link").symlink_to(tmp_path / "ann")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main("train_retinanet", TINY_DETECTOR + [
+        "--train_images", "./img/", "--train_annotations", "ann/./train.json", "--val_images", "img",
+        "--val_annotations", str(tmp_path / "ann" / "val.json"), "--max_steps", "2", "--output_dir", "run"], capsys)
+    assert code == 0, err[-2000:]
+    code, out, err = run_main("train_retinanet", TINY_DETECTOR + [
+        "--train_images", str(tmp_path / "img"), "--train_annotations", "link/train.json", "--val_images", "./img/",
+        "--val_annotations", "ann/val.json", "--max_steps", "3", "--output_dir", "./run/",
+        "--resume_from_checkpoint", "latest"], capsys)
+    assert code == 0, err[-2000:]
+    said = [line.split("with other flags than its run's: ")[1] for line in out.splitlines()
+            if "with other flags than its run's: " in line]
+    assert said == ["--max_steps 2 -> 3"], said
