@@ -122,3 +122,71 @@ def test_case_f12_a_resume_with_paths_spelt_otherwise_names_only_the_real_change
     said = [line.split("with other flags than its run's: ")[1] for line in out.splitlines()
             if "with other flags than its run's: " in line]
     assert said == ["--max_steps 2 -> 3"], said
+
+
+# ---- F22: a console that is not UTF-8
+
+NAMES = "猫 кошка ü 😺"  # Chinese, Cyrillic, Latin-1, outside the BMP
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "cp1252", "latin-1", "cp437", "cp932"])
+def test_case_f22_every_console_stream_escapes_what_its_encoding_lacks(encoding, tmp_path, monkeypatch):
+    """On a console of `encoding` (errors "strict", as PYTHONIOENCODING or a Windows pipe makes it), what our code
+    writes (print after the scripts' parser is made; the log handlers of a run; tqdm) reaches it whole, each
+    character the encoding lacks escaped; no `--- Logging error ---`; train.log keeps the characters (UTF-8)."""
+    import io
+    import logging
+
+    from tqdm import tqdm
+
+    from detlib.engine import setup_logging
+
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding=encoding, errors="strict") for _ in range(2))
+    monkeypatch.setattr("sys.stdout", out)
+    monkeypatch.setattr("sys.stderr", err)
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    try:
+        load_script("train_catsdogs").build_parser()
+        print(f"print {NAMES}")
+        setup_logging(str(tmp_path), is_main=True)
+        logging.getLogger("detlib.test").warning("log %s", NAMES)
+        for _ in tqdm([1], desc=f"bar {NAMES}", disable=False):
+            pass
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+            h.close()
+        for h in handlers:
+            root.addHandler(h)
+    seen = [s.buffer.getvalue().decode(encoding) for s in (out, err)]
+    shown = NAMES.encode(encoding, "backslashreplace").decode(encoding)
+    assert f"print {shown}" in seen[0] and f"log {shown}" in seen[0] and f"bar {shown}" in seen[1], seen
+    assert "Logging error" not in seen[1]
+    assert f"log {NAMES}" in (tmp_path / "train.log").read_text(encoding="utf-8")
+
+
+@pytest.mark.slow  # one launch of the classifier
+def test_case_f22_a_cp1252_console_gets_every_line_of_a_run_with_chinese_class_names(tmp_path):
+    """PYTHONIOENCODING=cp1252 and class folders 猫 / 狗 with an unreadable file: the data check's warning, the class
+    line and the per-class evaluation reach the console escaped (they were lost, each with a `--- Logging error ---`
+    traceback through our code)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, launch_env, traceback_through_our_code
+
+    data = make_tiny_folder(tmp_path / "gen", [4, 4])
+    (data / "horizontal").rename(data / "猫")
+    (data / "vertical").rename(data / "狗")
+    (data / "猫" / "坏.jpg").write_text("not an image")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train_catsdogs.py"), "--train_dir", data,
+                           "--val_dir", data, "--model", "test_resnet", "--image_size", "32", "--max_steps", "1",
+                           "--num_workers", "0", "--report_to", "none", "--output_dir", tmp_path / "run"], cwd=REPO,
+                          capture_output=True, timeout=300, env=launch_env({"PYTHONIOENCODING": "cp1252"}))
+    text = (proc.stdout + proc.stderr).decode("cp1252", errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert "Logging error" not in text and not traceback_through_our_code(text), text[-3000:]
+    assert "cannot be read: left out (1 not an image) [1]; e.g." in text and r"\u732b/\u574f.jpg" in text
+    assert r"2 classes (\u72d7, \u732b)" in text
+    assert r"\u72d7: P " in text and r"\u732b: P " in text  # the per-class evaluation

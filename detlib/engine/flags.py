@@ -89,7 +89,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 class ArgumentParser(argparse.ArgumentParser):
     """The parser of a script every process of a launch runs: usage, help and errors are printed by the first process
-    only, and on an error all meet after it (`wait_for_the_first_process`), so a bad flag is one line."""
+    only, and on an error all meet after it (`wait_for_the_first_process`), so a bad flag is one line. From its making
+    on, the console escapes what its encoding cannot write (`escape_unencodable`)."""
+
+    def __init__(self, *args, **kwargs):
+        from .logs import escape_unencodable  # logs imports this module
+
+        super().__init__(*args, **kwargs)
+        escape_unencodable()
 
     def _print_message(self, message, file=None):
         if first_process():

@@ -65,8 +65,18 @@ def set_log_levels(is_main: bool = True, verbose: bool = False) -> None:
         logging.getLogger(name).setLevel(logging.INFO if is_main else logging.ERROR)
 
 
+def escape_unencodable() -> None:
+    """Every console stream writes a character its encoding lacks as an escape (`\\u732b`) instead of raising: a
+    console that is not UTF-8 (Windows' cp1252, PYTHONIOENCODING=ascii, LANG=C) still gets every line, from the log
+    handlers, print and tqdm alike (all write to sys.stdout / sys.stderr). The files we write are UTF-8."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
 def setup_console_logging(verbose: bool = False) -> None:
     """The console log of a one-process tool (export, data check)."""
+    escape_unencodable()
     logging.basicConfig(format=LOG_FORMAT)  # not force=True: that would remove handlers others attached (caplog)
     set_log_levels(True, verbose)
 
@@ -74,6 +84,7 @@ def setup_console_logging(verbose: bool = False) -> None:
 def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log", verbose: bool = False) -> None:
     """The console (stdout on the main process, stderr elsewhere) and the main process's `output_dir/filename`; a
     record logged with extra={"console": False} goes to the file only (its text is printed elsewhere)."""
+    escape_unencodable()
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -84,7 +95,7 @@ def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log", v
     root.addHandler(console)
     if is_main:
         os.makedirs(output_dir, exist_ok=True)
-        file = logging.FileHandler(os.path.join(output_dir, filename))
+        file = logging.FileHandler(os.path.join(output_dir, filename), encoding="utf-8")
         file.setFormatter(fmt)
         root.addHandler(file)
     set_log_levels(is_main, verbose)
