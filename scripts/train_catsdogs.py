@@ -347,16 +347,16 @@ def load_data(args, accelerator, synthetic: bool) -> tuple:
     """The folders (the built-in set's, generated once by the main process, without --train_dir / --val_dir) and
     `build_dataloaders`' data sets and loaders. Raises RunStop on every process for bad paths or data."""
     with accelerator.main_process_first():  # the main process generates / checks the files, the others reuse it
-        dirs = make_synthetic_image_folder() if synthetic else {"train_dir": args.train_dir, "val_dir": args.val_dir}
-        if synthetic:
-            logger.info("no --train_dir / --val_dir given: using the built-in stripes data set (horizontal vs vertical) "
-                        "in %s (%s, %d px); pass --train_dir and --val_dir for real data",
-                        os.path.dirname(dirs["train_dir"]), args.model, args.image_size)
-        dirs["train_dir"] = None if args.evaluate_only else dirs["train_dir"]
         try:
+            dirs = make_synthetic_image_folder() if synthetic else {"train_dir": args.train_dir, "val_dir": args.val_dir}
+            if synthetic:
+                logger.info("no --train_dir / --val_dir given: using the built-in stripes data set (horizontal vs "
+                            "vertical) in %s (%s, %d px); pass --train_dir and --val_dir for real data",
+                            os.path.dirname(dirs["train_dir"]), args.model, args.image_size)
+            dirs["train_dir"] = None if args.evaluate_only else dirs["train_dir"]
             data, error = build_dataloaders(args, dirs), None
-        except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
-            data, error = None, str(e)
+        except (OSError, ValueError) as e:  # bad paths or data, a cache not writable: one line, no traceback
+            dirs, data, error = None, None, str(e)
     stop_together(accelerator, error)  # out of main_process_first, whose barrier a lone exit would leave waiting
     return dirs, *data
 

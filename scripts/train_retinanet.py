@@ -724,7 +724,7 @@ def main(argv=None):
                 paths = resolve_data(args)
                 train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
                 error = None
-            except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
+            except (OSError, ValueError) as e:  # bad paths or data, a cache not writable: one line, no traceback
                 error = str(e)
         stop_together(accelerator, error)  # out of main_process_first, whose barrier a lone exit would leave waiting
         category_map = val_ds.category_map

@@ -190,3 +190,70 @@ def test_case_f22_a_cp1252_console_gets_every_line_of_a_run_with_chinese_class_n
     assert "cannot be read: left out (1 not an image) [1]; e.g." in text and r"\u732b/\u574f.jpg" in text
     assert r"2 classes (\u72d7, \u732b)" in text
     assert r"\u72d7: P " in text and r"\u732b: P " in text  # the per-class evaluation
+
+
+# ---- F21: caches outside --output_dir in an unwritable home
+
+@pytest.mark.parametrize("failure", ["EACCES", "EPERM", "EROFS", "ENOTDIR", "ENOSPC"])
+@pytest.mark.parametrize("generator", ["make_synthetic_coco", "make_synthetic_image_folder"])
+def test_case_f21_a_builtin_data_cache_that_cannot_be_written_is_one_line_naming_it(generator, failure, tmp_path,
+                                                                                   monkeypatch):
+    """Every way the built-in data's cache fails to be written (not permitted, read-only file system, a file in the
+    way, a full disk midway): CacheNotWritable, one line naming the cache, its folder, the OS's reason and
+    DETLIB_CACHE; a cache that is there is read without writing."""
+    import errno
+
+    from detlib.data import builtin
+    from detlib.files import CacheNotWritable
+
+    monkeypatch.setenv("DETLIB_CACHE", str(tmp_path / "cache"))
+    make = getattr(builtin, generator)
+    code = getattr(errno, failure)
+
+    def refuse(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    # the folder refused (permission, read-only, a file in the way), or the disk full at the first image
+    monkeypatch.setattr("PIL.Image.Image.save" if failure == "ENOSPC" else "os.makedirs", refuse)
+    with pytest.raises(CacheNotWritable) as stop:
+        make(num_train=2, num_val=1)
+    root = tmp_path / "cache" / ("synthetic_shapes_v2" if generator == "make_synthetic_coco" else "synthetic_imagefolder_v2")
+    assert str(stop.value) == (f"the built-in data's cache cannot be written at {root} ({os.strerror(code)}); set "
+                               "DETLIB_CACHE to a writable folder (or pass a data set)")
+    monkeypatch.undo()
+    monkeypatch.setenv("DETLIB_CACHE", str(tmp_path / "cache"))
+    made = make(num_train=2, num_val=1)
+    monkeypatch.setattr("os.makedirs", refuse)
+    assert make(num_train=2, num_val=1) == made  # there: read, nothing written
+
+
+@pytest.mark.slow  # three launches that stop at start
+@pytest.mark.parametrize("script,flags,line", [
+    ("train_catsdogs.py", [], "the built-in data's cache cannot be written at /sys/nohome/.cache/detlib/synthetic_"
+                              "imagefolder_v2 (Operation not permitted); set DETLIB_CACHE"),
+    ("train_retinanet.py", [], "the built-in data's cache cannot be written at /sys/nohome/.cache/detlib/synthetic_"
+                               "shapes_v2 (Operation not permitted); set DETLIB_CACHE"),
+    ("train_catsdogs.py", ["--report_to", "wandb"], "--report_to wandb: the data folder of wandb cannot be written at "
+                                                     "/sys/nohome/.local/share/wandb (Operation not permitted); set "
+                                                     "WANDB_DATA_DIR")])
+def test_case_f21_an_unwritable_home_stops_a_run_in_one_line_naming_the_cache(script, flags, line, tmp_path):
+    """HOME where nothing can be made (/sys/nohome: "Operation not permitted", as a read-only or foreign home): the
+    built-in data's cache, or wandb's folders with --report_to wandb (DETLIB_CACHE set), stop the run before its
+    work in one line (it was a traceback through detlib/data/builtin.py, and wandb's at the first evaluation)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, launch_env, traceback_through_our_code
+    from helpers import error_lines
+
+    env = launch_env({"HOME": "/sys/nohome", "DETLIB_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline"})
+    if not flags:  # the built-in data's cache in HOME
+        del env["DETLIB_CACHE"]
+    small = ["--model", "test_resnet", "--image_size", "32"] if script == "train_catsdogs.py" else []
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *small, *flags, "--max_steps", "1",
+                           "--num_workers", "0", "--output_dir", str(tmp_path / "run")], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and not traceback_through_our_code(text), text[-3000:]
+    assert len(error_lines(text)) == 1 and error_lines(text)[0].startswith(f"error: {line}"), text[-3000:]
+    assert json.loads((tmp_path / "run" / "run_status.json").read_text())["status"] == "failed"

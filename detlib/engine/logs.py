@@ -18,7 +18,7 @@ import uuid
 import torch
 import yaml
 
-from ..files import atomic_write
+from ..files import CacheNotWritable, atomic_write, check_cache
 from .flags import REPORT_TO
 from .run_folder import RunStop
 
@@ -164,6 +164,10 @@ def start_trackers(accelerator, project: str, config: dict, output_dir: str, run
 
     run_id, error = run_id or uuid.uuid4().hex[:12], None
     name = run_name or os.path.basename(os.path.abspath(output_dir))
+    if accelerator.is_main_process and "wandb" in [str(t) for t in accelerator.log_with]:
+        error = _wandb_caches(report_to)
+    if error := broadcast_object_list([error])[0]:
+        raise RunStop(error)
     flat = {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
     try:
         accelerator.init_trackers(project, config=flat, init_kwargs={"wandb": {"id": run_id, "resume": "allow",
@@ -183,6 +187,20 @@ def start_trackers(accelerator, project: str, config: dict, output_dir: str, run
     if error := broadcast_object_list([error])[0]:
         raise RunStop(error)
     return run_id
+
+
+def _wandb_caches(report_to: str) -> str | None:
+    """The line of a wandb folder outside the run folder that cannot be written (its artifacts' staging folder, in
+    WANDB_DATA_DIR, failed at the first logged image, mid-run), else None."""
+    import wandb.env
+
+    try:
+        for folder, kind in ((wandb.env.get_data_dir(), "DATA"), (wandb.env.get_cache_dir(), "CACHE")):
+            check_cache(str(folder), f"{kind.lower()} folder of wandb", f"set WANDB_{kind}_DIR to a writable folder, or "
+                        "pass --report_to tensorboard")
+    except CacheNotWritable as e:
+        return f"--report_to {report_to}: {e}"
+    return None
 
 
 def finish_trackers(accelerator, output_dir: str) -> None:
