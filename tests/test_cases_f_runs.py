@@ -257,3 +257,81 @@ def test_case_f21_an_unwritable_home_stops_a_run_in_one_line_naming_the_cache(sc
     assert proc.returncode == 1 and not traceback_through_our_code(text), text[-3000:]
     assert len(error_lines(text)) == 1 and error_lines(text)[0].startswith(f"error: {line}"), text[-3000:]
     assert json.loads((tmp_path / "run" / "run_status.json").read_text())["status"] == "failed"
+
+
+# ---- F25: a process of a 2-process run killed
+
+def test_case_f25_a_collective_error_is_a_lost_process_when_a_rank_has_ended(tmp_path):
+    """`lost_process` on each way a rank's process can be gone: reaped, a zombie its launcher has not reaped yet,
+    on another host (only the error's words tell); a live process, or an error that is no lost connection, is not."""
+    import socket
+    import subprocess
+    import sys
+
+    from torch.distributed import DistNetworkError
+
+    from detlib.engine.run_folder import lost_process
+
+    here, me = socket.gethostname(), os.getpid()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped.wait()
+    try:
+        import time
+
+        while not os.path.exists(f"/proc/{zombie.pid}") or open(f"/proc/{zombie.pid}/stat").read().split()[2] != "Z":
+            time.sleep(0.05)
+        reset = RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:33972: Connection reset by peer.")
+        for pid in (zombie.pid, reaped.pid):
+            assert lost_process(reset, [(here, me), (here, pid)]) == f"another process of the run ended (rank 1, pid {pid})"
+            assert lost_process(RuntimeError("any"), [(here, pid), (here, me)]) == (
+                f"another process of the run ended (rank 0, pid {pid})")
+        remote = "another process of the run ended (on another host, or its connection broke)"
+        assert lost_process(reset, [(here, me), ("node2", 1)]) == remote
+        assert lost_process(DistNetworkError("timed out"), [(here, me), ("node2", 1)]) == remote
+        assert lost_process(RuntimeError("a shape mismatch"), [(here, me), (here, live.pid)]) is None
+        assert lost_process(ValueError("Connection reset by peer"), [(here, me), (here, reaped.pid)]) is None
+        assert lost_process(reset, [(here, me)]) is None  # one process: nothing to lose
+    finally:
+        live.kill()
+        live.wait()
+        zombie.wait()
+
+
+@pytest.mark.slow  # one 2-process launch
+def test_case_f25_kill9_of_rank_1_after_a_checkpoint_is_one_line_naming_it_and_the_checkpoint(tmp_path):
+    """kill -9 of rank 1 of a 2-process gloo run after a checkpoint: rank 0 ends with one line saying rank 1 ended,
+    the newest intact checkpoint and the resume command; run_status.json says the same (it was a gloo `Connection
+    reset by peer` traceback through scripts/, recorded as `unhandled RuntimeError`); no process is left."""
+    import signal
+
+    from conftest import traceback_through_our_code
+    from detlib.engine.checkpoints import verify_checkpoint
+    from helpers import Launch, error_lines
+
+    data = make_tiny_folder(tmp_path / "data", [16, 16])
+    out = tmp_path / "run"
+    run = Launch("train_catsdogs.py", ["--train_dir", data, "--val_dir", data, "--model", "test_resnet", "--image_size",
+                                       "32", "--report_to", "none", "--num_workers", "2", "--epochs", "50",
+                                       "--per_device_batch_size", "2", "--checkpoint_steps", "2", "--output_dir", out],
+                 "cpu_2proc.yaml")
+    run.wait_for("saved checkpoint")
+    ranks = {}
+    for pid in run.trainers():
+        with open(f"/proc/{pid}/environ") as f:
+            env = dict(kv.split("=", 1) for kv in f.read().split("\0") if "=" in kv)
+        ranks[int(env["RANK"])] = pid
+    os.kill(ranks[1], signal.SIGKILL)
+    code, _ = run.finish("kill -9 of rank 1")
+    assert code != 0 and not traceback_through_our_code(run.text), run.text[-4000:]
+    status = json.loads((out / "run_status.json").read_text())
+    lines = error_lines(run.text.replace("\r", "\n"))  # tqdm's bar ends in a carriage return
+    assert len(lines) == 1 and lines[0] == f"error: {status['message']}", run.text[-4000:]
+    assert status["status"] == "failed" and status["message"].startswith(
+        f"another process of the run ended (rank 1, pid {ranks[1]}) at step {status['global_step']}: ")
+    checkpoint = status["message"].split("the newest intact checkpoint is ")[1].split(":")[0]
+    verify_checkpoint(checkpoint)
+    newest = max((out / "checkpoints").iterdir(), key=os.path.getmtime)
+    assert checkpoint == str(newest) and status["message"].endswith(
+        "to continue, run the same command with --resume_from_checkpoint latest")

@@ -161,6 +161,17 @@ def verify_checkpoint(path: str) -> None:
         raise CheckpointError(str(e)) from None
 
 
+def newest_checkpoint(output_dir: str) -> str | None:
+    """The newest checkpoint of `output_dir` that `verify_checkpoint` passes, or None (never raises)."""
+    for path in reversed(_folders(output_dir)):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError:
+            continue
+    return None
+
+
 def find_checkpoint(output_dir: str, resume: str) -> str | None:
     """`--resume_from_checkpoint` ("latest" or a folder) -> the checkpoint, or None (latest found none: said). Raises
     CheckpointError for a named folder that is not a whole checkpoint."""
