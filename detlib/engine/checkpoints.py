@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 CLASS_KEYS = ("category_ids", "category_names", "classes")  # model_config.json's class lists, in label order
 EMA_WEIGHTS = "model_ema"  # the EMA weights in a checkpoint: model_ema.safetensors
 NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "config")  # what to do with the folder this time
+LAUNCH_FLAGS = ("num_processes",)  # recorded beside the flags, set by a flag of `accelerate launch`: named as it
 
 
 class CheckpointError(WeightsFileError):
@@ -292,7 +293,7 @@ def _same(a, b) -> bool:
 def _compare(path: str, ours: dict, fixed: tuple[str, ...], init_flag: str, records: tuple[str, ...] = ()) -> str | None:
     """A warning naming each flag that differs from the checkpoint's run (old -> new); the refusal (one line) when a
     `fixed` key or a class list differs, else None. `records` (what the run found: data paths, counts) are compared
-    only where the state fixes them (the process and class counts), and named without `--`: they are no flags."""
+    only where the state fixes them (the class count), and named without `--`: they are no flags."""
     theirs = {}
     if os.path.isfile(os.path.join(path, "config.yaml")):
         with open(os.path.join(path, "config.yaml")) as f:
@@ -304,7 +305,7 @@ def _compare(path: str, ours: dict, fixed: tuple[str, ...], init_flag: str, reco
         saved = read_json_object(os.path.join(path, "model_config.json"))
         theirs.update({k: saved[k] for k in CLASS_KEYS if k in saved})
     ours = yaml.safe_load(yaml.safe_dump(ours))  # the values as config.yaml holds them (tuples as lists)
-    records = {*records, *RUN_RECORD_KEYS}  # a changed record follows from a changed flag, which is named
+    records = {*records, *RUN_RECORD_KEYS} - set(LAUNCH_FLAGS)  # a changed record follows from a changed flag
     changed = {k: (theirs[k], ours[k]) for k in ours if k in theirs and k not in NOT_COMPARED
                and (k not in records or k in fixed) and not _same(theirs[k], ours[k])}
 
