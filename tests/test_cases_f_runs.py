@@ -235,7 +235,7 @@ def test_case_f21_a_builtin_data_cache_that_cannot_be_written_is_one_line_naming
                                "shapes_v2 (Operation not permitted); set DETLIB_CACHE"),
     ("train_catsdogs.py", ["--report_to", "wandb"], "--report_to wandb: the data folder of wandb cannot be written at "
                                                      "/sys/nohome/.local/share/wandb (Operation not permitted); set "
-                                                     "WANDB_DATA_DIR")])
+                                                     "WANDB_DATA_DIR")], ids=["catsdogs", "retinanet", "wandb"])
 def test_case_f21_an_unwritable_home_stops_a_run_in_one_line_naming_the_cache(script, flags, line, tmp_path):
     """HOME where nothing can be made (/sys/nohome: "Operation not permitted", as a read-only or foreign home): the
     built-in data's cache, or wandb's folders with --report_to wandb (DETLIB_CACHE set), stop the run before its
