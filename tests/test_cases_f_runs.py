@@ -332,6 +332,7 @@ def test_case_f25_kill9_of_rank_1_after_a_checkpoint_is_one_line_naming_it_and_t
         f"another process of the run ended (rank 1, pid {ranks[1]}) at step {status['global_step']}: ")
     checkpoint = status["message"].split("the newest intact checkpoint is ")[1].split(":")[0]
     verify_checkpoint(checkpoint)
+    assert status["checkpoint"] == checkpoint
     newest = max((out / "checkpoints").iterdir(), key=os.path.getmtime)
     assert checkpoint == str(newest) and status["message"].endswith(
         "to continue, run the same command with --resume_from_checkpoint latest")

@@ -247,7 +247,8 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
     folder checks and the lock (`prepare_output_dir`), the log, the preemption signals. On exit, whatever ends the
     block: run_status.json (`state`'s step and epoch), DataLoader workers stopped, trackers closed, the process group
     ended, signals and lock given back. A `RunStop` becomes its line (after the trackers' own end lines) and
-    `SystemExit(code)`; any other exception is recorded as failed and propagates with its traceback."""
+    `SystemExit(code)`, as does a collective's failure because another process ended (`lost_process`; run_status.json
+    names the newest intact checkpoint); any other exception is recorded as failed and propagates with its traceback."""
     from accelerate.utils import broadcast_object_list, gather_object
 
     from .logs import finish_trackers, log_run_setup, setup_logging
@@ -266,7 +267,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
     log_run_setup(accelerator)
     processes = gather_object([(socket.gethostname(), os.getpid())]) if accelerator.num_processes > 1 else []
     signals = _install_signals()
-    code, message, stopped, lost = 1, "", None, None
+    code, message, stopped, lost, checkpoint = 1, "", None, None, None
     try:
         yield
         code = 0
@@ -289,7 +290,8 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
             logger.error("%s", message, extra={"console": False})
     finally:
         if is_main:
-            write_run_status(output_dir, code, message, global_step=state.global_step, epoch=state.epoch)
+            write_run_status(output_dir, code, message, global_step=state.global_step, epoch=state.epoch,
+                             **({"checkpoint": checkpoint} if checkpoint else {}))
         try:
             stop_dataloader_workers(accelerator._dataloaders)  # persistent workers would live on to the interpreter's exit
             finish_trackers(accelerator, output_dir)
