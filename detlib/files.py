@@ -6,6 +6,9 @@ is written under a temporary name in the same folder and renamed over the final 
 under the final name. The temporary name carries the process id, so two processes writing one file at once
 each rename a whole file of their own. A checkpoint is a folder and follows the same rule on its own
 (`detlib.engine.checkpoints`).
+
+A cache a run writes outside its --output_dir (the built-in data, a tracker's folders) that cannot be written is
+one line naming the cache, its folder, the OS's reason and the variable that moves it (`cache_writes`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,32 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from typing import Iterator
+
+
+class CacheNotWritable(OSError):
+    """A cache outside the run folder cannot be written; the message is one line."""
+
+
+@contextlib.contextmanager
+def cache_writes(folder: str, what: str, remedy: str) -> Iterator[None]:
+    """The block writes the cache `what` in `folder` (made here): any OSError in it (permission, a read-only file
+    system, a full disk) becomes CacheNotWritable("the `what` cannot be written at `folder` (reason); `remedy`")."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        yield
+    except CacheNotWritable:
+        raise
+    except OSError as e:
+        raise CacheNotWritable(f"the {what} cannot be written at {folder} ({e.strerror or e}); {remedy}") from None
+
+
+def check_cache(folder: str, what: str, remedy: str) -> None:
+    """Raise CacheNotWritable (`cache_writes`) unless a file can be written in `folder` (made here): for a cache a
+    library writes later, checked before the run's work."""
+    with cache_writes(folder, what, remedy), tempfile.TemporaryFile(dir=folder):
+        pass
 
 
 @contextlib.contextmanager

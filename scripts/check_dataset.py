@@ -30,11 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from detlib.data.formats import FORMATS, data_dir_paths, read_class_names, read_data_dir_splits  # noqa: E402
 from detlib.datacheck.coco import check_coco, check_learnable, check_train_val  # noqa: E402
 from detlib.datacheck.report import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
-from detlib.engine.flags import HelpFormatter  # noqa: E402
+from detlib.engine.flags import ArgumentParser, HelpFormatter  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)  # escapes what the console cannot write
     g = p.add_argument_group("COCO-format data")
     g.add_argument("--annotations", metavar="FILE", help="COCO json (the training set when --val_annotations is given; "
                    "default: none, give it or --image_folder)")

@@ -15,11 +15,11 @@ import argparse
 import json
 import sys
 
-from detlib.engine import HelpFormatter, int_at_least
+from detlib.engine import ArgumentParser, HelpFormatter, int_at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)  # escapes what the console cannot write
     p.add_argument("--annotations", required=True, help="the ground truth both runs were evaluated on (COCO json)")
     p.add_argument("--a", required=True, help="predictions of run A (COCO results json)")
     p.add_argument("--b", required=True, help="predictions of run B (COCO results json)")

@@ -28,7 +28,7 @@ import sys
 
 from safetensors.torch import save_file
 
-from detlib.engine import HelpFormatter
+from detlib.engine import ArgumentParser, HelpFormatter
 from detlib.evaluation import detector_card, write_card
 from detlib.retinanet import (build_retinanet_from_config, convert_torchvision_retinanet, torchvision_coco_categories,
                               torchvision_model_config, torchvision_version)
@@ -40,7 +40,7 @@ TORCHVISION_BOX_AP = {"v1": 36.4, "v2": 41.5}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)  # escapes what the console cannot write
     p.add_argument("--from", dest="source_kind", required=True, choices=["torchvision"], help="the library the weights come from")
     p.add_argument("path", help="the weights file (a torch state dict)")
     p.add_argument("--out", required=True, help="output folder (model.safetensors, model_config.json)")

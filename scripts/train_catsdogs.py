@@ -49,7 +49,7 @@ from detlib.datacheck import check_folders_for_training
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
                            TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
                            format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
-                           parse_with_config, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
+                           parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
                            record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
                            stop_together, summary_lines)
 from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["model"]
     g.add_argument("--model", help=f"{DEFAULT_MODEL} (torchvision) or a timm model name (default: {DEFAULT_MODEL})")
-    g.add_argument("--weights", help="local weights: .safetensors or torch state dict (classifier of another size is "
+    g.add_argument("--weights", type=path, help="local weights: .safetensors or torch state dict (classifier of another size is "
                    "reset; default: none, from scratch)")
     g.add_argument("--classes_by_name", action="store_true", help="--weights of a classifier trained on the same number "
                    "of classes under other names or in another order: match its outputs to this data's classes by "
@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pretrained", action="store_true", help="ImageNet weights from torchvision / timm (online)")
 
     g = groups["data"]
-    g.add_argument("--train_dir", help="ImageFolder root: DIR/<class>/<image> (default: none, the built-in data set)")
-    g.add_argument("--val_dir", help="ImageFolder root with the same class folders (default: none, the built-in data set)")
+    g.add_argument("--train_dir", type=path, help="ImageFolder root: DIR/<class>/<image> (default: none, the built-in data set)")
+    g.add_argument("--val_dir", type=path, help="ImageFolder root with the same class folders (default: none, the built-in data set)")
     g.add_argument("--image_size", type=int_at_least(16), help="square input side in pixels")
     g.add_argument("--verify_images", default="full", choices=VERIFY_MODES,
                    help="check at start: full decode (finds truncated files), header only, or none (default: %(default)s)")
@@ -347,16 +347,16 @@ def load_data(args, accelerator, synthetic: bool) -> tuple:
     """The folders (the built-in set's, generated once by the main process, without --train_dir / --val_dir) and
     `build_dataloaders`' data sets and loaders. Raises RunStop on every process for bad paths or data."""
     with accelerator.main_process_first():  # the main process generates / checks the files, the others reuse it
-        dirs = make_synthetic_image_folder() if synthetic else {"train_dir": args.train_dir, "val_dir": args.val_dir}
-        if synthetic:
-            logger.info("no --train_dir / --val_dir given: using the built-in stripes data set (horizontal vs vertical) "
-                        "in %s (%s, %d px); pass --train_dir and --val_dir for real data",
-                        os.path.dirname(dirs["train_dir"]), args.model, args.image_size)
-        dirs["train_dir"] = None if args.evaluate_only else dirs["train_dir"]
         try:
+            dirs = make_synthetic_image_folder() if synthetic else {"train_dir": args.train_dir, "val_dir": args.val_dir}
+            if synthetic:
+                logger.info("no --train_dir / --val_dir given: using the built-in stripes data set (horizontal vs "
+                            "vertical) in %s (%s, %d px); pass --train_dir and --val_dir for real data",
+                            os.path.dirname(dirs["train_dir"]), args.model, args.image_size)
+            dirs["train_dir"] = None if args.evaluate_only else dirs["train_dir"]
             data, error = build_dataloaders(args, dirs), None
-        except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
-            data, error = None, str(e)
+        except (OSError, ValueError) as e:  # bad paths or data, a cache not writable: one line, no traceback
+            dirs, data, error = None, None, str(e)
     stop_together(accelerator, error)  # out of main_process_first, whose barrier a lone exit would leave waiting
     return dirs, *data
 
@@ -499,7 +499,7 @@ def main(argv=None):
         ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
                          use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
         checkpoint = resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
-                            FIXED_ON_RESUME, "--weights")
+                            FIXED_ON_RESUME, "--weights", RECORD_KEYS)
         resume_ema(ema, checkpoint)
         # a function of the step (built at the resumed one), stepped per optimizer step; not prepared: a prepared
         # scheduler steps once per process on every call

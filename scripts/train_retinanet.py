@@ -58,7 +58,7 @@ from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
                            TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
                            format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
-                           parse_with_config, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
+                           parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
                            record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
                            stop_together, summary_lines)
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
@@ -124,17 +124,17 @@ RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_an
 def build_parser() -> argparse.ArgumentParser:
     p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["data"]
-    g.add_argument("--data_dir", help="data set root: COCO (DIR/annotations/instances_{set}.json, images in DIR/{set} "
+    g.add_argument("--data_dir", type=path, help="data set root: COCO (DIR/annotations/instances_{set}.json, images in DIR/{set} "
                    "or DIR/images/{set}), Pascal VOC (DIR/Annotations/, DIR/JPEGImages/, DIR/ImageSets/Main/{set}.txt) "
                    "or YOLO (DIR/data.yaml) (default: none; without data flags, the built-in synthetic set)")
     g.add_argument("--data_format", choices=FORMATS, help="the layout of --data_dir (default: detected from its folders)")
     g.add_argument("--train_set", help="training split: COCO's {set}, VOC's list name, YOLO's yaml key (default: "
                    "train2017 for COCO, train for VOC and YOLO)")
     g.add_argument("--val_set", help="validation split (default: val2017 for COCO, val for VOC and YOLO)")
-    g.add_argument("--train_images", help="image folder of any COCO-format training set (default: none)")
-    g.add_argument("--train_annotations", help="COCO json of the training set (default: none)")
-    g.add_argument("--val_images", help="image folder of the validation set (default: none)")
-    g.add_argument("--val_annotations", help="COCO json of the validation set (default: none)")
+    g.add_argument("--train_images", type=path, help="image folder of any COCO-format training set (default: none)")
+    g.add_argument("--train_annotations", type=path, help="COCO json of the training set (default: none)")
+    g.add_argument("--val_images", type=path, help="image folder of the validation set (default: none)")
+    g.add_argument("--val_annotations", type=path, help="COCO json of the validation set (default: none)")
     g.add_argument("--image_size", type=int_at_least(32), help="longer image side in pixels; with --max_size, the "
                    "shorter side")
     g.add_argument("--max_size", type=int_at_least(32), help="resize the shorter side to --image_size, the longer to at "
@@ -155,16 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "for genuine large images (0: no limit)")
     g.add_argument("--strict_data", action="store_true", help="data repairs (parsed strings, renumbered ids, dropped "
                    "boxes, ...) stop the run like errors")
-    g.add_argument("--class_names", help="Pascal VOC: the classes, in label order: a file of one name a line, or names "
+    g.add_argument("--class_names", type=path, help="Pascal VOC: the classes, in label order: a file of one name a line, or names "
                    "separated by commas; objects of other names are dropped and named (default: every name the xml "
                    "files use, spellings that differ only in case, spaces, _ or - merged)")
 
     g = groups["model"]
     g.add_argument("--backbone", help="timm model name")
-    g.add_argument("--backbone_weights", help="local backbone weights: .safetensors or torch state dict (default: none, "
+    g.add_argument("--backbone_weights", type=path, help="local backbone weights: .safetensors or torch state dict (default: none, "
                    "from scratch)")
     g.add_argument("--pretrained_backbone", action="store_true", help="timm's own pretrained download (online)")
-    g.add_argument("--init_from", help="start from a detector's weights (a converted torchvision model or one of ours: "
+    g.add_argument("--init_from", type=path, help="start from a detector's weights (a converted torchvision model or one of ours: "
                    "a run folder, best/, last/ or a weights file): every tensor whose name and shape fit; the class "
                    "output is re-initialised when the class count differs. Its model_config.json's backbone, width, "
                    "P6 input, anchors and resize are used unless --backbone / --fpn_channels / --image_size say otherwise "
@@ -734,7 +734,7 @@ def main(argv=None):
                 paths = resolve_data(args)
                 train_ds, val_ds, train_loader, val_loader = build_dataloaders(args, paths)
                 error = None
-            except (FileNotFoundError, ValueError) as e:  # bad paths or data: one clear line, no traceback
+            except (OSError, ValueError) as e:  # bad paths or data, a cache not writable: one line, no traceback
                 error = str(e)
         stop_together(accelerator, error)  # out of main_process_first, whose barrier a lone exit would leave waiting
         category_map = val_ds.category_map
@@ -795,7 +795,7 @@ def main(argv=None):
         ema = ModelEmaV3(bare, decay=args.model_ema, use_warmup=args.model_ema_warmup,
                          warmup_power=0.75) if args.model_ema else None
         resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
-                               FIXED_ON_RESUME))
+                               FIXED_ON_RESUME, records=RECORD_KEYS))
         scheduler = plateau or build_scheduler(optimizer, args, steps_per_epoch, total_steps, state.global_step)
         record_config(accelerator, config, given_line, args.output_dir)
         state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 
 import pytest
@@ -173,11 +174,12 @@ def test_data_defaults_apply_only_to_flags_left_unset():
 
 
 def test_builtin_and_real_data_runs_get_their_own_default_folders(script):
-    """A real-data run after a built-in one (or the other way) is not refused as "the folder of another run"."""
+    """A real-data run after a built-in one (or the other way) is not refused as "the folder of another run"; the
+    folder is absolute (config.yaml records it)."""
     name = "retinanet" if "DATA_DEFAULTS" in vars(script) and "backbone" in script.DATA_DEFAULTS else "catsdogs"
-    assert resolved(script, []).output_dir == f"outputs/{name}_builtin"
-    assert resolved(script, [], synthetic=False).output_dir == f"outputs/{name}"
-    assert resolved(script, ["--output_dir", "x"]).output_dir == "x"
+    assert resolved(script, []).output_dir == os.path.abspath(f"outputs/{name}_builtin")
+    assert resolved(script, [], synthetic=False).output_dir == os.path.abspath(f"outputs/{name}")
+    assert resolved(script, ["--output_dir", "x"]).output_dir == os.path.abspath("x")
 
 
 def test_help_shows_every_default_once(script, capsys):

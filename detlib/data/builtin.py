@@ -14,7 +14,8 @@ horizontal vs vertical stripes:
 
 Generation is seeded, so the same arguments give the same files on every machine; a folder that already
 holds a matching `generator.json` is reused (the cache). Both live under `cache_root()`, each in a folder
-named with its generator's version, so a changed generator never reuses old files.
+named with its generator's version, so a changed generator never reuses old files. A cache that is there is only
+read (a read-only home with the sets in it works); one that cannot be written is one line (`detlib.files.cache_writes`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..files import write_json
+from ..files import cache_writes, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +38,12 @@ STRIPES_CLASSES = ("horizontal", "vertical")
 STRIPES_VERSION = 2
 
 
+CACHE_REMEDY = "set DETLIB_CACHE to a writable folder (or pass a data set)"
+
+
 def cache_root() -> str:
-    """Where the built-in data sets are generated: `$DETLIB_CACHE`, else `~/.cache/detlib`."""
-    return os.environ.get("DETLIB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "detlib"))
+    """Where the built-in data sets are generated (absolute): `$DETLIB_CACHE`, else `~/.cache/detlib`."""
+    return os.path.abspath(os.environ.get("DETLIB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "detlib")))
 
 
 def _background(rng: np.random.RandomState, size: int) -> np.ndarray:
@@ -109,27 +113,28 @@ def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: 
             if json.load(f) == params and all(os.path.exists(p) for p in paths.values()):
                 return paths
     logger.info("generating the built-in synthetic shapes data set in %s", root)
-    os.makedirs(paths["train_images"], exist_ok=True)
-    os.makedirs(os.path.dirname(paths["train_annotations"]), exist_ok=True)
-    ann_id = 1
-    for split, count, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
-        rng = np.random.RandomState(split_seed)
-        images, annotations = [], []
-        for i in range(count):
-            img, anns = _draw_image(rng, image_size, min_object, max_object)
-            name = f"{split}_{i:06d}.jpg"
-            img.save(os.path.join(paths[f"{split}_images"], name), quality=90)
-            image_id = i + 1 + (0 if split == "train" else 1_000_000)
-            images.append({"id": image_id, "file_name": name, "width": image_size, "height": image_size})
-            for cls, bbox in anns:
-                annotations.append({"id": ann_id, "image_id": image_id, "category_id": SHAPES_CATEGORIES[cls]["id"],
-                                    "bbox": bbox, "area": bbox[2] * bbox[3], "iscrowd": 0})
-                ann_id += 1
-        data = {"info": {"description": "detlib synthetic shapes", "version": SHAPES_VERSION}, "licenses": [],
-                "images": images, "annotations": annotations, "categories": SHAPES_CATEGORIES}
-        write_json(data, paths[f"{split}_annotations"])
-    with open(marker, "w") as f:
-        json.dump(params, f)
+    with cache_writes(root, "built-in data's cache", CACHE_REMEDY):
+        os.makedirs(paths["train_images"], exist_ok=True)
+        os.makedirs(os.path.dirname(paths["train_annotations"]), exist_ok=True)
+        ann_id = 1
+        for split, count, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
+            rng = np.random.RandomState(split_seed)
+            images, annotations = [], []
+            for i in range(count):
+                img, anns = _draw_image(rng, image_size, min_object, max_object)
+                name = f"{split}_{i:06d}.jpg"
+                img.save(os.path.join(paths[f"{split}_images"], name), quality=90)
+                image_id = i + 1 + (0 if split == "train" else 1_000_000)
+                images.append({"id": image_id, "file_name": name, "width": image_size, "height": image_size})
+                for cls, bbox in anns:
+                    annotations.append({"id": ann_id, "image_id": image_id, "category_id": SHAPES_CATEGORIES[cls]["id"],
+                                        "bbox": bbox, "area": bbox[2] * bbox[3], "iscrowd": 0})
+                    ann_id += 1
+            data = {"info": {"description": "detlib synthetic shapes", "version": SHAPES_VERSION}, "licenses": [],
+                    "images": images, "annotations": annotations, "categories": SHAPES_CATEGORIES}
+            write_json(data, paths[f"{split}_annotations"])
+        with open(marker, "w") as f:
+            json.dump(params, f)
     return paths
 
 
@@ -172,13 +177,14 @@ def make_synthetic_image_folder(root: str | None = None, num_train: int = 200, n
             if json.load(f) == params:
                 return dirs
     logger.info("generating the built-in stripes image folder (horizontal vs vertical) in %s", root)
-    for split, count, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
-        rng = np.random.RandomState(split_seed)
-        for cls, name in enumerate(STRIPES_CLASSES):
-            folder = os.path.join(root, split, name)
-            os.makedirs(folder, exist_ok=True)
-            for i in range(count):
-                _draw_stripes_image(rng, image_size, cls).save(os.path.join(folder, f"{name}_{i:05d}.jpg"), quality=90)
-    with open(marker, "w") as f:
-        json.dump(params, f)
+    with cache_writes(root, "built-in data's cache", CACHE_REMEDY):
+        for split, count, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
+            rng = np.random.RandomState(split_seed)
+            for cls, name in enumerate(STRIPES_CLASSES):
+                folder = os.path.join(root, split, name)
+                os.makedirs(folder, exist_ok=True)
+                for i in range(count):
+                    _draw_stripes_image(rng, image_size, cls).save(os.path.join(folder, f"{name}_{i:05d}.jpg"), quality=90)
+        with open(marker, "w") as f:
+            json.dump(params, f)
     return dirs

@@ -7,9 +7,9 @@ trackers, the summary). The scripts hold the run's state and loop; these are the
 from .checkpoints import (EMA_WEIGHTS, TrainState, best_record, best_weights, divergence, improves_best, list_checkpoints,
                           min_over_processes, resume, resume_ema, save_checkpoint, save_weights)
 from .flags import (ArgumentParser, HelpFormatter, data_defaults_table, float_range, format_given, given_flags,
-                    int_at_least, parse_with_config, resolve_data_defaults, run_argument_parser, show_data_defaults)
-from .logs import (MetricsLog, TrainWindow, log_plan, make_accelerator, record_config, save_config, setup_console_logging,
-                   setup_logging, start_trackers, summary_lines)
+                    int_at_least, parse_with_config, path, resolve_data_defaults, run_argument_parser, show_data_defaults)
+from .logs import (MetricsLog, TrainWindow, escape_unencodable, log_plan, make_accelerator, record_config, save_config,
+                   setup_console_logging, setup_logging, start_trackers, summary_lines)
 from .run_folder import (EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, first_process, preempted, running, stop,
                          stop_together, wait_for_the_first_process)
 from .step import StepGuard, run_length

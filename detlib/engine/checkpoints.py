@@ -4,7 +4,7 @@ planted file, and the weights folders best/ and last/ (the layout: docs/outputs.
 A checkpoint is written into `<name>.tmp` and renamed when whole, the oldest beyond the limit removed after; `latest`
 is the newest folder (by completion time: a resume from an older one writes lower steps) that passes
 `verify_checkpoint`; every torch pickle is read with `weights_only=True`; a resume names each flag that differs from
-the checkpoint's config.yaml and refuses those its state fixes.
+the checkpoint's config.yaml (two paths to the same file are the same) and refuses those its state fixes.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from ..files import readable_as_umask_allows, write_failure, write_json
 from ..weights import (WEIGHT_FILES, WeightsFileError, finite_weights, load_state_dict_file, read_json, read_json_object,
                        refused, save_model_weights, verify_safetensors, weights_only_loads)
+from .flags import RUN_RECORD_KEYS
 from .logs import save_config
 from .run_folder import EXIT_DIVERGED, RunStop
 
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 CLASS_KEYS = ("category_ids", "category_names", "classes")  # model_config.json's class lists, in label order
 EMA_WEIGHTS = "model_ema"  # the EMA weights in a checkpoint: model_ema.safetensors
 NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "config")  # what to do with the folder this time
+LAUNCH_FLAGS = ("num_processes",)  # recorded beside the flags, set by a flag of `accelerate launch`: named as it
 
 
 class CheckpointError(WeightsFileError):
@@ -160,6 +162,17 @@ def verify_checkpoint(path: str) -> None:
         raise CheckpointError(str(e)) from None
 
 
+def newest_checkpoint(output_dir: str) -> str | None:
+    """The newest checkpoint of `output_dir` that `verify_checkpoint` passes, or None (never raises)."""
+    for path in reversed(_folders(output_dir)):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError:
+            continue
+    return None
+
+
 def find_checkpoint(output_dir: str, resume: str) -> str | None:
     """`--resume_from_checkpoint` ("latest" or a folder) -> the checkpoint, or None (latest found none: said). Raises
     CheckpointError for a named folder that is not a whole checkpoint."""
@@ -236,11 +249,13 @@ def load_checkpoint(accelerator, path: str, state: TrainState) -> None:
 
 
 def resume(accelerator, output_dir: str, resume_from: str | None, state: TrainState, config: dict,
-           model_config: dict, fixed: tuple[str, ...], init_flag: str = "--init_from") -> str | None:
+           model_config: dict, fixed: tuple[str, ...], init_flag: str = "--init_from",
+           records: tuple[str, ...] = ()) -> str | None:
     """Resume `--resume_from_checkpoint` (collective; after `prepare` and `register_for_checkpointing`): the main process
-    finds it and compares its flags and classes with `config` and `model_config` (`_compare`), then `load_checkpoint`.
-    Returns the checkpoint or None. Raises RunStop (one line): damaged or refused, a `fixed` key or the classes
-    changed (`init_flag`: the script's flag to start from weights instead), states that do not fit."""
+    finds it and compares its flags and classes with `config` and `model_config` (`_compare`; `records`: the
+    script's keys of `config` that are not flags), then `load_checkpoint`. Returns the checkpoint or None. Raises
+    RunStop (one line): damaged or refused, a `fixed` key or the classes changed (`init_flag`: the script's flag to
+    start from weights instead), states that do not fit."""
     if not resume_from:
         return None
     path = error = None
@@ -248,7 +263,7 @@ def resume(accelerator, output_dir: str, resume_from: str | None, state: TrainSt
         try:
             path = find_checkpoint(output_dir, resume_from)
             error = path and _compare(path, {**config, **{k: model_config[k] for k in CLASS_KEYS if k in model_config}},
-                                      fixed, init_flag)
+                                      fixed, init_flag, records)
         except CheckpointError as e:
             error = f"--resume_from_checkpoint: {e}"
     path, error = broadcast_object_list([path, error])
@@ -268,9 +283,17 @@ def resume(accelerator, output_dir: str, resume_from: str | None, state: TrainSt
     return path
 
 
-def _compare(path: str, ours: dict, fixed: tuple[str, ...], init_flag: str) -> str | None:
+def _same(a, b) -> bool:
+    """Equal values; two paths are equal when they name the same file or folder (`./x/`, `x/./y`, an absolute path or
+    a link to it)."""
+    return a == b or (isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b)
+                      and os.path.samefile(a, b))
+
+
+def _compare(path: str, ours: dict, fixed: tuple[str, ...], init_flag: str, records: tuple[str, ...] = ()) -> str | None:
     """A warning naming each flag that differs from the checkpoint's run (old -> new); the refusal (one line) when a
-    `fixed` key or a class list differs, else None."""
+    `fixed` key or a class list differs, else None. `records` (what the run found: data paths, counts) are compared
+    only where the state fixes them (the class count), and named without `--`: they are no flags."""
     theirs = {}
     if os.path.isfile(os.path.join(path, "config.yaml")):
         with open(os.path.join(path, "config.yaml")) as f:
@@ -282,13 +305,15 @@ def _compare(path: str, ours: dict, fixed: tuple[str, ...], init_flag: str) -> s
         saved = read_json_object(os.path.join(path, "model_config.json"))
         theirs.update({k: saved[k] for k in CLASS_KEYS if k in saved})
     ours = yaml.safe_load(yaml.safe_dump(ours))  # the values as config.yaml holds them (tuples as lists)
-    changed = {k: (theirs[k], ours[k]) for k in ours if k in theirs and k not in NOT_COMPARED and theirs[k] != ours[k]}
+    records = {*records, *RUN_RECORD_KEYS} - set(LAUNCH_FLAGS)  # a changed record follows from a changed flag
+    changed = {k: (theirs[k], ours[k]) for k in ours if k in theirs and k not in NOT_COMPARED
+               and (k not in records or k in fixed) and not _same(theirs[k], ours[k])}
 
     def show(k, a, b):
         if k in CLASS_KEYS:
             return f"{k} ({len(a)} -> {len(b)}; first difference: " + next(
                 (f"{x!r} -> {y!r}" for x, y in zip(a, b) if x != y), "a longer list") + ")"
-        return f"--{k} {a} -> {b}"
+        return f"{'' if k in records else '--'}{k} {a} -> {b}"
 
     if refused_keys := [k for k in changed if k in fixed or k in CLASS_KEYS]:
         return (f"cannot resume from {path}: it does not fit this run: {', '.join(show(k, *changed[k]) for k in refused_keys)}"

@@ -6,6 +6,11 @@ at start (exit 2), never a traceback later.
 overrides them. A run's own config.yaml re-runs it: its record keys (`num_processes`, ...) are not applied, nor
 what to do with the folder this time (`resume_from_checkpoint`, `overwrite_output_dir`).
 
+A flag that names a file or folder has the type `path`: an existing one becomes absolute as it is parsed, so the
+run reads, logs, compares on resume and records in config.yaml the file itself, and a `--config` re-run from
+another folder reads the same files; `--output_dir` is made absolute once its default is known. A recorded
+absolute path that no longer exists stops a `--config` run at start, naming the file and the key.
+
 Defaults that depend on the data (built-in or real) and the optimizer are one table per script, `{flag: (built-in,
 real)}` or `{flag: {optimizer: (built-in, real)}}`, printed in the docstring and --help, and applied.
 """
@@ -35,6 +40,16 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # An evaluation-only run writes into OUTPUT_DIR/evaluate_only and records that folder as output_dir.
 EVALUATE_ONLY_SUBDIR = "evaluate_only"
+
+
+def path(text: str) -> str:
+    """argparse type of a flag naming a file or folder: an existing one as an absolute path (read from the folder the
+    command runs in); anything else as typed (a Hub repo id, a list of names, a path that a later check names)."""
+    return os.path.abspath(text) if os.path.exists(text) else text
+
+
+def _checkpoint(text: str) -> str:
+    return text if text == "latest" else path(text)
 
 
 def int_at_least(lo: int):
@@ -74,7 +89,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 class ArgumentParser(argparse.ArgumentParser):
     """The parser of a script every process of a launch runs: usage, help and errors are printed by the first process
-    only, and on an error all meet after it (`wait_for_the_first_process`), so a bad flag is one line."""
+    only, and on an error all meet after it (`wait_for_the_first_process`), so a bad flag is one line. From its making
+    on, the console escapes what its encoding cannot write (`escape_unencodable`)."""
+
+    def __init__(self, *args, **kwargs):
+        from .logs import escape_unencodable  # logs imports this module
+
+        super().__init__(*args, **kwargs)
+        escape_unencodable()
 
     def _print_message(self, message, file=None):
         if first_process():
@@ -90,7 +112,7 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     """(a parser with `--config` and the shared flags, its groups by name for the script's own flags); `defaults`:
     the script's defaults of the shared flags. Parse with `parse_with_config`."""
     p = ArgumentParser(description=description, formatter_class=HelpFormatter, usage="%(prog)s [flags]")
-    p.add_argument("--config", metavar="FILE.yaml", help="flag: value lines as defaults, the command line over them; a "
+    p.add_argument("--config", metavar="FILE.yaml", type=path, help="flag: value lines as defaults, the command line over them; a "
                    "run's OUTPUT_DIR/config.yaml re-runs it (default: none)")
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     g = groups["data"]
@@ -124,14 +146,14 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g = groups["evaluation"]
     g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last")
     g.add_argument("--per_device_eval_batch_size", type=int_at_least(1), help="images per device and evaluation batch")
-    g.add_argument("--evaluate_only", metavar="PATH", help="evaluate a run, best/, last/, a checkpoint or a weights "
+    g.add_argument("--evaluate_only", metavar="PATH", type=path, help="evaluate a run, best/, last/, a checkpoint or a weights "
                    "file and exit (results in OUTPUT_DIR/evaluate_only/; default: train)")
     g = groups["checkpointing"]
     g.add_argument("--output_dir", help="the run folder (config.yaml, train.log, metrics.jsonl, checkpoints/, best/, ...)")
     g.add_argument("--checkpoint_total_limit", type=int_at_least(0), default=2, help="checkpoints kept, the newest (0: all)")
     g.add_argument("--checkpoint_interval", type=int_at_least(1), default=1, help="checkpoint every N epochs and at the end")
     g.add_argument("--checkpoint_steps", type=int_at_least(0), default=0, help="also a checkpoint every N steps (0: off)")
-    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH", help="latest: the newest intact checkpoint of "
+    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH", type=_checkpoint, help="latest: the newest intact checkpoint of "
                    "OUTPUT_DIR; or a checkpoint folder (default: a new run)")
     g.add_argument("--overwrite_output_dir", action="store_true", help="a new run in a folder of another, deleting it")
     g = groups["logging"]
@@ -188,6 +210,8 @@ def resolve_data_defaults(args: argparse.Namespace, table: dict, synthetic: bool
         if getattr(args, flag) is None:
             builtin, real = entry[args.optimizer] if isinstance(entry, dict) else entry
             setattr(args, flag, builtin if synthetic else real)
+    if isinstance(getattr(args, "output_dir", None), str):  # recorded in config.yaml like every path (`path`)
+        args.output_dir = os.path.abspath(args.output_dir)
 
 
 # ---- --config: timm's two-stage parse
@@ -195,10 +219,18 @@ def resolve_data_defaults(args: argparse.Namespace, table: dict, synthetic: bool
 def parse_with_config(p: argparse.ArgumentParser, argv: list[str] | None = None,
                       record_keys: tuple[str, ...] = ()) -> argparse.Namespace:
     """Parse `argv` (default sys.argv[1:]) over the values of `--config FILE.yaml` (`read_config`); `record_keys`: the
-    script's keys in config.yaml beside its flags, not applied."""
-    if config := _config_file(argv):
-        p.set_defaults(**read_config(p, config, record_keys))
-    return p.parse_args(argv)
+    script's keys in config.yaml beside its flags, not applied. A recorded absolute `path` the command line does not
+    replace and that no longer exists: one line naming the file and the key, exit 2."""
+    recorded = read_config(p, config, record_keys) if (config := _config_file(argv)) else {}
+    p.set_defaults(**recorded)
+    args = p.parse_args(argv)
+    paths = {a.dest for a in p._actions if a.type is path}
+    for key, value in recorded.items():
+        if (key in paths and value == getattr(args, key) and isinstance(value, str) and os.path.isabs(value)
+                and not os.path.exists(value)):
+            p.exit(2, f"{p.prog}: error: --config {config}: {key}: {value} does not exist (the run that wrote the file "
+                      f"read it there); give --{key} on the command line to read another\n")
+    return args
 
 
 def _config_file(argv: list[str] | None) -> str | None:

@@ -18,7 +18,7 @@ import uuid
 import torch
 import yaml
 
-from ..files import atomic_write
+from ..files import CacheNotWritable, atomic_write, check_cache
 from .flags import REPORT_TO
 from .run_folder import RunStop
 
@@ -65,8 +65,18 @@ def set_log_levels(is_main: bool = True, verbose: bool = False) -> None:
         logging.getLogger(name).setLevel(logging.INFO if is_main else logging.ERROR)
 
 
+def escape_unencodable() -> None:
+    """Every console stream writes a character its encoding lacks as an escape (`\\u732b`) instead of raising: a
+    console that is not UTF-8 (Windows' cp1252, PYTHONIOENCODING=ascii, LANG=C) still gets every line, from the log
+    handlers, print and tqdm alike (all write to sys.stdout / sys.stderr). The files we write are UTF-8."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
 def setup_console_logging(verbose: bool = False) -> None:
     """The console log of a one-process tool (export, data check)."""
+    escape_unencodable()
     logging.basicConfig(format=LOG_FORMAT)  # not force=True: that would remove handlers others attached (caplog)
     set_log_levels(True, verbose)
 
@@ -74,6 +84,7 @@ def setup_console_logging(verbose: bool = False) -> None:
 def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log", verbose: bool = False) -> None:
     """The console (stdout on the main process, stderr elsewhere) and the main process's `output_dir/filename`; a
     record logged with extra={"console": False} goes to the file only (its text is printed elsewhere)."""
+    escape_unencodable()
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
@@ -84,7 +95,7 @@ def setup_logging(output_dir: str, is_main: bool, filename: str = "train.log", v
     root.addHandler(console)
     if is_main:
         os.makedirs(output_dir, exist_ok=True)
-        file = logging.FileHandler(os.path.join(output_dir, filename))
+        file = logging.FileHandler(os.path.join(output_dir, filename), encoding="utf-8")
         file.setFormatter(fmt)
         root.addHandler(file)
     set_log_levels(is_main, verbose)
@@ -153,6 +164,10 @@ def start_trackers(accelerator, project: str, config: dict, output_dir: str, run
 
     run_id, error = run_id or uuid.uuid4().hex[:12], None
     name = run_name or os.path.basename(os.path.abspath(output_dir))
+    if accelerator.is_main_process and "wandb" in [str(t) for t in accelerator.log_with]:
+        error = _wandb_caches(report_to)
+    if error := broadcast_object_list([error])[0]:
+        raise RunStop(error)
     flat = {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
     try:
         accelerator.init_trackers(project, config=flat, init_kwargs={"wandb": {"id": run_id, "resume": "allow",
@@ -172,6 +187,20 @@ def start_trackers(accelerator, project: str, config: dict, output_dir: str, run
     if error := broadcast_object_list([error])[0]:
         raise RunStop(error)
     return run_id
+
+
+def _wandb_caches(report_to: str) -> str | None:
+    """The line of a wandb folder outside the run folder that cannot be written (its artifacts' staging folder, in
+    WANDB_DATA_DIR, failed at the first logged image, mid-run), else None."""
+    import wandb.env
+
+    try:
+        for folder, kind in ((wandb.env.get_data_dir(), "DATA"), (wandb.env.get_cache_dir(), "CACHE")):
+            check_cache(str(folder), f"{kind.lower()} folder of wandb", f"set WANDB_{kind}_DIR to a writable folder, or "
+                        "pass --report_to tensorboard")
+    except CacheNotWritable as e:
+        return f"--report_to {report_to}: {e}"
+    return None
 
 
 def finish_trackers(accelerator, output_dir: str) -> None:

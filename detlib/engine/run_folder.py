@@ -6,6 +6,8 @@ sysexits' "temporary failure, retry"): a checkpoint was written, resume with `--
 Launchers report a worker's code each in their own way, so run_status.json records it too (slurm/ requeues on it).
 A stop is one line, last, from the first process (`error:`, or `stopped:` for a preemption or a refusal); the
 processes stop together and meet after it is out: one exiting first would have torchrun stop the first mid-line.
+A process of the run that ends (killed, out of memory) breaks the next collective of the others: that error is the
+stop `another process of the run ended (rank N, pid P)`, with the newest intact checkpoint (`lost_process`).
 """
 
 from __future__ import annotations
@@ -245,8 +247,9 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
     folder checks and the lock (`prepare_output_dir`), the log, the preemption signals. On exit, whatever ends the
     block: run_status.json (`state`'s step and epoch), DataLoader workers stopped, trackers closed, the process group
     ended, signals and lock given back. A `RunStop` becomes its line (after the trackers' own end lines) and
-    `SystemExit(code)`; any other exception is recorded as failed and propagates with its traceback."""
-    from accelerate.utils import broadcast_object_list
+    `SystemExit(code)`, as does a collective's failure because another process ended (`lost_process`; run_status.json
+    names the newest intact checkpoint); any other exception is recorded as failed and propagates with its traceback."""
+    from accelerate.utils import broadcast_object_list, gather_object
 
     from .logs import finish_trackers, log_run_setup, setup_logging
 
@@ -262,8 +265,9 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
     for note in notes:
         logger.warning("%s", note)
     log_run_setup(accelerator)
+    processes = gather_object([(socket.gethostname(), os.getpid())]) if accelerator.num_processes > 1 else []
     signals = _install_signals()
-    code, message, stopped = 1, "", None
+    code, message, stopped, lost, checkpoint = 1, "", None, None, None
     try:
         yield
         code = 0
@@ -272,18 +276,30 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
         if is_main:
             logger.error("%s", message, extra={"console": False})
     except BaseException as e:
-        message = f"unhandled {type(e).__name__}: {e}"
-        raise
+        if not (lost := lost_process(e, processes)):
+            message = f"unhandled {type(e).__name__}: {e}"
+            raise
+        from .checkpoints import newest_checkpoint
+
+        checkpoint = newest_checkpoint(output_dir) if is_main else None
+        stopped = RunStop(f"{lost} at step {state.global_step}: the run cannot go on without it; " + (
+            f"the newest intact checkpoint is {checkpoint}: to continue, run the same command with "
+            "--resume_from_checkpoint latest" if checkpoint else "no checkpoint was written: run the same command again"))
+        code, message = stopped.code, str(stopped)
+        if is_main:
+            logger.error("%s", message, extra={"console": False})
     finally:
         if is_main:
-            write_run_status(output_dir, code, message, global_step=state.global_step, epoch=state.epoch)
+            write_run_status(output_dir, code, message, global_step=state.global_step, epoch=state.epoch,
+                             **({"checkpoint": checkpoint} if checkpoint else {}))
         try:
             stop_dataloader_workers(accelerator._dataloaders)  # persistent workers would live on to the interpreter's exit
             finish_trackers(accelerator, output_dir)
             if stopped is not None:  # the last line, after the trackers' own end lines
                 if is_main:
                     print(f"{stopped.word}: {stopped}", file=sys.stderr, flush=True)
-                wait_for_the_first_process()
+                if not lost:  # a lost process never comes to the meeting
+                    wait_for_the_first_process()
             accelerator.end_training()
         finally:
             for sig, handler in signals.items():  # after a stop, a second signal must not change its exit code
@@ -292,6 +308,36 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
                 release_lock(output_dir)
     if stopped is not None:
         raise SystemExit(stopped.code)
+
+
+# Where a collective's error says that the other side's connection went (gloo, NCCL), a process on another host ended.
+LOST_PEER_WORDS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited")
+
+
+def lost_process(error: BaseException, processes: list[tuple[str, int]]) -> str | None:
+    """What ended, when `error` is a collective's failure because another process of the run ended: "another process
+    of the run ended (rank 1, pid 123)" (the ranks of this host whose process is gone: `processes`, each rank's (host,
+    pid)), or "(on another host)" when the error names a lost connection; else None."""
+    from torch.distributed import DistNetworkError
+
+    if len(processes) < 2 or not isinstance(error, RuntimeError):
+        return None
+    here = socket.gethostname()
+    gone = [f"rank {rank}, pid {pid}" for rank, (host, pid) in enumerate(processes)
+            if host == here and pid != os.getpid() and _gone(pid)]
+    if gone:
+        return f"another process of the run ended ({'; '.join(gone)})"
+    if isinstance(error, DistNetworkError) or any(w in str(error) for w in LOST_PEER_WORDS):
+        return "another process of the run ended (on another host, or its connection broke)"
+    return None
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie its launcher has not reaped yet has)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:  # no such process
+        return True
 
 
 # ---- preemption signals
