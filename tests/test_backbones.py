@@ -203,3 +203,58 @@ def test_the_tag_gives_the_normalisation_and_a_model_config_without_it_stops():
     assert torch.equal(rebuilt.pixel_mean.flatten(), torch.full((3,), 127.5))
     assert torch.equal(rebuilt.pixel_std.flatten(), torch.full((3,), 63.75))
     json.dumps({"mean": rebuilt.mean, "std": rebuilt.std})  # what model_config.json records
+
+
+@pytest.mark.slow
+def test_the_training_script_fine_tunes_a_plain_convnext_checkpoint_with_its_own_normalisation(tmp_path, capsys):
+    """train_retinanet.py --backbone convnext_atto.d2_in1k --backbone_weights (timm's plain state dict), 2 steps: the
+    load line, the stem and first stage frozen by default and unchanged in last/, the later stages trained, and the
+    tag's mean/std in model_config.json, which --evaluate_only rebuilds the model from."""
+    from safetensors.torch import load_file
+
+    from conftest import write_coco, write_image
+    from helpers import run_ok
+
+    name = "convnext_atto.d2_in1k"
+    torch.manual_seed(0)
+    plain = timm.create_model(name).state_dict()
+    save_file(plain, str(tmp_path / "w.safetensors"))
+    images = [{"id": i + 1, "file_name": f"{i}.png", "width": 64, "height": 64} for i in range(4)]
+    for i in range(4):
+        write_image(tmp_path / "img" / f"{i}.png", 64, 64, seed=i)
+    write_coco(tmp_path / "a.json", images, [{"image_id": i + 1, "category_id": 1, "bbox": [8, 8, 30, 30]} for i in range(4)])
+    data = ["--train_images", tmp_path / "img", "--train_annotations", tmp_path / "a.json",
+            "--val_images", tmp_path / "img", "--val_annotations", tmp_path / "a.json"]
+    out = tmp_path / "run"
+    printed = run_ok("train_retinanet", [*data, "--backbone", name, "--backbone_weights", tmp_path / "w.safetensors",
+                                         "--image_size", "64", "--fpn_channels", "32", "--per_device_batch_size", "2",
+                                         "--max_steps", "2", "--epochs", "1", "--num_workers", "0", "--report_to", "none",
+                                         "--num_log_images", "0", "--lr", "0.01", "--output_dir", out], capsys)
+    log = (out / "train.log").read_text()
+    assert "tensors loaded, every backbone tensor" in log and "no gradient clipping" not in log, printed[-2000:]
+    config = json.loads((out / "last" / "model_config.json").read_text())
+    assert config["backbone"] == name and config["mean"] == pytest.approx(list(timm.data.IMAGENET_DEFAULT_MEAN))
+    trained = {k.removeprefix("backbone."): v for k, v in load_file(out / "last" / "model.safetensors").items()
+               if k.startswith("backbone.")}
+    frozen = set(frozen_parameters(name, 2))
+    flat = {k.replace(".", "_", 1): v for k, v in plain.items()}
+    assert frozen and all(torch.equal(trained[n], flat[n]) for n in frozen)
+    later = [n for n in trained if n.startswith(("stages_1.", "stages_2.", "stages_3.")) and n in flat]
+    assert sum(not torch.equal(trained[n], flat[n]) for n in later) >= 0.9 * len(later)
+    run_ok("train_retinanet", [*data, "--evaluate_only", out / "last", "--num_workers", "0", "--report_to", "none",
+                               "--num_log_images", "0", "--output_dir", tmp_path / "eval"], capsys)  # exits 0
+    del config["mean"], config["std"]
+    (out / "last" / "model_config.json").write_text(json.dumps(config))
+    code, _, err = run_main_fresh("train_retinanet", [*data, "--evaluate_only", out / "last", "--num_workers", "0",
+                                                      "--report_to", "none", "--output_dir", tmp_path / "eval2"], capsys)
+    assert code != 0 and 'lacks "mean" and "std"' in err and "Traceback" not in err
+
+
+def run_main_fresh(name: str, argv: list, capsys):
+    from helpers import fresh_accelerate, run_main
+
+    fresh_accelerate()
+    try:
+        return run_main(name, argv, capsys)
+    finally:
+        fresh_accelerate()
