@@ -19,7 +19,7 @@ import torch
 from detlib.data.coco import (MIN_EVALUATION_BATCH, CocoDetection, EvaluationCollate, collate_detection,
                               evaluation_shapes)
 from detlib.data.sampler import EvaluationBatchSampler
-from detlib.data.transforms import RESIZE_MODES, build_transform, make_sample
+from detlib.data.transforms import PAD_VALUE, RESIZE_MODES, build_transform, make_sample
 from detlib.evaluation.coco import CocoEvaluator, detections_to_coco
 from detlib.labels import CategoryMap
 from detlib.retinanet.anchors import AnchorGenerator
@@ -132,7 +132,7 @@ def test_detections_equal_the_image_alone_at_any_batch_size_and_process_count(se
     small = next(k for k in range(len(samples)) if shapes[k] != (SIZE, SIZE))
     iid = samples[small]["image_id"]
     canvas = collate_detection([samples[small]] * MIN_EVALUATION_BATCH)
-    padded = torch.tensor([124, 116, 104], dtype=torch.uint8).view(1, 3, 1, 1).repeat(MIN_EVALUATION_BATCH, 1, SIZE, SIZE)
+    padded = torch.tensor(PAD_VALUE, dtype=torch.uint8).view(1, 3, 1, 1).repeat(MIN_EVALUATION_BATCH, 1, SIZE, SIZE)
     padded[:, :, :canvas["images"].shape[2], :canvas["images"].shape[3]] = canvas["images"]
     assert not same(detect(setup, {**canvas, "images": padded})[iid], alone[iid])
 

@@ -2,10 +2,11 @@
 aspect-ratio grouping, the ImageFolder data set, VOC / YOLO read as COCO, video frames, and the built-in sets.
 
 `images` (files to RGB, damaged files survived), `transforms` (augmentation, resizing, the input conventions),
-`coco` (the detection data set, the batch), `records` (compact per-image arrays), `sampler` (aspect grouping, the evaluation's batches of one shape),
-`imagefolder` (the classification data set), `loaders` (the DataLoader set-up: workers that end with their
-training process, the /dev/shm check), `formats` (VOC / YOLO, and the data check of a data folder in any
-format), `video` (PyAV frames), `builtin` (the synthetic sets both scripts train on without data).
+`coco` (the detection data set, the batch), `records` (compact per-image arrays), `sampler` (aspect grouping, the
+evaluation's batches of one padded shape), `imagefolder` (the classification data set), `loaders` (the DataLoader
+set-up: workers that end with their training process, the /dev/shm check), `formats` (VOC / YOLO, and the data check
+of a data folder in any format), `video` (PyAV frames), `builtin` (the synthetic sets both scripts train on without
+data).
 """
 
 from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS
