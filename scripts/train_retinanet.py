@@ -551,7 +551,13 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
 def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args) -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval; returns the 12 stats on
     every process (collective). Checks for preemption every 10 batches (raises Preempted)."""
-    model = accelerator.unwrap_model(model)  # DDP's forward can be collective; the processes run unequal batches
+    # The bare model: DDP's forward can be collective, and the processes run unequal numbers of batches. Its buffers
+    # are made rank 0's, as DDP's forward would make them (and as a checkpoint holds them): BatchNorm statistics that
+    # each process updated on its own batches would otherwise differ between the processes' shares.
+    model = accelerator.unwrap_model(model)
+    if accelerator.num_processes > 1:
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
     model.eval()
     evaluator.reset()
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
