@@ -163,3 +163,31 @@ def test_one_two_three_processes_give_the_same_stats(setup):
     assert per_process_count[1][2] == per_process_count[2][2] == per_process_count[3][2]
     assert per_process_count[1][1] == per_process_count[2][1] == per_process_count[3][1]
     assert len(per_process_count[1][2]) == 100 * len(ds)
+
+
+@pytest.mark.parametrize("exif_transpose", [True, False])
+def test_predict_input_shapes_from_headers_are_the_read_images_shapes(tmp_path, exif_transpose):
+    """A folder's padded input shapes, read from the file headers (`detlib.inference.input_shapes`), are those of the
+    images as predict reads them, for every EXIF orientation 1-8 (5-8 swap width and height) with and without the
+    turn; a file that is no image gets a key of its own."""
+    from PIL import Image
+
+    from detlib.data.images import DetectionImageFiles
+    from detlib.inference import input_shapes
+
+    paths = []
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        path = tmp_path / f"o{orientation}.jpg"
+        Image.new("RGB", (200, 90), (10, 20, 30)).save(path, exif=exif)
+        paths.append(str(path))
+    (tmp_path / "broken.jpg").write_bytes(b"not an image")
+    paths.append(str(tmp_path / "broken.jpg"))
+    shapes = input_shapes(paths, exif_transpose, 128)
+    ds = DetectionImageFiles(paths[:-1], build_transform(128, "none"), exif_transpose=exif_transpose)
+    for i in range(len(ds)):
+        h, w = ds[i]["image"].shape[-2:]
+        assert shapes[i] == (-(-h // 32) * 32, -(-w // 32) * 32), (i + 1, exif_transpose)
+    assert {shapes[i] for i in range(8)} == ({(64, 128), (128, 64)} if exif_transpose else {(64, 128)})
+    assert shapes[-1] == ("unread", 8)
