@@ -3,9 +3,9 @@
 Sources: an image file, a folder (searched recursively, hidden entries skipped), or a glob pattern; the
 files are sorted, so image i is the same file on every process. Work is split by whole batches: the batches
 are formed once over the sorted list, exactly as one process forms them, and process r takes batches
-r, r + n, r + 2n, ... So no image is seen twice, nothing is padded, and every batch is the same tensor it
-is with one process: the results of n processes are those of one, to the bit (a detection batch is padded to
-its largest image, and the convolutions near an image's border see that padding).
+r, r + n, r + 2n, ... So no image is seen twice and the results of n processes are those of one. A detection
+batch holds images of one padded input shape (`input_shapes`, `detlib.data.EvaluationBatchSampler`), as the
+evaluation's: an image's detections are those of the image alone, whatever the batch size and process count.
 
 Orientation: image files are turned upright by their EXIF tag (a phone photo is predicted as it is shown),
 unless `exif_transpose=False`; labelled sources (COCO json, VOC, YOLO) are read as in evaluation, by the data's
@@ -19,12 +19,16 @@ import glob
 import logging
 import os
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Callable
 
 import torch
+from PIL import ExifTags, Image
 
 from .data.imagefolder import IMG_EXTENSIONS, is_hidden
+from .data.images import IMAGE_ERRORS
+from .data.transforms import padded_input_shape
 from .data.loaders import quiet_resource_sharer_errors
 from .files import atomic_write
 from .labels import CategoryMap
@@ -154,6 +158,27 @@ def shard_batches(num_items: int, batch_size: int, rank: int, world_size: int) -
     items [b * batch_size, (b + 1) * batch_size), and process r takes batches r, r + world_size, ..."""
     batches = [list(range(i, min(i + batch_size, num_items))) for i in range(0, num_items, batch_size)]
     return batches[rank::world_size]
+
+
+def input_shapes(paths: list[str], exif_transpose: bool, image_size: int, max_size: int | None = None,
+                 resize_mode: str = "antialias") -> list:
+    """The padded input shape (H, W) px of each image file, from its header alone (size, EXIF orientation when
+    `exif_transpose`: orientations 5-8 turn it a quarter, so width and height swap); the keys of
+    `EvaluationBatchSampler`. A file whose header cannot be read gets a key of its own ("unread", i): it is
+    predicted alone (it is most likely unreadable: its placeholder is what the batch holds)."""
+    shapes = []
+    for i, path in enumerate(paths):
+        try:
+            with warnings.catch_warnings(), Image.open(path) as im:
+                warnings.simplefilter("ignore")  # EXIF chatter from PIL
+                w, h = im.size
+                if exif_transpose and im.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):
+                    w, h = h, w
+        except IMAGE_ERRORS:
+            shapes.append(("unread", i))
+            continue
+        shapes.append(padded_input_shape(h, w, image_size, max_size, resize_mode))
+    return shapes
 
 
 def predict_videos(paths: list[str], predict: Callable[[int], tuple[list[dict], str | None]], rank: int,

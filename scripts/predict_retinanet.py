@@ -46,8 +46,9 @@ import torch
 from accelerate.utils import gather_object
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.data import (INSTALL_HINT, CocoDetection, EvaluationCollate, VideoWriter, av_available, build_transform,
-                         data_dir_paths, evaluation_canvas, read_data_dir_splits, video_frames, worker_loader_kwargs)
+from detlib.data import (INSTALL_HINT, CocoDetection, EvaluationBatchSampler, EvaluationCollate, VideoWriter, av_available,
+                         build_transform, data_dir_paths, evaluation_shapes, read_data_dir_splits, video_frames,
+                         worker_loader_kwargs)
 from detlib.data.formats import read_class_names
 from detlib.data.images import DetectionImageFiles, detection_item
 from detlib.datacheck import DataReport, check_coco
@@ -55,9 +56,9 @@ from detlib.engine import float_range, int_at_least
 from detlib.evaluation import (boxes_from_coco, class_color, detections_to_coco, draw_detections, drawing_scale,
                                read_score_thresholds, save_image, upright_image_and_boxes)
 from detlib.files import write_json
-from detlib.inference import (earlier_outputs, list_media_files, load_retinanet, output_names, outputs_written,
-                              prediction_error, prediction_parser, predict_videos, retinanet_input_size, run_prediction,
-                              shard_batches, start_prediction, write_skipped)
+from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
+                              outputs_written, prediction_error, prediction_parser, predict_videos, retinanet_input_size,
+                              run_prediction, start_prediction, write_skipped)
 from detlib.labels import describe_mapping, match_categories
 from detlib.retinanet import anchor_generator_from_config, decode_detections
 from detlib.weights import WeightsFileError, weights_path
@@ -237,7 +238,7 @@ def predict_video(args, path: str, name: str, out_name: str, detect, transform, 
                                                      frames.fps)
     results, per_frame = [], []
     bar = tqdm(total=frames.declared, desc=f"video {name}", unit="frame", disable=quiet, leave=False)
-    stream, collate = iter(frames), EvaluationCollate(None, args.batch_size)
+    stream, collate = iter(frames), EvaluationCollate()  # a video's frames share one shape
     try:
         while chunk := list(itertools.islice(stream, args.batch_size)):
             batch = collate([detection_item(rgb, transform, i) for i, _, rgb in chunk])  # zip drops the fill
@@ -367,13 +368,13 @@ def main(argv=None):
         held = earlier_outputs(args.output_dir, PER_INPUT_FOLDERS)
         if held:
             logger.warning("%s", held)
-    batches = shard_batches(len(ds), args.batch_size, accelerator.process_index, accelerator.num_processes)
-    # the evaluation's batches: a labelled set's images on its canvas, every batch filled (EvaluationCollate), so that
-    # an image's detections are those of the training script's evaluation, whatever the batch and process count
-    canvas = (evaluation_canvas([r["size"] for r in ds.records], image_size, max_size)
-              if isinstance(ds, CocoDetection) and len(ds) else None)
-    collate = EvaluationCollate(canvas, args.batch_size)
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=collate,
+    # the evaluation's batches: images of one padded input shape, this process's share (EvaluationBatchSampler), so
+    # that an image's detections are those of the image alone, as in the training script's evaluation
+    resize_mode = config.get("resize_mode", "antialias")
+    shapes = (evaluation_shapes([r["size"] for r in ds.records], image_size, max_size, resize_mode)
+              if isinstance(ds, CocoDetection) else input_shapes(ds.paths, exif_applied, image_size, max_size, resize_mode))
+    batches = EvaluationBatchSampler(shapes, args.batch_size, accelerator.num_processes, accelerator.process_index)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=EvaluationCollate(),
                                          **worker_loader_kwargs(min(args.num_workers, os.cpu_count() or 1)))
     logger.info("%d images%s from %s at %d px (max %s), %d process(es), batch size %d", len(ds),
                 f" and {len(ds.videos)} videos" if ds.videos else "", args.source, image_size, max_size,
@@ -404,6 +405,8 @@ def main(argv=None):
         return found
 
     for batch in tqdm(loader, desc="predict", disable=not accelerator.is_local_main_process or not len(ds)):
+        if not batch:  # a process's filler batch (EvaluationBatchSampler): no image
+            continue
         for i, res in enumerate(detect(batch)):
             image_id = int(batch["image_ids"][i])  # the json's id, or the file's index in the sorted list
             if i and image_id == int(batch["image_ids"][i - 1]):  # a copy that fills the batch (EvaluationCollate)

@@ -46,15 +46,15 @@ import sys
 import time
 
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, send_to_device
 from timm.optim import param_groups_weight_decay
 from timm.utils import ModelEmaV3
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
-                         EvaluationCollate, GroupedBatchSampler, aspect_groups, build_transform, check_coco_for_training,
-                         collate_detection, data_dir_paths, evaluation_canvas, loader_settings, make_synthetic_coco,
-                         read_class_names)
+                         EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, aspect_groups, build_transform,
+                         check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes, loader_settings,
+                         make_synthetic_coco, read_class_names)
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
                            TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
                            format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
@@ -276,7 +276,8 @@ def evaluation_categories(model: CategoryMap, val_json: dict, by_name: bool, mod
 
 def build_dataloaders(args, paths: dict[str, str]):
     """The training and validation data sets and loaders (unprepared), on the json files as the data check
-    repaired them (it stops the run on errors; report in output_dir/data_report.json)."""
+    repaired them (it stops the run on errors; report in output_dir/data_report.json). The val loader holds this
+    process's batches already (`EvaluationBatchSampler`): it is not to be passed to `accelerator.prepare`."""
     from accelerate import PartialState
 
     train_json, val_json = check_coco_for_training(paths, args.output_dir, check_images=not args.skip_image_check,
@@ -331,11 +332,13 @@ def build_dataloaders(args, paths: dict[str, str]):
         else:
             train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size, shuffle=True,
                                                        drop_last=drop_last, **common)
-    # every val image padded to one canvas, in batches of one size: an image's detections never depend on the images
-    # it shares a batch with, so the 12 stats are the same on any process count and eval batch size
-    common["collate_fn"] = EvaluationCollate(evaluation_canvas([r["size"] for r in val_ds.records], args.image_size,
-                                                               args.max_size), args.per_device_eval_batch_size)
-    val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.per_device_eval_batch_size, shuffle=False, **common)
+    # batches of val images of one padded shape, each image on one process: an image's detections are those of the
+    # image alone, so the 12 stats are the same on any process count and eval batch size (docs/evaluation.md)
+    process = PartialState()
+    shapes = evaluation_shapes([r["size"] for r in val_ds.records], args.image_size, args.max_size, args.resize_mode)
+    common["collate_fn"] = EvaluationCollate()
+    val_loader = torch.utils.data.DataLoader(val_ds, batch_sampler=EvaluationBatchSampler(
+        shapes, args.per_device_eval_batch_size, process.num_processes, process.process_index), **common)
     return train_ds, val_ds, train_loader, val_loader
 
 
@@ -558,11 +561,21 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
 def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args) -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval; returns the 12 stats on
     every process (collective). Checks for preemption every 10 batches (raises Preempted)."""
+    # The bare model: DDP's forward can be collective, and the processes run unequal numbers of batches. Its buffers
+    # are made rank 0's, as DDP's forward would make them (and as a checkpoint holds them): BatchNorm statistics that
+    # each process updated on its own batches would otherwise differ between the processes' shares.
+    model = accelerator.unwrap_model(model)
+    if accelerator.num_processes > 1:
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
     model.eval()
     evaluator.reset()
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
-        if i % 10 == 0 and (name := preempted(accelerator)):
+        if i % 10 == 0 and (name := preempted(accelerator)):  # every process has as many batches (some empty)
             raise Preempted(name)
+        if not batch:
+            continue
+        batch = send_to_device(batch, accelerator.device, non_blocking=True)
         out = model(batch["images"])
         anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
         dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
@@ -766,7 +779,7 @@ def main(argv=None):
                                     paths["val_images"], epoch, weights, final)
 
         if args.evaluate_only:
-            model, val_loader = accelerator.prepare(model, val_loader)
+            model = accelerator.prepare(model)
             record_config(accelerator, config, given_line, args.output_dir)
             start_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name, args.report_to)
             try:
@@ -781,7 +794,7 @@ def main(argv=None):
                   else param_groups_weight_decay(model, args.weight_decay))
         optimizer = (torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay) if args.optimizer == "adamw"
                      else torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay))
-        model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+        model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
         steps_per_epoch, total_steps = run_length(accelerator, train_loader, args.gradient_accumulation_steps,
                                                   args.epochs, args.max_steps)
         plateau = build_scheduler(optimizer, args, steps_per_epoch, total_steps) if args.lr_scheduler == "plateau" else None

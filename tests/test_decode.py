@@ -99,3 +99,93 @@ def test_detection_sets_may_differ_only_in_a_tie_at_a_cut():
     wrong[2][100] = (wrong[2][100] + 1) % 80
     with pytest.raises(AssertionError, match="without a partner away from any cut"):
         assert_same_detections(wrong, ref, score_atol=1e-5, box_atol=0.0, cuts=cuts)
+
+
+def _reference_with_ties_broken_by_flat_index(logits, deltas, anchors, counts, size, topk, max_det, thresh=0.05):
+    """One image's decoding written out in plain Python: candidates ordered by (logit desc, flat index asc), per-level
+    top-k, threshold, greedy class-wise NMS at IoU 0.5 in that order, the first `max_det`. Returns (flat, boxes)."""
+    from detlib.boxes import box_iou, clip_boxes_to_image
+    from detlib.retinanet import box_coder
+
+    K = logits.shape[1]
+    flat_logits = logits.reshape(-1).tolist()
+    chosen, start = [], 0
+    for n in counts:
+        level = sorted(range(start * K, (start + n) * K), key=lambda f: (-flat_logits[f], f))
+        chosen += level[:topk]
+        start += n
+    chosen = [f for f in sorted(chosen, key=lambda f: (-flat_logits[f], f))
+              if torch.sigmoid(torch.tensor(flat_logits[f])) > thresh]
+    idx = torch.tensor(chosen, dtype=torch.int64)
+    boxes = clip_boxes_to_image(box_coder.decode(deltas[idx // K], anchors[idx // K]), float(size[0]), float(size[1]))
+    kept = []
+    for i in range(len(chosen)):
+        # a box is suppressed by a kept one of its class above IoU 0.5 (a degenerate box's NaN IoU suppresses nothing)
+        if not any(chosen[j] % K == chosen[i] % K and box_iou(boxes[i:i + 1], boxes[j:j + 1])[0, 0] > 0.5 for j in kept):
+            kept.append(i)
+    kept = kept[:max_det]
+    return [chosen[i] for i in kept], boxes[kept]
+
+
+def test_ties_are_broken_by_the_lower_flat_index_at_topk_nms_and_cap():
+    """Logits on a coarse grid (runs of thousands of equal values, as a near-prior model gives): the top-k boundary,
+    NMS and the cap keep the lower flat index (anchor * K + class) of equal logits, as the plain reference does, on 1
+    and 3 threads."""
+    B, K, H, W = 2, 3, 96, 64
+    g = torch.Generator().manual_seed(4)
+    anchors, counts = AnchorGenerator()(H, W)
+    A = anchors.shape[0]
+    logits = torch.randint(-2, 1, (B, A, K), generator=g).float() - 0.5  # {-2.5, -1.5, -0.5}: all above 0.05
+    deltas = torch.randn(B, A, 4, generator=g) * 0.3
+    sizes = torch.tensor([[96, 64], [80, 64]])
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            ours = decode_detections(logits, deltas, anchors, counts, sizes, topk_per_level=40,
+                                     max_detections=25).per_image(B)
+            for b in range(B):
+                flat, boxes = _reference_with_ties_broken_by_flat_index(logits[b], deltas[b], anchors, counts, sizes[b],
+                                                                        40, 25)
+                assert len(flat) == 25
+                assert ours[b]["labels"].tolist() == [f % K for f in flat], (n_threads, b)
+                assert torch.equal(ours[b]["boxes"], boxes), (n_threads, b)
+                assert torch.equal(ours[b]["scores"], torch.sigmoid(logits[b].reshape(-1)[flat])), (n_threads, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_images_detections_do_not_depend_on_its_batch_position_or_thread_count():
+    """The same head outputs decoded alone, and at every position of batches of 2 to 7 images of other outputs, on 1
+    and 4 threads: bit-identical candidates (scores included: a CPU's vectorised sigmoid and its scalar tail round
+    differently)."""
+    K, H, W = 80, 128, 160
+    anchors, counts = AnchorGenerator()(H, W)
+    A = anchors.shape[0]
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, A, K, generator=g) - 3.0
+    deltas = torch.randn(8, A, 4, generator=g) * 0.3
+    sizes = torch.tensor([[H, W]] * 8)
+
+    def decode(rows):
+        # every candidate kept (no threshold, no suppression, no cap): the lowest ones too, which sat at the end of
+        # the batch's sigmoid
+        d = decode_detections(logits[rows], deltas[rows], anchors, counts, sizes[rows], score_thresh=0.0,
+                              nms_thresh=1.0, max_detections=5000)
+        return d.per_image(len(rows))
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = decode([0])[0]
+        for n_threads in (1, 4):
+            torch.set_num_threads(n_threads)
+            for size in range(2, 8):
+                for position in range(size):
+                    rows = list(range(1, size))
+                    rows.insert(position, 0)
+                    got = decode(rows)[position]
+                    for key in ("boxes", "scores", "labels"):
+                        assert torch.equal(got[key], alone[key]), (n_threads, size, position, key)
+    finally:
+        torch.set_num_threads(threads)

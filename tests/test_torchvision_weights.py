@@ -76,8 +76,8 @@ def _torchvision_retinanet():
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """The torchvision checkpoint, its conversion by scripts/convert_weights.py, 3 val images and torchvision's own
-    detections on them (one batch of 3, as the evaluation below)."""
+    """The torchvision checkpoint, its conversion by scripts/convert_weights.py, 8 val images (landscape, portrait and
+    near-square: 3 padded shapes at 224 / 320) and torchvision's own detections on them, image by image."""
     root = tmp_path_factory.mktemp("tv")
     model = _torchvision_retinanet()
     torch.save(model.state_dict(), root / "retinanet_tv.pth")
@@ -87,11 +87,13 @@ def converted(tmp_path_factory):
         load_script("convert_weights").main(["--from", "torchvision", str(root / "retinanet_tv.pth"), "--out", str(out),
                                              "--image_size", str(MIN_SIZE), "--max_size", str(MAX_SIZE)])
     assert "torchvision RetinaNet v1, 80 classes" in printed.getvalue()
-    val = subset_json(root / "val3.json", "val", 3)
+    val = subset_json(root / "val8.json", "val", 8)
     images = json.loads(val.read_text())["images"]
-    with torch.no_grad():
-        tv = model([to_tensor(Image.open(COCO_SUBSET / "images" / im["file_name"]).convert("RGB")) for im in images])
-    return {"root": root, "weights": out, "val": val, "tv": {im["id"]: o for im, o in zip(images, tv)}}
+    assert {im["width"] > im["height"] for im in images} == {True, False}  # both orientations
+    with torch.no_grad():  # each image by itself: padded to its own multiple of 32
+        tv = [model([to_tensor(Image.open(COCO_SUBSET / "images" / im["file_name"]).convert("RGB"))])[0] for im in images]
+    return {"root": root, "weights": out, "val": val, "tv": {im["id"]: o for im, o in zip(images, tv)},
+            "files": {im["file_name"]: im["id"] for im in images}}
 
 
 def _assert_equal_to_torchvision(predictions: list[dict], tv: dict, cap: int = 300) -> None:
@@ -119,25 +121,42 @@ def _assert_equal_to_torchvision(predictions: list[dict], tv: dict, cap: int = 3
 @needs_coco_subset
 @pytest.mark.slow
 def test_converted_config_and_evaluate_only_and_predict_equal_torchvision(converted, tmp_path, capsys):
+    """torchvision's detections of each image by itself, from our --evaluate_only at eval batch 1 and 3 and from
+    predict at batch 3 on the json and on a folder of the same files (issue 36: one canvas for the whole set gave
+    other detections near the right and bottom borders)."""
     cfg = json.loads((converted["weights"] / "model_config.json").read_text())
     assert cfg["p6_input"] == "p5" and cfg["resize_mode"] == "torchvision" and cfg["anchor_offset"] == 0.0
     assert cfg["num_classes"] == 80 and cfg["category_ids"][:3] == [1, 2, 3] and cfg["category_names"][0] == "person"
     assert (cfg["image_size"], cfg["max_size"]) == (MIN_SIZE, MAX_SIZE)
     common = ["--score_thresh", "0.05", "--nms_thresh", "0.5", "--detections_per_image", "300", "--num_workers", "0"]
-    out = tmp_path / "eval"
-    code, stdout, err = run_main("train_retinanet", [f"--val_images={COCO_SUBSET / 'images'}",
-                                                     f"--val_annotations={converted['val']}", "--evaluate_only",
-                                                     converted["weights"], "--per_device_eval_batch_size", "3",
-                                                     "--num_log_images", "0", "--output_dir", out, "--report_to", "none",
-                                                     *common], capsys)
-    assert code == 0, (stdout + err)[-4000:]
-    _assert_equal_to_torchvision(json.loads((out / "evaluate_only" / "predictions_val.json").read_text()), converted["tv"])
+    for batch in ("1", "3"):
+        out = tmp_path / f"eval{batch}"
+        code, stdout, err = run_main("train_retinanet", [f"--val_images={COCO_SUBSET / 'images'}",
+                                                         f"--val_annotations={converted['val']}", "--evaluate_only",
+                                                         converted["weights"], "--per_device_eval_batch_size", batch,
+                                                         "--num_log_images", "0", "--output_dir", out, "--report_to",
+                                                         "none", *common], capsys)
+        assert code == 0, (stdout + err)[-4000:]
+        _assert_equal_to_torchvision(json.loads((out / "evaluate_only" / "predictions_val.json").read_text()),
+                                     converted["tv"])
     out = tmp_path / "pred"
     code, stdout, err = run_main("predict_retinanet", ["--weights", converted["weights"], "--source", converted["val"],
                                                        "--images", COCO_SUBSET / "images", "--batch_size", "3",
                                                        "--no_images", "--output_dir", out, *common], capsys)
     assert code == 0, (stdout + err)[-4000:]
     _assert_equal_to_torchvision(json.loads((out / "predictions.json").read_text()), converted["tv"])
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for name in converted["files"]:
+        (folder / name).symlink_to(COCO_SUBSET / "images" / name)
+    out = tmp_path / "pred_folder"
+    code, stdout, err = run_main("predict_retinanet", ["--weights", converted["weights"], "--source", folder,
+                                                       "--batch_size", "3", "--no_images", "--output_dir", out, *common],
+                                 capsys)
+    assert code == 0, (stdout + err)[-4000:]
+    predictions = json.loads((out / "predictions.json").read_text())
+    _assert_equal_to_torchvision([{**p, "image_id": converted["files"][p["file_name"]]} for p in predictions],
+                                 converted["tv"])
     # export would build detlib's anchors into the graph: refused in one line, nothing written
     code, _, err = run_main("export_retinanet", ["--weights", converted["weights"], "--output", tmp_path / "m.onnx"], capsys)
     assert code != 0 and "torchvision's settings (resize_mode, anchor_offset, anchor_sizes" in err

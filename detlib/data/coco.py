@@ -39,7 +39,7 @@ from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS
 from ..labels import PAD_LABEL, CategoryMap
 from .images import load_rgb, load_skipping_unreadable
 from .records import CompactRecords
-from .transforms import IMAGENET_MEAN, INPUT_DIVISIBILITY, PAD_VALUE, make_sample
+from .transforms import IMAGENET_MEAN, INPUT_DIVISIBILITY, PAD_VALUE, make_sample, padded_input_shape
 
 logger = logging.getLogger(__name__)
 
@@ -300,34 +300,23 @@ def _pad_boxes(items: list[torch.Tensor], fill: float) -> torch.Tensor:
     return out
 
 
-def collate_detection(samples: list[dict], size_divisibility: int = INPUT_DIVISIBILITY,
-                      canvas: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+def collate_detection(samples: list[dict], size_divisibility: int = INPUT_DIVISIBILITY) -> dict[str, torch.Tensor]:
     """Stack samples into a padded batch of tensors (all on the same device after `accelerator.prepare`).
 
     Returns a dict of
         images: [B, 3, Hp, Wp] uint8 (float32 0-255 when the samples are float), padded at bottom/right with
-            `PAD_VALUE` (float images: `IMAGENET_MEAN`, so padded pixels are 0 after normalisation, as torchvision pads) to a multiple of `size_divisibility`
+            `PAD_VALUE` (float images: `IMAGENET_MEAN`, so padded pixels are 0 after normalisation, as torchvision
+            pads) to the batch's largest height and width, rounded up to a multiple of `size_divisibility`
         boxes: [B, M, 4] float32 xyxy (zeros in padding slots);  labels: [B, M] int64 (`PAD_LABEL` in padding)
         crowd_boxes: [B, C, 4] float32 xyxy, zero boxes as padding (C may be 0)
         image_ids: [B] int64;  image_sizes: [B, 2] (h, w) before padding
         scales: [B, 2] float32 (sy, sx);  valid: [B] bool
-    With `canvas` = (H, W) every batch is padded to exactly H x W (multiples of `size_divisibility`) instead of to
-    its largest image: see `EvaluationCollate`.
-    Raises:
-        ValueError: an image larger than `canvas` (names the image id and both sizes).
     """
     B = len(samples)
     hs = [s["image"].shape[1] for s in samples]
     ws = [s["image"].shape[2] for s in samples]
     Hp = int(math.ceil(max(hs) / size_divisibility) * size_divisibility)
     Wp = int(math.ceil(max(ws) / size_divisibility) * size_divisibility)
-    if canvas is not None:
-        too_large = [(s["image_id"], h, w) for s, h, w in zip(samples, hs, ws) if h > canvas[0] or w > canvas[1]]
-        if too_large:
-            raise ValueError(f"image {too_large[0][0]} is {too_large[0][1]}x{too_large[0][2]} (h x w) after its resize, "
-                             f"larger than the evaluation canvas {canvas[0]}x{canvas[1]}: the canvas must come from the "
-                             "same image size and max size as the transform (evaluation_canvas)")
-        Hp, Wp = int(canvas[0]), int(canvas[1])
     # an unreadable image's uint8 placeholder in a float batch is cast, never the other way round
     dtype = torch.uint8 if all(s["image"].dtype == torch.uint8 for s in samples) else torch.float32
     pad = PAD_VALUE if dtype == torch.uint8 else IMAGENET_MEAN
@@ -358,71 +347,53 @@ def collate_detection(samples: list[dict], size_divisibility: int = INPUT_DIVISI
 MIN_EVALUATION_BATCH = 2
 
 
-def evaluation_canvas(sizes, image_size: int, max_size: int | None = None,
-                      size_divisibility: int = INPUT_DIVISIBILITY) -> tuple[int, int]:
-    """The one padded input size (H, W) that holds every evaluation image after its resize.
+def evaluation_shapes(sizes, image_size: int, max_size: int | None = None, resize_mode: str = "antialias",
+                      size_divisibility: int = INPUT_DIVISIBILITY) -> list[tuple[int, int]]:
+    """The padded input shape (H, W) px of each evaluation image, the keys of `EvaluationBatchSampler`.
 
     Args:
-        sizes: (H, W) in px of every image as the json gives it (`[r["size"] for r in dataset.records]`).
-        image_size, max_size: the evaluation transform's (`build_transform(image_size, "none", max_size)`): the
-            longer side becomes `image_size`, or with `max_size` the shorter side, the longer at most `max_size`.
-        size_divisibility: the model's input multiple (`INPUT_DIVISIBILITY`, the largest backbone stride).
-    Returns:
-        (H, W): the largest resized height and width over `sizes` (rounded up, which bounds both resize modes'
-        rounding), each rounded up to a multiple of `size_divisibility`. For a 320 px evaluation of images in both
-        orientations: (320, 320).
-    Raises:
-        ValueError: no size at all.
+        sizes: (H, W) in px of every image as the json gives it (`[r["size"] for r in dataset.records]`; a file of
+            another size is resized to it on load).
+        image_size, max_size, resize_mode: the evaluation transform's (`build_transform(image_size, "none", max_size,
+            resize_mode)`).
     """
-    sizes = list(sizes)
-    if not sizes:
-        raise ValueError("evaluation_canvas needs the size of at least one image")
-    H = W = 1
-    for h, w in sizes:
-        ratio = image_size / max(h, w) if max_size is None else min(image_size / min(h, w), max_size / max(h, w))
-        H, W = max(H, math.ceil(h * ratio)), max(W, math.ceil(w * ratio))
-    return (int(math.ceil(H / size_divisibility) * size_divisibility),
-            int(math.ceil(W / size_divisibility) * size_divisibility))
+    return [padded_input_shape(h, w, image_size, max_size, resize_mode, size_divisibility) for h, w in sizes]
 
 
 class EvaluationCollate:
-    """The evaluation loader's collate: an image's padded input, so its detections, never depend on its batch.
+    """The evaluation and prediction loaders' collate: an image's padded input, so its detections, are those of the
+    image evaluated by itself, whatever its batch (issue 36).
 
-    `collate_detection` pads a batch to its largest image, so an image's input (and its detections: the convolutions
-    see the padding) changed with the images it shared a batch with, and so with the process count and the batch size
-    (issue 29: APl 2.6352e-05 on 2 processes, 2.6328e-05 on 1). Here
-      * every image is padded to one `canvas` (`evaluation_canvas` of the whole val set), at the bottom and right
-        with `PAD_VALUE` as before, so an image's padded input is the same in every batch;
-      * every batch is filled up to `batch_size` images (at least `MIN_EVALUATION_BATCH`) with copies of its last
-        sample, so the convolutions always run on batches of one size; on a CPU batches of 2 or more give
-        bit-identical outputs per image (`MIN_EVALUATION_BATCH`). The copies carry the image's id and `valid` flag:
-        `CocoEvaluator.add` keeps the first results of an id, as for the repeats accelerate adds to even out the
-        last batches of the processes.
-    The cost: each image costs the canvas' pixels (a landscape 320x240 image is computed at 320x320, as whenever a
-    portrait image shared its batch before), and the last batch of each process computes its fill copies.
-
-    Args:
-        canvas: (H, W) px, multiples of `size_divisibility` (`evaluation_canvas`); None: each batch padded to its
-            largest image (inputs whose sizes are not known beforehand: a folder, a video), still filled.
-        batch_size: the loader's batch size (`--per_device_eval_batch_size`); batches are filled to
-            max(batch_size, MIN_EVALUATION_BATCH).
-    Raises:
-        ValueError: a canvas side that is not a multiple of `size_divisibility`; when called, an image larger than the
-            canvas.
+    * The batches hold images of one padded shape (`EvaluationBatchSampler` on `evaluation_shapes`; consecutive
+      frames of a video), so each image is padded at the bottom and right only up to a multiple of
+      `size_divisibility`, as when it is alone. (Before, every image was padded to the largest shape of the val set:
+      padding shifts the features near the right and bottom borders, and torchvision's model run image by image
+      agreed on 119 of 160 top-20 detections.)
+    * A batch of one image is filled with a copy of it up to `MIN_EVALUATION_BATCH`, so the convolutions never run
+      a batch of one (other kernels on a CPU). The copy carries the image's id and `valid` flag: `CocoEvaluator.add`
+      keeps the first results of an id, and predict skips an id repeating the one before it.
+    * An empty list (a process's filler batch, `EvaluationBatchSampler`) gives {}: nothing to run.
+    A batch whose images' padded shapes differ anyway (a size that did not predict the transform's output) is padded
+    to its largest, with a warning naming the image, whose detections then depend on its batch.
     A plain class, not a closure: DataLoader workers pickle it.
     """
 
-    def __init__(self, canvas: tuple[int, int] | None, batch_size: int, size_divisibility: int = INPUT_DIVISIBILITY):
-        if canvas is not None and (len(canvas) != 2 or any(int(c) <= 0 or int(c) % size_divisibility for c in canvas)):
-            raise ValueError(f"the canvas {canvas} must be (H, W), positive multiples of {size_divisibility} px "
-                             "(evaluation_canvas)")
-        self.canvas = None if canvas is None else (int(canvas[0]), int(canvas[1]))
-        self.batch_size = max(int(batch_size), MIN_EVALUATION_BATCH)
+    def __init__(self, size_divisibility: int = INPUT_DIVISIBILITY):
         self.size_divisibility = size_divisibility
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        filled = list(samples) + [samples[-1]] * max(0, self.batch_size - len(samples))
-        return collate_detection(filled, self.size_divisibility, canvas=self.canvas)
+        if not samples:
+            return {}
+        d = self.size_divisibility
+        shapes = {(s["image_id"], -(-s["image"].shape[1] // d) * d, -(-s["image"].shape[2] // d) * d)
+                  for s in samples if s["valid"]}
+        if len({shape[1:] for shape in shapes}) > 1:
+            image_id, h, w = min(shapes, key=lambda t: (t[1] * t[2], t[0]))
+            logger.warning("image %s is padded beyond its %dx%d input in a batch of %s: its detections depend on "
+                           "its batch (its size in the json or its file header is not the one it was read at)",
+                           image_id, h, w, sorted({shape[1:] for shape in shapes}))
+        filled = list(samples) + [samples[-1]] * max(0, MIN_EVALUATION_BATCH - len(samples))
+        return collate_detection(filled, d)
 
     def __repr__(self) -> str:
-        return f"EvaluationCollate(canvas={self.canvas}, batch_size={self.batch_size})"
+        return f"EvaluationCollate(size_divisibility={self.size_divisibility})"

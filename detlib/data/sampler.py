@@ -1,4 +1,6 @@
-"""Aspect-ratio grouping: training batches whose images are all landscape or all portrait.
+"""Batch samplers: aspect-ratio grouping of training batches, and the evaluation's batches of one padded shape.
+
+Training: batches whose images are all landscape or all portrait.
 
 With the longer side resized to 600 px, a batch that mixes a 600x450 landscape and a 450x600 portrait image is
 padded to 608x608, so about a third of each image's canvas is padding; grouped, the batch pads to 608x480.
@@ -14,12 +16,16 @@ same reason. Here:
 * accelerate's `prepare` deals the batches round-robin to the processes (`BatchSamplerShard`) and calls
   `sampler.set_epoch` (our `SeededShuffle`), and `skip_first_batches` replays the same order, so a mid-epoch
   resume sees exactly the batches of the uninterrupted run.
+
+Evaluation and prediction (`EvaluationBatchSampler`): each batch holds images of one padded input shape, so that no
+image is padded beyond its own shape and its detections are those of the image evaluated by itself (docs/evaluation.md,
+"Batches and padding").
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence
+from typing import Hashable, Iterator, Sequence
 
 import torch
 
@@ -87,3 +93,40 @@ class GroupedBatchSampler(torch.utils.data.BatchSampler):
 def aspect_groups(sizes: Sequence[tuple[int, int]]) -> list[int]:
     """Group of each image from its (H, W) in pixels: 0 landscape or square (w >= h), 1 portrait."""
     return [0 if w >= h else 1 for h, w in sizes]
+
+
+class EvaluationBatchSampler(torch.utils.data.Sampler):
+    """This process's evaluation batches: each of images of one shape, each image in one batch of one process.
+
+    The indices of each shape, in index order, are cut into batches of `batch_size`; the shapes come in the order of
+    their first index. Batch b of that list goes to process b % `num_processes`, and every process gets as many
+    batches: the ones with fewer end with empty batches (no image, no compute), so that the collective calls of an
+    evaluation loop (the preemption check) meet. A DataLoader built on it must not be sharded again
+    (`accelerator.prepare` would deal its batches out a second time): its batches are already this process's.
+
+    Args:
+        shapes: [N] the padded input shape (H, W) of each data set index (`transforms.padded_input_shape`), or any
+            hashable key: images of equal keys may share a batch.
+        batch_size: the most images per batch.
+        num_processes, process_index: the process group and this process's rank in it.
+    Raises:
+        ValueError: a batch size below 1, or a process index outside 0..num_processes-1.
+    """
+
+    def __init__(self, shapes: Sequence[Hashable], batch_size: int, num_processes: int = 1, process_index: int = 0):
+        if batch_size < 1 or not 0 <= process_index < num_processes:
+            raise ValueError(f"need a batch size >= 1 and 0 <= process_index < num_processes, got {batch_size}, "
+                             f"{process_index} and {num_processes}")
+        groups: dict[Hashable, list[int]] = {}
+        for index, shape in enumerate(shapes):
+            groups.setdefault(shape, []).append(index)
+        batches = [g[i:i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+        per_process = -(-len(batches) // num_processes)
+        mine = batches[process_index::num_processes]
+        self.batches = mine + [[] for _ in range(per_process - len(mine))]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter([b[:] for b in self.batches])
+
+    def __len__(self) -> int:
+        return len(self.batches)

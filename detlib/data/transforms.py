@@ -107,22 +107,34 @@ class ResizeKeepAspect:
     def __call__(self, sample: dict) -> dict:
         h, w = sample["image"].shape[-2:]
         size = self.sizes[0] if len(self.sizes) == 1 else random.choice(self.sizes)
-        if self.max_size is None:
-            ratio = size / max(h, w)
-        else:
-            ratio = min(size / min(h, w), self.max_size / max(h, w))
+        nh, nw = resized_size(h, w, size, self.max_size, self.mode)
         out = dict(sample)
         if self.mode == "torchvision":
-            nh, nw = max(1, math.floor(h * ratio)), max(1, math.floor(w * ratio))
             image = torch.nn.functional.interpolate(sample["image"][None].as_subclass(torch.Tensor).float(), size=[nh, nw],
                                                     mode="bilinear", align_corners=False)[0]
             out["image"] = tv_tensors.Image(image)
         else:
-            nh, nw = max(1, int(round(h * ratio))), max(1, int(round(w * ratio)))
             out["image"] = F.resize(sample["image"], [nh, nw], antialias=True)
         out["boxes"] = F.resize(sample["boxes"], [nh, nw])
         out["scale"] = (nh / h, nw / w)
         return out
+
+
+def resized_size(h: int, w: int, size: int, max_size: int | None = None, mode: str = "antialias") -> tuple[int, int]:
+    """(height, width) in px of an h x w image after `ResizeKeepAspect(size, max_size, mode)`: the sides rounded
+    ("antialias") or floored ("torchvision"), at least 1."""
+    ratio = size / max(h, w) if max_size is None else min(size / min(h, w), max_size / max(h, w))
+    if mode == "torchvision":
+        return max(1, math.floor(h * ratio)), max(1, math.floor(w * ratio))
+    return max(1, int(round(h * ratio))), max(1, int(round(w * ratio)))
+
+
+def padded_input_shape(h: int, w: int, size: int, max_size: int | None = None, mode: str = "antialias",
+                       size_divisibility: int = INPUT_DIVISIBILITY) -> tuple[int, int]:
+    """(H, W) in px of the model's input for an h x w image evaluated by itself: its `resized_size`, each side
+    rounded up to a multiple of `size_divisibility` (the padding `collate_detection` adds)."""
+    nh, nw = resized_size(h, w, size, max_size, mode)
+    return (-(-nh // size_divisibility) * size_divisibility, -(-nw // size_divisibility) * size_divisibility)
 
 
 def build_transform(image_size: int | list[int], augmentation: str = "none", max_size: int | None = None,
