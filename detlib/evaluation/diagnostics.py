@@ -250,21 +250,21 @@ def _resample_weights(strata: np.ndarray, n_bootstrap: int, seed: int) -> np.nda
     return W
 
 
-def _bias_corrected(draws: np.ndarray, value: float) -> tuple[float, float] | None:
+def _bias_corrected(draws: np.ndarray, value: float) -> tuple[float, float]:
     """The bias-corrected percentile interval (Efron 1981; Efron & Tibshirani, "An Introduction to the Bootstrap",
-    1993, ch. 14.3) of `draws` [B] around `value`: the percentiles Phi(2 z0 +- z) with z0 = Phi^-1(share of draws below
-    `value`, ties half). It holds `value` when |z0| <= z; None when it cannot (|z0| > z: nearly every draw on one side).
+    1993, ch. 14.3) of `draws` [B] around `value`: the percentiles Phi(2 z0 -+ z) with z0 = Phi^-1(share of draws
+    below `value`, ties half) and z the normal quantile of `CONFIDENCE`. It holds `value` whenever |z0| <= z; z0 is
+    capped there (nearly every draw on one side of the value: the interval then reaches from the value to the far
+    percentile), so the interval always holds the value it is reported with.
     """
     from statistics import NormalDist
 
     nd = NormalDist()
     share = (np.sum(draws < value) + 0.5 * np.sum(draws == value)) / len(draws)
-    share = min(max(share, 0.5 / len(draws)), 1 - 0.5 / len(draws))
-    z0, z = nd.inv_cdf(share), nd.inv_cdf(0.5 + CONFIDENCE / 2)
-    if abs(z0) > z:
-        return None
+    z = nd.inv_cdf(0.5 + CONFIDENCE / 2)
+    z0 = float(np.clip(nd.inv_cdf(min(max(share, 0.5 / len(draws)), 1 - 0.5 / len(draws))), -z, z))
     lo, hi = np.quantile(draws, [nd.cdf(2 * z0 - z), nd.cdf(2 * z0 + z)])
-    return float(min(lo, value)), float(max(hi, value))
+    return float(min(lo, value)), float(max(hi, value))  # min / max: the quantiles' interpolation at |z0| = z
 
 
 def _no_interval(num_images: int, draws: np.ndarray | None) -> str | None:
@@ -289,7 +289,7 @@ def bootstrap_interval(coco_eval, results, n_bootstrap: int = EVALUATION_BOOTSTR
         coco_eval: hotcoco's COCOeval after evaluate() and accumulate(); results: the detections it loaded, in order.
     Returns:
         {metric: {"value", "lower", "upper", "std_err"} or {"value", "none": why} where there is no interval (fewer
-        than `MIN_BOOTSTRAP_IMAGES` images, no spread, or draws nearly all on one side of the value),
+        than `MIN_BOOTSTRAP_IMAGES` images, or no spread: every resample the same),
         "n_bootstrap", "seed", "confidence", "num_images", "method"}.
     Raises:
         ValueError: not hotcoco's COCOeval, or not accumulated; n_bootstrap < 2; results not those it loaded.
@@ -312,8 +312,6 @@ def bootstrap_interval(coco_eval, results, n_bootstrap: int = EVALUATION_BOOTSTR
         d = None if draws is None else draws[:, j][np.isfinite(draws[:, j])]
         why = _no_interval(num_images, d)
         ci = None if why else _bias_corrected(d, values[m])
-        if ci is None and not why:
-            why = "the resamples lie almost all on one side of the value: the bootstrap cannot place it"
         out[m] = {"value": values[m], "none": why} if why else {
             "value": values[m], "lower": ci[0], "upper": ci[1], "std_err": float(d.std(ddof=1))}
     return out
@@ -361,8 +359,6 @@ def compare_evaluations(eval_a, eval_b, results_a, results_b, n_bootstrap: int =
         if d is not None and len(d) and not d.any():  # the same detections on every resample: a tie, not noise
             why = None
         ci = None if why else (0.0, 0.0) if not d.any() else _bias_corrected(d, b - a)
-        if ci is None and not why:
-            why = "the resampled differences lie almost all on one side of B - A: the bootstrap cannot place it"
         if why:
             v["none"] = why
         else:
