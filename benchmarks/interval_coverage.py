@@ -83,11 +83,10 @@ def intervals(ev, dets: list[dict], n_bootstrap: int, seed: int) -> dict[str, np
     per_class, npig = dg._image_matches(ev, dets)
     rec = np.asarray(ev.params.recThrs, np.float64)
     value = np.asarray(ev.stats[:2], np.float64)
-    plain = dg._resampled_ap(per_class, npig, dg._resample_weights(np.zeros(npig.shape[1], int), n_bootstrap, seed), rec)
-    strat = dg._resampled_ap(per_class, npig, dg._resample_weights(dg._strata(npig), n_bootstrap, seed), rec)
+    plain = dg._resampled_ap(per_class, npig, dg._resample_weights(npig.shape[1], n_bootstrap, seed), rec)
     alpha = 100 * (1 - dg.CONFIDENCE) / 2
     out = {}
-    for name, draws in (("plain", plain), ("stratified", strat)):
+    for name, draws in (("image bootstrap", plain),):
         out[f"{name} percentile"] = np.percentile(draws, [alpha, 100 - alpha], axis=0).T
         bc = [dg._bias_corrected(draws[:, j], value[j]) for j in range(2)]
         out[f"{name} bias-corrected"] = None if None in bc else np.array(bc)

@@ -8,7 +8,7 @@ Both files are COCO results (what `train_retinanet.py` writes as predictions_val
 results that all carry a `file_name`, as `predict_retinanet.py` writes for a folder, are matched by it). It says first
 how many val images each file covers (has a result on); when the two cover different images, the comparison is of the
 images both cover, and says so (`--all_images`: every image of the annotations, an image without a result counting as
-one where nothing was found); no common image: exit 1. The interval is a class-stratified paired bootstrap with
+one where nothing was found); no common image: exit 1. The interval is a paired image bootstrap with
 bias-corrected percentiles (docs/evaluation.md). The same seed gives the same numbers. Exit 0 when it ran, whatever
 the answer; 1 for a file that cannot be read or matched to the annotations.
 """
@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
             fail(f"{getattr(args, name)} holds no detection")
     c = compare_evaluations(evals["a"], evals["b"], runs["a"], runs["b"], n_bootstrap=args.n_bootstrap, seed=args.seed)
     c.update(images_covered={"A": len(covered["a"]), "B": len(covered["b"]), "val": len(all_ids)})
-    print(f"{c['num_images']} images, {c['n_bootstrap']} paired class-stratified image resamples, seed {c['seed']}")
+    print(f"{c['num_images']} images, {c['n_bootstrap']} paired image resamples, seed {c['seed']}")
     for m in ("AP", "AP50"):
         v = c[m]
         if "none" in v:

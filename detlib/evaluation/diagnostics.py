@@ -17,8 +17,8 @@ tests/test_evaluation_diagnostics.py:
   the detection scores against "is a true positive at IoU 0.5" (COCO's matching, area all, 100 detections per image
   and class, detections COCO ignores left out), in 10 equal-width score bins: ECE = sum_b n_b / N |acc_b - conf_b|.
   Equal to the same sum over pycocotools' own `evalImgs` (to 1e-12).
-* `bootstrap_interval` and `compare_evaluations`: image bootstrap stratified by each image's rarest class (so no class
-  vanishes from a resample), bias-corrected percentile intervals (Efron & Tibshirani 1993, ch. 14.3), the same draws
+* `bootstrap_interval` and `compare_evaluations`: image bootstrap (images drawn with replacement), bias-corrected
+  percentile intervals (Efron & Tibshirani 1993, ch. 14.3), the same draws
   for both runs of a comparison (a paired bootstrap), a fixed seed so the numbers repeat; each resample's AP is
   COCOeval's accumulation over the drawn images, from hotcoco's matches. No interval (and why) where resampling
   cannot give one. Coverage by simulation: `benchmarks/interval_coverage.py` (docs/evaluation.md).
@@ -50,7 +50,7 @@ BOOTSTRAP_SEED = 0
 CONFIDENCE = 0.95
 # Fewer images than this: no interval (one image resamples to itself)
 MIN_BOOTSTRAP_IMAGES = 2
-BOOTSTRAP_METHOD = "class-stratified image bootstrap, bias-corrected percentiles"
+BOOTSTRAP_METHOD = "image bootstrap, bias-corrected percentiles"
 
 
 def _quiet():
@@ -225,29 +225,12 @@ def _resampled_ap(per_class: list[tuple], npig: np.ndarray, weights: np.ndarray,
     return np.concatenate(out) if out else np.zeros((0, 2))
 
 
-def _strata(npig: np.ndarray) -> np.ndarray:
-    """[I] the stratum of each image: its rarest class (fewest images with a box of it), -1 without ground truth.
-
-    Resampling each stratum to its own size keeps every class in every resample: a class's rarest images are always
-    drawn from. An ordinary image bootstrap drops a class seen on one image from 37 % of the resamples, and since rare
-    classes are mostly the hard ones, the resampled AP runs high (issue 36).
-    """
-    images_of = (npig > 0).sum(1).astype(np.float64)  # [K']
-    rarity = np.where(npig > 0, images_of[:, None], np.inf)  # [K', I]
-    return np.where(np.isfinite(rarity.min(0)), rarity.argmin(0), -1)
-
-
-def _resample_weights(strata: np.ndarray, n_bootstrap: int, seed: int) -> np.ndarray:
-    """[n_bootstrap, I] int: each stratum's images drawn with replacement, as many as it has (the same seed and strata:
-    the same draws)."""
+def _resample_weights(num_images: int, n_bootstrap: int, seed: int) -> np.ndarray:
+    """[n_bootstrap, num_images] int: how often each image is drawn (with replacement, as many draws as images) in
+    each resample; the same seed, the same draws."""
     rng = np.random.default_rng(seed)
-    W = np.zeros((n_bootstrap, len(strata)), np.int64)
-    for s in np.unique(strata):
-        members = np.flatnonzero(strata == s)
-        drawn = members[rng.integers(0, len(members), size=(n_bootstrap, len(members)))]
-        for b in range(n_bootstrap):
-            W[b] += np.bincount(drawn[b], minlength=len(strata))
-    return W
+    drawn = rng.integers(0, num_images, size=(n_bootstrap, num_images))
+    return np.stack([np.bincount(d, minlength=num_images) for d in drawn])
 
 
 def _bias_corrected(draws: np.ndarray, value: float) -> tuple[float, float]:
@@ -278,11 +261,13 @@ def _no_interval(num_images: int, draws: np.ndarray | None) -> str | None:
 
 def bootstrap_interval(coco_eval, results, n_bootstrap: int = EVALUATION_BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
                        metrics=("AP", "AP50")) -> dict:
-    """95 % (`CONFIDENCE`) intervals of AP and AP50: class-stratified image bootstrap, bias-corrected percentiles.
+    """95 % (`CONFIDENCE`) intervals of AP and AP50: image bootstrap, bias-corrected percentiles.
 
-    Images are drawn with replacement within strata (`_strata`: by their rarest class), so that no class vanishes
-    from a resample; each resample's AP is COCOeval's on the drawn images (`_resampled_ap`); the interval is the
-    bias-corrected percentile interval (`_bias_corrected`), which holds the reported AP. Coverage measured by
+    Images are drawn with replacement; each resample's AP is COCOeval's on the drawn images (`_resampled_ap`). Resampled
+    AP runs high (rare classes, mostly hard ones, drop out of resamples; small counts flatter AP), so plain percentiles
+    can miss the AP itself; the bias-corrected percentile interval (`_bias_corrected`) shifts by that bias and holds
+    the reported AP. (A bootstrap stratified by each image's rarest class, tried too, keeps every class but fixes the
+    images of classes seen once and covered worse: docs/evaluation.md.) Coverage measured by
     simulation: `benchmarks/interval_coverage.py`, docs/evaluation.md. The interval describes the spread over val
     sets like this one (same classes, same size), not the training noise.
     Args:
@@ -304,7 +289,7 @@ def bootstrap_interval(coco_eval, results, n_bootstrap: int = EVALUATION_BOOTSTR
     draws = None
     if num_images >= MIN_BOOTSTRAP_IMAGES:
         per_class, npig = _image_matches(coco_eval, results)
-        W = _resample_weights(_strata(npig), int(n_bootstrap), int(seed))
+        W = _resample_weights(npig.shape[1], int(n_bootstrap), int(seed))
         draws = _resampled_ap(per_class, npig, W, np.asarray(coco_eval.params.recThrs, np.float64))
     for j, m in enumerate(("AP", "AP50")):
         if m not in metrics:
@@ -319,9 +304,9 @@ def bootstrap_interval(coco_eval, results, n_bootstrap: int = EVALUATION_BOOTSTR
 
 def compare_evaluations(eval_a, eval_b, results_a, results_b, n_bootstrap: int = COMPARE_BOOTSTRAP,
                         seed: int = BOOTSTRAP_SEED, metrics=("AP", "AP50")) -> dict:
-    """Is B better than A? The stat differences B - A with a paired, class-stratified image bootstrap.
+    """Is B better than A? The stat differences B - A with a paired image bootstrap.
 
-    The same draws of images for both runs (strata from the shared ground truth), each draw's B - A as
+    The same draws of images for both runs, each draw's B - A as
     `bootstrap_interval` computes a stat; the interval is the bias-corrected percentile interval of the difference.
     Both evaluations must score the same ground truth and images (two predictions files on one val set).
     Returns:
@@ -347,7 +332,7 @@ def compare_evaluations(eval_a, eval_b, results_a, results_b, n_bootstrap: int =
     if num_images >= MIN_BOOTSTRAP_IMAGES and n_bootstrap >= 2:
         rec = np.asarray(eval_a.params.recThrs, np.float64)
         (pa, na), (pb, nb) = _image_matches(eval_a, results_a), _image_matches(eval_b, results_b)
-        W = _resample_weights(_strata(na), int(n_bootstrap), int(seed))
+        W = _resample_weights(na.shape[1], int(n_bootstrap), int(seed))
         deltas = _resampled_ap(pb, nb, W, rec) - _resampled_ap(pa, na, W, rec)
     for j, m in enumerate(("AP", "AP50")):
         if m not in metrics:
@@ -375,7 +360,7 @@ def format_diagnostics(breakdown: dict | None, calib: dict | None, interval: dic
     """The evaluation block's one line: the AP each error type costs (dAP50 x100 / count), ECE, the intervals.
 
     e.g. "errors dAP50/count: cls 23.3/71 loc 0.2/11 both 2.4/217 dupe 0.0/0 bkg 5.1/366 missed 0.1/3 | ECE 0.150 |
-    AP 0.370 [0.339, 0.417] AP50 0.688 [0.659, 0.772] (95 %, 100 stratified image resamples)"; a metric without an
+    AP 0.370 [0.339, 0.417] AP50 0.688 [0.659, 0.772] (95 %, 100 image resamples)"; a metric without an
     interval shows its value and why there is none (`bootstrap_interval`).
     """
     parts = []
@@ -392,7 +377,7 @@ def format_diagnostics(breakdown: dict | None, calib: dict | None, interval: dic
                                                                   f" [{interval[m]['lower']:.3f}, {interval[m]['upper']:.3f}]")
                               for m in shown)
                      + (f" (no interval: {'; '.join(why)})" if why else
-                        f" ({100 * interval['confidence']:.0f} %, {interval['n_bootstrap']} stratified image resamples)"))
+                        f" ({100 * interval['confidence']:.0f} %, {interval['n_bootstrap']} image resamples)"))
     return " | ".join(parts) if parts else "no diagnostics (nothing detected)"
 
 
