@@ -93,15 +93,22 @@ def intervals(ev, dets: list[dict], n_bootstrap: int, seed: int) -> dict[str, np
     return out
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--classes", type=int, default=20)
+def build_parser() -> argparse.ArgumentParser:
+    from detlib.engine import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--classes", type=int, default=20, help="classes of the world (Zipf frequencies)")
     p.add_argument("--population", type=int, default=20000, help="images the true per-class AP is measured on")
     p.add_argument("--sizes", type=int, nargs="+", default=[30, 100, 300], help="val set sizes (images)")
     p.add_argument("--sets", type=int, default=200, help="val sets drawn per size")
-    p.add_argument("--n_bootstrap", type=int, default=200)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results_interval_coverage.json"))
-    args = p.parse_args(argv)
+    p.add_argument("--n_bootstrap", type=int, default=100, help="resamples per interval")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results_interval_coverage.json"),
+                   help="the results json")
+    return p
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     w = world(args.classes)
     t0 = time.time()
     truth = true_class_ap(w, args.population, seed=1)
