@@ -17,8 +17,8 @@ tests/test_evaluation_diagnostics.py:
   the detection scores against "is a true positive at IoU 0.5" (COCO's matching, area all, 100 detections per image
   and class, detections COCO ignores left out), in 10 equal-width score bins: ECE = sum_b n_b / N |acc_b - conf_b|.
   Equal to the same sum over pycocotools' own `evalImgs` (to 1e-12).
-* `bootstrap_interval` and `compare_evaluations`: image bootstrap (images drawn with replacement), bias-corrected
-  percentile intervals (Efron & Tibshirani 1993, ch. 14.3), the same draws
+* `bootstrap_interval` and `compare_evaluations`: image bootstrap (images drawn with replacement), basic (reflected)
+  intervals that hold the reported value (Davison & Hinkley 1997, eq. 5.6), the same draws
   for both runs of a comparison (a paired bootstrap), a fixed seed so the numbers repeat; each resample's AP is
   COCOeval's accumulation over the drawn images, from hotcoco's matches. No interval (and why) where resampling
   cannot give one. Coverage by simulation: `benchmarks/interval_coverage.py` (docs/evaluation.md).
@@ -50,7 +50,7 @@ BOOTSTRAP_SEED = 0
 CONFIDENCE = 0.95
 # Fewer images than this: no interval (one image resamples to itself)
 MIN_BOOTSTRAP_IMAGES = 2
-BOOTSTRAP_METHOD = "image bootstrap, bias-corrected percentiles"
+BOOTSTRAP_METHOD = "image bootstrap, basic interval holding the value"
 
 
 def _quiet():
@@ -233,21 +233,16 @@ def _resample_weights(num_images: int, n_bootstrap: int, seed: int) -> np.ndarra
     return np.stack([np.bincount(d, minlength=num_images) for d in drawn])
 
 
-def _bias_corrected(draws: np.ndarray, value: float) -> tuple[float, float]:
-    """The bias-corrected percentile interval (Efron 1981; Efron & Tibshirani, "An Introduction to the Bootstrap",
-    1993, ch. 14.3) of `draws` [B] around `value`: the percentiles Phi(2 z0 -+ z) with z0 = Phi^-1(share of draws
-    below `value`, ties half) and z the normal quantile of `CONFIDENCE`. It holds `value` whenever |z0| <= z; z0 is
-    capped there (nearly every draw on one side of the value: the interval then reaches from the value to the far
-    percentile), so the interval always holds the value it is reported with.
+def _basic_interval(draws: np.ndarray, value: float) -> tuple[float, float]:
+    """The basic bootstrap interval (Davison & Hinkley, "Bootstrap Methods and their Application", 1997, eq. 5.6) of
+    `draws` [B] around `value`: [2 value - q_hi, 2 value - q_lo], q the draws' (1 -+ `CONFIDENCE`) / 2 quantiles.
+    Resampled AP runs high (rare classes, mostly hard ones, drop out of resamples; the precision envelope of a
+    noisier curve rises), and reflecting the quantiles about the value takes that bias off where percentiles add it.
+    An end that the shift moves past the value is moved back to it: the interval always holds the value it is
+    reported with (coverage can only gain).
     """
-    from statistics import NormalDist
-
-    nd = NormalDist()
-    share = (np.sum(draws < value) + 0.5 * np.sum(draws == value)) / len(draws)
-    z = nd.inv_cdf(0.5 + CONFIDENCE / 2)
-    z0 = float(np.clip(nd.inv_cdf(min(max(share, 0.5 / len(draws)), 1 - 0.5 / len(draws))), -z, z))
-    lo, hi = np.quantile(draws, [nd.cdf(2 * z0 - z), nd.cdf(2 * z0 + z)])
-    return float(min(lo, value)), float(max(hi, value))  # min / max: the quantiles' interpolation at |z0| = z
+    lo, hi = np.quantile(draws, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    return float(min(2 * value - hi, value)), float(max(2 * value - lo, value))
 
 
 def _no_interval(num_images: int, draws: np.ndarray | None) -> str | None:
@@ -261,13 +256,12 @@ def _no_interval(num_images: int, draws: np.ndarray | None) -> str | None:
 
 def bootstrap_interval(coco_eval, results, n_bootstrap: int = EVALUATION_BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
                        metrics=("AP", "AP50")) -> dict:
-    """95 % (`CONFIDENCE`) intervals of AP and AP50: image bootstrap, bias-corrected percentiles.
+    """95 % (`CONFIDENCE`) intervals of AP and AP50: image bootstrap, basic (reflected) intervals holding the value.
 
     Images are drawn with replacement; each resample's AP is COCOeval's on the drawn images (`_resampled_ap`). Resampled
-    AP runs high (rare classes, mostly hard ones, drop out of resamples; small counts flatter AP), so plain percentiles
-    can miss the AP itself; the bias-corrected percentile interval (`_bias_corrected`) shifts by that bias and holds
-    the reported AP. (A bootstrap stratified by each image's rarest class, tried too, keeps every class but fixes the
-    images of classes seen once and covered worse: docs/evaluation.md.) Coverage measured by
+    AP runs high, so percentiles of it can miss the AP itself; the basic interval (`_basic_interval`) reflects them
+    about the AP and always holds it. Percentiles, bias-corrected percentiles and a bootstrap stratified by each
+    image's rarest class covered worse in the simulation (docs/evaluation.md). Coverage measured by
     simulation: `benchmarks/interval_coverage.py`, docs/evaluation.md. The interval describes the spread over val
     sets like this one (same classes, same size), not the training noise.
     Args:
@@ -296,7 +290,7 @@ def bootstrap_interval(coco_eval, results, n_bootstrap: int = EVALUATION_BOOTSTR
             continue
         d = None if draws is None else draws[:, j][np.isfinite(draws[:, j])]
         why = _no_interval(num_images, d)
-        ci = None if why else _bias_corrected(d, values[m])
+        ci = None if why else _basic_interval(d, values[m])
         out[m] = {"value": values[m], "none": why} if why else {
             "value": values[m], "lower": ci[0], "upper": ci[1], "std_err": float(d.std(ddof=1))}
     return out
@@ -307,7 +301,7 @@ def compare_evaluations(eval_a, eval_b, results_a, results_b, n_bootstrap: int =
     """Is B better than A? The stat differences B - A with a paired image bootstrap.
 
     The same draws of images for both runs, each draw's B - A as
-    `bootstrap_interval` computes a stat; the interval is the bias-corrected percentile interval of the difference.
+    `bootstrap_interval` computes a stat; the interval is the basic interval of the difference, holding B - A.
     Both evaluations must score the same ground truth and images (two predictions files on one val set).
     Returns:
         {metric: {"A", "B", "delta" (B - A), "lower", "upper" (the 95 % interval of the delta; absent with "none": why
@@ -343,7 +337,7 @@ def compare_evaluations(eval_a, eval_b, results_a, results_b, n_bootstrap: int =
         why = _no_interval(num_images, d) or (None if d is not None else "no resampling asked for")
         if d is not None and len(d) and not d.any():  # the same detections on every resample: a tie, not noise
             why = None
-        ci = None if why else (0.0, 0.0) if not d.any() else _bias_corrected(d, b - a)
+        ci = None if why else (0.0, 0.0) if not d.any() else _basic_interval(d, b - a)
         if why:
             v["none"] = why
         else:
