@@ -1,5 +1,5 @@
 """Is B better than A? Two predictions files on the same ground truth: the AP difference, its 95 % interval by paired
-image bootstrap, and the probability that B is better (detlib.evaluation.diagnostics.compare_evaluations, hotcoco).
+image bootstrap, and the probability that B is better (detlib.evaluation.diagnostics.compare_evaluations).
 
     python scripts/compare_predictions.py --annotations val.json --a runA/predictions_val.json --b runB/predictions_val.json
     python scripts/compare_predictions.py --annotations val.json --a A.json --b B.json --n_bootstrap 2000 --seed 1 --out cmp.json

@@ -7,7 +7,7 @@
   and dAP within 0.005 (measured: 5e-5) on the val set and on the subset without its crowd boxes; dAP within 0.005 on
   the whole subset, where one detection overlapping a crowd box is typed differently (docs/evaluation.md).
 * Calibration: ECE, MCE and the bins equal the same sums over pycocotools' `evalImgs`.
-* Bootstrap: the interval's centre is the evaluation's AP; its spread matches a bootstrap done by hand (images drawn
+* Bootstrap: the interval holds the evaluation's AP; its spread matches a bootstrap done by hand (images drawn
   with replacement, each draw evaluated as a data set of its own); the seed repeats it; comparing a run with itself
   gives 0, with a better run a positive difference equal to the stats' difference.
 """

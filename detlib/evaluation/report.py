@@ -235,11 +235,12 @@ def evaluation_diagnostics(evaluator, output_dir: str, epoch: int | None, n_boot
             interval = diagnostics.bootstrap_interval(ev, results, n_bootstrap=n, seed=seed)
             files["bootstrap_json"] = metrics.write_json(interval, os.path.join(folder, "bootstrap.json"))
             out["bootstrap"] = {"n_bootstrap": n, "seed": int(seed), "method": interval["method"]}
+            missing = [m for m in ("AP", "AP50") if "none" in interval[m]]
+            if missing:  # one line: F06
+                out["bootstrap"]["no_interval"] = interval[missing[0]]["none"]
+                logger.warning("no 95 %% interval of %s: %s", " or ".join(missing), interval[missing[0]]["none"])
             for m in ("AP", "AP50"):
-                if "none" in interval[m]:
-                    out["bootstrap"]["no_interval"] = interval[m]["none"]
-                    logger.warning("no 95 %% interval of %s: %s", m, interval[m]["none"])
-                else:
+                if m not in missing:
                     out[f"{m}_ci95"] = [interval[m]["lower"], interval[m]["upper"]]
                     out["bootstrap"][f"std_err_{m}"] = interval[m]["std_err"]
     if label_errors:
