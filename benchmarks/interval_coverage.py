@@ -118,7 +118,7 @@ def intervals(ev, dets: list[dict], n_bootstrap: int, seed: int) -> dict[str, np
     for name, draws in (("image", plain), ("stratified", strat)):
         out[f"{name} percentile"] = np.percentile(draws, [alpha, 100 - alpha], axis=0).T  # before issue 36
         out[f"{name} bias-corrected percentile"] = np.array([bias_corrected(draws[:, j], value[j]) for j in range(2)])
-        out[f"{name} basic, holding the value (adopted)"] = np.array([dg._basic_interval(draws[:, j], value[j])
+        out[f"{name} basic, holding the value"] = np.array([dg._basic_interval(draws[:, j], value[j])
                                                                        for j in range(2)])
     return out
 
