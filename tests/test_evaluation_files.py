@@ -23,6 +23,8 @@ import compare_predictions  # noqa: E402
 import evaluate_predictions  # noqa: E402
 
 VAL_JSON = str(COCO_SUBSET / "annotations" / "instances_val.json")
+TINY = ["--backbone", "resnet18", "--image_size", "128", "--fpn_channels", "32", "--per_device_batch_size", "2",
+        "--per_device_eval_batch_size", "2", "--num_workers", "0", "--log_interval", "1"]
 
 
 def hot(gt, results):
@@ -143,7 +145,6 @@ def test_area_ranges_given_as_areas_are_warned_of(caplog):
             CocoEvaluator(gt, area_ranges=area_ranges_from_edges(edges))
         text = " ".join(r.getMessage() for r in caplog.records)
         assert ("not in px^2" in text) == warned, (edges, text)
-    help_text = " ".join(compare_predictions.build_parser().format_help().split())
     import train_retinanet
 
     help_text = " ".join(train_retinanet.build_parser().format_help().split())
@@ -155,7 +156,6 @@ def test_area_ranges_given_as_areas_are_warned_of(caplog):
 def test_evaluate_predictions_gives_the_runs_numbers(tmp_path, capsys):
     """Issue 36, point 5: a run's predictions_val.json evaluated on its own gives the run's final evaluation line."""
     from helpers import run_ok
-    from test_train_retinanet import TINY, coco_tiny as _  # noqa: F401  (the fixture's data, built here)
 
     gt = json.loads(open(VAL_JSON).read())
     gt["images"] = sorted(gt["images"], key=lambda im: im["id"])[:6]
