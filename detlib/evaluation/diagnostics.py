@@ -208,14 +208,19 @@ def _resampled_ap(per_class: list[tuple], npig: np.ndarray, weights: np.ndarray,
                 wd = W[:, img]  # [B, D]
                 offset = 2.0 * np.arange(B)[:, None]  # rows shifted apart: one searchsorted for every row
                 for t in range(T):
-                    ctp = np.cumsum(wd * tp[t], axis=1)
-                    cfp = np.cumsum(wd * fp[t], axis=1)
+                    found = np.flatnonzero(tp[t])
+                    if not len(found):
+                        continue
+                    # detections after the last true positive change no recall and lower no envelope: left out
+                    n = found[-1] + 1
+                    ctp = np.cumsum(wd[:, :n] * tp[t, :n], axis=1)
+                    cfp = np.cumsum(wd[:, :n] * fp[t, :n], axis=1)
                     rc = ctp / np.maximum(n_gt, 1e-300)[:, None]
                     pr = ctp / (ctp + cfp + np.spacing(1))
                     pr = np.maximum.accumulate(pr[:, ::-1], axis=1)[:, ::-1]  # COCO's precision envelope
                     at = np.searchsorted((rc + offset).ravel(), (rec_thrs[None, :] + offset).ravel(), side="left")
-                    at = at.reshape(B, -1) - np.arange(B)[:, None] * D
-                    q[:, t] = np.where(at < D, np.take_along_axis(pr, np.minimum(at, D - 1), axis=1), 0.0)
+                    at = at.reshape(B, -1) - np.arange(B)[:, None] * n
+                    q[:, t] = np.where(at < n, np.take_along_axis(pr, np.minimum(at, n - 1), axis=1), 0.0)
             has_gt = n_gt > 0
             ap[has_gt, k, 0] = q[has_gt].mean(axis=(1, 2))
             ap[has_gt, k, 1] = q[has_gt, 0].mean(axis=1)
