@@ -89,8 +89,18 @@ def main(argv=None) -> dict:
     print(format_best_f1(best_f1))
     with tempfile.TemporaryDirectory() as scratch:  # the diagnostics write their files; kept only with --plots
         folder = args.plots or scratch
-        diagnosed = evaluation_diagnostics(evaluator, folder, None, args.n_bootstrap, args.seed, label_errors=True)
+        report_log = logging.getLogger("detlib.evaluation.report")
+        level = report_log.level
+        if not args.plots:  # its log names files that will not be kept
+            report_log.setLevel(logging.WARNING)
+        try:
+            diagnosed = evaluation_diagnostics(evaluator, folder, None, args.n_bootstrap, args.seed, label_errors=True)
+        finally:
+            report_log.setLevel(level)
         print(diagnosed["line"])
+        if not args.plots:
+            print("likely label errors:", ", ".join(f"{k} {v}" for k, v in diagnosed["metrics"]["label_errors"].items()),
+                  "(--plots DIR writes the list)")
         if args.plots:
             write_evaluation_plots(os.path.join(folder, "plots"), None, evaluator.coco_eval, evaluator.gt_dataset,
                                    evaluator.evaluated()[0], image_ids=evaluator.evaluated()[1], best_f1=best_f1)
