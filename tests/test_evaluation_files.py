@@ -177,3 +177,15 @@ def test_evaluate_predictions_gives_the_runs_numbers(tmp_path, capsys):
         assert json.loads(json.dumps(got[k])) == line[k], k
     assert json.loads((tmp_path / "eval.json").read_text()) == json.loads(json.dumps(got))
     assert (tmp_path / "plots" / "plots" / "final" / "per_class_ap.png").is_file()
+
+
+@pytest.mark.parametrize("script", ["evaluate_predictions", "compare_predictions"])
+def test_help_of_the_file_commands_imports_no_torch(script):
+    """Issue 36 point 5: --help is fast, so it loads none of torch, timm or accelerate (13 s on this machine before)."""
+    import subprocess
+
+    code = ("import runpy, sys\nsys.argv = ['x', '--help']\ntry:\n    runpy.run_path("
+            f"{str(REPO / 'scripts' / (script + '.py'))!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'timm', 'accelerate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert "--annotations" in out.stdout and out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:] + out.stderr
