@@ -214,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="COCOeval implementation: hotcoco (the 12 stats equal pycocotools' to the bit, at 0.02 of its "
                         "time), pycocotools, faster-coco-eval; auto: the first installed of these")
     g.add_argument("--area_ranges", type=float_range(0), nargs="+", metavar="PX", help="edges of the small / medium / "
-                   "large size ranges of APs..ARl, in px of sqrt(box area): 3 or 4 increasing numbers, e.g. 0 16 32 96 "
-                   "for tiny objects (default: COCO's 0 32 96)")
+                   "large size ranges of APs..ARl in px of the box side, sqrt(area), not px^2 of the area "
+                   "(pycocotools' areaRng 0 1024 9216 is 0 32 96 here): 3 or 4 increasing numbers, e.g. 0 16 32 96 for "
+                   "tiny objects (default: COCO's 0 32 96)")
     g.add_argument("--eval_bootstrap", type=int_at_least(0), default=100, help="image resamples of the 95%% intervals "
                    "of AP and AP50 in each evaluation (0: none; the cost grows with the val set: 36 s at 5,000 images)")
     g.add_argument("--num_log_images", type=int_at_least(0), default=16,

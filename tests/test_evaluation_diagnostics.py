@@ -7,7 +7,7 @@
   and dAP within 0.005 (measured: 5e-5) on the val set and on the subset without its crowd boxes; dAP within 0.005 on
   the whole subset, where one detection overlapping a crowd box is typed differently (docs/evaluation.md).
 * Calibration: ECE, MCE and the bins equal the same sums over pycocotools' `evalImgs`.
-* Bootstrap: the interval's centre is the evaluation's AP; its spread matches a bootstrap done by hand (images drawn
+* Bootstrap: the interval holds the evaluation's AP; its spread matches a bootstrap done by hand (images drawn
   with replacement, each draw evaluated as a data set of its own); the seed repeats it; comparing a run with itself
   gives 0, with a better run a positive difference equal to the stats' difference.
 """
@@ -131,7 +131,7 @@ def test_bootstrap_interval_matches_a_bootstrap_by_hand():
     gt = real_json("val")
     results = model_like_detections(gt, seed=0)
     ev = hot(gt, results)
-    interval = dg.bootstrap_interval(ev, n_bootstrap=200, seed=0)
+    interval = dg.bootstrap_interval(ev, results, n_bootstrap=200, seed=0)
     stats = evaluate_coco(gt, results, backend="pycocotools")[0]
     rng = random.Random(0)
     draws = np.array([[s["AP"], s["AP50"]] for s in (evaluate_coco(*resampled(gt, results, rng), backend="hotcoco",
@@ -140,11 +140,11 @@ def test_bootstrap_interval_matches_a_bootstrap_by_hand():
         assert interval[m]["value"] == stats[m]
         se = draws[:, j].std(ddof=1)
         assert 0.7 < interval[m]["std_err"] / se < 1.4, m
-        lo, hi = np.percentile(draws[:, j], [2.5, 97.5])
-        assert abs(interval[m]["lower"] - lo) < se and abs(interval[m]["upper"] - hi) < se, m
+        hi = np.percentile(draws[:, j], 97.5)  # resampled AP runs high: the bias correction moves the interval down
+        assert interval[m]["upper"] < hi + se / 4, m
         assert interval[m]["lower"] < stats[m] < interval[m]["upper"]
-    assert dg.bootstrap_interval(ev, n_bootstrap=200, seed=0) == interval  # the seed repeats it
-    assert dg.bootstrap_interval(ev, n_bootstrap=200, seed=1)["AP"] != interval["AP"]
+    assert dg.bootstrap_interval(ev, results, n_bootstrap=200, seed=0) == interval  # the seed repeats it
+    assert dg.bootstrap_interval(ev, results, n_bootstrap=200, seed=1)["AP"] != interval["AP"]
 
 
 @needs_coco_subset
@@ -155,23 +155,24 @@ def test_compare_evaluations():
     n_fp = 20 * len(gt["images"])
     b = a[:-n_fp] + [dict(r, score=r["score"] * 0.5) for r in a[-n_fp:]]
     ev_a, ev_b = hot(gt, a), hot(gt, b)
-    same = dg.compare_evaluations(ev_a, ev_a, n_bootstrap=20)
+    same = dg.compare_evaluations(ev_a, ev_a, a, a, n_bootstrap=20)
     assert same["AP"]["delta"] == 0 and same["AP"]["prob_b_better"] == 0 and same["AP"]["lower"] == same["AP"]["upper"] == 0
-    c = dg.compare_evaluations(ev_a, ev_b, n_bootstrap=40, seed=0)
+    c = dg.compare_evaluations(ev_a, ev_b, a, b, n_bootstrap=40, seed=0)
     sa, sb = evaluate_coco(gt, a)[0], evaluate_coco(gt, b)[0]
     for m in ("AP", "AP50"):
         assert c[m]["A"] == sa[m] and c[m]["B"] == sb[m] and c[m]["delta"] == pytest.approx(sb[m] - sa[m], abs=1e-15)
         assert c[m]["delta"] > 0 and c[m]["prob_b_better"] > 0.9 and c[m]["lower"] <= c[m]["delta"] <= c[m]["upper"]
-    assert dg.compare_evaluations(ev_a, ev_b, n_bootstrap=40, seed=0) == c
+    assert dg.compare_evaluations(ev_a, ev_b, a, b, n_bootstrap=40, seed=0) == c
     assert c["num_images"] == 30 and c["per_class"][0]["delta"] <= c["per_class"][-1]["delta"]
 
 
 @needs_coco_subset
 def test_one_line_and_plots(tmp_path):
     gt = real_json("val")
-    ev = hot(gt, model_like_detections(gt, seed=0))
+    results = model_like_detections(gt, seed=0)
+    ev = hot(gt, results)
     b, c = dg.error_breakdown(ev), dg.calibration(ev)
-    interval = dg.bootstrap_interval(ev, n_bootstrap=20)
+    interval = dg.bootstrap_interval(ev, results, n_bootstrap=20)
     line = dg.format_diagnostics(b, c, interval)
     assert "\n" not in line and line.startswith("errors dAP50/count: cls ") and f"ECE {c['ECE']:.3f}" in line
     assert f"bkg {100 * b['dAP']['background']:.1f}/{b['count']['background']}" in line

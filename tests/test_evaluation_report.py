@@ -41,7 +41,7 @@ def test_diagnostics_files_metrics_and_line(backend, tmp_path):
     assert m["errors"]["count"] == dg.error_breakdown(direct)["count"]
     assert m["errors"]["dAP"] == dg.error_breakdown(direct)["dAP"]
     assert m["calibration"]["ECE"] == dg.calibration(direct)["ECE"]
-    interval = dg.bootstrap_interval(direct, n_bootstrap=20, seed=0)
+    interval = dg.bootstrap_interval(direct, results, n_bootstrap=20, seed=0)
     assert m["AP_ci95"] == [interval["AP"]["lower"], interval["AP"]["upper"]]
     assert m["AP_ci95"][0] < ev.coco_eval.stats[0] < m["AP_ci95"][1]
     assert sum(m["label_errors"].values()) > 0

@@ -4,12 +4,28 @@ best/), `step` (the all-reduced decision to take a step) and `logs` (the Acceler
 trackers, the summary). The scripts hold the run's state and loop; these are the calls they make.
 """
 
-from .checkpoints import (EMA_WEIGHTS, TrainState, best_record, best_weights, divergence, improves_best, list_checkpoints,
-                          min_over_processes, resume, resume_ema, save_checkpoint, save_weights)
-from .flags import (ArgumentParser, HelpFormatter, data_defaults_table, float_range, format_given, given_flags,
-                    int_at_least, parse_with_config, path, resolve_data_defaults, run_argument_parser, show_data_defaults)
-from .logs import (MetricsLog, TrainWindow, escape_unencodable, log_plan, make_accelerator, record_config, save_config,
-                   setup_console_logging, setup_logging, start_trackers, summary_lines)
-from .run_folder import (EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, first_process, preempted, running, stop,
-                         stop_together, wait_for_the_first_process)
-from .step import StepGuard, run_length
+import importlib
+
+# What the scripts use, by module. Loaded on first use (PEP 562): `checkpoints`, `logs` and `run_folder` import torch
+# and accelerate, and a script's --help (which needs `flags` only) should not wait for them.
+_EXPORTS = {
+    "checkpoints": ("EMA_WEIGHTS", "TrainState", "best_record", "best_weights", "divergence", "improves_best",
+                    "list_checkpoints", "min_over_processes", "resume", "resume_ema", "save_checkpoint", "save_weights"),
+    "flags": ("ArgumentParser", "HelpFormatter", "data_defaults_table", "float_range", "format_given", "given_flags",
+              "int_at_least", "parse_with_config", "path", "resolve_data_defaults", "run_argument_parser", "show_data_defaults"),
+    "logs": ("MetricsLog", "TrainWindow", "escape_unencodable", "log_plan", "make_accelerator", "record_config", "save_config",
+             "setup_console_logging", "setup_logging", "start_trackers", "summary_lines"),
+    "run_folder": ("EXIT_DIVERGED", "EXIT_PREEMPTED", "Preempted", "RunStop", "first_process", "preempted", "running",
+                   "stop", "stop_together", "wait_for_the_first_process"),
+    "step": ("StepGuard", "run_length"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -26,7 +26,7 @@ import sys
 
 import yaml
 
-from .run_folder import first_process, wait_for_the_first_process
+# .run_folder (first_process, ...) is imported where used: it imports torch, and --help needs none of it
 
 REPORT_TO = ("wandb", "tensorboard", "all", "none")
 DEFAULT_REPORT_TO = "tensorboard"  # on this machine, no account, prints nothing; wandb when asked
@@ -99,11 +99,15 @@ class ArgumentParser(argparse.ArgumentParser):
         escape_unencodable()
 
     def _print_message(self, message, file=None):
+        from .run_folder import first_process
+
         if first_process():
             super()._print_message(message, file)
 
     def exit(self, status=0, message=None):
         if status:
+            from .run_folder import wait_for_the_first_process
+
             wait_for_the_first_process()  # returns at once on the first process
         super().exit(status, message)
 
@@ -299,6 +303,8 @@ def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, .
         if key in ignored:
             continue
         if key in FOLDER_ACTION_KEYS:
+            from .run_folder import first_process
+
             if value and notes and first_process():
                 print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
                       "command line)", file=sys.stderr, flush=True)

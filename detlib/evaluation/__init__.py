@@ -3,7 +3,8 @@ confusion matrix and best-F1 thresholds, their plots, drawn samples, and model c
 
 `coco` (the 12 stats, every image counted once, any area ranges), `metrics` (per-class numbers and their plots),
 `diagnostics` (why the AP is what it is: TIDE errors, calibration, bootstrap intervals, run-vs-run comparison),
-`label_errors` (likely annotation errors, ranked), `drawing` (detections drawn on images), `report` (what an
+`label_errors` (likely annotation errors, ranked), `results_file` (a COCO results file matched to its ground
+truth: image ids, file names, coverage), `drawing` (detections drawn on images), `report` (what an
 evaluation writes to the run folder and the trackers),
 `model_card` (the README.md of a weights folder).
 """

@@ -91,6 +91,30 @@ def area_ranges_from_edges(edges) -> tuple[tuple[float, float], ...]:
     return (COCO_AREA_RANGES[0], (sq[0], sq[1]), (sq[1], sq[2]), (sq[2], sq[3]))
 
 
+def area_ranges_mixup(area_ranges, gt_dataset: dict) -> str | None:
+    """A warning when `area_ranges` look like edges given in px^2 (areas, as pycocotools writes `areaRng`) where px
+    (sides) were meant, else None: when they put every ground-truth box of the set in one size range, or an edge
+    lies past the largest image side (no box can be that many px across).
+
+    Args:
+        area_ranges: 4 (lo, hi) pairs in px^2 (`area_ranges_from_edges`); gt_dataset: the checked json (`area`,
+            image `width` / `height`), its non-crowd boxes counted.
+    """
+    sides = [float(np.sqrt(hi)) for _, hi in area_ranges[1:3]]  # the edges between small, medium and large, px
+    largest = max((max(im.get("width", 0), im.get("height", 0)) for im in gt_dataset.get("images", [])), default=0)
+    areas = np.array([a["area"] for a in gt_dataset.get("annotations", []) if not a.get("iscrowd", 0)], np.float64)
+    hint = ("--area_ranges takes the edges in px of the box side, sqrt(area) (COCO's: 0 32 96), not in px^2 of the "
+            "area (pycocotools' areaRng: 0 1024 9216)")
+    if largest and max(sides) > largest:
+        return f"area range edges {[round(x, 1) for x in sides]} px lie past the largest image side ({largest} px): {hint}"
+    if len(areas) > 1:
+        bins = [int(((areas >= lo) & (areas < hi)).sum()) for lo, hi in area_ranges[1:]]
+        for name, count in zip(("small", "medium", "large"), bins):
+            if count == len(areas):
+                return f"the area ranges put all {count} ground-truth boxes in '{name}' (AP of the others is -1): {hint}"
+    return None
+
+
 def _checked_area_ranges(area_ranges) -> list[list[float]] | None:
     """`area_ranges` as COCOeval's `params.areaRng` (4 [lo, hi] lists), None for COCO's own."""
     if area_ranges is None:
@@ -314,7 +338,8 @@ class CocoEvaluator:
         gt_dataset: the validation ground truth as a COCO-format dict, normalised here by the data check (the
             training script passes the normalised dict of its val set; checking it again changes nothing).
         backend: COCOeval implementation ("auto", "pycocotools", "hotcoco", "faster").
-        area_ranges: the size stats' area ranges (`evaluate_coco`); None: COCO's.
+        area_ranges: the size stats' area ranges (`evaluate_coco`); None: COCO's. Ranges that look like a px / px^2
+            mix-up for this ground truth are warned of (`area_ranges_mixup`).
     Raises:
         ValueError: the ground truth has errors (see `checked_ground_truth`), or malformed `area_ranges`.
 
@@ -327,6 +352,8 @@ class CocoEvaluator:
     def __init__(self, gt_dataset: dict, backend: str = "auto", area_ranges=None):
         _checked_area_ranges(area_ranges)
         self.gt_dataset = checked_ground_truth(gt_dataset)
+        if area_ranges is not None and (mixup := area_ranges_mixup(area_ranges, self.gt_dataset)):
+            logger.warning("%s", mixup)
         self.backend = backend
         self.area_ranges = area_ranges
         # ids the check renumbered (non-integer in the json) -> the json's own, for exported results

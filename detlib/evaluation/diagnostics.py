@@ -17,8 +17,11 @@ tests/test_evaluation_diagnostics.py:
   the detection scores against "is a true positive at IoU 0.5" (COCO's matching, area all, 100 detections per image
   and class, detections COCO ignores left out), in 10 equal-width score bins: ECE = sum_b n_b / N |acc_b - conf_b|.
   Equal to the same sum over pycocotools' own `evalImgs` (to 1e-12).
-* `bootstrap_interval` and `compare_evaluations`: image bootstrap (images drawn with replacement, the same draw for
-  both runs of a comparison: a paired bootstrap), percentile intervals, a fixed seed so the numbers repeat.
+* `bootstrap_interval` and `compare_evaluations`: image bootstrap (images drawn with replacement), basic (reflected)
+  intervals that hold the reported value (Davison & Hinkley 1997, eq. 5.6), the same draws
+  for both runs of a comparison (a paired bootstrap), a fixed seed so the numbers repeat; each resample's AP is
+  COCOeval's accumulation over the drawn images, from hotcoco's matches. No interval (and why) where resampling
+  cannot give one. Coverage by simulation: `benchmarks/interval_coverage.py` (docs/evaluation.md).
 
 Each function returns plain dicts (JSON-ready) and raises ValueError on an evaluation that was not accumulated.
 """
@@ -45,6 +48,9 @@ EVALUATION_BOOTSTRAP = 100
 COMPARE_BOOTSTRAP = 1000
 BOOTSTRAP_SEED = 0
 CONFIDENCE = 0.95
+# Fewer images than this: no interval (one image resamples to itself)
+MIN_BOOTSTRAP_IMAGES = 2
+BOOTSTRAP_METHOD = "image bootstrap, basic interval holding the value"
 
 
 def _quiet():
@@ -121,76 +127,231 @@ def calibration(coco_eval, n_bins: int = CALIBRATION_BINS, iou: float = CALIBRAT
                                          "count": int(b["count"])} for b in c["bins"]]}
 
 
-def _null_evaluation(coco_eval):
-    """The same ground truth, images and parameters with no detection at all (every stat 0 on every resample)."""
-    import hotcoco
+def _image_matches(coco_eval, results) -> tuple[list[tuple], np.ndarray]:
+    """Every detection COCO's AP counts, by class, as `COCOeval.accumulate` orders them (area "all", the last maxDets).
 
-    gt = coco_eval.cocoGt
-    with _quiet():
-        ev = hotcoco.COCOeval(gt, gt.load_res(np.zeros((0, 7))), "bbox")
-        ev.params.imgIds = list(coco_eval.params.imgIds)
-        ev.params.areaRng = [list(r) for r in coco_eval.params.areaRng]
-        ev.evaluate()
-        ev.accumulate()
-        ev.summarize()
-    return ev
-
-
-def _ci(c: dict, key: str) -> dict:
-    ci = c["ci"][key]
-    return {"lower": float(ci["lower"]), "upper": float(ci["upper"]), "std_err": float(ci["std_err"])}
-
-
-def bootstrap_interval(coco_eval, n_bootstrap: int = EVALUATION_BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
-                       metrics=("AP", "AP50")) -> dict:
-    """Percentile confidence interval (`CONFIDENCE`, 95 %) of AP and AP50 by image bootstrap.
-
-    hotcoco's paired bootstrap (`hotcoco.compare`) of this evaluation against the same evaluation with no detection:
-    every resample of the empty one scores 0, so each resampled difference is this evaluation's own stat on that
-    resample of the images. The interval describes the spread over val sets like this one, not the training noise.
+    Args:
+        coco_eval: hotcoco's COCOeval after evaluate(); results: the detections it loaded, in the order it loaded them
+            (hotcoco numbers them 1..N in that order).
     Returns:
-        {metric: {"value", "lower", "upper", "std_err"}, "n_bootstrap", "seed", "confidence", "num_images"}.
+        (per class of `params.catIds` with ground truth: (image [D] int64, the index in `params.imgIds`; tp [T, D]
+        bool; fp [T, D] bool), in decreasing score, ties by image then load order, T = `params.iouThrs`; npig [K', I]
+        float64: the non-ignored ground-truth boxes of each class and image). Matches are hotcoco's
+        (`image_diagnostics`, pycocotools' matching), so at weight 1 `_resampled_ap` gives COCOeval's AP and AP50 bit
+        for bit (tests/test_evaluation_diagnostics.py, every case of benchmarks/coco_eval_cases.py).
     Raises:
-        ValueError: not hotcoco's COCOeval, or not accumulated; n_bootstrap < 2.
+        ValueError: `results` are not the detections `coco_eval` loaded.
+    """
+    from .coco import _results_table
+
+    table = _results_table(results)
+    if table is None or len(coco_eval.cocoDt.get_ann_ids()) != len(table):
+        raise ValueError("the results are not those the evaluation loaded (hotcoco numbers them 1..N in order)")
+    p = coco_eval.params
+    image_index = {int(i): n for n, i in enumerate(p.imgIds)}
+    cat_index = {int(c): k for k, c in enumerate(p.catIds)}
+    max_det = int(p.maxDets[-1])
+    with _quiet():
+        status = [coco_eval.image_diagnostics(iou_thr=float(t), score_thr=1.0) for t in p.iouThrs]
+    gt_anns = coco_eval.cocoGt.anns
+    npig = np.zeros((len(p.catIds), len(p.imgIds)))
+    for g in status[0]["gt_status"]:  # the boxes matched or missed: crowd and ignored ones are absent
+        a = gt_anns[g]
+        if a["image_id"] in image_index and a["category_id"] in cat_index:
+            npig[cat_index[a["category_id"]], image_index[a["image_id"]]] += 1
+    T, N = len(p.iouThrs), len(table)
+    tp, counted = np.zeros((T, N), bool), np.zeros((T, N), bool)
+    for t, s in enumerate(status):
+        ids = np.fromiter(s["dt_status"].keys(), np.int64, len(s["dt_status"])) - 1
+        tp[t, ids] = np.fromiter((v == "tp" for v in s["dt_status"].values()), bool, len(ids))
+        counted[t, ids] = True
+    img = np.array([image_index.get(int(i), -1) for i in table[:, 0]], np.int64)
+    cat = np.array([cat_index.get(int(c), -1) for c in table[:, 6]], np.int64)
+    score = table[:, 5]
+    order = np.lexsort((np.arange(N), img, -score, cat))  # by class, score down, then image, then load order
+    keep = order[(img[order] >= 0) & (cat[order] >= 0)]
+    # COCOeval keeps the `max_det` highest-scoring detections of an image and class
+    rank = np.zeros(N, np.int64)
+    by_group = keep[np.lexsort((np.arange(len(keep)), -score[keep], img[keep], cat[keep]))]
+    starts = np.r_[True, (np.diff(cat[by_group]) != 0) | (np.diff(img[by_group]) != 0)]
+    rank[by_group] = np.arange(len(by_group)) - np.maximum.accumulate(np.where(starts, np.arange(len(by_group)), 0))
+    keep = keep[rank[keep] < max_det]
+    per_class = []
+    for k in np.flatnonzero(npig.sum(1) > 0):
+        d = keep[cat[keep] == k]
+        per_class.append((img[d], tp[:, d] & counted[:, d], ~tp[:, d] & counted[:, d]))
+    return per_class, npig[npig.sum(1) > 0]
+
+
+def _resampled_ap(per_class: list[tuple], npig: np.ndarray, weights: np.ndarray, rec_thrs: np.ndarray,
+                  chunk: int = 100) -> np.ndarray:
+    """AP and AP50 of resampled image sets, as `COCOeval.accumulate` + `summarize` compute them.
+
+    Args:
+        per_class, npig: `_image_matches`.
+        weights: [B, I] how often each image is drawn in each resample (all ones: the evaluation itself). A
+            detection drawn w times counts w times: the precision-recall points of w copies in a row.
+        rec_thrs: COCO's 101 recall thresholds.
+    Returns:
+        [B, 2] float64 (AP, AP50); a class without ground truth in a resample is left out of its mean, as COCO does.
+    """
+    out = []
+    for b0 in range(0, len(weights), chunk):
+        W = weights[b0:b0 + chunk].astype(np.float64)  # [B, I]
+        B = len(W)
+        ap = np.full((B, len(per_class), 2), np.nan)
+        for k, (img, tp, fp) in enumerate(per_class):
+            n_gt = W @ npig[k]  # [B]
+            T, D = tp.shape
+            q = np.zeros((B, T, len(rec_thrs)))
+            if D:
+                wd = W[:, img]  # [B, D]
+                offset = 2.0 * np.arange(B)[:, None]  # rows shifted apart: one searchsorted for every row
+                for t in range(T):
+                    found = np.flatnonzero(tp[t])
+                    if not len(found):
+                        continue
+                    # detections after the last true positive change no recall and lower no envelope: left out
+                    n = found[-1] + 1
+                    ctp = np.cumsum(wd[:, :n] * tp[t, :n], axis=1)
+                    cfp = np.cumsum(wd[:, :n] * fp[t, :n], axis=1)
+                    rc = ctp / np.maximum(n_gt, 1e-300)[:, None]
+                    pr = ctp / (ctp + cfp + np.spacing(1))
+                    pr = np.maximum.accumulate(pr[:, ::-1], axis=1)[:, ::-1]  # COCO's precision envelope
+                    at = np.searchsorted((rc + offset).ravel(), (rec_thrs[None, :] + offset).ravel(), side="left")
+                    at = at.reshape(B, -1) - np.arange(B)[:, None] * n
+                    q[:, t] = np.where(at < n, np.take_along_axis(pr, np.minimum(at, n - 1), axis=1), 0.0)
+            has_gt = n_gt > 0
+            ap[has_gt, k, 0] = q[has_gt].mean(axis=(1, 2))
+            ap[has_gt, k, 1] = q[has_gt, 0].mean(axis=1)
+        with warnings.catch_warnings():  # a resample without any ground truth: nan, as COCO's -1 means nothing
+            warnings.simplefilter("ignore", RuntimeWarning)
+            out.append(np.nanmean(ap, axis=1))
+    return np.concatenate(out) if out else np.zeros((0, 2))
+
+
+def _resample_weights(num_images: int, n_bootstrap: int, seed: int) -> np.ndarray:
+    """[n_bootstrap, num_images] int: how often each image is drawn (with replacement, as many draws as images) in
+    each resample; the same seed, the same draws."""
+    rng = np.random.default_rng(seed)
+    drawn = rng.integers(0, num_images, size=(n_bootstrap, num_images))
+    return np.stack([np.bincount(d, minlength=num_images) for d in drawn])
+
+
+def _basic_interval(draws: np.ndarray, value: float) -> tuple[float, float]:
+    """The basic bootstrap interval (Davison & Hinkley, "Bootstrap Methods and their Application", 1997, eq. 5.6) of
+    `draws` [B] around `value`: [2 value - q_hi, 2 value - q_lo], q the draws' (1 -+ `CONFIDENCE`) / 2 quantiles.
+    Resampled AP runs high (rare classes, mostly hard ones, drop out of resamples; the precision envelope of a
+    noisier curve rises), and reflecting the quantiles about the value takes that bias off where percentiles add it.
+    An end that the shift moves past the value is moved back to it: the interval always holds the value it is
+    reported with (coverage can only gain).
+    """
+    lo, hi = np.quantile(draws, [(1 - CONFIDENCE) / 2, (1 + CONFIDENCE) / 2])
+    return float(min(2 * value - hi, value)), float(max(2 * value - lo, value))
+
+
+def _no_interval(num_images: int, draws: np.ndarray | None) -> str | None:
+    """Why resampling gives no interval, or None when it gives one."""
+    if num_images < MIN_BOOTSTRAP_IMAGES:
+        return f"{num_images} image(s): too few to resample (at least {MIN_BOOTSTRAP_IMAGES})"
+    if draws is not None and not np.ptp(draws) > 0:
+        return "every resample gives the same value: no spread to measure (too few images, or one image per class)"
+    return None
+
+
+def bootstrap_interval(coco_eval, results, n_bootstrap: int = EVALUATION_BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
+                       metrics=("AP", "AP50")) -> dict:
+    """95 % (`CONFIDENCE`) intervals of AP and AP50: image bootstrap, basic (reflected) intervals holding the value.
+
+    Images are drawn with replacement; each resample's AP is COCOeval's on the drawn images (`_resampled_ap`). Resampled
+    AP runs high, so percentiles of it can miss the AP itself; the basic interval (`_basic_interval`) reflects them
+    about the AP and always holds it. Percentiles, bias-corrected percentiles and a bootstrap stratified by each
+    image's rarest class covered worse in the simulation (docs/evaluation.md). Coverage measured by
+    simulation: `benchmarks/interval_coverage.py`, docs/evaluation.md. The interval describes the spread over val
+    sets like this one (same classes, same size), not the training noise.
+    Args:
+        coco_eval: hotcoco's COCOeval after evaluate() and accumulate(); results: the detections it loaded, in order.
+    Returns:
+        {metric: {"value", "lower", "upper", "std_err"} or {"value", "none": why} where there is no interval (fewer
+        than `MIN_BOOTSTRAP_IMAGES` images, or no spread: every resample the same),
+        "n_bootstrap", "seed", "confidence", "num_images", "method"}.
+    Raises:
+        ValueError: not hotcoco's COCOeval, or not accumulated; n_bootstrap < 2; results not those it loaded.
     """
     _check(coco_eval)
     if n_bootstrap < 2:
         raise ValueError(f"n_bootstrap must be at least 2, got {n_bootstrap}")
-    import hotcoco
-
-    with _quiet():
-        c = hotcoco.compare(_null_evaluation(coco_eval), coco_eval, n_bootstrap=int(n_bootstrap), seed=int(seed),
-                            confidence=CONFIDENCE)
-    out = {m: {"value": float(c["metrics_b"][m]), **_ci(c, m)} for m in metrics}
-    out.update(n_bootstrap=int(n_bootstrap), seed=int(seed), confidence=CONFIDENCE, num_images=int(c["num_images"]))
+    values = dict(zip(("AP", "AP50"), (float(coco_eval.stats[0]), float(coco_eval.stats[1]))))
+    num_images = len(coco_eval.params.imgIds)
+    out = {"n_bootstrap": int(n_bootstrap), "seed": int(seed), "confidence": CONFIDENCE, "num_images": num_images,
+           "method": BOOTSTRAP_METHOD}
+    draws = None
+    if num_images >= MIN_BOOTSTRAP_IMAGES:
+        per_class, npig = _image_matches(coco_eval, results)
+        W = _resample_weights(npig.shape[1], int(n_bootstrap), int(seed))
+        draws = _resampled_ap(per_class, npig, W, np.asarray(coco_eval.params.recThrs, np.float64))
+    for j, m in enumerate(("AP", "AP50")):
+        if m not in metrics:
+            continue
+        d = None if draws is None else draws[:, j][np.isfinite(draws[:, j])]
+        why = _no_interval(num_images, d)
+        ci = None if why else _basic_interval(d, values[m])
+        out[m] = {"value": values[m], "none": why} if why else {
+            "value": values[m], "lower": ci[0], "upper": ci[1], "std_err": float(d.std(ddof=1))}
     return out
 
 
-def compare_evaluations(eval_a, eval_b, n_bootstrap: int = COMPARE_BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
-                        metrics=("AP", "AP50")) -> dict:
-    """Is B better than A? The stat differences B - A with a paired image bootstrap (hotcoco.compare).
+def compare_evaluations(eval_a, eval_b, results_a, results_b, n_bootstrap: int = COMPARE_BOOTSTRAP,
+                        seed: int = BOOTSTRAP_SEED, metrics=("AP", "AP50")) -> dict:
+    """Is B better than A? The stat differences B - A with a paired image bootstrap.
 
+    The same draws of images for both runs, each draw's B - A as
+    `bootstrap_interval` computes a stat; the interval is the basic interval of the difference, holding B - A.
     Both evaluations must score the same ground truth and images (two predictions files on one val set).
     Returns:
-        {metric: {"A", "B", "delta" (B - A), "lower", "upper" (the 95 % percentile interval of the delta),
-        "std_err", "prob_b_better" (share of resamples where B - A > 0)}, "n_bootstrap", "seed", "confidence",
-        "num_images", "per_class": [{"class", "A", "B", "delta"}] (AP, by delta, the largest loss first)}.
+        {metric: {"A", "B", "delta" (B - A), "lower", "upper" (the 95 % interval of the delta; absent with "none": why
+        where there is none), "std_err", "prob_b_better" (share of resamples where B - A > 0)}, "n_bootstrap", "seed",
+        "confidence", "num_images", "method", "per_class": [{"class", "A", "B", "delta"}] (AP, by delta, the largest
+        loss first)}.
     Raises:
         ValueError: either is not an accumulated hotcoco COCOeval, or they evaluate different images.
     """
     _check(eval_a)
     _check(eval_b)
-    if sorted(eval_a.params.imgIds) != sorted(eval_b.params.imgIds):
+    if list(eval_a.params.imgIds) != list(eval_b.params.imgIds):
         raise ValueError("compare_evaluations needs two evaluations of the same images")
     import hotcoco
 
-    with _quiet():
-        c = hotcoco.compare(eval_a, eval_b, n_bootstrap=int(n_bootstrap), seed=int(seed), confidence=CONFIDENCE)
-    out = {m: {"A": float(c["metrics_a"][m]), "B": float(c["metrics_b"][m]), "delta": float(c["deltas"][m]),
-               **_ci(c, m), "prob_b_better": float(c["ci"][m]["prob_positive"])} for m in metrics}
-    out.update(n_bootstrap=int(n_bootstrap), seed=int(seed), confidence=CONFIDENCE, num_images=int(c["num_images"]),
-               per_class=sorted(({"class": str(p["cat_name"]), "A": float(p["ap_a"]), "B": float(p["ap_b"]),
-                                  "delta": float(p["delta"])} for p in c["per_category"]), key=lambda p: p["delta"]))
+    with _quiet():  # the stats and per-class APs (no resampling: ours below)
+        c = hotcoco.compare(eval_a, eval_b, n_bootstrap=0)
+    num_images = len(eval_a.params.imgIds)
+    out = {"n_bootstrap": int(n_bootstrap), "seed": int(seed), "confidence": CONFIDENCE, "num_images": num_images,
+           "method": BOOTSTRAP_METHOD}
+    deltas = None
+    if num_images >= MIN_BOOTSTRAP_IMAGES and n_bootstrap >= 2:
+        rec = np.asarray(eval_a.params.recThrs, np.float64)
+        (pa, na), (pb, nb) = _image_matches(eval_a, results_a), _image_matches(eval_b, results_b)
+        W = _resample_weights(na.shape[1], int(n_bootstrap), int(seed))
+        deltas = _resampled_ap(pb, nb, W, rec) - _resampled_ap(pa, na, W, rec)
+    for j, m in enumerate(("AP", "AP50")):
+        if m not in metrics:
+            continue
+        a, b = float(c["metrics_a"][m]), float(c["metrics_b"][m])
+        v = {"A": a, "B": b, "delta": b - a}
+        d = None if deltas is None else deltas[:, j][np.isfinite(deltas[:, j])]
+        why = _no_interval(num_images, d) or (None if d is not None else "no resampling asked for")
+        if d is not None and len(d) and not d.any():  # the same detections on every resample: a tie, not noise
+            why = None
+        ci = None if why else (0.0, 0.0) if not d.any() else _basic_interval(d, b - a)
+        if why:
+            v["none"] = why
+        else:
+            v.update(lower=ci[0], upper=ci[1], std_err=float(d.std(ddof=1)))
+        if d is not None and len(d):
+            v["prob_b_better"] = float(np.mean(d > 0))
+        out[m] = v
+    out["per_class"] = sorted(({"class": str(p["cat_name"]), "A": float(p["ap_a"]), "B": float(p["ap_b"]),
+                                "delta": float(p["delta"])} for p in c["per_category"]), key=lambda p: p["delta"])
     return out
 
 
@@ -198,7 +359,8 @@ def format_diagnostics(breakdown: dict | None, calib: dict | None, interval: dic
     """The evaluation block's one line: the AP each error type costs (dAP50 x100 / count), ECE, the intervals.
 
     e.g. "errors dAP50/count: cls 23.3/71 loc 0.2/11 both 2.4/217 dupe 0.0/0 bkg 5.1/366 missed 0.1/3 | ECE 0.150 |
-    AP 0.370 [0.339, 0.417] AP50 0.688 [0.659, 0.772] (95 %, 100 image resamples)"
+    AP 0.370 [0.339, 0.417] AP50 0.688 [0.659, 0.772] (95 %, 100 image resamples)"; a metric without an
+    interval shows its value and why there is none (`bootstrap_interval`).
     """
     parts = []
     if breakdown:
@@ -208,9 +370,13 @@ def format_diagnostics(breakdown: dict | None, calib: dict | None, interval: dic
     if calib:
         parts.append(f"ECE {calib['ECE']:.3f}")
     if interval:
-        parts.append(" ".join(f"{m} {interval[m]['value']:.3f} [{interval[m]['lower']:.3f}, {interval[m]['upper']:.3f}]"
-                              for m in ("AP", "AP50") if m in interval)
-                     + f" ({100 * interval['confidence']:.0f} %, {interval['n_bootstrap']} image resamples)")
+        shown = [m for m in ("AP", "AP50") if m in interval]
+        why = sorted({interval[m]["none"] for m in shown if "none" in interval[m]})
+        parts.append(" ".join(f"{m} {interval[m]['value']:.3f}" + ("" if "none" in interval[m] else
+                                                                  f" [{interval[m]['lower']:.3f}, {interval[m]['upper']:.3f}]")
+                              for m in shown)
+                     + (f" (no interval: {'; '.join(why)})" if why else
+                        f" ({100 * interval['confidence']:.0f} %, {interval['n_bootstrap']} image resamples)"))
     return " | ".join(parts) if parts else "no diagnostics (nothing detected)"
 
 

@@ -204,8 +204,9 @@ def evaluation_diagnostics(evaluator, output_dir: str, epoch: int | None, n_boot
     Returns:
         {"metrics": {"num_images_evaluated": int, "errors": {"AP50", "dAP": {type: float}, "count": {type: int},
         "dAP_false_positives", "dAP_false_negatives"}, "calibration": {"ECE", "MCE", "num_detections"},
-        "AP_ci95": [lower, upper], "AP50_ci95": [lower, upper], "bootstrap": {"n_bootstrap", "seed", "std_err_AP",
-        "std_err_AP50"}} (the keys without a figure are absent when nothing was detected),
+        "AP_ci95": [lower, upper], "AP50_ci95": [lower, upper], "bootstrap": {"n_bootstrap", "seed", "method",
+        "std_err_AP", "std_err_AP50"}} (the keys without a figure are absent when nothing was detected; where
+        resampling gives no interval, `bootstrap` says why in "no_interval" and the ci95 and std_err keys are absent),
         "line": `diagnostics.format_diagnostics` (one line for train.log), "files": {name: path},
         "seconds": the time it took}.
     """
@@ -231,12 +232,17 @@ def evaluation_diagnostics(evaluator, output_dir: str, epoch: int | None, n_boot
         out["calibration"] = {k: calib[k] for k in ("ECE", "MCE", "num_detections")}
         n = diagnostics.EVALUATION_BOOTSTRAP if n_bootstrap is None else int(n_bootstrap)
         if n >= 2:
-            interval = diagnostics.bootstrap_interval(ev, n_bootstrap=n, seed=seed)
+            interval = diagnostics.bootstrap_interval(ev, results, n_bootstrap=n, seed=seed)
             files["bootstrap_json"] = metrics.write_json(interval, os.path.join(folder, "bootstrap.json"))
-            out["AP_ci95"] = [interval["AP"]["lower"], interval["AP"]["upper"]]
-            out["AP50_ci95"] = [interval["AP50"]["lower"], interval["AP50"]["upper"]]
-            out["bootstrap"] = {"n_bootstrap": n, "seed": int(seed), "std_err_AP": interval["AP"]["std_err"],
-                                "std_err_AP50": interval["AP50"]["std_err"]}
+            out["bootstrap"] = {"n_bootstrap": n, "seed": int(seed), "method": interval["method"]}
+            missing = [m for m in ("AP", "AP50") if "none" in interval[m]]
+            if missing:  # one line: F06
+                out["bootstrap"]["no_interval"] = interval[missing[0]]["none"]
+                logger.warning("no 95 %% interval of %s: %s", " or ".join(missing), interval[missing[0]]["none"])
+            for m in ("AP", "AP50"):
+                if m not in missing:
+                    out[f"{m}_ci95"] = [interval[m]["lower"], interval[m]["upper"]]
+                    out["bootstrap"][f"std_err_{m}"] = interval[m]["std_err"]
     if label_errors:
         found = errors_mod.find_label_errors(evaluator.gt_dataset, results, image_ids, category_names=category_names)
         found = errors_mod.original_ids(found, evaluator.original_ids)
