@@ -545,9 +545,10 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
 
 
 @torch.no_grad()
-def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args) -> dict:
-    """Decode the validation shard of every process, gather, and (main process) run COCOeval; returns the 12 stats on
-    every process (collective). Checks for preemption every 10 batches (raises Preempted)."""
+def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args, title: str = "") -> dict:
+    """Decode the validation shard of every process, gather, and (main process) run COCOeval and log its 12 stats
+    under `title` (which weights, which epoch); returns them on every process (collective). Checks for preemption
+    every 10 batches (raises Preempted)."""
     model.eval()
     evaluator.reset()
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
@@ -569,7 +570,7 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
     result = [None]
     if accelerator.is_main_process:
         stats, summary = evaluator.evaluate()
-        logger.info("COCO evaluation on %d images:\n%s", evaluator.num_images, summary)
+        logger.info("%sCOCO evaluation on %d images:\n%s", title and f"{title}: ", evaluator.num_images, summary)
         result = [stats]
     broadcast_object_list(result)
     model.train()
@@ -587,15 +588,14 @@ def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, ac
     step, the stats, per_class, best_f1}."""
     evaluations = {}
     for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: the evaluator keeps theirs
-        stats = evaluate(model, val_loader, anchor_gen, evaluator, val_ds.category_map, accelerator, args)
+        title = (f"evaluation of {weights}" if weights else f"epoch {epoch}") + ", EMA weights" * bool(prefix)
+        stats = evaluate(model, val_loader, anchor_gen, evaluator, val_ds.category_map, accelerator, args, title)
         per_class, best_f1 = {}, None
         if accelerator.is_main_process:  # nothing detected: 0 for every class with ground truth
             per_class = (per_class_ap(evaluator.coco_eval) if evaluator.coco_eval is not None
                          else per_class_without_detections(val_ds.dataset))
             best_f1 = best_f1_thresholds(val_ds.dataset, *evaluator.evaluated())
             logger.info("%s", format_best_f1(best_f1))
-        logger.info("%s%s: %s", f"evaluation of {weights}" if weights else f"epoch {epoch} eval",
-                    ", EMA weights" * bool(prefix), " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
         evaluations[prefix] = {"epoch": epoch, "step": state.global_step, **stats, "per_class": per_class, "best_f1": {
             k: v for k, v in (best_f1 or {}).items() if k != "curves"}}
     diagnosed = {"metrics": {}}
