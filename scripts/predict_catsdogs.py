@@ -16,8 +16,8 @@ Several processes (each takes its share of the batches; results merged, no image
 Writes OUT/predictions.csv (file, class_1, prob_1, ..., class_k, prob_k), OUT/predictions.json (the same as
 a list of {"file_name", "topk": [{"class", "prob"}, ...]}; a video's frames add "frame" from 0 and "time" in
 seconds, and the csv two columns of them), OUT/skipped.txt (only when a file was skipped: unreadable and unsupported
-files), with
---copy_to_class_folders OUT/by_class/<class>/<file>, and a summary line of images per predicted class.
+files), with --copy_to_class_folders OUT/by_class/<class>/<file>, and a last line naming predictions.csv with the
+images per predicted class.
 Preprocessing is the evaluation's (shorter side to image_size / 0.875, centre crop), at the training size.
 """
 
