@@ -96,6 +96,8 @@ DATA_DEFAULTS = {
     "warmup_steps": (100, 500),
     # a folder each, so a real-data run after a built-in one is not refused as "a folder of another run"
     "output_dir": ("outputs/retinanet_builtin", "outputs/retinanet"),
+    # the built-in run keeps what a resume needs (one checkpoint: 0.14 GB), a long real run one to fall back on
+    "checkpoint_total_limit": (1, 2),
 }
 __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring and so in --help
 # The built-in run's heads: GroupNorm (torchvision's v2 head), which learns the shapes several times faster from
@@ -105,7 +107,7 @@ BUILTIN_HEAD_NORM = "gn"
 BUILTIN_RUN = "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
 # This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5, "max_grad_norm": 0.1,
-                "per_device_eval_batch_size": 8, "log_interval": 20}
+                "per_device_eval_batch_size": 8, "log_interval": 20, "checkpoint_total_limit": None}  # None: DATA_DEFAULTS
 # What a resume cannot change: the model and its classes, the optimizer and schedule with their settings (their state
 # brings them back), the loss normaliser's state, the samples per step and the data position (process count, batch,
 # accumulation), fp16's GradScaler.
