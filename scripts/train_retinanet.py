@@ -3,7 +3,7 @@ r"""Train and evaluate RetinaNet (ResNet-50 + FPN by default, any timm backbone)
 Built-in synthetic data, CPU (no download; the defaults switch to a small model and image size):
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_retinanet.py
 
-COCO 2017 on 2 GPUs (fp16), the seed recipe (AdamW 1e-4, plateau, 600 px, 12 epochs):
+COCO 2017 on 2 GPUs (fp16), the default recipe (AdamW 1e-4, plateau schedule, 600 px longer side, 12 epochs):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/train_retinanet.py \
         --data_dir /data/coco --backbone_weights resnet50_a1_in1k.safetensors --output_dir outputs/r50_600
 
