@@ -637,7 +637,7 @@ def training_curves_figure(rows: list[dict], losses: tuple[str, ...] = ("loss", 
     last = max(r["step"] for r in train + ev)
     for ax in (ax_l, ax_a):
         ax.set_xlim(0, max(last, 1) * 1.03)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 0.2 ticks on a 1-step run
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # steps: no 0.2 on a 1-step run
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=LABEL_FONTSIZE, loc="best")
