@@ -30,7 +30,10 @@ def evaluated(gt, results, backend):
 
 @needs_coco_subset
 @pytest.mark.parametrize("backend", ["pycocotools", "hotcoco"])
-def test_diagnostics_files_metrics_and_line(backend, tmp_path):
+def test_diagnostics_files_metrics_and_line(backend, tmp_path, monkeypatch):
+    from detlib.evaluation import report
+
+    monkeypatch.setattr(report, "_KEYED", set())  # as in a new process (pytest may hand the next case this tmp_path)
     gt = real_json("val")
     results = model_like_detections(gt, seed=0)
     ev = evaluated(gt, results, backend)
