@@ -258,7 +258,8 @@ class TrainWindow:
         # the console shows a group's lr_i only where it differs from lr (the groups without weight decay share it)
         shown = {k: v for k, v in line.items() if k not in ("epoch", "step", "data_time_fraction")
                  and not (k.startswith("lr_") and v == line["lr"])}
-        logger.info("epoch %d step %d: %s", line["epoch"], line["step"], ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+        logger.info("epoch %d step %d: %s", line["epoch"], line["step"],
+                    ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
 
 
 def compile_summary() -> str | None:

@@ -11,8 +11,8 @@ is turned upright the way viewers do (`PIL.ImageOps.exif_transpose`) and the box
 
 Drawing: PIL's ImageDraw, labels in matplotlib's DejaVu Sans (installed with matplotlib). A drawn sample
 (`draw_sample`) is resized up to SAMPLE_DISPLAY_SIZE px, so labels are legible on the built-in 128 px images,
-and each label sits on a tag outside its box where there is room, never under another's; ground truth is dashed, detections solid,
-each line over a dark outline (visible on any colour). Samples are written as PNG: JPEG blurs thin lines and text.
+and each label sits on a tag outside its box where there is room, never under another's; ground truth is dashed,
+detections solid, each line over a dark outline (visible on any colour). Samples are written as PNG: JPEG blurs thin lines and text.
 """
 
 from __future__ import annotations
