@@ -15,6 +15,7 @@ EXIF rule (`detlib.datacheck.orientation`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import logging
 import os
@@ -207,16 +208,20 @@ def predict_videos(paths: list[str], predict: Callable[[int], tuple[list[dict], 
     return rows, skipped
 
 
-def write_skipped(output_dir: str, skipped: list[str]) -> str:
+def write_skipped(output_dir: str, skipped: list[str]) -> str | None:
     """`output_dir/skipped.txt`: one line per input a prediction left out or did not read in full ("path (why)":
-    unreadable, unsupported, a video that ended early), empty when none was (main process); a warning line counts
-    them and names the first. Returns the file's path."""
+    unreadable, unsupported, a video that ended early), and a warning line that counts them and names the first
+    (main process). None skipped: no file (an earlier prediction's in the folder is removed, so the folder never
+    lists files this one read). Returns the file's path, or None."""
     path = os.path.join(output_dir, "skipped.txt")
+    if not skipped:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return None
     with atomic_write(path) as f:
         f.write("".join(f"{p}\n" for p in skipped))
-    if skipped:
-        logger.warning("skipped %d files, unreadable, unsupported or read in part (listed in %s/skipped.txt), e.g. %s",
-                       len(skipped), output_dir, skipped[:3])
+    logger.warning("skipped %d files, unreadable, unsupported or read in part (listed in %s/skipped.txt), e.g. %s",
+                   len(skipped), output_dir, skipped[:3])
     return path
 
 

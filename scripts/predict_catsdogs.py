@@ -15,8 +15,9 @@ Several processes (each takes its share of the batches; results merged, no image
 
 Writes OUT/predictions.csv (file, class_1, prob_1, ..., class_k, prob_k), OUT/predictions.json (the same as
 a list of {"file_name", "topk": [{"class", "prob"}, ...]}; a video's frames add "frame" from 0 and "time" in
-seconds, and the csv two columns of them), OUT/skipped.txt (unreadable and unsupported files), with
---copy_to_class_folders OUT/by_class/<class>/<file>, and a summary line of images per predicted class.
+seconds, and the csv two columns of them), OUT/skipped.txt (only when a file was skipped: unreadable and unsupported
+files), with --copy_to_class_folders OUT/by_class/<class>/<file>, and a last line naming predictions.csv with the
+images per predicted class.
 Preprocessing is the evaluation's (shorter side to image_size / 0.875, centre crop), at the training size.
 """
 
@@ -86,8 +87,9 @@ def write_outputs(args, paths: list[str], root: str, classes: list[str], k: int,
     write_json(rows, os.path.join(args.output_dir, "predictions.json"))
     write_skipped(args.output_dir, sorted(skipped) + list(unsupported))
     top1 = Counter(r["topk"][0]["class"] for r in rows)
-    logger.info("%d images%s classified: %s", len(merged), f" and {sum(map(len, frames.values()))} video frames"
-                if frames else "", ", ".join(f"{c} {top1[c]}" for c in classes if top1[c]) or "none")
+    logger.info("wrote %s and .json: %d images%s classified: %s", os.path.join(args.output_dir, "predictions.csv"),
+                len(merged), f" and {sum(map(len, frames.values()))} video frames" if frames else "",
+                ", ".join(f"{c} {top1[c]}" for c in classes if top1[c]) or "none")
     return merged
 
 

@@ -25,8 +25,9 @@ Several processes (each takes its share of the batches; results merged, no image
 
 Writes OUT/predictions.json (COCO results: image_id, category_id, bbox [x, y, w, h] pixels of the original
 image, score; plus file_name when the source is not a COCO json), OUT/images/<name>.jpg with the detections
-scoring >= --draw_thresh drawn (an image of at most 256 px enlarged 2-4x so its labels stay legible), OUT/json/<name>.json with --save_json_per_image, OUT/skipped.txt listing
-unreadable images and unsupported files, and a summary line of detections per class. A video gives
+scoring >= --draw_thresh drawn (an image of at most 256 px enlarged 2-4x so its labels stay legible), OUT/json/<name>.json with --save_json_per_image, OUT/skipped.txt (only when
+something was skipped) listing unreadable images and unsupported files, and a last line naming predictions.json with the
+detections per class. A video gives
 OUT/videos/<name>.mp4 (drawn), its frames' results in predictions.json (with file_name, frame from 0, time in
 seconds, image_id = the frame) and with --save_json_per_image OUT/json/<name>.json (a list: one image json per
 frame, with frame and time). <name> is the input's path below the source
@@ -198,14 +199,15 @@ def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, s
     write_skipped(args.output_dir, skipped)
     per_class = Counter(names.get(r["category_id"], r["category_id"]) for r in results)
     frames = len({(r["file_name"], r["frame"]) for k in videos for r in videos[k]})
-    logger.info("%d images%s, %d detections with score >= %s: %s", len(merged),
+    if not args.no_images:  # the json keeps every detection >= --score_thresh (what AP needs), the pictures fewer
+        logger.info("%d detections drawn in %s (score >= %g, --draw_thresh)", sum(r["score"] >= args.draw_thresh
+                                                                                for r in results),
+                    os.path.join(args.output_dir, "images"), args.draw_thresh)
+    logger.info("wrote %s: %d images%s, %d detections with score >= %s: %s",  # the last line names the result
+                os.path.join(args.output_dir, "predictions.json"), len(merged),
                 f" and {len(videos)} videos ({frames} frames with detections)" if videos else "", len(results),
                 args.score_thresh if args.score_thresh == "best_f1" else f"{args.score_thresh:g}",
                 ", ".join(f"{k} {v}" for k, v in per_class.most_common()) or "none")
-    if not args.no_images:  # the json keeps every detection >= --score_thresh (what AP needs), the pictures fewer
-        logger.info("%d of them drawn in %s (score >= %g, --draw_thresh)", sum(r["score"] >= args.draw_thresh
-                                                                             for r in results),
-                    os.path.join(args.output_dir, "images"), args.draw_thresh)
     return results
 
 

@@ -69,11 +69,13 @@ DATA_DEFAULTS = {
     "weight_decay": {"adamw": (0.05, 0.05), "sgd": (5e-5, 5e-5)},
     # a folder each, so a real-data run after a built-in one is not refused as "a folder of another run"
     "output_dir": ("outputs/catsdogs_builtin", "outputs/catsdogs"),
+    # the built-in run keeps what a resume needs (one checkpoint), a long real run one to fall back on
+    "checkpoint_total_limit": (1, 2),
 }
 __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring and so in --help
 # This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-catsdogs", "log_interval": 10, "eval_interval": 1,
-                "per_device_eval_batch_size": 64, "max_grad_norm": 1.0}
+                "per_device_eval_batch_size": 64, "max_grad_norm": 1.0, "checkpoint_total_limit": None}  # DATA_DEFAULTS
 # What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
 RECORD_KEYS = ("classes", "num_val_images", "num_train_images", "data_train_dir", "data_val_dir", "not_used")
 DEFAULT_MODEL = "resnet18"  # --model's default, resolved in main (None: not given)

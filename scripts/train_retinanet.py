@@ -3,7 +3,7 @@ r"""Train and evaluate RetinaNet (ResNet-50 + FPN by default, any timm backbone)
 Built-in synthetic data, CPU (no download; the defaults switch to a small model and image size):
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_retinanet.py
 
-COCO 2017 on 2 GPUs (fp16), the seed recipe (AdamW 1e-4, plateau, 600 px, 12 epochs):
+COCO 2017 on 2 GPUs (fp16), the default recipe (AdamW 1e-4, plateau schedule, 600 px longer side, 12 epochs):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/train_retinanet.py \
         --data_dir /data/coco --backbone_weights resnet50_a1_in1k.safetensors --output_dir outputs/r50_600
 
@@ -99,6 +99,8 @@ DATA_DEFAULTS = {
     "warmup_steps": (100, 500),
     # a folder each, so a real-data run after a built-in one is not refused as "a folder of another run"
     "output_dir": ("outputs/retinanet_builtin", "outputs/retinanet"),
+    # the built-in run keeps what a resume needs (one checkpoint: 0.14 GB), a long real run one to fall back on
+    "checkpoint_total_limit": (1, 2),
 }
 __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring and so in --help
 # The built-in run's heads: GroupNorm (torchvision's v2 head), which learns the shapes several times faster from
@@ -108,7 +110,7 @@ BUILTIN_HEAD_NORM = "gn"
 BUILTIN_RUN = "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
 # This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5,
-                "per_device_eval_batch_size": 8, "log_interval": 20}
+                "per_device_eval_batch_size": 8, "log_interval": 20, "checkpoint_total_limit": None}  # None: DATA_DEFAULTS
 # What a resume cannot change: the model and its classes, the optimizer and schedule with their settings (their state
 # brings them back), the loss normaliser's state, the samples per step and the data position (process count, batch,
 # accumulation), fp16's GradScaler.
@@ -559,9 +561,10 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
 
 
 @torch.no_grad()
-def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args) -> dict:
-    """Decode the validation shard of every process, gather, and (main process) run COCOeval; returns the 12 stats on
-    every process (collective). Checks for preemption every 10 batches (raises Preempted)."""
+def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args, title: str = "") -> dict:
+    """Decode the validation shard of every process, gather, and (main process) run COCOeval and log its 12 stats
+    under `title` (which weights, which epoch); returns them on every process (collective). Checks for preemption
+    every 10 batches (raises Preempted)."""
     # The bare model: DDP's forward can be collective, and the processes run unequal numbers of batches. Its buffers
     # are made rank 0's, as DDP's forward would make them (and as a checkpoint holds them): BatchNorm statistics that
     # each process updated on its own batches would otherwise differ between the processes' shares.
@@ -593,7 +596,7 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
     result = [None]
     if accelerator.is_main_process:
         stats, summary = evaluator.evaluate()
-        logger.info("COCO evaluation on %d images:\n%s", evaluator.num_images, summary)
+        logger.info("%sCOCO evaluation on %d images:\n%s", title and f"{title}: ", evaluator.num_images, summary)
         result = [stats]
     broadcast_object_list(result)
     model.train()
@@ -611,15 +614,14 @@ def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, ac
     step, the stats, per_class, best_f1}."""
     evaluations = {}
     for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: the evaluator keeps theirs
-        stats = evaluate(model, val_loader, anchor_gen, evaluator, val_ds.category_map, accelerator, args)
+        title = (f"evaluation of {weights}" if weights else f"epoch {epoch}") + ", EMA weights" * bool(prefix)
+        stats = evaluate(model, val_loader, anchor_gen, evaluator, val_ds.category_map, accelerator, args, title)
         per_class, best_f1 = {}, None
         if accelerator.is_main_process:  # nothing detected: 0 for every class with ground truth
             per_class = (per_class_ap(evaluator.coco_eval) if evaluator.coco_eval is not None
                          else per_class_without_detections(val_ds.dataset))
             best_f1 = best_f1_thresholds(val_ds.dataset, *evaluator.evaluated())
             logger.info("%s", format_best_f1(best_f1))
-        logger.info("%s%s: %s", f"evaluation of {weights}" if weights else f"epoch {epoch} eval",
-                    ", EMA weights" * bool(prefix), " ".join(f"{k}={stats[k]:.4f}" for k in STAT_NAMES))
         evaluations[prefix] = {"epoch": epoch, "step": state.global_step, **stats, "per_class": per_class, "best_f1": {
             k: v for k, v in (best_f1 or {}).items() if k != "curves"}}
     diagnosed = {"metrics": {}}

@@ -169,6 +169,34 @@ def test_evaluation_plots_and_training_curves_written(tmp_path):
     assert plot_training_curves(str(tmp_path / "missing.jsonl"), str(tmp_path / "x.png")) is None
 
 
+@pytest.mark.parametrize("last_step", [1, 12, 450])
+def test_training_curves_read_at_any_run_length(last_step):
+    """1 step, 1 epoch (one train line and one evaluation, at the same step) and a long run: both panels span the
+    steps from 0, AP 0..1; series of few points have markers; no axis label or tick label leaves the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from detlib.evaluation.metrics import MARKERS_UP_TO, training_curves_figure
+
+    steps = sorted({*range(20, last_step, 20), last_step})
+    rows = [{"step": s, "loss": 0.6 + 0.6 / s, "cls_loss": 0.3 + 0.3 / s, "box_loss": 0.58} for s in steps]
+    rows += [{"step": last_step, "AP": 0.0, "AP50": 0.001}]
+    fig = training_curves_figure(rows)
+    FigureCanvasAgg(fig).draw()
+    ax_l, ax_a = fig.axes
+    for ax in (ax_l, ax_a):
+        lo, hi = ax.get_xlim()
+        assert lo == 0 and last_step <= hi <= 1.05 * last_step
+        y_lo, y_hi = ax.get_ylim()
+        shown = [t.label1 for t in ax.yaxis.get_major_ticks() + ax.yaxis.get_minor_ticks() if y_lo <= t.get_loc() <= y_hi]
+        for text in [ax.xaxis.label, ax.yaxis.label, *shown]:
+            box = text.get_window_extent()
+            assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= fig.bbox.x1, text.get_text()
+    assert ax_a.get_ylim() == (0, 1)
+    assert all(line.get_marker() == ("o" if len(line.get_xdata()) <= MARKERS_UP_TO else "None")
+               for ax in (ax_l, ax_a) for line in ax.get_lines())
+    assert [len(line.get_xdata()) for line in ax_a.get_lines()] == [1, 1]
+
+
 def _png(path) -> np.ndarray:
     from PIL import Image
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 import shutil
 
 import numpy as np
@@ -294,6 +295,31 @@ def test_case_d17_old_model_config_takes_the_runs_training_size_or_says_what_it_
                  "--num_workers", "0", "--image_size", "96"])
     out = capsys.readouterr().out
     assert "at 96 px" in out and "has no image_size" not in out
+
+
+@needs_coco_subset
+def test_an_evaluation_prints_its_12_stats_once_under_which_weights_with_the_key_of_its_diagnostics(tiny_retinanet,
+                                                                                                    tmp_path):
+    """The console and train.log: the 12 stats in pycocotools' table once (no second line of the same numbers),
+    headed by the weights evaluated; the diagnostics line followed by its key at the run's first evaluation."""
+    from detlib.evaluation import diagnostics, report
+
+    report._KEYED.clear()  # as in a new process
+    val = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())
+    val["categories"] = [c for c in val["categories"] if c["id"] in TINY_CONFIG["category_ids"]]
+    val["annotations"] = [a for a in val["annotations"] if a["category_id"] in TINY_CONFIG["category_ids"]]
+    (tmp_path / "val.json").write_text(json.dumps(val))
+    out = tmp_path / "ev"
+    load_script("train_retinanet").main([f"--val_images={COCO_SUBSET / 'images'}", f"--val_annotations={tmp_path / 'val.json'}",
+                                         "--evaluate_only", str(tiny_retinanet),
+                                         "--output_dir", str(out), "--report_to", "none", "--num_workers", "0",
+                                         "--score_thresh", "0", "--per_device_eval_batch_size", "4",
+                                         "--num_log_images", "0", "--eval_bootstrap", "0"])
+    log = (out / "evaluate_only" / "train.log").read_text()
+    stats = re.findall(r"^ Average (?:Precision|Recall) .* = +(-?[\d.]+)", log, re.M)
+    assert len(stats) == 12 and "AP50=" not in log, log[-3000:]
+    assert f"evaluation of {tiny_retinanet / 'model.safetensors'}: COCO evaluation on 30 images:" in log
+    assert diagnostics.DIAGNOSTICS_KEY in log
 
 
 @needs_coco_subset

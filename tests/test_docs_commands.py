@@ -187,6 +187,23 @@ def test_named_paths_and_links_exist(page):
     assert missing == []
 
 
+def test_each_process_count_has_its_config_named_after_it_and_the_commands_use_it():
+    """Ngpu.yaml starts N processes, cpu.yaml 1, cpu_Nproc.yaml N, Nnode_example.yaml spans N machines; a page's
+    command takes the config of its process count instead of overriding one with --num_processes."""
+    import yaml
+
+    for path in sorted((REPO / "accelerate_configs").glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        if m := re.fullmatch(r"(\d+)gpu|cpu(?:_(\d+)proc)?", path.stem):
+            assert config["num_processes"] == int(m[1] or m[2] or 1), path.name
+        else:
+            m = re.fullmatch(r"(\d+)node_example", path.stem)
+            assert m and config["num_machines"] == int(m[1]), path.name
+    overriding = [(page, c) for page, c in page_commands()
+                  if c.startswith("accelerate") and "--num_processes" in c.split(" scripts/")[0]]
+    assert overriding == []
+
+
 def test_pages_do_not_point_at_the_projects_shared_folder_in_a_users_commands():
     # A user's clone has no ../shared; only the README's note on the tests' data may name it.
     for page in PAGES:

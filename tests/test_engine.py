@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
+import logging
 import math
 import os
 import socket
@@ -333,6 +334,23 @@ def test_train_window_line_is_the_mean_over_images_and_restarts():
     assert 0 <= line["data_time_fraction"] <= 1 and line["images_per_s"] > 0
     window.add({"loss": torch.tensor(1.0), "cls_loss": torch.tensor(1.0)}, 2)
     assert window.line()["loss"] == pytest.approx(1.0) and window.images_seen == 6  # a new window
+
+
+def test_train_line_shows_each_lr_once_on_the_console_and_every_group_in_metrics(tmp_path, caplog):
+    from accelerate import Accelerator
+
+    from detlib.engine.logs import MetricsLog, TrainWindow
+
+    acc = Accelerator(cpu=True)
+    metrics, window, state = MetricsLog(acc, str(tmp_path)), TrainWindow(acc), ckpt.TrainState()
+    with caplog.at_level(logging.INFO, logger="detlib"):
+        for lrs in ([0.5, 0.5], [0.5, 0.25]):  # the groups equal (decay / no decay), then a group of its own
+            window.add({"loss": torch.tensor(1.0)}, 2)
+            window.log(metrics, state, lrs, grad_norm=1.0, steps_per_epoch=10)
+    consoled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch 1 step 0:")]
+    assert [m.count("lr") for m in consoled] == [1, 2] and "lr_1 0.25" in consoled[1], consoled
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["lr"], line["lr_1"]) for line in lines] == [(0.5, 0.5), (0.5, 0.25)]
 
 
 def test_train_state_counts_steps_and_the_epoch_mean():

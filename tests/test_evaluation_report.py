@@ -30,7 +30,10 @@ def evaluated(gt, results, backend):
 
 @needs_coco_subset
 @pytest.mark.parametrize("backend", ["pycocotools", "hotcoco"])
-def test_diagnostics_files_metrics_and_line(backend, tmp_path):
+def test_diagnostics_files_metrics_and_line(backend, tmp_path, monkeypatch):
+    from detlib.evaluation import report
+
+    monkeypatch.setattr(report, "_KEYED", set())  # as in a new process (pytest may hand the next case this tmp_path)
     gt = real_json("val")
     results = model_like_detections(gt, seed=0)
     ev = evaluated(gt, results, backend)
@@ -50,8 +53,11 @@ def test_diagnostics_files_metrics_and_line(backend, tmp_path):
         assert (folder / name).stat().st_size > 100, name
     assert json.loads((folder / "error_breakdown.json").read_text())["count"] == m["errors"]["count"]
     assert json.loads((tmp_path / "label_errors.json").read_text())["errors"][0]["rank"] == 1
-    assert "\n" not in out["line"] and out["line"].startswith("errors dAP50/count: ")
     json.dumps(m)  # the metrics line is plain JSON
+    first, key = out["line"].split("\n")  # the run's first line comes with its key, the next ones without
+    assert first.startswith("errors dAP50/count: ") and key == dg.DIAGNOSTICS_KEY
+    again = evaluation_diagnostics(ev, str(tmp_path), epoch=4, n_bootstrap=20, seed=0)["line"]
+    assert again == first
 
 
 def test_nothing_detected(tmp_path):

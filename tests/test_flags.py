@@ -182,6 +182,13 @@ def test_builtin_and_real_data_runs_get_their_own_default_folders(script):
     assert resolved(script, ["--output_dir", "x"]).output_dir == os.path.abspath("x")
 
 
+def test_builtin_run_keeps_one_checkpoint_real_data_two_and_the_flag_keeps_more(script):
+    """The built-in run keeps what a resume needs (issue 39: at most 150 MB, one ResNet-18 checkpoint is 0.14 GB)."""
+    assert resolved(script, []).checkpoint_total_limit == 1
+    assert resolved(script, [], synthetic=False).checkpoint_total_limit == 2
+    assert resolved(script, ["--checkpoint_total_limit", "0"]).checkpoint_total_limit == 0  # 0: all
+
+
 def test_help_shows_every_default_once(script, capsys):
     with pytest.raises(SystemExit) as e:
         script.parse_args(["--help"])

@@ -59,6 +59,24 @@ def test_predict_on_coco_json_equals_evaluate_only(tiny, tmp_path, capsys):
     assert "file_name" not in preds[0]  # the results carry the json's image ids
 
 
+def test_nothing_skipped_leaves_no_skipped_txt_and_the_last_line_names_predictions_json(tmp_path, caplog):
+    """A prediction that read every input writes no skipped.txt and removes an earlier prediction's; its last log
+    line names the file it wrote."""
+    import argparse
+    import logging
+
+    predict = load_script("predict_retinanet")
+    (tmp_path / "skipped.txt").write_text("/src/old.jpg (unreadable)\n")  # an earlier prediction's
+    ds = argparse.Namespace(paths=["/src/a.jpg"])
+    shards = [({0: [{"image_id": 0, "category_id": 1, "bbox": [1, 1, 2, 2], "score": 0.9}]}, [], {}, {})]
+    args = argparse.Namespace(output_dir=str(tmp_path), score_thresh=0.5, no_images=False, draw_thresh=0.3)
+    with caplog.at_level(logging.INFO):
+        predict.write_outputs(args, ds, shards, [], {1: "circle"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["predictions.json"]
+    last = caplog.records[-1].getMessage()
+    assert last.startswith(f"wrote {tmp_path / 'predictions.json'}: 1 images, 1 detections with score >= 0.5: circle 1")
+
+
 @pytest.mark.slow
 def test_predict_folder_two_processes_equal_one_and_skips_unreadable(tiny, tmp_path, capsys):
     """A folder with the 6 val images, a text file saved as .jpg (sorted last) and a hidden file: 1 and 2

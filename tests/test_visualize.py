@@ -262,6 +262,36 @@ def test_labels_of_neighbouring_boxes_do_not_cover_each_other():
     assert share(drawn[125:135, 32:70], colors[1]) > 0.5  # below the second box
 
 
+def test_tags_of_many_boxes_in_one_place_never_cover_each_other():
+    """Eight detections on the same spot of a 640 px sample (a young model's stack): every tag finds its own place
+    within the image, none over another (the tags above and below the box are taken after two)."""
+    from detlib.evaluation.drawing import _place_label
+
+    taken: list = []
+    for i in range(8):
+        _place_label([200.0, 300.0 + i, 400.0, 420.0 + i], 110, 22, 640, 640, 0, taken)
+    assert all(0 <= x1 and 0 <= y1 and x2 <= 640 and y2 <= 640 for x1, y1, x2, y2 in taken)
+    assert not any(a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+                   for i, a in enumerate(taken) for b in taken[i + 1:]), taken
+
+
+def test_sample_has_no_empty_band_above_the_image(tmp_path):
+    """The drawn sample starts with the image's own first row (no dark strip), its legend band below it."""
+    from detlib.evaluation.drawing import BAND_COLOR
+
+    (tmp_path / "img").mkdir()
+    Image.fromarray(np.full((128, 128, 3), 90, dtype=np.uint8)).save(tmp_path / "img" / "a.png")
+    gt = {"images": [{"id": 1, "file_name": "a.png", "width": 128, "height": 128}],
+          "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [40, 40, 40, 40], "iscrowd": 0}],
+          "categories": [{"id": 1, "name": "square"}]}
+    res = [{"image_id": 1, "category_id": 1, "bbox": [42, 42, 40, 40], "score": 0.9}]
+    (s,) = sample_detections(gt, res, str(tmp_path / "img"), [1])
+    drawn = _rgb(s["drawn"])
+    assert (np.abs(drawn[:10] - 90) <= 2).all()  # the image itself from the first row
+    assert drawn.shape[0] == SAMPLE_DISPLAY_SIZE + sample_layout(128, 128)["bottom"]
+    assert (drawn[-1] == np.array(BAND_COLOR)).mean() > 0.9  # the legend band
+
+
 def test_predict_draws_a_thumbnail_enlarged_and_a_photo_at_its_own_size():
     """A 128 px image (the built-in set's) is drawn 4x, pixels repeated, its boxes scaled with it, so 13 px labels
     do not cover its objects; 257 px and more keep their size."""

@@ -284,8 +284,11 @@ class TrainWindow:
         line = {"epoch": state.epoch + 1, "step": state.global_step, **self.line(), "lr": lrs[0], "grad_norm": grad_norm,
                 "skipped_steps": state.skipped_steps, **{f"lr_{i}": lr for i, lr in enumerate(lrs[1:], 1)}}
         metrics.log(line, step=state.global_step, tracker_epoch=state.epoch + state.step_in_epoch / steps_per_epoch)
-        logger.info("epoch %d step %d: %s", line["epoch"], line["step"], ", ".join(
-            f"{k} {v:.4g}" for k, v in line.items() if k not in ("epoch", "step", "data_time_fraction")))
+        # the console shows a group's lr_i only where it differs from lr (the groups without weight decay share it)
+        shown = {k: v for k, v in line.items() if k not in ("epoch", "step", "data_time_fraction")
+                 and not (k.startswith("lr_") and v == line["lr"])}
+        logger.info("epoch %d step %d: %s", line["epoch"], line["step"],
+                    ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
 
 
 def compile_summary() -> str | None:

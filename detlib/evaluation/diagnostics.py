@@ -355,6 +355,14 @@ def compare_evaluations(eval_a, eval_b, results_a, results_b, n_bootstrap: int =
     return out
 
 
+# The key printed under the first evaluation line of a run (a reader meets the line before any page that explains it).
+DIAGNOSTICS_KEY = ("  key: errors dAP50/count = the AP50 points (x100) that fixing the errors of one type alone would add "
+                   "/ how many there are: cls right place, wrong class; loc right class, IoU 0.1-0.5; both; duplicate; "
+                   "bkg on no box; missed box. ECE: the mean gap between score and share of correct detections (0: "
+                   "scores are probabilities). AP [lo, hi]: 95 % interval over resamples of the val images. "
+                   "docs/evaluation.md, \"Why the AP is what it is\"")
+
+
 def format_diagnostics(breakdown: dict | None, calib: dict | None, interval: dict | None) -> str:
     """The evaluation block's one line: the AP each error type costs (dAP50 x100 / count), ECE, the intervals.
 

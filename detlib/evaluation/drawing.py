@@ -12,8 +12,8 @@ sees is the image as a viewer shows it, boxes on the right objects.
 
 Drawing: PIL's ImageDraw, labels in matplotlib's DejaVu Sans (installed with matplotlib). A drawn sample
 (`draw_sample`) is resized up to SAMPLE_DISPLAY_SIZE px, so labels are legible on the built-in 128 px images,
-and each label sits on a tag outside its box, never over the object; ground truth is dashed, detections solid,
-each line over a dark outline (visible on any colour). Samples are written as PNG: JPEG blurs thin lines and text.
+and each label sits on a tag outside its box where there is room, never under another's; ground truth is dashed,
+detections solid, each line over a dark outline (visible on any colour). Samples are written as PNG: JPEG blurs thin lines and text.
 """
 
 from __future__ import annotations
@@ -213,17 +213,21 @@ def _text_size(draw, text: str, font) -> tuple[int, int]:
 
 
 def _place_label(box, w: int, h: int, image_w: int, image_h: int, top: int, taken: list) -> tuple[float, float]:
-    """Where a w x h label tag goes: just above the box, outside it, or else just below it; of those within the
-    image the first that overlaps no tag placed before (`taken`, higher scores first), else the first within the
-    image; inside the box's top edge only when neither fits. Kept within the image width."""
+    """Where a w x h label tag goes: just above the box, outside it, or else just below it, the first of those
+    within the image that overlaps no tag placed before (`taken`, higher scores first); else the free row nearest
+    the box's top edge (so a tag never hides under another's while the image has room); else above the box.
+    Kept within the image (x from the box's left edge, y within `top` .. `image_h`)."""
     x1, y1, x2, y2 = (float(v) for v in box)
     tx = min(max(0.0, x1 - 1), max(0.0, image_w - w))
-    fits = [ty for ty in (y1 - 1 - h, y2 + 1) if ty >= top and ty + h <= image_h]
+    lo, hi = float(top), max(float(top), image_h - h)
 
     def free(ty):
         return not any(tx < a2 and a1 < tx + w and ty < b2 and b1 < ty + h for a1, b1, a2, b2 in taken)
 
-    ty = next((ty for ty in fits if free(ty)), fits[0] if fits else max(top, y1))
+    outside = [ty for ty in (y1 - 1 - h, y2 + 1) if lo <= ty <= hi]
+    near = min(max(y1 - 1 - h, lo), hi)
+    rows = sorted((lo + k for k in range(int(hi - lo) + 1)), key=lambda ty: abs(ty - near))
+    ty = next((ty for ty in outside + rows if free(ty)), near)
     taken.append((tx, ty, tx + w, ty + h))
     return tx, ty
 
@@ -294,7 +298,7 @@ def sample_layout(height: int, width: int) -> dict:
 
     Returns:
         {"scale": float >= 1, the image is resized by it (its longer side to at least SAMPLE_DISPLAY_SIZE px);
-         "top": px of the band above the image (room for the labels of boxes at its top edge);
+         "top": px above the image (0: the labels of boxes at its top edge go below their edge);
          "bottom": px of the legend band below it; "font_size", "line_width": px;
          "size": (height, width) of the drawn sample}.
     A box (x1, y1, x2, y2) of the image is drawn at (x1 * scale, y1 * scale + top, ...).
@@ -303,16 +307,16 @@ def sample_layout(height: int, width: int) -> dict:
     h, w = round(height * scale), round(width * scale)
     line, font = _style(max(h, w))
     band = font + 2 * max(1, font // 6) + 4
-    return {"scale": scale, "top": band, "bottom": band, "font_size": font, "line_width": line,
-            "size": (h + 2 * band, w)}
+    # no band above: it stayed empty on most images; a box at the top edge has its label below it or inside
+    return {"scale": scale, "top": 0, "bottom": band, "font_size": font, "line_width": line,
+            "size": (h + band, w)}
 
 
 def draw_sample(image: torch.Tensor, boxes: torch.Tensor, labels: Sequence[str], colors: Sequence[tuple[int, int, int]],
                 gt_boxes: torch.Tensor | None = None, legend: str | None = None) -> torch.Tensor:
     """A sample image for a person to look at: resized so its longer side is at least SAMPLE_DISPLAY_SIZE
-    pixels (128 px shapes become legible), with a band above it for the labels of boxes at its top edge and a
-    legend band below (dashed: ground truth, solid: detections). Boxes and labels are drawn as
-    `draw_detections` draws them; `sample_layout` says where the image lands.
+    pixels (128 px shapes become legible), with a legend band below (dashed: ground truth, solid: detections).
+    Boxes and labels are drawn as `draw_detections` draws them; `sample_layout` says where the image lands.
 
     Args:
         image: [3, H, W] uint8 RGB; boxes, labels, colors, gt_boxes: as `draw_detections`, in pixels of `image`.

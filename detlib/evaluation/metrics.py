@@ -592,31 +592,56 @@ def plot_training_curves(metrics_path: str, path: str, losses: tuple[str, ...] =
     optimizer step. Works without any tracker. Returns `path`, or None when the file has nothing to draw."""
     if not os.path.isfile(metrics_path):
         return None
-    rows = read_metrics_jsonl(metrics_path)
-    train = [r for r in rows if isinstance(r.get("step"), (int, float)) and any(isinstance(r.get(k), (int, float)) for k in losses)]
-    ev = [r for r in rows if isinstance(r.get("step"), (int, float)) and any(isinstance(r.get(k), (int, float)) for k in aps)]
+    fig = training_curves_figure(read_metrics_jsonl(metrics_path), losses, aps)
+    return _save(fig, path) if fig is not None else None
+
+
+# A series with at most this many points is drawn with markers: a run of one step or one epoch has a point or two,
+# which a line alone does not show.
+MARKERS_UP_TO = 30
+
+
+def training_curves_figure(rows: list[dict], losses: tuple[str, ...] = ("loss", "cls_loss", "box_loss"),
+                           aps: tuple[str, ...] = ("AP", "AP50")):
+    """The figure of `plot_training_curves` from metrics.jsonl's rows (`read_metrics_jsonl`), or None when they hold
+    nothing to draw: both panels over the same steps, from 0 to the last (a run of any length, 1 step included),
+    AP from 0 to 1."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    def number(r, k):
+        return isinstance(r.get(k), (int, float)) and math.isfinite(r[k])
+
+    train = [r for r in rows if number(r, "step") and any(number(r, k) for k in losses)]
+    ev = [r for r in rows if number(r, "step") and any(number(r, k) for k in aps)]
     if not train and not ev:
         return None
-    fig = _figure(10, 4, margins=(0.07, 0.13, 0.98, 0.9))
+    fig = _figure(10, 4, margins=(0.08, 0.13, 0.98, 0.9))
     fig.subplots_adjust(wspace=0.25)
     ax_l, ax_a = fig.subplots(1, 2)
-    for k in losses:
-        pts = [(r["step"], r[k]) for r in train if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
-        if pts:
-            ax_l.plot(*zip(*pts), label=k, lw=1)
+    for ax, keys, rows_, ok in ((ax_l, losses, train, lambda v: True), (ax_a, aps, ev, lambda v: v >= 0)):
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in rows_ if number(r, k) and ok(r[k])]
+            if pts:  # clip_on False: a marker on the axes' edge (the last step, AP 1) is drawn whole
+                ax.plot(*zip(*pts), label=k, lw=1.2, clip_on=False,
+                        **({"marker": "o", "ms": 4} if len(pts) <= MARKERS_UP_TO else {}))
     ax_l.set(xlabel="step", ylabel="loss", title="training loss")
-    if any(isinstance(r.get("loss"), (int, float)) and r["loss"] > 0 for r in train):
+    if any(number(r, "loss") and r["loss"] > 0 for r in train):
         ax_l.set_yscale("log")
-    for k in aps:
-        pts = [(r["step"], r[k]) for r in ev if isinstance(r.get(k), (int, float)) and r[k] >= 0]
-        if pts:
-            ax_a.plot(*zip(*pts), marker="o", label=k)
-    ax_a.set(xlabel="step", ylabel="average precision", title="validation", ylim=(0, None))
+        # plain numbers (0.6, not 6x10^-1, whose width pushed the axis label out of the figure); the minor ticks
+        # labelled only when the loss spans less than a decade, where the decades alone leave one label or none
+        drawn = [r[k] for r in train for k in losses if number(r, k) and r[k] > 0]
+        lo, hi = min(drawn), max(drawn)
+        ax_l.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax_l.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if hi < 10 * lo else ""))
+    ax_a.set(xlabel="step", ylabel="average precision", title="validation", ylim=(0, 1))
+    last = max(r["step"] for r in train + ev)
     for ax in (ax_l, ax_a):
+        ax.set_xlim(0, max(last, 1) * 1.03)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # steps: no 0.2 on a 1-step run
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=LABEL_FONTSIZE)
-    return _save(fig, path)
+            ax.legend(fontsize=LABEL_FONTSIZE, loc="best")
+    return fig
 
 
 # ---- the best-F1 thresholds beside a weights folder (predict's --score_thresh best_f1)

@@ -207,7 +207,8 @@ def evaluation_diagnostics(evaluator, output_dir: str, epoch: int | None, n_boot
         "AP_ci95": [lower, upper], "AP50_ci95": [lower, upper], "bootstrap": {"n_bootstrap", "seed", "method",
         "std_err_AP", "std_err_AP50"}} (the keys without a figure are absent when nothing was detected; where
         resampling gives no interval, `bootstrap` says why in "no_interval" and the ci95 and std_err keys are absent),
-        "line": `diagnostics.format_diagnostics` (one line for train.log), "files": {name: path},
+        "line": `diagnostics.format_diagnostics` (one line for train.log; the first of `output_dir` in this process
+        followed by `diagnostics.DIAGNOSTICS_KEY`), "files": {name: path},
         "seconds": the time it took}.
     """
     from . import diagnostics, label_errors as errors_mod
@@ -253,8 +254,14 @@ def evaluation_diagnostics(evaluator, output_dir: str, epoch: int | None, n_boot
     seconds = time.perf_counter() - t0
     logger.info("evaluation diagnostics (errors, calibration, %s) took %.2f s",
                 f"{interval['n_bootstrap']} bootstrap resamples" if interval else "no bootstrap", seconds)
-    return {"metrics": out, "line": diagnostics.format_diagnostics(breakdown, calib, interval), "files": files,
-            "seconds": seconds}
+    line = diagnostics.format_diagnostics(breakdown, calib, interval)
+    if breakdown and output_dir not in _KEYED:  # the first line of this run folder in this process gets the key
+        _KEYED.add(output_dir)
+        line += "\n" + diagnostics.DIAGNOSTICS_KEY
+    return {"metrics": out, "line": line, "files": files, "seconds": seconds}
+
+
+_KEYED: set[str] = set()  # the run folders whose diagnostics line was explained (`evaluation_diagnostics`)
 
 
 def log_diagnostics_to_trackers(accelerator, diagnostics_out: dict, step: int) -> None:
