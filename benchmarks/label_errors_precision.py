@@ -98,14 +98,20 @@ def measure(gt: dict, results: list[dict], seeds: int, frac: float, key: str) ->
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from detlib.engine import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--predictions", required=True, help="a run's predictions_val.json (COCO results)")
     parser.add_argument("--annotations", default=None, help="its val json (default: the built-in set's)")
     parser.add_argument("--seeds", type=int, default=10, help="damaged copies of the val set")
     parser.add_argument("--fraction", type=float, default=0.05, help="share of the boxes damaged in each copy")
-    parser.add_argument("--out", default=None, help="write the figures here (JSON)")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="write the figures here (JSON) (default: printed only)")
+    return parser
+
+
+def main():
+    args = build_parser().parse_args()
     with open(args.annotations or make_synthetic_coco()["val_annotations"]) as f:
         gt = json.load(f)
     with open(args.predictions) as f:

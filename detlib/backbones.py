@@ -84,10 +84,12 @@ def frozen_parameters(name: str, freeze_at: int, input_size: tuple[int, int] | N
     """
     if not 0 <= freeze_at <= FREEZE_ALL:
         raise ValueError(f"freeze_at must be in 0..{FREEZE_ALL}, got {freeze_at}")
+    if freeze_at == 0:
+        return []
     with torch.device("meta"):
         backbone = timm.create_model(name, pretrained=False, features_only=True)
-    if freeze_at in (0, FREEZE_ALL):
-        return [n for n, _ in backbone.named_parameters()] if freeze_at else []
+    if freeze_at == FREEZE_ALL:
+        return [n for n, _ in backbone.named_parameters()]
     reductions = backbone.feature_info.reduction()
     level = next(i for i, r in enumerate(reductions) if r >= 2 ** (freeze_at + 1))
     h, w = input_size or tuple(getattr(backbone, "pretrained_cfg", {}).get("input_size", (3, 224, 224))[-2:])

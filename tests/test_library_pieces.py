@@ -20,11 +20,15 @@ from detlib.weights import load_state_dict_file
 
 
 def test_imagenet_statistics_keep_their_values_in_both_units():
-    assert model.IMAGENET_MEAN == pytest.approx((123.675, 116.28, 103.53), abs=1e-9)
-    assert model.IMAGENET_STD == pytest.approx((58.395, 57.12, 57.375), abs=1e-9)
-    # the float32 buffers RetinaNet normalises with are bit-identical to the literals used before
-    assert torch.equal(torch.tensor(model.IMAGENET_MEAN), torch.tensor((123.675, 116.28, 103.53)))
-    assert torch.equal(torch.tensor(model.IMAGENET_STD), torch.tensor((58.395, 57.12, 57.375)))
+    from detlib.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+    assert IMAGENET_MEAN == pytest.approx((123.675, 116.28, 103.53), abs=1e-9)
+    assert IMAGENET_STD == pytest.approx((58.395, 57.12, 57.375), abs=1e-9)
+    # the float32 buffers RetinaNet normalises with (from resnet18's pretrained_cfg, 0-1 scale) are bit-identical to the
+    # literals used before
+    detector = model.RetinaNet(2, "resnet18", fpn_channels=16)
+    assert torch.equal(detector.pixel_mean.flatten(), torch.tensor((123.675, 116.28, 103.53)))
+    assert torch.equal(detector.pixel_std.flatten(), torch.tensor((58.395, 57.12, 57.375)))
     normalize = classification.classification_transform(32, train=False).transforms[-1]
     assert tuple(normalize.mean) == (0.485, 0.456, 0.406) and tuple(normalize.std) == (0.229, 0.224, 0.225)
 

@@ -347,9 +347,10 @@ class RetinaNet(nn.Module):
         self.box_head = RetinaNetHead(fpn_channels, num_anchors, 4, norm=head_norm)
         own_mean, own_std = backbone_mean_std(self.backbone)
         self.mean, self.std = tuple(map(float, mean or own_mean)), tuple(map(float, std or own_std))
-        # the images come in [0, 255]: the 0-1 statistics scaled once here
-        self.register_buffer("pixel_mean", 255 * torch.tensor(self.mean).view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("pixel_std", 255 * torch.tensor(self.std).view(1, 3, 1, 1), persistent=False)
+        # the images come in [0, 255]: the 0-1 statistics scaled once here, in float64 before the float32 buffer (so
+        # ImageNet's are the literals 123.675, ... to the bit)
+        self.register_buffer("pixel_mean", torch.tensor([255 * v for v in self.mean]).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", torch.tensor([255 * v for v in self.std]).view(1, 3, 1, 1), persistent=False)
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         x = (images.float() - self.pixel_mean) / self.pixel_std
