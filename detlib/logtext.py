@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from typing import Iterable, Sequence
 
 NAME_CHARS = 40  # of a class name in a log line
@@ -77,3 +78,12 @@ def close_names(name: str, names: list[str], n: int = 5) -> list[str]:
         return []
     ratio = lambda m: difflib.SequenceMatcher(None, low, m.lower()).ratio()  # noqa: E731
     return sorted((m for m in names if m.lower().startswith(low[:k])), key=lambda m: (-ratio(m), m))[:n]
+
+
+def escape_unencodable() -> None:
+    """Every console stream writes a character its encoding lacks as an escape (`\\u732b`) instead of raising: a
+    console that is not UTF-8 (Windows' cp1252, PYTHONIOENCODING=ascii, LANG=C) still gets every line, from the log
+    handlers, print and tqdm alike (all write to sys.stdout / sys.stderr). The files we write are UTF-8."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")

@@ -461,6 +461,9 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
     pretrained = bool(args.backbone_weights or args.pretrained_backbone or args.init_from)
     if args.freeze_at is None:
         args.freeze_at = 2 if pretrained and not args.evaluate_only else 0
+    if not pretrained and not args.evaluate_only and (args.data_dir or args.train_images):
+        logger.warning("backbone from scratch on real data (no --backbone_weights): expect an AP near 0 for many epochs "
+                       "on a small set; pretrained weights: README 'Pretrained weights', docs/backbones.md")
     if args.backbone_bn == "auto" and not pretrained and not args.evaluate_only:
         logger.info("backbone from scratch (no --backbone_weights): its BatchNorm is trained, not frozen")
     anchor_gen = anchor_generator_from_config({**settings, "num_classes": len(category_map)})

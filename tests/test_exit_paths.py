@@ -125,8 +125,9 @@ def test_ctrl_c_to_a_prediction(script, tmp_path):
     else:
         from detlib.retinanet.model import RetinaNet
 
-        model, config = RetinaNet(2, "resnet18", fpn_channels=16), {"num_classes": 2, "backbone": "resnet18",
-                                                                    "fpn_channels": 16, "image_size": 64}
+        model = RetinaNet(2, "resnet18", fpn_channels=16)
+        config = {"num_classes": 2, "backbone": "resnet18", "fpn_channels": 16, "image_size": 64, "mean": model.mean,
+                  "std": model.std}
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights / "model.safetensors")
     (weights / "model_config.json").write_text(json.dumps(config))
     source = make_tiny_folder(tmp_path / "images", [300, 300], size=64)

@@ -113,6 +113,8 @@ def test_head_norm_gn_for_a_fresh_run(tmp_path, capsys):
     out = tmp_path / "gn"
     train.main([*fast, *data, "--fpn_channels", "64", "--head_norm", "gn", "--output_dir", str(out)])
     assert json.loads((out / "last" / "model_config.json").read_text())["head_norm"] == "gn"
+    # from scratch on real data: the start says what to expect and where pretrained weights come from (issue 39)
+    assert "backbone from scratch on real data (no --backbone_weights): expect an AP near 0" in (out / "train.log").read_text()
     keys = set(load_file(out / "last" / "model.safetensors"))
     assert {"cls_head.tower.1.weight", "cls_head.tower.1.bias", "box_head.tower.10.weight"} <= keys  # GroupNorms
     assert "cls_head.tower.0.weight" in keys and "cls_head.tower.0.bias" not in keys  # convs without bias

@@ -26,7 +26,7 @@ import sys
 
 import yaml
 
-# .run_folder (first_process, ...) is imported where used: it imports torch, and --help needs none of it
+# .run_folder is imported where used: it imports torch, and --help needs none of it
 
 REPORT_TO = ("wandb", "tensorboard", "all", "none")
 DEFAULT_REPORT_TO = "tensorboard"  # on this machine, no account, prints nothing; wandb when asked
@@ -87,20 +87,23 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
+def first_process() -> bool:
+    """Rank 0 of a launch (torchrun / accelerate set RANK), or a plain `python` run: the one that prints a stop."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """The parser of a script every process of a launch runs: usage, help and errors are printed by the first process
     only, and on an error all meet after it (`wait_for_the_first_process`), so a bad flag is one line. From its making
     on, the console escapes what its encoding cannot write (`escape_unencodable`)."""
 
     def __init__(self, *args, **kwargs):
-        from .logs import escape_unencodable  # logs imports this module
+        from ..logtext import escape_unencodable
 
         super().__init__(*args, **kwargs)
         escape_unencodable()
 
     def _print_message(self, message, file=None):
-        from .run_folder import first_process
-
         if first_process():
             super()._print_message(message, file)
 
@@ -303,8 +306,6 @@ def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, .
         if key in ignored:
             continue
         if key in FOLDER_ACTION_KEYS:
-            from .run_folder import first_process
-
             if value and notes and first_process():
                 print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
                       "command line)", file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from ..files import CacheNotWritable, atomic_write, check_cache
+from ..logtext import escape_unencodable
 from .flags import REPORT_TO
 from .run_folder import RunStop
 
@@ -63,15 +64,6 @@ def set_log_levels(is_main: bool = True, verbose: bool = False) -> None:
     logging.getLogger().setLevel(logging.INFO if is_main and verbose else logging.WARNING)
     for name in OWN_LOGGERS:
         logging.getLogger(name).setLevel(logging.INFO if is_main else logging.ERROR)
-
-
-def escape_unencodable() -> None:
-    """Every console stream writes a character its encoding lacks as an escape (`\\u732b`) instead of raising: a
-    console that is not UTF-8 (Windows' cp1252, PYTHONIOENCODING=ascii, LANG=C) still gets every line, from the log
-    handlers, print and tqdm alike (all write to sys.stdout / sys.stderr). The files we write are UTF-8."""
-    for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
 
 
 def setup_console_logging(verbose: bool = False) -> None:

@@ -31,6 +31,7 @@ import psutil  # accelerate's dependency
 
 from ..data.loaders import PREEMPT_SIGNALS, stop_dataloader_workers
 from ..files import write_json
+from .flags import first_process
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,6 @@ class Preempted(Exception):
         return RunStop(f"preempted by {self.signal_name} at step {state.global_step} ({where}): checkpoint {checkpoint} "
                        "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
                        f"{EXIT_PREEMPTED}){note}", EXIT_PREEMPTED)
-
-
-def first_process() -> bool:
-    """Rank 0 of a launch (torchrun / accelerate set RANK), or a plain `python` run: the one that prints a stop."""
-    return os.environ.get("RANK", "0") == "0"
 
 
 def wait_for_the_first_process() -> None:
