@@ -287,18 +287,16 @@ def read_config(p: ArgumentParser, path: str, record_keys: tuple[str, ...] = (),
     """The flag values of a --config file, parsed by `p` itself as the command line they stand for (`_command_line`).
     An unreadable file, no mapping, an unknown key or a value the flag refuses: one line naming the file and the key
     or flag, exit 2. `notes`: say that folder actions are not applied from a file."""
-    def fail(message: str):
-        p.exit(2, f"{p.prog}: error: --config {path}: {message}\n")
-
+    p.reading_config = path  # its errors name the file (`ArgumentParser.error`), ours and argparse's alike
     try:
         with open(path) as f:
             cfg = yaml.safe_load(f)
     except OSError as e:
-        fail(e.strerror or str(e))
+        p.error(e.strerror or str(e))
     except yaml.YAMLError as e:
-        fail("not valid YAML: " + " ".join(str(e).split()))
+        p.error("not valid YAML: " + " ".join(str(e).split()))
     if not isinstance(cfg, dict):
-        fail(f"must be a mapping of flag names to values (one `flag: value` per line), not {type(cfg).__name__}")
+        p.error(f"must be a mapping of flag names to values (one `flag: value` per line), not {type(cfg).__name__}")
     flags = {a.dest: a for a in p._actions if a.option_strings and a.default is not argparse.SUPPRESS}
     ignored = {"config", *RUN_RECORD_KEYS, *record_keys}
     keys, line = [], []
@@ -312,14 +310,11 @@ def read_config(p: ArgumentParser, path: str, record_keys: tuple[str, ...] = (),
             continue
         if key not in flags:  # looked up here: argparse would take `epoch` for an abbreviation of --epochs
             close = difflib.get_close_matches(str(key), list(flags), n=1)
-            fail(f"unknown key {key!r}: not a flag of {p.prog}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            p.error(f"unknown key {key!r}: not a flag of {p.prog}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         keys.append(key)
         line += _command_line(flags[key], value)
-    p.reading_config = path
-    try:
-        parsed = p.parse_args(line)
-    finally:
-        p.reading_config = None
+    parsed = p.parse_args(line)
+    p.reading_config = None
     out = {key: getattr(parsed, key) for key in keys}
     if out.get("evaluate_only") and os.path.basename(os.path.normpath(out.get("output_dir") or "")) == EVALUATE_ONLY_SUBDIR:
         # the recorded folder of an evaluation-only run: re-running it writes to the same place, not one level down

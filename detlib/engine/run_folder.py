@@ -158,10 +158,10 @@ def acquire_lock(output_dir: str) -> str | None:
             return (f"another run (pid {other['pid']} on {other['host']}, since {other['started']}) is writing to "
                     f"{output_dir}; use another --output_dir")
         return f"another run is writing to {output_dir}; use another --output_dir"
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     with contextlib.suppress(OSError):  # a name that cannot be written (a full disk) leaves the lock held all the same
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(me).encode())
+        os.write(fd, json.dumps({**me, "argv": sys.argv}).encode())
     _held[os.path.abspath(output_dir)] = fd
     return None
 

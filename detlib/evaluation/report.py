@@ -54,7 +54,7 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
     Args:
         accelerator: the run's Accelerator (its trackers are looked up by name; none is fine).
         output_dir: the run folder (plots/ and samples/ are created in it; metrics.jsonl is read from it).
-        epoch: the epoch evaluated, counted from 1 (the epochs completed, as checkpoints count them; names the folders; None -> "final");
+        epoch: the epoch evaluated, counted from 1 (names the folders; None -> "final");
             step: the tracker step.
         coco_gt: the validation ground truth as a COCO dict; `image_dir`: its image folder.
         results: the gathered detections in COCO results format (xywh pixels, category ids, scores).
