@@ -22,7 +22,7 @@ LAYERS = [
     ("data",),  # images, transforms, data sets, VOC/YOLO, the built-in sets
     ("retinanet", "classification"),  # the models
     ("evaluation",),  # COCO evaluation, per-class numbers, plots, drawn samples, model cards
-    ("engine",),  # the run: folder, flags, checkpoints, resume, schedules, logs and trackers
+    ("engine",),  # the run: folder and its lock, flags, checkpoints, resume, the step guard, logs and trackers
     ("inference",),  # what the predict scripts share
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}

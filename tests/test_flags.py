@@ -72,6 +72,10 @@ def test_command_line_overrides_the_config(script, tmp_path):
     assert (args.epochs, args.seed, args.lr) == (9, 7, 1e-4)
     args = resolved(script, ["--epochs", "9", f"--config={path}"])  # the order on the command line does not matter
     assert (args.epochs, args.seed) == (9, 7)
+    path.write_text("model_ema_warmup: false\ncompile: true\nmodel_ema: 0.99\nmixed_precision: null\n")
+    args = resolved(script, ["--config", str(path)])  # --no-model_ema_warmup --compile --model_ema=0.99
+    assert (args.model_ema_warmup, args.compile, args.model_ema, args.mixed_precision) == (False, True, 0.99, None)
+    assert resolved(script, ["--config", str(path), "--model_ema_warmup"]).model_ema_warmup is True
 
 
 def test_folder_actions_of_the_recorded_run_are_not_applied_from_a_file(script, tmp_path, capsys):
@@ -102,17 +106,19 @@ def test_config_that_is_not_a_mapping_is_a_one_line_error(script, tmp_path, caps
 
 
 @pytest.mark.parametrize("text,message", [
-    ("epochs: 0\n", "epochs: must be an integer >= 1, got 0"),
-    ("optimizer: adam\n", "optimizer: must be one of adamw, sgd, got 'adam'"),
-    ("strict_data: 1\n", "strict_data: must be true or false, got 1"),
-    ("epochs: [3]\n", "epochs: must be one value, got [3]"),
-    ("seed: null\n", "seed: needs a value"),
+    ("epochs: 0\n", "argument --epochs: must be an integer >= 1, got 0"),
+    ("optimizer: adam\n", "argument --optimizer: invalid choice: 'adam' (choose from 'adamw', 'sgd')"),
+    ("strict_data: 1\n", "argument --strict_data: ignored explicit argument '1'"),
+    ("epochs: [3]\n", "argument --epochs: invalid integer >= 1 value: '[3]'"),
+    ("seed: null\n", "argument --seed: expected one argument"),
+    ("lr: ten\n", "argument --lr: invalid number value: 'ten'"),
     ("epochs: [3\n", "not valid YAML"),
 ])
 def test_config_values_are_checked_like_flags(script, tmp_path, capsys, text, message):
+    """The file's values are parsed by the script's own parser, as the command line they stand for."""
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    assert message in one_line_error(capsys, script, ["--config", str(path)])
+    assert f"error: --config {path}: {message}" in one_line_error(capsys, script, ["--config", str(path)])
 
 
 def test_missing_config_file_is_a_one_line_error(script, tmp_path, capsys):

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-# The signals that preempt a run (detlib.engine.run_folder.PreemptionSignals); workers leave them to it.
+# The signals that preempt a run (detlib.engine.run_folder's handlers); workers leave them to it.
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 # How often a DataLoader worker checks that its training process still runs (worker_init_fn).
 WORKER_PARENT_POLL_S = 0.5

@@ -2,9 +2,10 @@
 work: a nonsense value (`--epochs 0`, `--lr -1`), on the command line or in a --config file, is one argparse line
 at start (exit 2), never a traceback later.
 
-`--config` is timm's two-stage parse: the file's `flag: value` lines become the parser's defaults, the command line
-overrides them. A run's own config.yaml re-runs it: its record keys (`num_processes`, ...) are not applied, nor
-what to do with the folder this time (`resume_from_checkpoint`, `overwrite_output_dir`).
+`--config` is timm's two-stage parse: the file's `flag: value` lines, parsed by the same parser as the command line
+they stand for, become its defaults; the command line overrides them. A run's own config.yaml re-runs it: its
+record keys (`num_processes`, ...) are not applied, nor what to do with the folder this time
+(`resume_from_checkpoint`, `overwrite_output_dir`).
 
 A flag that names a file or folder has the type `path`: an existing one becomes absolute as it is parsed, so the
 run reads, logs, compares on resume and records in config.yaml the file itself, and a `--config` re-run from
@@ -101,7 +102,13 @@ class ArgumentParser(argparse.ArgumentParser):
         from ..logtext import escape_unencodable
 
         super().__init__(*args, **kwargs)
+        self.reading_config = None  # the --config file whose values are being parsed: its errors name it
         escape_unencodable()
+
+    def error(self, message):
+        if self.reading_config:
+            self.exit(2, f"{self.prog}: error: --config {self.reading_config}: {message}\n")
+        super().error(message)
 
     def _print_message(self, message, file=None):
         if first_process():
@@ -283,25 +290,23 @@ def format_given(p: argparse.ArgumentParser, config: dict, given: set[str]) -> s
     return " ".join(x for x in parts if x)
 
 
-def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, ...] = (), notes: bool = True) -> dict:
-    """The flag values of a --config file, each checked and converted by the flag's own type and choices (`lr: 1e-4`,
-    a string to YAML, is 1e-4). An unreadable file, no mapping, an unknown key or a refused value: one line naming
-    the file and the key, exit 2. `notes`: say that folder actions are not applied from a file."""
-    def fail(message: str):
-        p.exit(2, f"{p.prog}: error: --config {path}: {message}\n")
-
+def read_config(p: ArgumentParser, path: str, record_keys: tuple[str, ...] = (), notes: bool = True) -> dict:
+    """The flag values of a --config file, parsed by `p` itself as the command line they stand for (`_command_line`).
+    An unreadable file, no mapping, an unknown key or a value the flag refuses: one line naming the file and the key
+    or flag, exit 2. `notes`: say that folder actions are not applied from a file."""
+    p.reading_config = path  # its errors name the file (`ArgumentParser.error`), ours and argparse's alike
     try:
         with open(path) as f:
             cfg = yaml.safe_load(f)
     except OSError as e:
-        fail(e.strerror or str(e))
+        p.error(e.strerror or str(e))
     except yaml.YAMLError as e:
-        fail("not valid YAML: " + " ".join(str(e).split()))
+        p.error("not valid YAML: " + " ".join(str(e).split()))
     if not isinstance(cfg, dict):
-        fail(f"must be a mapping of flag names to values (one `flag: value` per line), not {type(cfg).__name__}")
+        p.error(f"must be a mapping of flag names to values (one `flag: value` per line), not {type(cfg).__name__}")
     flags = {a.dest: a for a in p._actions if a.option_strings and a.default is not argparse.SUPPRESS}
     ignored = {"config", *RUN_RECORD_KEYS, *record_keys}
-    out = {}
+    keys, line = [], []
     for key, value in cfg.items():
         if key in ignored:
             continue
@@ -310,34 +315,31 @@ def read_config(p: argparse.ArgumentParser, path: str, record_keys: tuple[str, .
                 print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
                       "command line)", file=sys.stderr, flush=True)
             continue
-        if key not in flags:
+        if key not in flags:  # looked up here: argparse would take `epoch` for an abbreviation of --epochs
             close = difflib.get_close_matches(str(key), list(flags), n=1)
-            fail(f"unknown key {key!r}: not a flag of {p.prog}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        try:
-            out[key] = _flag_value(flags[key], value)
-        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
-            fail(f"{key}: {e}")
+            p.error(f"unknown key {key!r}: not a flag of {p.prog}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        keys.append(key)
+        line += _command_line(flags[key], value)
+    parsed = p.parse_args(line)
+    p.reading_config = None
+    out = {key: getattr(parsed, key) for key in keys}
     if out.get("evaluate_only") and os.path.basename(os.path.normpath(out.get("output_dir") or "")) == EVALUATE_ONLY_SUBDIR:
         # the recorded folder of an evaluation-only run: re-running it writes to the same place, not one level down
         out["output_dir"] = os.path.dirname(os.path.normpath(out["output_dir"]))
     return out
 
 
-def _flag_value(action: argparse.Action, value):
-    """`value` from YAML as the flag would have parsed it. Raises ValueError / ArgumentTypeError."""
-    if value is None:
-        if action.default is not None:
-            raise ValueError(f"needs a value (the flag's default is {action.default!r})")
-        return None
+def _command_line(action: argparse.Action, value) -> list[str]:
+    """The command line a --config file's `value` (from YAML) of `action`'s flag stands for: `lr: 1e-4` is
+    `--lr=1e-4`, `lr_steps: [8, 11]` `--lr_steps 8 11`, `aspect_grouping: false` `--no-aspect_grouping`; a value no
+    command line gives (`strict_data: 1`, `seed: null`) is written so that argparse refuses it."""
+    flag = action.option_strings[0]
     if action.nargs == 0:  # store_true, --flag / --no-flag
-        if not isinstance(value, bool):
-            raise ValueError(f"must be true or false, got {value!r}")
-        return value
-    many = action.nargs in ("+", "*") or isinstance(action.nargs, int)
-    if many != isinstance(value, list) or isinstance(value, dict):
-        raise ValueError(f"must be {'a list' if many else 'one value'}, got {value!r}")
-    values = [action.type(str(v)) if action.type else str(v) for v in (value if many else [value])]
-    for v in values:
-        if action.choices is not None and v not in action.choices:
-            raise ValueError(f"must be one of {', '.join(map(str, action.choices))}, got {v!r}")
-    return values if many else values[0]
+        if value is False and isinstance(action, argparse.BooleanOptionalAction):
+            return [f"--no-{flag[2:]}"]
+        return [flag] if value is True else [] if value is False else [f"{flag}={value}"]
+    if value is None:  # a flag without a default stays unset; one with a default is "expected one argument"
+        return [] if action.default is None else [flag]
+    if isinstance(value, list) and (action.nargs in ("+", "*") or isinstance(action.nargs, int)):
+        return [flag, *map(str, value)]
+    return [f"{flag}={value}"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import glob
 import json
 import logging
@@ -128,60 +129,54 @@ def _in_the_way(folder: str) -> str | None:
     return None
 
 
-def acquire_lock(output_dir: str) -> tuple[str | None, str | None]:
-    """Take `output_dir/run.lock` (pid, host, start, command): (refusal or error, note). A live run's lock (or one of
-    another host: we cannot tell) refuses; a stale lock of a dead process is replaced, with a note."""
-    path, note = os.path.join(output_dir, LOCK_FILE), None
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv,
-          "created": psutil.Process().create_time()}  # with the pid, names the process (a pid is reused)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                with open(path) as f:
-                    other = json.load(f)
-            except (OSError, ValueError):
-                other = None
-            if not isinstance(other, dict) or other.get("pid") is None and other.get("host") is None:
-                return (f"{path} does not say which run holds {output_dir} (empty or damaged); if no run is writing "
-                        "there, delete it"), None
-            pid, host = other.get("pid"), other.get("host")
-            if host == me["host"] and isinstance(pid, int) and not _alive(pid, other.get("created")):
-                note = f"replaced a stale lock of process {pid} (no longer running) in {output_dir}"
-                os.remove(path)
-                continue
-            if host not in (None, me["host"]):  # a process we cannot see
-                return (f"{output_dir} is locked by a run on host {host} (pid {pid}, since {other.get('started')}); if "
-                        f"that run is dead, delete {path}"), None
-            return (f"another run (pid {pid} on {host}, since {other.get('started')}) is writing to {output_dir}; use "
-                    "another --output_dir"), None
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-        except OSError as e:  # the disk filled since the folder check: an empty lock would refuse the next run
-            with contextlib.suppress(OSError):
-                os.remove(path)
-            return f"could not write the lock {path}: {e.strerror or e}", None
-        return None, note
-    return f"could not take the lock {path}", None
+_held: dict[str, int] = {}  # output folder -> the open lock file this process holds
 
 
-def _alive(pid: int, created: float | None) -> bool:
-    """Whether process `pid` runs and, when the lock recorded it, is the one created at `created` (not a reuse)."""
-    if not psutil.pid_exists(pid) or created is None:
-        return psutil.pid_exists(pid)
-    with contextlib.suppress(psutil.Error):
-        return abs(psutil.Process(pid).create_time() - created) < 1.0
-    return False
+def acquire_lock(output_dir: str) -> str | None:
+    """Take the OS lock on `output_dir/run.lock` (`flock`): None, or a refusal naming the holder (its pid, host and
+    start, written into the file for this line only). The kernel releases the lock when its holder ends, however it
+    ends, so a killed run's folder is free at once; a file left behind by one holds nothing."""
+    path = os.path.join(output_dir, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        return f"could not open the lock {path}: {e.strerror or e}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if not isinstance(e, BlockingIOError):  # ENOLCK: a network file system without a lock service
+            os.close(fd)
+            return f"could not lock {path}: {e.strerror or e}"
+        with os.fdopen(fd) as f:
+            named = f.read()
+        with contextlib.suppress(ValueError, LookupError, TypeError):  # the holder has not named itself yet
+            other = json.loads(named)
+            return (f"another run (pid {other['pid']} on {other['host']}, since {other['started']}) is writing to "
+                    f"{output_dir}; use another --output_dir")
+        return f"another run is writing to {output_dir}; use another --output_dir"
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with contextlib.suppress(OSError):  # a name that cannot be written (a full disk) leaves the lock held all the same
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({**me, "argv": sys.argv}).encode())
+    _held[os.path.abspath(output_dir)] = fd
+    return None
 
 
 def release_lock(output_dir: str) -> None:
-    """Remove `output_dir/run.lock` if this process holds it."""
-    path = os.path.join(output_dir, LOCK_FILE)
-    with contextlib.suppress(OSError, ValueError), open(path) as f:
-        if (held := json.load(f)) and isinstance(held, dict) and held.get("pid") == os.getpid():
-            os.remove(path)
+    """Give back this process's lock on `output_dir` (the file stays: removing it would let a run that opened it
+    just before lock a file that no longer has a name while a third locks a new one)."""
+    if (fd := _held.pop(os.path.abspath(output_dir), None)) is not None:
+        os.close(fd)
+
+
+def _let_go_in_child() -> None:
+    """A forked child (a DataLoader worker) shares the lock: closing its copy (never LOCK_UN, which would release it
+    for the parent too) makes the lock end with the process that took it, not with its slowest worker."""
+    while _held:
+        os.close(_held.popitem()[1])
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwrite: bool) -> tuple[tuple | None, list[str]]:
@@ -206,10 +201,8 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
     if present and not (evaluate_only or resume or overwrite):
         return (f"{out} holds another run ({', '.join(present)}); to continue it pass --resume_from_checkpoint "
                 "latest, to keep it choose a new --output_dir, to replace it pass --overwrite_output_dir", True), notes
-    error, note = acquire_lock(out)
-    if error:  # a live run's lock is a refusal; a lock that cannot be written is a fault
+    if error := acquire_lock(out):  # a live run's lock is a refusal; a lock that cannot be opened is a fault
         return (error, not error.startswith("could not")), notes
-    notes += [note] if note else []
     if overwrite and present and not evaluate_only:
         for path in (os.path.join(out, n) for n in RUN_FILES + OTHER_RUN_FILES):
             if os.path.isdir(path):

@@ -54,7 +54,7 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
     Args:
         accelerator: the run's Accelerator (its trackers are looked up by name; none is fine).
         output_dir: the run folder (plots/ and samples/ are created in it; metrics.jsonl is read from it).
-        epoch: the epoch evaluated, counted from 1 (`Run.epoch_number`; names the folders; None -> "final");
+        epoch: the epoch evaluated, counted from 1 (names the folders; None -> "final");
             step: the tracker step.
         coco_gt: the validation ground truth as a COCO dict; `image_dir`: its image folder.
         results: the gathered detections in COCO results format (xywh pixels, category ids, scores).
@@ -131,14 +131,14 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
 def _tb_encoded_image(writer, tag: str, data: bytes, height: int, width: int, step: int) -> None:
     """An image summary from already encoded JPEG / PNG bytes.
 
-    `SummaryWriter.add_image` would re-encode every image as PNG (~40 ms for 640x480, ten times the rest of
+    `SummaryWriter.add_image` would re-encode every image as PNG (~40-60 ms for 640x480, ten times the rest of
     the work per image); TensorBoard shows any encoding the browser decodes, so the files written anyway go in
-    as they are.
+    as they are, through the writer's own `file_writer` and its public `add_summary`.
     """
     from tensorboard.compat.proto.summary_pb2 import Summary
 
     image = Summary.Image(height=int(height), width=int(width), colorspace=3, encoded_image_string=data)
-    writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+    writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
 
 
 # wandb logs at most this many rows of a table (wandb.Table.MAX_ROWS; it truncates beyond with a warning)
