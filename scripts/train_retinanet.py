@@ -3,13 +3,16 @@ r"""Train and evaluate RetinaNet (ResNet-50 + FPN by default, any timm backbone)
 Built-in synthetic data, CPU (no download; the defaults switch to a small model and image size):
     accelerate launch --config_file accelerate_configs/cpu.yaml scripts/train_retinanet.py
 
-COCO 2017 on 2 GPUs (fp16), the default recipe (AdamW 1e-4, plateau schedule, 600 px longer side, 12 epochs):
-    accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/train_retinanet.py \
-        --data_dir /data/coco --backbone_weights resnet50_a1_in1k.safetensors --output_dir outputs/r50_600
+COCO 2017 on 4 GPUs x 15 images, the default recipe (AdamW 1e-4, plateau schedule, 600 px longer side, 12 epochs), from
+timm's resnet50.a1_in1k weights (README "Pretrained weights" says how to save the file):
+    accelerate launch --config_file accelerate_configs/4gpu.yaml scripts/train_retinanet.py --data_dir /data/coco \
+        --backbone resnet50.a1_in1k --backbone_weights resnet50.a1_in1k.safetensors --output_dir outputs/r50_600
 
-The standard SGD 1x recipe at 800 px (8 GPUs x 2 images):
+The SGD 1x recipe at 800 / 1333 (8 GPUs x 2 images; docs/recipes.md):
     accelerate launch --config_file accelerate_configs/8gpu.yaml scripts/train_retinanet.py --data_dir /data/coco \
-        --image_size 800 --max_size 1333 --per_device_batch_size 2 --optimizer sgd --lr 0.01 --lr_scheduler multistep --max_grad_norm 0
+        --backbone resnet50.a1_in1k --backbone_weights resnet50.a1_in1k.safetensors --image_size 800 --max_size 1333 \
+        --per_device_batch_size 2 --optimizer sgd --lr 0.01 --lr_scheduler multistep --lr_steps 8 11 --warmup_steps 500 \
+        --augmentation flip
 
 Any COCO-format data set; a Pascal VOC or a YOLO (ultralytics) one by its root (the layout is detected;
 detlib/data/formats.py says how they are read):
