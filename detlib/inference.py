@@ -34,7 +34,7 @@ from .data.loaders import quiet_resource_sharer_errors
 from .files import atomic_write
 from .labels import CategoryMap
 from .retinanet.model import build_retinanet_from_config
-from .weights import REQUIRED, complete_model_config, load_model_weights, read_model_config, weights_path
+from .weights import load_model_weights, read_model_config, require_model_keys, weights_path
 
 logger = logging.getLogger(__name__)
 
@@ -225,73 +225,61 @@ def write_skipped(output_dir: str, skipped: list[str]) -> str | None:
     return path
 
 
-def load_retinanet(weights: str, notes: list[str] | None = None) -> tuple[torch.nn.Module, dict, CategoryMap]:
+def load_retinanet(weights: str) -> tuple[torch.nn.Module, dict, CategoryMap]:
     """Rebuild a trained RetinaNet from its weights and model_config.json, in eval mode on the CPU.
 
     Args:
         weights: a run folder (its best/, else last/), best/ or last/, a checkpoint folder, or a weights file
             with model_config.json beside it or in its parent folder.
-        notes: when given, the line saying which model keys an old model_config.json lacked and where they
-            were found (the run's config.yaml; `complete_model_config`) is appended to it.
     Returns:
         (model, model_config, CategoryMap of the config's `category_ids` (default 1..num_classes) named by its
         `category_names`; a config without names, written before names were stored, names each class by its id).
     Raises:
         FileNotFoundError: no weights, or no model_config.json next to them (names the path).
+        KeyError: the config lacks a key the model needs (`build_retinanet_from_config`: one line naming it).
         RuntimeError: the weights do not fit the config's model.
     """
     f, config = weights_path(weights), read_model_config(weights)
     if config is None:
         raise FileNotFoundError(f"no model_config.json next to {f} (nor in its parent folder): the model cannot be "
                                 "rebuilt; the training script writes one into best/, last/ and every checkpoint")
-    model, config = _rebuild(weights, config, notes, {k: REQUIRED for k in ("num_classes", "backbone", "fpn_channels")},
-                             build_retinanet_from_config)
+    model = _rebuild(weights, build_retinanet_from_config(config))
     ids = config.get("category_ids") or list(range(1, int(config["num_classes"]) + 1))
     return model, config, CategoryMap(ids, config.get("category_names"))
 
 
-def _rebuild(weights: str, config: dict, notes: list[str] | None, keys: dict, build) -> tuple[torch.nn.Module, dict]:
-    """(`build(config)` in eval mode with the weights loaded, the config with `keys` completed): both loaders'."""
-    config, note = complete_model_config(config, weights, keys)
-    if note and notes is not None:
-        notes.append(note)
-    model = build(config)
+def _rebuild(weights: str, model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with the weights of `weights` loaded, in eval mode: both loaders'."""
     load_model_weights(model, weights)
-    return model.eval(), config
+    return model.eval()
 
 
-def retinanet_input_size(config: dict, weights: str, image_size: int | None = None, max_size: int | None = None,
-                         default: int = 600) -> tuple[int, int | None, str | None]:
+def retinanet_input_size(config: dict, weights: str, image_size: int | None = None,
+                         max_size: int | None = None) -> tuple[int, int | None]:
     """The resize of a trained RetinaNet (`build_transform(image_size, "none", max_size)`): `image_size` / `max_size`
     (the --image_size / --max_size flags) when given, else the model's own from its model_config.json.
-
-    A model_config.json of an older version without them is completed from the run's config.yaml (the size the
-    model was trained at), else with `default` and no cap (`complete_model_config`), and the third value is the
-    line that says so (None when nothing was missing). Returns (image_size, max_size, line)."""
+    Raises WeightsFileError: neither gives the image size (one line naming the file and the flag)."""
     if image_size:
-        return image_size, max_size, None
-    keys = {"image_size": default} if max_size else {"image_size": default, "max_size": None}
-    config, note = complete_model_config(config, weights, keys,
-                                         hint="pass --image_size (and --max_size) with the size the model was trained at")
-    return int(config["image_size"]), max_size or config.get("max_size"), note
+        return image_size, max_size
+    require_model_keys(config, weights, {"image_size": "--image_size (and --max_size) with the size the model was "
+                                                        "trained at"})
+    return int(config["image_size"]), max_size or config.get("max_size")
 
 
-def load_classifier(weights: str, notes: list[str] | None = None) -> tuple[torch.nn.Module, dict]:
+def load_classifier(weights: str) -> tuple[torch.nn.Module, dict]:
     """Rebuild a trained classifier from its weights and model_config.json (`model`, `classes`), eval mode.
-
-    A config without `model` (hand-written, or an older version's) is completed from the run's config.yaml, else
-    with the training script's default (resnet18); the line saying so is appended to `notes`, when given.
     Raises:
         FileNotFoundError: no weights or no model_config.json (names the path).
-        RuntimeError: the weights do not fit the config's model.
+        RuntimeError: the weights do not fit the config's model; WeightsFileError, its subclass: the config lacks
+            `model` (one line).
     """
     from .classification import build_classifier
 
     f, config = weights_path(weights), read_model_config(weights)
     if config is None or "classes" not in config:
         raise FileNotFoundError(f"no classifier model_config.json (with 'classes') next to {f}: the model cannot be rebuilt")
-    return _rebuild(weights, config, notes, {"model": "resnet18"},
-                    lambda c: build_classifier(c["model"], len(c["classes"])))
+    require_model_keys(config, weights, {"model": ""})
+    return _rebuild(weights, build_classifier(config["model"], len(config["classes"]))), config
 
 
 def prediction_parser(description: str, batch_size: int) -> tuple[argparse.ArgumentParser, dict]:

@@ -20,9 +20,6 @@ from .files import atomic_path, readable_as_umask_allows, write_failure, write_j
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's key prefixes
-# Keys of model_config.json that name the model; a run config.yaml that disagrees on one is another model's.
-MODEL_IDENTITY_KEYS = ("num_classes", "backbone", "fpn_channels", "model")
-REQUIRED = object()  # a key of complete_model_config without a default
 
 
 class WeightsFileError(RuntimeError):
@@ -157,32 +154,16 @@ def run_config_of(path: str) -> tuple[dict, str | None]:
     return {}, None
 
 
-def complete_model_config(config: dict, path: str, keys: dict, hint: str = "") -> tuple[dict, str | None]:
-    """Fill in the `keys` ({key: default, or REQUIRED}) a model_config.json lacks (an older version's, or one by hand),
-    never silently: from the run's config.yaml (`run_config_of`) when it describes this model (the
-    `MODEL_IDENTITY_KEYS` both hold agree), else with the defaults (`hint` says which flag to pass). Returns (a
-    completed copy, one line saying what was missing and what is used, or None when nothing was); a REQUIRED key
-    that nothing gives stays missing (the caller refuses)."""
+def require_model_keys(config: dict, path: str, keys: dict[str, str]) -> None:
+    """Stop on a model_config.json that lacks a key the model needs; `keys` maps each to the flag that supplies it
+    ("" when no flag does). Nothing is filled in from elsewhere (there is no earlier release to stay compatible with).
+    Raises WeightsFileError: one line naming the file, the missing keys and their flags."""
     missing = [k for k in keys if k not in config]
-    if not missing:
-        return config, None
-    run, run_file = run_config_of(path)
-    if run and any(k in config and k in run and run[k] != config[k] for k in MODEL_IDENTITY_KEYS):
-        run, run_file = {}, None  # a config.yaml of another model beside copied weights
-    # a None in config.yaml is a value only for a key whose default is None (max_size: no cap)
-    found = {k: run[k] for k in missing if k in run and (run[k] is not None or keys[k] is None)}
-    defaults = {k: keys[k] for k in missing if k not in found and keys[k] is not REQUIRED}
-    unknown = [k for k in missing if k not in found and k not in defaults]
-    used = []
-    if found:
-        used.append(", ".join(f"{k} {v}" for k, v in found.items()) + f" from the run's {run_file}")
-    if defaults:
-        used.append(", ".join(f"{k} {v}" for k, v in defaults.items()) + " (recorded nowhere: the defaults"
-                    + (f"; {hint}" if hint else "") + ")")
-    if unknown:
-        used.append(f"nothing for {', '.join(unknown)} (no run config.yaml of this model holds it)")
-    return {**config, **found, **defaults}, (f"{model_config_file(path) or 'model_config.json'} has no "
-                                             f"{', '.join(missing)} (written by an older version?): using {'; '.join(used)}")
+    if missing:
+        flags = [keys[k] for k in missing if keys[k]]
+        raise WeightsFileError(f"{model_config_file(path) or 'model_config.json'} lacks {', '.join(missing)}"
+                               + (f": pass {' and '.join(dict.fromkeys(flags))}" if flags else "")
+                               + " (the training script writes every key into best/, last/ and each checkpoint)")
 
 
 def load_model_weights(model: torch.nn.Module, path: str) -> str:

@@ -199,9 +199,9 @@ def main(argv=None):
     if args.format in ("onnx", "both") and (missing := missing_onnx_packages()):
         raise SystemExit(f"error: --format {args.format} needs {', '.join(missing)} (not installed): pip install -e "
                          "'.[export]' (or -r requirements-dev.txt); --format pt2 needs nothing more")
-    notes: list[str] = []  # what an old model_config.json lacked, flags this export does not use: one line each
     try:
-        model, config, category_map = load_retinanet(args.weights, notes)
+        model, config, category_map = load_retinanet(args.weights)
+        image_size, max_size = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         raise SystemExit(f"error: {e}") from None
     # the exported graph has detlib's anchors and resize built in; a converted torchvision model's would differ
@@ -210,8 +210,7 @@ def main(argv=None):
     if foreign:
         raise SystemExit(f"error: {args.weights}: exporting a model with torchvision's settings ({', '.join(foreign)} in "
                          "model_config.json) is not supported yet; evaluate or predict it with the scripts")
-    image_size, max_size, note = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
-    for line in filter(None, [*notes, note, *ignored_flags(args, {a.dest: a.default for a in build_parser()._actions})]):
+    for line in ignored_flags(args, {a.dest: a.default for a in build_parser()._actions}):  # flags it does not use
         logger.warning("%s", line)
     canvas = canvas_size(image_size, max_size)
     wrapped = ExportableRetinaNet(model, canvas, decode=args.decode == "inside", score_thresh=args.score_thresh,

@@ -43,7 +43,7 @@ from detlib.files import atomic_write, write_json
 from detlib.inference import (earlier_outputs, list_media_files, load_classifier, output_names, outputs_written,
                               predict_videos, prediction_error, prediction_parser, run_prediction, shard_batches,
                               start_prediction, write_skipped)
-from detlib.weights import complete_model_config, weights_path
+from detlib.weights import require_model_keys, weights_path
 
 logger = logging.getLogger("predict_catsdogs")
 
@@ -126,7 +126,9 @@ def main(argv=None):
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
     notes: list[str] = []
     try:
-        model, config = load_classifier(args.weights, notes)
+        model, config = load_classifier(args.weights)
+        if args.image_size is None:  # the training size, from model_config.json
+            require_model_keys(config, args.weights, {"image_size": "--image_size with the size the model was trained at"})
         root, paths, videos, unsupported = list_media_files(args.source, exclude=(os.path.join(args.output_dir, "by_class"),))
         if videos and not av_available():
             if not paths:
@@ -138,10 +140,6 @@ def main(argv=None):
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         raise prediction_error(e) from None
     classes = config["classes"]
-    if args.image_size is None:  # the training size; an old model_config.json without it is completed, never silently
-        config, note = complete_model_config(config, args.weights, {"image_size": 224},
-                                             hint="pass --image_size with the size the model was trained at")
-        notes.append(note)
     image_size = args.image_size or config["image_size"]
     k = min(args.topk or 5, len(classes))
     if args.topk and k < args.topk:  # asked for more than there are: said, not silently cut

@@ -307,16 +307,15 @@ def main(argv=None):
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
 
     # ---- model (rebuilt from model_config.json, class names included)
-    notes: list[str] = []  # what an old model_config.json lacked, flags this run cannot honour: one line each
     try:
-        model, config, category_map = load_retinanet(args.weights, notes)
+        model, config, category_map = load_retinanet(args.weights)
+        image_size, max_size = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         raise prediction_error(e) from None
     logger.info("loaded %s (%s, fpn_channels %d, %d classes)", weights_path(args.weights), config["backbone"],
                 config["fpn_channels"], len(category_map))
-    image_size, max_size, note = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
     coco_source = args.source.lower().endswith(".json") and os.path.isfile(args.source)
-    notes += [note, *ignored_flags(args, coco_source)]
+    notes = ignored_flags(args, coco_source)  # flags this run cannot honour: one line each
     if accelerator.is_main_process:
         for line in filter(None, notes):
             logger.warning("%s", line)

@@ -55,7 +55,7 @@ from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLo
 from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
 from detlib.files import atomic_write
 from detlib.logtext import short_list
-from detlib.weights import WeightsFileError, complete_model_config, load_model_weights, read_model_config, weights_path
+from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -121,8 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_flags(args, given: set[str], synthetic: bool) -> tuple[dict | None, list[str]]:
     """What can be checked before any work, one line and exit 1 or 2 each (`stop`). --evaluate_only rebuilds the
-    model its model_config.json describes, at its size unless --image_size is given (an old file without them: the
-    run's config.yaml, else the defaults, said). Returns (the saved model config or None, notes: one line each for
+    model its model_config.json describes, at its size unless --image_size is given (a file without them stops in one
+    line naming the flag). Returns (the saved model config or None, notes: one line each for
     what was missing and for flags this run cannot honour)."""
     saved, notes = resolve_evaluated_model(args, given) if args.evaluate_only else (None, [])
     try:
@@ -146,14 +146,15 @@ def resolve_evaluated_model(args, given: set[str]) -> tuple[dict, list[str]]:
         saved = read_model_config(args.evaluate_only) or {}
     except (FileNotFoundError, WeightsFileError) as e:
         stop(f"--evaluate_only: {e}", code=1)
-    keys = {"model": args.model, **({} if "image_size" in given else {"image_size": args.image_size})}
-    saved, note = complete_model_config(saved, args.evaluate_only, keys, hint="" if "image_size" in given else
-                                        "pass --image_size with the size the model was trained at")
-    notes = [note] if note else []
-    if "model" in given and args.model != saved["model"]:
+    try:  # the model, and its size unless given: never filled in from elsewhere
+        require_model_keys(saved, args.evaluate_only, {k: f"--{k}" for k in ("model", "image_size") if k not in given})
+    except WeightsFileError as e:
+        stop(f"--evaluate_only: {e}", code=1)
+    notes = []
+    if "model" in given and args.model != saved.get("model", args.model):
         notes.append(f"--model {args.model} is not used: --evaluate_only rebuilds the model its model_config.json "
                      f"describes ({saved['model']})")
-    args.model = saved["model"]
+    args.model = saved.get("model", args.model)
     if "image_size" not in given:
         args.image_size = saved["image_size"]
     notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in (

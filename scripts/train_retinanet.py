@@ -74,8 +74,8 @@ from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
                               anchor_generator_from_config, check_backbone, decode_detections, load_matching_weights,
                               reorder_class_outputs, retinanet_loss)
-from detlib.weights import (WeightsFileError, complete_model_config, load_model_weights, load_state_dict_file,
-                            model_config_file, read_model_config, weights_path)
+from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
+                            read_model_config, require_model_keys, weights_path)
 
 logger = logging.getLogger("train_retinanet")
 
@@ -405,12 +405,11 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
     settings = {"p6_input": "c5", "head_norm": BUILTIN_HEAD_NORM if synthetic and not source else "none",
                 "resize_mode": "antialias"}
     if saved:
-        keys = {k: getattr(args, k) for k in ("backbone", "fpn_channels") if args.evaluate_only or k not in given}
-        if "image_size" not in given:
-            keys.update({k: getattr(args, k) for k in ("image_size", "max_size") if k not in given})
-        saved, note = complete_model_config(saved, source, keys, hint="pass --image_size (and --max_size) with the "
-                                            "size the model was trained at" if "image_size" in keys else "")
-        notes.append(note)
+        try:  # what rebuilds the evaluated model and its size, unless given: never filled in from elsewhere
+            require_model_keys(saved, source, {k: f"--{k}" for k in ("backbone", "fpn_channels", "image_size")
+                                               if args.evaluate_only and k not in given})
+        except WeightsFileError as e:
+            stop(f"{flag}: {e}", code=1)
         settings.update({k: saved[k] for k in (*settings, *ANCHOR_CONFIG_KEYS) if saved.get(k) is not None})
         for k in ("backbone", "fpn_channels"):
             if k in saved and (args.evaluate_only or k not in given):
@@ -418,7 +417,7 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
                     notes.append(f"--{k} {getattr(args, k)} is not used: --evaluate_only rebuilds the model its "
                                  f"model_config.json describes ({k} {saved[k]})")
                 setattr(args, k, saved[k])
-        if "image_size" not in given:
+        if "image_size" not in given and "image_size" in saved:  # --init_from's size, when it has one
             args.image_size = saved["image_size"]
             args.max_size = args.max_size if "max_size" in given else saved.get("max_size")
     if args.evaluate_only and saved is None:

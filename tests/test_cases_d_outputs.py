@@ -264,38 +264,26 @@ def old_copy(best, folder):
 
 
 @needs_coco_subset
-def test_case_d17_old_model_config_takes_the_runs_training_size_or_says_what_it_uses(tiny_retinanet, tmp_path, capsys):
+def test_case_d17_a_model_config_without_its_size_stops_predict_in_one_line_naming_the_flag(tiny_retinanet, tmp_path):
+    """Nothing is filled in: not from the run's config.yaml beside the weights (there is no earlier release to stay
+    compatible with), not from a default; the line names the key and the flag that supplies it."""
     photos = tmp_path / "photos"
     photos.mkdir()
     shutil.copy(coco_photos(1)[0], photos / "p.jpg")
     script = load_script("predict_retinanet")
-    # inside its run folder: the run's config.yaml knows the training size (64 here, today's default is 600)
     run = tmp_path / "run"
     old_copy(tiny_retinanet, run / "best")
     (run / "config.yaml").write_text("backbone: resnet18\nfpn_channels: 8\nimage_size: 64\nmax_size: null\nnum_classes: 3\n")
-    script.main(["--weights", str(run / "best"), "--source", str(photos), "--output_dir", str(tmp_path / "o1"), "--cpu",
-                 "--num_workers", "0"])
-    out = capsys.readouterr().out
-    assert "has no image_size, max_size (written by an older version?): using image_size 64, max_size None from the " \
-           f"run's {run / 'config.yaml'}" in out and "1 images from" in out and "at 64 px" in out
-    # a copy of best/ alone: the default is used, and said, with the flag that would say otherwise
-    alone = old_copy(tiny_retinanet, tmp_path / "copy")
-    script.main(["--weights", str(alone), "--source", str(photos), "--output_dir", str(tmp_path / "o2"), "--cpu",
-                 "--num_workers", "0"])
-    out = capsys.readouterr().out
-    line = [x for x in out.splitlines() if "has no image_size" in x]
-    assert len(line) == 1 and "WARNING" in line[0] and "using image_size 600, max_size None (recorded nowhere" in line[0]
-    assert "pass --image_size" in line[0] and "at 600 px" in out
-    # a config.yaml of another model beside the copy is not taken for this one's
-    (tmp_path / "config.yaml").write_text("backbone: resnet50\nimage_size: 800\n")
-    script.main(["--weights", str(alone), "--source", str(photos), "--output_dir", str(tmp_path / "o3"), "--cpu",
-                 "--num_workers", "0"])
-    assert "at 600 px" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        script.main(["--weights", str(run / "best"), "--source", str(photos), "--output_dir", str(tmp_path / "o1"),
+                     "--cpu", "--num_workers", "0"])
+    assert str(e.value) == (f"error: {run / 'best' / 'model_config.json'} lacks image_size: pass --image_size (and "
+                            "--max_size) with the size the model was trained at (the training script writes every key "
+                            "into best/, last/ and each checkpoint)")
     # given --image_size: used, nothing to say
-    script.main(["--weights", str(alone), "--source", str(photos), "--output_dir", str(tmp_path / "o4"), "--cpu",
+    script.main(["--weights", str(run / "best"), "--source", str(photos), "--output_dir", str(tmp_path / "o4"), "--cpu",
                  "--num_workers", "0", "--image_size", "96"])
-    out = capsys.readouterr().out
-    assert "at 96 px" in out and "has no image_size" not in out
+    assert "at 96 px" in (tmp_path / "o4" / "predict.log").read_text()
 
 
 @needs_coco_subset
@@ -324,7 +312,8 @@ def test_an_evaluation_prints_its_12_stats_once_under_which_weights_with_the_key
 
 
 @needs_coco_subset
-def test_case_d17_evaluate_only_uses_the_training_size_and_says_which_flags_it_replaces(tiny_retinanet, tmp_path, capsys):
+def test_case_d17_evaluate_only_without_the_training_size_stops_and_says_which_flags_it_replaces(tiny_retinanet,
+                                                                                               tmp_path, capsys):
     run = tmp_path / "run"
     old_copy(tiny_retinanet, run / "best")
     (run / "config.yaml").write_text("backbone: resnet18\nfpn_channels: 8\nimage_size: 64\nmax_size: null\n")
@@ -336,13 +325,16 @@ def test_case_d17_evaluate_only_uses_the_training_size_and_says_which_flags_it_r
     val["categories"] = [c for c in val["categories"] if c["id"] in keep]
     val["annotations"] = [a for a in val["annotations"] if a["category_id"] in keep]
     (tmp_path / "val.json").write_text(json.dumps(val))
+    data = [f"--val_images={COCO_SUBSET / 'images'}", f"--val_annotations={tmp_path / 'val.json'}", "--report_to", "none",
+            "--num_workers", "0", "--per_device_eval_batch_size", "2", "--num_log_images", "0"]
+    with pytest.raises(SystemExit) as e:  # the run's config.yaml is not read to fill it
+        load_script("train_retinanet").main([*data, "--evaluate_only", str(run / "best"), "--output_dir", str(tmp_path / "e0")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "model_config.json lacks image_size: pass --image_size" in err
     out = tmp_path / "ev"
-    load_script("train_retinanet").main([f"--val_images={COCO_SUBSET / 'images'}", f"--val_annotations={tmp_path / 'val.json'}",
-                                         "--evaluate_only", str(run / "best"), "--backbone", "resnet50", "--fpn_channels", "256",
-                                         "--output_dir", str(out), "--report_to", "none", "--num_workers", "0",
-                                         "--per_device_eval_batch_size", "2", "--num_log_images", "0"])
+    load_script("train_retinanet").main([*data, "--evaluate_only", str(run / "best"), "--backbone", "resnet50",
+                                         "--fpn_channels", "256", "--image_size", "64", "--output_dir", str(out)])
     log = (out / "evaluate_only" / "train.log").read_text()
-    assert "using image_size 64, max_size None from the run's" in log
     assert "--backbone resnet50 is not used: --evaluate_only rebuilds the model its model_config.json describes " \
            "(backbone resnet18)" in log
     assert "--fpn_channels 256 is not used" in log and "(fpn_channels 8)" in log
@@ -354,33 +346,29 @@ def test_case_d17_evaluate_only_uses_the_training_size_and_says_which_flags_it_r
     (tmp_path / "bare").mkdir()
     shutil.copy(run / "best" / "model.safetensors", tmp_path / "bare" / "model.safetensors")
     out = tmp_path / "ev2"
-    load_script("train_retinanet").main([f"--val_images={COCO_SUBSET / 'images'}", f"--val_annotations={tmp_path / 'val.json'}",
-                                         "--evaluate_only", str(tmp_path / "bare"), "--backbone", "resnet18", "--fpn_channels",
-                                         "8", "--image_size", "64", "--output_dir", str(out), "--report_to", "none",
-                                         "--num_workers", "0", "--per_device_eval_batch_size", "2", "--num_log_images", "0"])
+    load_script("train_retinanet").main([*data, "--evaluate_only", str(tmp_path / "bare"), "--backbone", "resnet18",
+                                         "--fpn_channels", "8", "--image_size", "64", "--output_dir", str(out)])
     assert "no model_config.json beside" in (out / "evaluate_only" / "train.log").read_text()
 
 
-def test_complete_model_config_by_hand(tmp_path):
-    from detlib.weights import REQUIRED, complete_model_config
+def test_require_model_keys_by_hand(tmp_path):
+    from detlib.weights import WeightsFileError, require_model_keys
 
     best = tmp_path / "run" / "best"
     best.mkdir(parents=True)
     (best / "model.safetensors").write_bytes(b"")
     (best / "model_config.json").write_text("{}")
-    cfg = {"num_classes": 2, "backbone": "resnet18"}
-    assert complete_model_config({**cfg, "image_size": 128}, str(best), {"image_size": 600}) == ({**cfg, "image_size": 128}, None)
-    out, line = complete_model_config(cfg, str(best), {"image_size": 600, "max_size": None, "fpn_channels": REQUIRED})
-    assert out == {**cfg, "image_size": 600, "max_size": None} and "nothing for fpn_channels" in line
-    (tmp_path / "run" / "config.yaml").write_text("backbone: resnet18\nimage_size: 128\nmax_size: null\nfpn_channels: 32\n")
-    out, line = complete_model_config(cfg, str(best), {"image_size": 600, "max_size": None, "fpn_channels": REQUIRED})
-    assert out == {**cfg, "image_size": 128, "max_size": None, "fpn_channels": 32} and "from the run's" in line
-    (tmp_path / "run" / "config.yaml").write_text("backbone: resnet50\nimage_size: 128\n")  # another model's
-    assert complete_model_config(cfg, str(best), {"image_size": 600})[0]["image_size"] == 600
+    (tmp_path / "run" / "config.yaml").write_text("image_size: 128\nfpn_channels: 32\n")  # never read for it
+    cfg = {"num_classes": 2, "backbone": "resnet18", "image_size": 128}
+    require_model_keys(cfg, str(best), {"image_size": "--image_size", "backbone": "--backbone"})  # nothing missing
+    with pytest.raises(WeightsFileError) as e:
+        require_model_keys(cfg, str(best), {"fpn_channels": "--fpn_channels", "max_size": "--max_size", "mean": ""})
+    assert str(e.value).startswith(f"{best / 'model_config.json'} lacks fpn_channels, max_size, mean: pass "
+                                   "--fpn_channels and --max_size (")
 
 
 @needs_catsdogs
-def test_case_d17_classifier_old_config_and_topk_beyond_the_classes_are_said(tmp_path, capsys):
+def test_case_d17_classifier_config_without_its_model_or_size_stops_and_topk_beyond_the_classes_is_said(tmp_path, capsys):
     from detlib.classification import build_classifier
 
     run = tmp_path / "run"
@@ -389,15 +377,22 @@ def test_case_d17_classifier_old_config_and_topk_beyond_the_classes_are_said(tmp
     save_file({k: v.contiguous() for k, v in build_classifier("resnet18", 2).state_dict().items()},
               str(run / "best" / "model.safetensors"))
     (run / "best" / "model_config.json").write_text(json.dumps({"classes": ["cat", "dog"]}))  # no model, no image_size
-    (run / "config.yaml").write_text("model: resnet18\nimage_size: 48\n")
+    (run / "config.yaml").write_text("model: resnet18\nimage_size: 48\n")  # not read to fill them
     photos = tmp_path / "photos"
     photos.mkdir()
     shutil.copy(sorted((CATSDOGS / "val" / "cat").iterdir())[0], photos / "c.jpg")
-    load_script("predict_catsdogs").main(["--weights", str(run / "best"), "--source", str(photos), "--output_dir",
-                                          str(tmp_path / "o"), "--topk", "5", "--cpu", "--num_workers", "0"])
+    argv = ["--weights", str(run / "best"), "--source", str(photos), "--output_dir", str(tmp_path / "o"), "--topk", "5",
+            "--cpu", "--num_workers", "0"]
+    with pytest.raises(SystemExit) as e:
+        load_script("predict_catsdogs").main(argv)
+    assert str(e.value).startswith(f"error: {run / 'best' / 'model_config.json'} lacks model (")
+    (run / "best" / "model_config.json").write_text(json.dumps({"classes": ["cat", "dog"], "model": "resnet18"}))
+    with pytest.raises(SystemExit) as e:
+        load_script("predict_catsdogs").main(argv)
+    assert "lacks image_size: pass --image_size with the size the model was trained at" in str(e.value)
+    load_script("predict_catsdogs").main([*argv, "--image_size", "48"])
     out = capsys.readouterr().out
-    assert "has no model (written by an older version?): using model resnet18 from the run's" in out
-    assert "has no image_size (written by an older version?): using image_size 48 from the run's" in out and "at 48 px" in out
+    assert "at 48 px" in out
     assert "--topk 5: the model has 2 classes, so 2 per image" in out
     rows = json.loads((tmp_path / "o" / "predictions.json").read_text())
     assert len(rows[0]["topk"]) == 2
