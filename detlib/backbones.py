@@ -72,8 +72,8 @@ def frozen_parameters(name: str, freeze_at: int, input_size: tuple[int, int] | N
     module whose output is at the size of the model's first feature of stride >= 2 ** (k + 1) (and at no finer
     feature's size), that module not inside one whose output is finer (a downsampling inside a stage is not the next
     stage), or, when the model has no finer feature, before the module that outputs the feature itself (a patchify
-    stem that outputs stride 4 is the stem, not the first stage); a parameter used without its module being called (Swin v2's qkv weight, a position embedding) is frozen when a finer feature depends on it. 0: none;
-    FREEZE_ALL: all.
+    stem that outputs stride 4 is the stem, not the first stage); a parameter used without its module being called
+    (Swin v2's qkv weight, a position embedding) is frozen when a finer feature depends on it. 0: none; FREEZE_ALL: all.
 
     Args:
         input_size: (H, W) of the probe input; default the model's `pretrained_cfg` input size (fixed-size
@@ -116,7 +116,8 @@ def frozen_parameters(name: str, freeze_at: int, input_size: tuple[int, int] | N
         return any(_at_size(t, *sizes[level]) for t in outputs.get(m, []))
 
     inside_finer = {id(sub) for m in backbone.modules() if finer(m) for sub in m.modules()}
-    starts = [order[m] for m in outputs if m is not backbone and id(m) not in inside_finer and not finer(m) and at_level(m)]
+    starts = [order[m] for m in outputs
+              if m is not backbone and id(m) not in inside_finer and not finer(m) and at_level(m)]
     if not starts:
         raise ValueError(f"no module of timm model {name!r} outputs its stride-{reductions[level]} activation (a reshape "
                          "outside any module makes it), so its stages cannot be told apart: use --freeze_at 0")

@@ -12,7 +12,7 @@ Augmentation levels (`--augmentation`):
   flip                 horizontal flip (p = 0.5)
   flip_crop_translate  flip, a random crop keeping 60-100 % of each side (p = 0.5), and a random
                        translation of up to 10 % of each side (p = 0.5; the uncovered area filled with
-                       `PAD_VALUE`, as the batch padding): the seed recipe's "-aug".
+                       `PAD_VALUE`, as the batch padding): the 600 px AdamW recipe's "-aug" (docs/recipes.md).
 Every level ends with a resize to `image_size` (aspect ratio kept; see `ResizeKeepAspect`).
 """
 
@@ -74,7 +74,7 @@ class RandomCropFraction:
 class ResizeKeepAspect:
     """Resize keeping the aspect ratio (boxes follow).
 
-    With `max_size=None` the longer side becomes `size` (the seed recipe's "600 px"). With `max_size` the
+    With `max_size=None` the longer side becomes `size` (the 600 px AdamW recipe's "600 px"). With `max_size` the
     shorter side becomes `size` unless that makes the longer side exceed `max_size` (Detectron's
     "800 / 1333" convention of the standard COCO recipes).
 
