@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from detlib.engine import ArgumentParser, HelpFormatter, int_at_least
 
@@ -35,29 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(1)
-
-
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    from detlib.evaluation.coco import checked_ground_truth, evaluate_coco
+    from detlib.engine import stop
+    from detlib.evaluation.coco import evaluate_coco
     from detlib.evaluation.diagnostics import compare_evaluations
-    from detlib.evaluation.results_file import ResultsFileError, covered_images, match_to_ground_truth, read_results
+    from detlib.evaluation.results_file import ResultsFileError, covered_images, read_files
 
     try:
-        with open(args.annotations) as f:
-            gt = checked_ground_truth(json.load(f))
-        runs = {}
-        for name in ("a", "b"):
-            runs[name], note = match_to_ground_truth(read_results(getattr(args, name)), gt, getattr(args, name))
-            if note:
-                print(note)
+        gt, (a, b), notes = read_files(args.annotations, [args.a, args.b])
     except ResultsFileError as e:
-        fail(str(e))
-    except (OSError, ValueError) as e:
-        fail(f"{args.annotations}: {e}")
+        stop(str(e), code=1)
+    runs = {"a": a, "b": b}
+    for note in notes:
+        print(note)
     all_ids = sorted(im["id"] for im in gt["images"])
     covered = {name: covered_images(results) for name, results in runs.items()}
     print(f"val images: {len(all_ids)}; A covers {len(covered['a'])}, B covers {len(covered['b'])}")
@@ -65,7 +55,7 @@ def main(argv=None) -> dict:
     if covered["a"] != covered["b"] and not args.all_images:
         ids = sorted(covered["a"] & covered["b"])
         if not ids:
-            fail("the two files have no image in common: nothing to compare")
+            stop("the two files have no image in common: nothing to compare", code=1)
         print(f"comparing on the {len(ids)} images both cover (--all_images: on all {len(all_ids)}, an image without "
               "results counting as nothing found)")
         runs = {name: [r for r in results if r["image_id"] in set(ids)] for name, results in runs.items()}
@@ -73,7 +63,7 @@ def main(argv=None) -> dict:
     for name, results in runs.items():
         evals[name] = evaluate_coco(gt, results, image_ids=ids, backend="hotcoco", checked=True, return_cocoeval=True)[2]
         if evals[name] is None:
-            fail(f"{getattr(args, name)} holds no detection")
+            stop(f"{getattr(args, name)} holds no detection", code=1)
     c = compare_evaluations(evals["a"], evals["b"], runs["a"], runs["b"], n_bootstrap=args.n_bootstrap, seed=args.seed)
     c.update(images_covered={"A": len(covered["a"]), "B": len(covered["b"]), "val": len(all_ids)})
     print(f"{c['num_images']} images, {c['n_bootstrap']} paired image resamples, seed {c['seed']}")

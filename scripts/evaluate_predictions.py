@@ -40,36 +40,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(1)
-
-
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     import logging
 
     from detlib.evaluation import (CocoEvaluator, area_ranges_from_edges, best_f1_thresholds,
                                    evaluation_diagnostics, format_best_f1, per_class_ap, per_class_without_detections)
-    from detlib.evaluation.coco import checked_ground_truth
     from detlib.evaluation.metrics import format_per_class, write_evaluation_plots
-    from detlib.evaluation.results_file import ResultsFileError, covered_images, match_to_ground_truth, read_results
+    from detlib.engine import stop
+    from detlib.evaluation.results_file import ResultsFileError, covered_images, read_files
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     try:
         ranges = area_ranges_from_edges(args.area_ranges) if args.area_ranges else None
     except ValueError as e:
-        fail(f"--area_ranges: {e}")
+        stop(f"--area_ranges: {e}", code=1)
     try:
-        with open(args.annotations) as f:
-            gt = checked_ground_truth(json.load(f))
-    except (OSError, ValueError) as e:
-        fail(f"{args.annotations}: {e}")
-    try:
-        results, note = match_to_ground_truth(read_results(args.predictions), gt, args.predictions)
+        gt, (results,), notes = read_files(args.annotations, [args.predictions])
     except ResultsFileError as e:
-        fail(str(e))
-    if note:
+        stop(str(e), code=1)
+    for note in notes:
         print(note)
     evaluator = CocoEvaluator(gt, args.coco_eval_backend, area_ranges=ranges)
     by_image = {im["id"]: [] for im in gt["images"]}

@@ -71,3 +71,22 @@ def match_to_ground_truth(results: list[dict], gt: dict, name: str) -> tuple[lis
 def covered_images(results: list[dict]) -> set[int]:
     """The image ids with at least one result."""
     return {r["image_id"] for r in results}
+
+
+def read_files(annotations: str, predictions: list[str]) -> tuple[dict, list[list[dict]], list[str]]:
+    """The ground truth (`checked_ground_truth`) and each predictions file matched to it (`match_to_ground_truth`):
+    what every command that evaluates predictions files reads first. Returns (gt, results per file, notes).
+    Raises ResultsFileError: one line naming the file that cannot be used."""
+    from .coco import checked_ground_truth
+
+    try:
+        with open(annotations) as f:
+            gt = checked_ground_truth(json.load(f))
+    except (OSError, ValueError) as e:
+        raise ResultsFileError(f"{annotations}: {e}") from None
+    runs, notes = [], []
+    for path in predictions:
+        results, note = match_to_ground_truth(read_results(path), gt, path)
+        runs.append(results)
+        notes += [note] if note else []
+    return gt, runs, notes
