@@ -173,12 +173,7 @@ def load_model_weights(model: torch.nn.Module, path: str) -> str:
     f = weights_path(path)
     if f.endswith(".safetensors"):
         verify_safetensors(f)
-    try:
-        sd = load_state_dict_file(f)
-    except (FileNotFoundError, WeightsFileError):
-        raise
-    except Exception as e:  # safetensors / pickle / zip errors of a damaged or foreign file
-        raise WeightsFileError(f"{f} is not a readable weights file ({type(e).__name__}: {e})") from None
+    sd = load_state_dict_file(f)
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as e:
@@ -209,7 +204,7 @@ def load_state_dict_file(path: str | os.PathLike) -> dict:
     """{name: CPU tensor} of a `.safetensors` or torch file (`weights_only=True`), through timm's reader: a
     `{"state_dict": ...}` or `{"model": ...}` container unwrapped, wrapper prefixes stripped, a timm checkpoint's raw
     (not EMA) weights. Raises FileNotFoundError (naming the path), ValueError (no state dict of tensors),
-    WeightsFileError (pickled objects other than tensors and plain values: refused, nothing run)."""
+    WeightsFileError (damaged or foreign; pickled objects other than tensors and plain values: refused, nothing run)."""
     path = os.fspath(path)
     if not os.path.isfile(path):  # timm's FileNotFoundError does not name the path
         raise FileNotFoundError(f"weights file not found: {path}")
@@ -219,10 +214,11 @@ def load_state_dict_file(path: str | os.PathLike) -> dict:
             sd = timm_load_state_dict(path, use_ema=False, weights_only=True)
     except AttributeError:  # timm's prefix cleaning calls `.items()` on what the file holds: not a dict
         sd = None
-    except RuntimeError as e:  # timm's, raised from torch's refusal, with advice to load the file unsafely
-        if not isinstance(e.__cause__, pickle.UnpicklingError):
-            raise
-        raise refused(path, e.__cause__) from None
+    except Exception as e:
+        if isinstance(e, RuntimeError) and isinstance(e.__cause__, pickle.UnpicklingError):  # torch's refusal
+            raise refused(path, e.__cause__) from None
+        # safetensors / pickle / zip errors of a damaged or foreign file
+        raise WeightsFileError(f"{path} is not a readable weights file ({type(e).__name__}: {e})") from None
     if not isinstance(sd, dict) or not any(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"{path} does not hold a state dict of tensors")
     return _strip_wrapper_prefixes(sd)

@@ -185,6 +185,10 @@ def test_a_checkpoint_of_another_model_stops_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="tensors of other shapes") as e:  # bottlenecks: the same names, other shapes
         RetinaNet(2, "resnet18", fpn_channels=32, backbone_weights=str(tmp_path / "r26.safetensors"))
     assert "\n" not in str(e.value)
+    (tmp_path / "damaged.safetensors").write_text("not weights")  # was a safetensors traceback through the script
+    with pytest.raises(RuntimeError, match="damaged.safetensors is not a readable weights file") as e:
+        RetinaNet(2, "resnet18", fpn_channels=32, backbone_weights=str(tmp_path / "damaged.safetensors"))
+    assert "\n" not in str(e.value)
 
 
 def test_the_tag_gives_the_normalisation_and_a_model_config_without_it_stops():
