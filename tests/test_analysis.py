@@ -274,6 +274,7 @@ def test_best_f1_thresholds_worked_by_hand():
     assert best["curves"]["a"][95] == 0.0 and best["curves"]["a"][0] == pytest.approx(0.6)  # 7 kept: P 3/7, R 1
 
 
+@needs_coco_subset  # coco_eval_inputs reads the subset's images and boxes
 def test_best_f1_matching_equals_pycocotools_at_iou_05():
     """Every detection's match at IoU 0.5 as pycocotools' evalImgs has it, on 12 real images with crowd boxes and
     jittered, misclassified and random detections: the same best F1 computed from its matches."""
