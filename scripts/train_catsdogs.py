@@ -48,7 +48,7 @@ from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_
 from detlib.datacheck import check_folders_for_training
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
                            TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
-                           format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
+                           format_given, improves_best, int_at_least, make_accelerator, run_length, log_plan,
                            parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
                            record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
                            stop_together, summary_lines)
@@ -453,7 +453,7 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, gua
 def main(argv=None):
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
-    given = given_flags(build_parser(), argv, RECORD_KEYS)  # what the user chose (flags or --config)
+    given = args.given  # what the user chose (flags or --config)
     synthetic = not (args.train_dir or args.val_dir)
     args.model = args.model or DEFAULT_MODEL
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
@@ -478,7 +478,7 @@ def main(argv=None):
         card = {"command": command_line("train_catsdogs.py", argv), "dataset": {
             "name": "detlib synthetic" if synthetic else os.path.basename(os.path.dirname(os.path.abspath(dirs["val_dir"]))),
             "train": dirs.get("train_dir"), "val": dirs.get("val_dir")}}  # data/<name>/val
-        metrics, given_line = MetricsLog(accelerator, args.output_dir), format_given(build_parser(), config, given)
+        metrics, given_line = MetricsLog(accelerator, args.output_dir), format_given(args, config)
 
         if args.evaluate_only:
             model, val_loader = accelerator.prepare(model, val_loader)

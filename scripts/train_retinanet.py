@@ -60,7 +60,7 @@ from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT
                          make_synthetic_coco, read_class_names)
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
                            TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
-                           format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
+                           format_given, improves_best, int_at_least, make_accelerator, run_length, log_plan,
                            parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
                            record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
                            stop_together, summary_lines)
@@ -716,7 +716,7 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
 def main(argv=None):
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
-    given = given_flags(build_parser(), argv, RECORD_KEYS)  # what the user chose (flags or --config)
+    given = args.given  # what the user chose (flags or --config)
     synthetic = not (args.data_dir or args.train_images or args.val_images)
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     saved, settings, notes = resolve_model(args, given, synthetic)
@@ -780,7 +780,7 @@ def main(argv=None):
         metrics = MetricsLog(accelerator, args.output_dir)
         evaluator = CocoEvaluator(val_ds.dataset, args.coco_eval_backend,
                                   area_ranges=area_ranges_from_edges(args.area_ranges) if args.area_ranges else None)
-        given_line = format_given(build_parser(), config, given)  # the flags the user set, for the config's log line
+        given_line = format_given(args, config)  # the flags the user set, for the config's log line
 
         def evaluate_epoch(models: dict, epoch: int | None, weights: str | None = None, final: bool = False) -> dict:
             return evaluate_and_log(models, val_loader, val_ds, evaluator, anchor_gen, accelerator, metrics, state, args,

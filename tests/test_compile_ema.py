@@ -104,8 +104,6 @@ def test_compile_retinanet_matches_eager_and_keeps_weight_names(tmp_path):
     ap = {name: [m["AP"] for m in rows if "AP" in m] for name, rows in runs.items()}
     assert ap["compiled"] == pytest.approx(ap["eager"], abs=1e-4)
     assert compiled_graphs == 1  # one training shape, one graph; evaluation is eager
-    log = (tmp_path / "compiled" / "train.log").read_text()
-    assert "torch.compile: 1 graph(s) compiled" in log
     for f in ("last/model.safetensors", "best/model.safetensors", "checkpoints/epoch_0001/model.safetensors"):
         no_compile_prefix(tmp_path / "compiled" / f)
         assert set(load_file(tmp_path / "compiled" / f)) == set(load_file(tmp_path / "eager" / f))

@@ -244,19 +244,20 @@ def test_every_flag_of_every_script_has_help_text_and_shows_its_default(path, mo
 
 def test_the_flags_a_user_gave_on_the_command_line_or_in_a_config_file_and_their_log_line(tmp_path, capsys):
     retinanet = load_script("train_retinanet")
-    parser = retinanet.build_parser()
     argv = ["--lr_steps", "3", "5", "--epochs", "30", "--no-aspect_grouping", "--include_crowd", "--output_dir", "a b"]
-    assert flags.given_flags(parser, argv) == {"lr_steps", "epochs", "aspect_grouping", "include_crowd", "output_dir"}
-    assert flags.given_flags(parser, []) == set()
+    args = retinanet.parse_args(argv)
+    assert args.given == {"lr_steps", "epochs", "aspect_grouping", "include_crowd", "output_dir"}
+    assert retinanet.parse_args([]).given == set()
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"seed": 3, "num_classes": 4, "resume_from_checkpoint": "latest"}))
-    given = flags.given_flags(parser, ["--config", str(path), "--epochs", "2"], retinanet.RECORD_KEYS)
-    assert given == {"seed", "epochs"}  # record keys and folder actions are not applied from a file, so not given
-    assert capsys.readouterr().err == ""  # the note on resume_from_checkpoint is parse_with_config's, printed once
-    args = retinanet.parse_args(argv)
+    from_file = retinanet.parse_args(["--config", str(path), "--epochs", "2"])
+    assert from_file.given == {"seed", "epochs"}  # record keys and folder actions are not applied from a file
+    assert (from_file.seed, from_file.epochs, from_file.resume_from_checkpoint) == (3, 2, None)
+    assert capsys.readouterr().err.count("note: --config") == 1  # the folder action's note, printed once
+    assert "given" not in vars(args) and "parser" not in vars(args)  # not flags: never in config.yaml
     config = {**vars(args), "num_processes": 1}
     # a command line, in the flags' order, that repeats the choice (the rest is in config.yaml)
-    assert flags.format_given(parser, config, flags.given_flags(parser, argv)) == \
+    assert flags.format_given(args, config) == \
         "--epochs 30 --output_dir 'a b' --include_crowd --no-aspect_grouping --lr_steps 3 5"
 
 

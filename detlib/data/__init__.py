@@ -14,14 +14,14 @@ from .builtin import make_synthetic_coco, make_synthetic_image_folder
 from .coco import PAD_VALUE, CocoDetection, EvaluationCollate, collate_detection, evaluation_shapes
 from .formats import FORMATS, check_coco_for_training, data_dir_paths, read_class_names, read_data_dir_splits
 from .imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
-from .loaders import loader_settings, stop_dataloader_workers, worker_loader_kwargs
+from .loaders import loader_settings, worker_loader_kwargs
 from .images import IMAGE_ERRORS, load_rgb
 from .sampler import EvaluationBatchSampler, GroupedBatchSampler, aspect_groups
 from .transforms import AUGMENTATIONS, INPUT_DIVISIBILITY, build_transform
 from .video import INSTALL_HINT, VideoWriter, av_available, video_frames, video_info
 
 __all__ = [
-    "loader_settings", "stop_dataloader_workers", "worker_loader_kwargs",
+    "loader_settings", "worker_loader_kwargs",
     "make_synthetic_coco", "make_synthetic_image_folder", "PAD_VALUE", "CocoDetection", "collate_detection", "FORMATS",
     "check_coco_for_training", "data_dir_paths", "read_data_dir_splits", "VERIFY_MODES", "ImageFolderDataset",
     "scan_image_folder", "IMAGE_ERRORS", "load_rgb", "GroupedBatchSampler", "aspect_groups", "AUGMENTATIONS",

@@ -2,8 +2,7 @@
 training process, the /dev/shm check, and the loader arguments built from them.
 
 DataLoader workers leave the preemption signals (SIGTERM, SIGUSR1, SIGINT) to their training process and end
-with it (`worker_init_fn`); a run shuts its loaders' workers down itself at the end (`stop_dataloader_workers`)
-instead of leaving them to the interpreter's exit, where multiprocessing would wait on them.
+with it (`worker_init_fn`).
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ import torch
 
 # The signals that preempt a run (detlib.engine.run_folder's handlers); workers leave them to it.
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-# How often a DataLoader worker checks that its training process still runs (worker_init_fn).
-WORKER_PARENT_POLL_S = 0.5
 
 
 def worker_init_fn(worker_id: int) -> None:
@@ -29,14 +26,15 @@ def worker_init_fn(worker_id: int) -> None:
     A Ctrl-C reaches the terminal's whole process group, and SLURM / torchrun send SIGTERM (or SIGUSR1) to every
     process of the job: a worker killed by it would make its training process raise ("DataLoader worker is
     killed by signal") in the middle of the preemption checkpoint, or fail the next evaluation batch. So SIGINT,
-    SIGTERM and SIGUSR1 are blocked in the worker and read by one thread (`sigtimedwait`, Linux), which ends the
+    SIGTERM and SIGUSR1 are blocked in the worker and read by one thread (`sigwaitinfo`, Linux), which ends the
     worker (exit 0) on a SIGTERM sent by its own training process (multiprocessing's exit handler and the
-    DataLoader's shutdown send exactly that) or as soon as the training process is gone (even by kill -9); the
-    others are dropped. Elsewhere (no `sigtimedwait`) only SIGINT is ignored.
+    DataLoader's shutdown send exactly that); the others are dropped. A worker whose training process is gone (even
+    by kill -9) is ended by torch's own watchdog within its status interval (5 s). Elsewhere (no `sigwaitinfo`)
+    only SIGINT is ignored.
     """
     quiet_resource_sharer_errors()
     signals = {getattr(signal, name) for name in PREEMPT_SIGNALS}
-    if not hasattr(signal, "sigtimedwait"):
+    if not hasattr(signal, "sigwaitinfo"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # blocked by WorkerProcess.start
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return
@@ -75,10 +73,8 @@ def quiet_resource_sharer_errors() -> None:
 
 def _worker_signal_loop(parent: int, signals: set) -> None:
     while True:
-        info = signal.sigtimedwait(signals, WORKER_PARENT_POLL_S)
-        if os.getppid() != parent:  # the training process is gone: nothing will read this worker's batches
-            os._exit(0)
-        if info is not None and info.si_signo == signal.SIGTERM and info.si_pid == parent:
+        info = signal.sigwaitinfo(signals)
+        if info.si_signo == signal.SIGTERM and info.si_pid == parent:
             os._exit(0)  # 0, not killed by a signal: the DataLoader's SIGCHLD check then raises nothing
 
 
@@ -105,17 +101,6 @@ def worker_loader_kwargs(num_workers: int) -> dict:
     if num_workers == 0:
         return {"num_workers": 0}
     return {"num_workers": num_workers, "worker_init_fn": worker_init_fn, "multiprocessing_context": _WorkerContext()}
-
-
-def stop_dataloader_workers(loaders) -> None:
-    """End the worker processes of `loaders` (torch DataLoaders, accelerate's prepared ones included) now: a
-    persistent loader keeps its workers until the loader itself is freed, which may be never before interpreter
-    exit. Safe to call more than once, and on loaders without workers."""
-    for loader in loaders:
-        iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
-            loader._iterator = None
 
 
 def check_shared_memory(num_workers: int, bytes_per_batch: int, prefetch_factor: int = 2,

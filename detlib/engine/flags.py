@@ -95,31 +95,51 @@ def first_process() -> bool:
 
 class ArgumentParser(argparse.ArgumentParser):
     """The parser of a script every process of a launch runs: usage, help and errors are printed by the first process
-    only, and on an error all meet after it (`wait_for_the_first_process`), so a bad flag is one line. From its making
-    on, the console escapes what its encoding cannot write (`escape_unencodable`)."""
+    only, and on an error all meet after it (`wait_for_the_first_process`), so a bad flag is one line. `flags`: its
+    actions by dest, the groups' included. From its making on, the console escapes what its encoding cannot write."""
 
     def __init__(self, *args, **kwargs):
         from ..logtext import escape_unencodable
 
-        super().__init__(*args, **kwargs)
+        self.flags: dict[str, argparse.Action] = {}
         self.reading_config = None  # the --config file whose values are being parsed: its errors name it
+        super().__init__(*args, **kwargs)
         escape_unencodable()
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        return self._record(super().add_argument(*args, **kwargs))
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        add = group.add_argument
+        group.add_argument = lambda *a, **k: self._record(add(*a, **k))
+        return group
+
+    def _record(self, action: argparse.Action) -> argparse.Action:
+        self.flags[action.dest] = action
+        return action
+
+    def print_usage(self, file=None):
+        if first_process():
+            super().print_usage(file)
+
+    def print_help(self, file=None):
+        if first_process():
+            super().print_help(file)
 
     def error(self, message):
         if self.reading_config:
             self.exit(2, f"{self.prog}: error: --config {self.reading_config}: {message}\n")
         super().error(message)
 
-    def _print_message(self, message, file=None):
-        if first_process():
-            super()._print_message(message, file)
-
     def exit(self, status=0, message=None):
+        if message and first_process():
+            print(message, end="", file=sys.stderr, flush=True)
         if status:
             from .run_folder import wait_for_the_first_process
 
             wait_for_the_first_process()  # returns at once on the first process
-        super().exit(status, message)
+        raise SystemExit(status)
 
 
 def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
@@ -210,10 +230,10 @@ def data_defaults_table(table: dict) -> str:
     return "\n".join(f"    {a:<{widths[0]}}   {b:<{widths[1]}}   {c}" for a, b, c in rows) + "\n"
 
 
-def show_data_defaults(p: argparse.ArgumentParser, table: dict) -> None:
+def show_data_defaults(p: ArgumentParser, table: dict) -> None:
     """Append each table flag's defaults to its help ("(default: built-in data 160, real data 600)")."""
-    for action in p._actions:
-        if action.dest in table:
+    for dest, action in p.flags.items():
+        if dest in table:
             action.help = f"{action.help} (default: {data_default_text(table[action.dest])})"
 
 
@@ -230,18 +250,32 @@ def resolve_data_defaults(args: argparse.Namespace, table: dict, synthetic: bool
 
 # ---- --config: timm's two-stage parse
 
-def parse_with_config(p: argparse.ArgumentParser, argv: list[str] | None = None,
-                      record_keys: tuple[str, ...] = ()) -> argparse.Namespace:
+class Flags(argparse.Namespace):
+    """The parsed flags (`parse_with_config`); beside them, outside `vars()` (so outside config.yaml): `given`, the
+    flags the user chose on the command line or in the --config file, whatever their value (`--epochs 30` is given
+    even where 30 is the default), and the `parser`."""
+    __slots__ = ("given", "parser")
+
+
+_UNSET = object()  # a flag's value before argparse sets it
+
+
+def parse_with_config(p: ArgumentParser, argv: list[str] | None = None, record_keys: tuple[str, ...] = ()) -> Flags:
     """Parse `argv` (default sys.argv[1:]) over the values of `--config FILE.yaml` (`read_config`); `record_keys`: the
     script's keys in config.yaml beside its flags, not applied. A recorded absolute `path` the command line does not
     replace and that no longer exists: one line naming the file and the key, exit 2."""
     recorded = read_config(p, config, record_keys) if (config := _config_file(argv)) else {}
     p.set_defaults(**recorded)
-    args = p.parse_args(argv)
-    paths = {a.dest for a in p._actions if a.type is path}
+    # argparse sets a default only where the namespace has no value yet: what keeps the marker was not typed
+    dests = [d for d, a in p.flags.items() if a.default is not argparse.SUPPRESS]
+    args = p.parse_args(argv, namespace=Flags(**dict.fromkeys(dests, _UNSET)))
+    args.given, args.parser = {k for k in dests if getattr(args, k) is not _UNSET and k != "config"} | set(recorded), p
+    for key in dests:
+        if getattr(args, key) is _UNSET:
+            setattr(args, key, p.get_default(key))
     for key, value in recorded.items():
-        if (key in paths and value == getattr(args, key) and isinstance(value, str) and os.path.isabs(value)
-                and not os.path.exists(value)):
+        if (p.flags[key].type is path and value == getattr(args, key) and isinstance(value, str)
+                and os.path.isabs(value) and not os.path.exists(value)):
             p.exit(2, f"{p.prog}: error: --config {config}: {key}: {value} does not exist (the run that wrote the file "
                       f"read it there); give --{key} on the command line to read another\n")
     return args
@@ -254,29 +288,13 @@ def _config_file(argv: list[str] | None) -> str | None:
     return first.parse_known_args(argv)[0].config
 
 
-_UNSET = object()  # a flag's value before argparse sets it
-
-
-def given_flags(p: argparse.ArgumentParser, argv: list[str] | None = None, record_keys: tuple[str, ...] = ()) -> set[str]:
-    """The flags the user chose: given on the command line (`argv`, default sys.argv[1:]) or in its --config file,
-    whatever their value (`--epochs 30` is given even where 30 is the default). Call after `parse_with_config`
-    has accepted the same `argv` (this parse prints nothing)."""
-    config = _config_file(argv)
-    from_file = set(read_config(p, config, record_keys, notes=False)) if config else set()
-    # argparse sets a default only where the namespace has no value yet: what keeps the marker was not given
-    ns = argparse.Namespace(**{a.dest: _UNSET for a in p._actions if a.dest != "help"})
-    p.parse_args(argv, namespace=ns)
-    return {k for k, v in vars(ns).items() if v is not _UNSET and k != "config"} | from_file
-
-
-def format_given(p: argparse.ArgumentParser, config: dict, given: set[str]) -> str:
-    """The values in `config` of the `given` flags as a command line (`--epochs 2 --no-aspect_grouping --lr_steps 8
-    11`), in `config`'s order; "" when none is given."""
-    actions = {a.dest: a for a in p._actions if a.option_strings}
+def format_given(args: Flags, config: dict) -> str:
+    """The values in `config` of the flags given in `args` as a command line (`--epochs 2 --no-aspect_grouping
+    --lr_steps 8 11`), in `config`'s order; "" when none is given."""
     parts = []
     for key, value in config.items():
-        action = actions.get(key)
-        if key not in given or action is None:
+        action = args.parser.flags.get(key)
+        if key not in args.given or action is None or not action.option_strings:
             continue
         flag = action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
@@ -290,10 +308,10 @@ def format_given(p: argparse.ArgumentParser, config: dict, given: set[str]) -> s
     return " ".join(x for x in parts if x)
 
 
-def read_config(p: ArgumentParser, path: str, record_keys: tuple[str, ...] = (), notes: bool = True) -> dict:
+def read_config(p: ArgumentParser, path: str, record_keys: tuple[str, ...] = ()) -> dict:
     """The flag values of a --config file, parsed by `p` itself as the command line they stand for (`_command_line`).
     An unreadable file, no mapping, an unknown key or a value the flag refuses: one line naming the file and the key
-    or flag, exit 2. `notes`: say that folder actions are not applied from a file."""
+    or flag, exit 2. Folder actions are not applied from a file (said)."""
     p.reading_config = path  # its errors name the file (`ArgumentParser.error`), ours and argparse's alike
     try:
         with open(path) as f:
@@ -304,14 +322,14 @@ def read_config(p: ArgumentParser, path: str, record_keys: tuple[str, ...] = (),
         p.error("not valid YAML: " + " ".join(str(e).split()))
     if not isinstance(cfg, dict):
         p.error(f"must be a mapping of flag names to values (one `flag: value` per line), not {type(cfg).__name__}")
-    flags = {a.dest: a for a in p._actions if a.option_strings and a.default is not argparse.SUPPRESS}
+    flags = {d: a for d, a in p.flags.items() if a.option_strings and a.default is not argparse.SUPPRESS}
     ignored = {"config", *RUN_RECORD_KEYS, *record_keys}
     keys, line = [], []
     for key, value in cfg.items():
         if key in ignored:
             continue
         if key in FOLDER_ACTION_KEYS:
-            if value and notes and first_process():
+            if value and first_process():
                 print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
                       "command line)", file=sys.stderr, flush=True)
             continue

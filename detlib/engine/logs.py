@@ -283,17 +283,6 @@ class TrainWindow:
                     ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
 
 
-def compile_summary() -> str | None:
-    """torch.compile's graphs in this process (at the recompile limit, shapes past it run eagerly), or None."""
-    from torch._dynamo.utils import counters
-
-    if not (graphs := counters["stats"].get("unique_graphs", 0)):
-        return None
-    limit = torch._dynamo.config.recompile_limit
-    return f"torch.compile: {graphs} graph(s) compiled" + (
-        f"; at torch._dynamo's recompile limit ({limit}): TORCH_LOGS=recompiles says why" if graphs >= limit else "")
-
-
 def log_plan(state, epochs: int, total_steps: int, steps_per_epoch: int, images_per_step: int, lr: float,
              max_grad_norm: float | None = None) -> None:
     """The training's one start line (what a progress bar would say, the LR it starts at: a resume with another
@@ -332,8 +321,6 @@ def summary_lines(output_dir: str, metric: str, elapsed_s: float, state, best: d
         lines.append("trackers: " + "; ".join(trackers))
     if images_seen:
         lines.append(f"mean throughput {images_seen / elapsed_s:.1f} images/s (all processes)")
-    if line := compile_summary():
-        lines.append(line)
     lines.append(f"run finished in {elapsed_s / 60:.1f} min: {state.global_step} steps, {state.skipped_steps} skipped; "
                  f"best {metric} {state.best_metric:.4f}" + (f" (epoch {best['epoch']}, step {best['step']})" if best else "")
                  + "".join(f", {'final ' * (k == metric)}{k} {final[k]:.4f}" for k in (metric, *also) if k in (final or {})))

@@ -30,7 +30,7 @@ import time
 
 import psutil  # accelerate's dependency
 
-from ..data.loaders import PREEMPT_SIGNALS, stop_dataloader_workers
+from ..data.loaders import PREEMPT_SIGNALS
 from ..files import write_json
 from .flags import first_process
 
@@ -234,7 +234,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
             overwrite: bool = False, verbose: bool = False):
     """The run in `output_dir`, from its start-up checks to its last line (every process enters it). On entry: the
     folder checks and the lock (`prepare_output_dir`), the log, the preemption signals. On exit, whatever ends the
-    block: run_status.json (`state`'s step and epoch), DataLoader workers stopped, trackers closed, the process group
+    block: run_status.json (`state`'s step and epoch), trackers closed, the process group
     ended, signals and lock given back. A `RunStop` becomes its line (after the trackers' own end lines) and
     `SystemExit(code)`, as does a collective's failure because another process ended (`lost_process`; run_status.json
     names the newest intact checkpoint); any other exception is recorded as failed and propagates with its traceback."""
@@ -282,7 +282,6 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
             write_run_status(output_dir, code, message, global_step=state.global_step, epoch=state.epoch,
                              **({"checkpoint": checkpoint} if checkpoint else {}))
         try:
-            stop_dataloader_workers(accelerator._dataloaders)  # persistent workers would live on to the interpreter's exit
             finish_trackers(accelerator, output_dir)
             if stopped is not None:  # the last line, after the trackers' own end lines
                 if is_main:
