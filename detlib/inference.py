@@ -24,22 +24,16 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 
-import torch
 from PIL import ExifTags, Image
 
-from .data.imagefolder import IMG_EXTENSIONS, is_hidden
-from .data.images import IMAGE_ERRORS
-from .data.transforms import padded_input_shape
-from .data.loaders import quiet_resource_sharer_errors
 from .files import atomic_write
-from .labels import CategoryMap
-from .retinanet.model import build_retinanet_from_config
-from .weights import load_model_weights, read_model_config, require_model_keys, weights_path
+
+# torch, and the modules that import it, are imported where used: a predict script's --help needs none of them
 
 logger = logging.getLogger(__name__)
 
 
-def list_image_files(source: str, exclude: tuple[str, ...] = (), extensions: tuple[str, ...] = IMG_EXTENSIONS
+def list_image_files(source: str, exclude: tuple[str, ...] = (), extensions: tuple[str, ...] | None = None
                      ) -> tuple[str, list[str]]:
     """The image files of `source` and the folder their names are relative to.
 
@@ -50,12 +44,15 @@ def list_image_files(source: str, exclude: tuple[str, ...] = (), extensions: tup
         exclude: folders whose files are left out: a predict script's per-input output folders (OUT/images ...),
             so with the output folder inside the source the drawn images and copies of an earlier run are
             neither read again as inputs nor written over; how many is logged.
-        extensions: the file name extensions a folder's files are listed by.
+        extensions: the file name extensions a folder's files are listed by (default: the image extensions).
     Returns:
         (root, sorted absolute paths); `os.path.relpath(path, root)` names each file in the outputs.
     Raises:
         FileNotFoundError: nothing matches (names the source), or everything that matches lies in `exclude`.
     """
+    from .data.imagefolder import IMG_EXTENSIONS, is_hidden
+
+    extensions = extensions or IMG_EXTENSIONS
     if os.path.isfile(source):
         root, found = os.path.dirname(os.path.abspath(source)), [os.path.abspath(source)]
     elif os.path.isdir(source):
@@ -96,6 +93,7 @@ def list_media_files(source: str, exclude: tuple[str, ...] = ()) -> tuple[str, l
     Raises:
         FileNotFoundError: nothing matches, or nothing is left outside `exclude` (names the source).
     """
+    from .data.imagefolder import IMG_EXTENSIONS
     from .data.video import VIDEO_EXTENSIONS, is_video_file
     from .datacheck.report import read_image_header
 
@@ -167,6 +165,9 @@ def input_shapes(paths: list[str], exif_transpose: bool, image_size: int, max_si
     `exif_transpose`: orientations 5-8 turn it a quarter, so width and height swap); the keys of
     `EvaluationBatchSampler`. A file whose header cannot be read gets a key of its own ("unread", i): it is
     predicted alone (it is most likely unreadable: its placeholder is what the batch holds)."""
+    from .data.images import IMAGE_ERRORS
+    from .data.transforms import padded_input_shape
+
     shapes = []
     for i, path in enumerate(paths):
         try:
@@ -239,6 +240,10 @@ def load_retinanet(weights: str) -> tuple[torch.nn.Module, dict, CategoryMap]:
         KeyError: the config lacks a key the model needs (`build_retinanet_from_config`: one line naming it).
         RuntimeError: the weights do not fit the config's model.
     """
+    from .labels import CategoryMap
+    from .retinanet.model import build_retinanet_from_config
+    from .weights import read_model_config, weights_path
+
     f, config = weights_path(weights), read_model_config(weights)
     if config is None:
         raise FileNotFoundError(f"no model_config.json next to {f} (nor in its parent folder): the model cannot be "
@@ -250,6 +255,8 @@ def load_retinanet(weights: str) -> tuple[torch.nn.Module, dict, CategoryMap]:
 
 def _rebuild(weights: str, model: torch.nn.Module) -> torch.nn.Module:
     """`model` with the weights of `weights` loaded, in eval mode: both loaders'."""
+    from .weights import load_model_weights
+
     load_model_weights(model, weights)
     return model.eval()
 
@@ -259,6 +266,8 @@ def retinanet_input_size(config: dict, weights: str, image_size: int | None = No
     """The resize of a trained RetinaNet (`build_transform(image_size, "none", max_size)`): `image_size` / `max_size`
     (the --image_size / --max_size flags) when given, else the model's own from its model_config.json.
     Raises WeightsFileError: neither gives the image size (one line naming the file and the flag)."""
+    from .weights import require_model_keys
+
     if image_size:
         return image_size, max_size
     require_model_keys(config, weights, {"image_size": "--image_size (and --max_size) with the size the model was "
@@ -274,6 +283,7 @@ def load_classifier(weights: str) -> tuple[torch.nn.Module, dict]:
             `model` (one line).
     """
     from .classification import build_classifier
+    from .weights import read_model_config, require_model_keys, weights_path
 
     f, config = weights_path(weights), read_model_config(weights)
     if config is None or "classes" not in config:
@@ -372,7 +382,8 @@ def run_prediction(main) -> None:
     143 and a line saying the outputs are complete. Once a prediction has ended normally, a signal ends the process
     at once and silently (the default action), not with a traceback from interpreter shutdown."""
     import signal
-    import sys
+
+    from .data.loaders import quiet_resource_sharer_errors
 
     global _outputs_are_written
     received: list[str] = []

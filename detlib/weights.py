@@ -11,12 +11,9 @@ import os
 import pickle
 import warnings
 
-import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
-from timm.models import load_state_dict as timm_load_state_dict
-
 from .files import atomic_path, readable_as_umask_allows, write_failure, write_json
+
+# torch, safetensors and timm are imported where used: a script's start (its flags, a missing file) needs none of them
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP's and torch.compile's key prefixes
@@ -47,6 +44,8 @@ def read_json_object(path: str) -> dict:
 def verify_safetensors(path: str) -> None:
     """Raise WeightsFileError unless the .safetensors file is whole: its header parses and its tensors end at the
     end of the file (safetensors' own check; reads the header only)."""
+    from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(path, "pt"):
             pass
@@ -85,6 +84,8 @@ def weights_only_loads():
 def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:
     """`folder/model.safetensors` (main process): the unwrapped model's weights, no wrapper prefixes, renamed over the
     old file; `model_config.json`, `extra` as best.json. Raises WeightsFileError: a failed write (the old file kept)."""
+    from safetensors.torch import save_file
+
     path = os.path.join(folder, "model.safetensors")
     if accelerator.is_main_process:
         # get_state_dict unwraps DDP but keeps torch.compile's `_orig_mod.` prefix: stripped here
@@ -134,26 +135,6 @@ def read_model_config(path: str) -> dict | None:
     return None if (f := model_config_file(path)) is None else read_json_object(f)
 
 
-def run_config_of(path: str) -> tuple[dict, str | None]:
-    """The `config.yaml` of the run the weights of `path` come from (their folder or up to two above: RUN/best/,
-    RUN/checkpoints/epoch_0003/) and its path; ({}, None) when there is none or it does not parse."""
-    import yaml
-
-    try:
-        folder = os.path.dirname(os.path.abspath(weights_path(path)))
-    except FileNotFoundError:
-        return {}, None
-    for f in (os.path.join(folder, *[".."] * up, "config.yaml") for up in range(3)):
-        if os.path.isfile(f):
-            try:
-                with open(f) as fh:
-                    cfg = yaml.safe_load(fh)
-            except (OSError, yaml.YAMLError):
-                return {}, None
-            return (cfg, os.path.normpath(f)) if isinstance(cfg, dict) else ({}, None)
-    return {}, None
-
-
 def require_model_keys(config: dict, path: str, keys: dict[str, str]) -> None:
     """Stop on a model_config.json that lacks a key the model needs; `keys` maps each to the flag that supplies it
     ("" when no flag does). Nothing is filled in from elsewhere (there is no earlier release to stay compatible with).
@@ -166,7 +147,7 @@ def require_model_keys(config: dict, path: str, keys: dict[str, str]) -> None:
                                + " (the training script writes every key into best/, last/ and each checkpoint)")
 
 
-def load_model_weights(model: torch.nn.Module, path: str) -> str:
+def load_model_weights(model, path: str) -> str:
     """Load the weights of `path` strictly into the bare model, whatever wrapper prefixes they carry; returns the file.
     Raises FileNotFoundError (none there), WeightsFileError (truncated, damaged, refused, not weights), RuntimeError
     (missing or unexpected keys, other shapes: another model, width or class list)."""
@@ -184,8 +165,10 @@ def load_model_weights(model: torch.nn.Module, path: str) -> str:
     return f
 
 
-def finite_weights(model: torch.nn.Module) -> bool:
+def finite_weights(model) -> bool:
     """True when every floating-point parameter and buffer of `model` is finite (one device sync)."""
+    import torch
+
     flags = [torch.isfinite(t).all() for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True
 
@@ -205,6 +188,9 @@ def load_state_dict_file(path: str | os.PathLike) -> dict:
     `{"state_dict": ...}` or `{"model": ...}` container unwrapped, wrapper prefixes stripped, a timm checkpoint's raw
     (not EMA) weights. Raises FileNotFoundError (naming the path), ValueError (no state dict of tensors),
     WeightsFileError (damaged or foreign; pickled objects other than tensors and plain values: refused, nothing run)."""
+    import torch
+    from timm.models import load_state_dict as timm_load_state_dict
+
     path = os.fspath(path)
     if not os.path.isfile(path):  # timm's FileNotFoundError does not name the path
         raise FileNotFoundError(f"weights file not found: {path}")

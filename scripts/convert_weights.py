@@ -26,13 +26,8 @@ import os
 import shlex
 import sys
 
-from safetensors.torch import save_file
 
 from detlib.engine import ArgumentParser, HelpFormatter
-from detlib.evaluation import detector_card, write_card
-from detlib.retinanet import (build_retinanet_from_config, convert_torchvision_retinanet, torchvision_coco_categories,
-                              torchvision_model_config, torchvision_version)
-from detlib.weights import load_state_dict_file
 
 
 # torchvision's published box AP on COCO val2017 (its weights' documentation), quoted in the model card.
@@ -56,6 +51,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> str:
     args = parse_args(argv)
+
+    from safetensors.torch import save_file
+
+    from detlib.evaluation import detector_card, write_card
+    from detlib.retinanet import (build_retinanet_from_config, convert_torchvision_retinanet,
+                                  torchvision_coco_categories, torchvision_model_config, torchvision_version)
+    from detlib.weights import load_state_dict_file
+
     try:
         if args.categories:
             with open(args.categories) as f:

@@ -31,14 +31,10 @@ import sys
 import warnings
 
 import numpy as np
-import torch
 
-from detlib.data import IMAGE_ERRORS, PAD_VALUE, load_rgb
-from detlib.engine import HelpFormatter, float_range, int_at_least, setup_console_logging
+from detlib.engine import HelpFormatter, float_range, int_at_least
 from detlib.inference import list_image_files, load_retinanet, retinanet_input_size
-from detlib.retinanet import (AnchorGenerator, ExportableRetinaNet, canvas_size, compare_detections, decode_detections,
-                              head_candidates, prepare_input)
-from detlib.weights import run_config_of, weights_path
+from detlib.lazy import no_grad
 
 logger = logging.getLogger("export_retinanet")
 
@@ -113,13 +109,37 @@ def ignored_flags(args, defaults: dict) -> list[str]:
     return out
 
 
+def run_config(weights: str) -> dict:
+    """The `config.yaml` of the run `weights` come from (their folder or up to two above: RUN/best/,
+    RUN/checkpoints/epoch_0003/); {} when there is none or it does not parse (its val set is the default check)."""
+    import yaml
+
+    from detlib.weights import weights_path
+
+    try:
+        folder = os.path.dirname(os.path.abspath(weights_path(weights)))
+    except FileNotFoundError:
+        return {}
+    for f in (os.path.join(folder, *[".."] * up, "config.yaml") for up in range(3)):
+        if os.path.isfile(f):
+            try:
+                with open(f) as fh:
+                    cfg = yaml.safe_load(fh)
+            except (OSError, yaml.YAMLError):
+                return {}
+            return cfg if isinstance(cfg, dict) else {}
+    return {}
+
+
 def check_image_paths(args) -> list[str]:
     """The first --num_check_images readable images of the check source (sorted by name / image id)."""
+    from detlib.data import IMAGE_ERRORS, load_rgb
+
     source, image_dir = args.check_source, args.check_images
     if args.num_check_images == 0:
         return []
     if not source:
-        cfg, _ = run_config_of(args.weights)
+        cfg = run_config(args.weights)
         source, image_dir = cfg.get("data_val_annotations"), cfg.get("data_val_images")
         if not source:
             return []
@@ -144,6 +164,8 @@ def check_image_paths(args) -> list[str]:
 def compare(ref: tuple, got: tuple, args, candidates=None) -> dict:
     """Differences between the PyTorch reference and an export on one image (see `compare_detections`), with
     `num_compared`: the detections (decode inside) or head output values (outside) the verdict rests on."""
+    from detlib.retinanet import compare_detections
+
     if args.decode == "outside":  # raw head outputs
         ref, got = [np.asarray(r) for r in ref], [np.asarray(g) for g in got]
         return {"max_abs_cls_logits": float(np.abs(ref[0] - got[0]).max()), "max_abs_box_deltas": float(np.abs(ref[1] - got[1]).max()),
@@ -192,9 +214,20 @@ def missing_onnx_packages() -> list[str]:
     return [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
 
 
-@torch.no_grad()
 def main(argv=None):
-    args = parse_args(argv)
+    return export(parse_args(argv))  # --help and a bad flag answer before torch is imported
+
+
+@no_grad
+def export(args):
+    import torch
+
+    from detlib.data import PAD_VALUE, load_rgb
+    from detlib.engine import setup_console_logging
+    from detlib.retinanet import (AnchorGenerator, ExportableRetinaNet, canvas_size, decode_detections, head_candidates,
+                                  prepare_input)
+    from detlib.weights import weights_path
+
     setup_console_logging(args.verbose)
     if args.format in ("onnx", "both") and (missing := missing_onnx_packages()):
         raise SystemExit(f"error: --format {args.format} needs {', '.join(missing)} (not installed): pip install -e "

@@ -31,19 +31,15 @@ import os
 import shutil
 from collections import Counter
 
-import torch
-from accelerate.utils import gather_object
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.classification import classification_transform
-from detlib.data import INSTALL_HINT, av_available, video_frames, worker_loader_kwargs
-from detlib.data.images import ClassificationImageFiles
+from detlib.data import INSTALL_HINT, av_available, video_frames
 from detlib.engine import int_at_least
 from detlib.files import atomic_write, write_json
 from detlib.inference import (earlier_outputs, list_media_files, load_classifier, output_names, outputs_written,
                               predict_videos, prediction_error, prediction_parser, run_prediction, shard_batches,
                               start_prediction, write_skipped)
-from detlib.weights import require_model_keys, weights_path
+from detlib.lazy import no_grad
 
 logger = logging.getLogger("predict_catsdogs")
 
@@ -98,6 +94,8 @@ def classify_video(path: str, name: str, model, transform, classes: list[str], k
     """(one row per frame: {"file_name", "frame" (from 0), "time" (seconds), "topk"}, frames batched `batch_size` at a
     time in order; None, or why the file was not read to its end: `VideoFrames.problem()`). Raises ValueError when
     the file yields no frame."""
+    import torch
+
     from PIL import Image
 
     out = []
@@ -120,9 +118,20 @@ def classify_video(path: str, name: str, model, transform, classes: list[str], k
     return out, frames.problem()
 
 
-@torch.no_grad()
 def main(argv=None):
-    args = parse_args(argv)
+    return predict(parse_args(argv))  # --help and a bad flag answer before torch is imported
+
+
+@no_grad
+def predict(args):
+    import torch
+    from accelerate.utils import gather_object
+
+    from detlib.classification import classification_transform
+    from detlib.data import worker_loader_kwargs
+    from detlib.data.images import ClassificationImageFiles
+    from detlib.weights import require_model_keys, weights_path
+
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
     notes: list[str] = []
     try:

@@ -37,25 +37,17 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-from timm.utils import ModelEmaV3
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
-                                   classification_transform, per_class_summary, per_class_table)
-from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
+from detlib.data import VERIFY_MODES, loader_settings, make_synthetic_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
-                           TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
-                           format_given, improves_best, int_at_least, make_accelerator, run_length, log_plan,
-                           parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
-                           record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
-                           stop_together, summary_lines)
-from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
+from detlib.engine import (EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, data_defaults_table, float_range,
+                           format_given, int_at_least, parse_with_config, path, preempted, resolve_data_defaults,
+                           run_argument_parser, running, show_data_defaults, stop, stop_together)
 from detlib.files import atomic_write
 from detlib.logtext import short_list
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
+from detlib.lazy import no_grad
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -124,6 +116,8 @@ def check_flags(args, given: set[str], synthetic: bool) -> tuple[dict | None, li
     model its model_config.json describes, at its size unless --image_size is given (a file without them stops in one
     line naming the flag). Returns (the saved model config or None, notes: one line each for
     what was missing and for flags this run cannot honour)."""
+    from detlib.classification import check_classifier
+
     saved, notes = resolve_evaluated_model(args, given) if args.evaluate_only else (None, [])
     try:
         check_classifier(args.model, args.image_size)
@@ -173,6 +167,11 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     left out and reported; the decode result is cached in `output_dir/image_check_cache.json`.
     Returns (train_ds or None, val_ds, train_loader or None, val_loader).
     """
+    import torch
+
+    from detlib.classification import classification_transform
+    from detlib.data import ImageFolderDataset, scan_image_folder
+
     from accelerate import PartialState
 
     is_main = PartialState().is_main_process
@@ -217,7 +216,7 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
 
 
-@torch.no_grad()
+@no_grad
 def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False) -> tuple[dict, dict]:
     """Evaluate the val shard of every process and gather the per-image results (collective).
 
@@ -228,6 +227,11 @@ def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False)
     PER_CLASS_SCALARS classes, val_precision_<class>, val_recall_<class> and val_confusion_matrix.
     `poll`: check for preemption every 10 batches (raises Preempted).
     """
+    import torch
+    import torch.nn.functional as F
+
+    from detlib.classification import PER_CLASS_SCALARS, classification_metrics
+
     model.eval()
     parts = []
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
@@ -299,6 +303,9 @@ def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, sta
     plots/epoch_NNNN/ (also to the trackers), the wandb extras and one log line of bounded length at any number of
     classes. `epoch` counts from 1 (None evaluating only, with the `weights` file scored). Collective. Returns
     {prefix: stats}."""
+    from detlib.classification import classification_metrics, per_class_summary, per_class_table
+    from detlib.evaluation import log_classification_extras
+
     stats, preds = {}, None
     for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: their predictions are kept
         stats[prefix], preds = evaluate(model, val_loader, accelerator, val_ds.classes, poll=True)
@@ -326,6 +333,8 @@ def match_classifier_classes(model, weights: str, classes: list[str], by_name: b
     """--weights of one of our classifiers with as many classes as this data: its outputs keep their meaning. The
     same names in the same order load as they are; otherwise the run stops in one line naming both sides, or with
     `by_name` each output row moves to the class of its name (a class the weights lack keeps a zero row)."""
+    import torch
+
     try:
         theirs = (read_model_config(weights) or {}).get("classes")
     except WeightsFileError as e:
@@ -367,6 +376,8 @@ def load_data(args, accelerator, synthetic: bool) -> tuple:
 def build_model(args, classes: list[str], saved: dict | None):
     """The classifier: --evaluate_only's weights loaded strictly (its classes the val folder's), or --weights /
     --pretrained. Returns (model, the weights file evaluated or None); raises RunStop in one line."""
+    from detlib.classification import build_classifier
+
     check_classes(saved, classes, args)
     try:
         model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
@@ -385,6 +396,9 @@ def save_model(accelerator, args, name: str, model, model_config: dict, card: di
                extra: dict | None = None) -> None:
     """`output_dir/name/`: the weights (detlib.engine.save_weights) and the model card of what the run knows of them
     (`card`: its data set and command; `evaluation`: of exactly these weights, or None)."""
+    from detlib.engine import save_weights
+    from detlib.evaluation import classifier_card, write_card
+
     folder = save_weights(accelerator, model, args.output_dir, name, model_config, extra)
     if accelerator.is_main_process:
         write_card(classifier_card(model_config, evaluation=evaluation, weights_name=name, where=folder, **card), folder)
@@ -408,6 +422,10 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, gua
     """Train from `state`'s position (a mid-epoch resume skips the batches already trained) to the end of the epoch
     or the run's `total_steps`. Raises RunStop when the run diverges, Preempted on a preemption signal; `save()`
     writes a --checkpoint_steps checkpoint (one on the epoch's last step is the epoch's own, written by main)."""
+    import torch.nn.functional as F
+
+    from detlib.engine import divergence
+
     model.train()
     G, done = args.gradient_accumulation_steps, state.step_in_epoch * args.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(loader) / G)
@@ -452,6 +470,15 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, gua
 
 def main(argv=None):
     args = parse_args(argv)
+
+    import torch
+    from timm.utils import ModelEmaV3
+
+    from detlib.engine import (EMA_WEIGHTS, MetricsLog, StepGuard, TrainState, TrainWindow, best_record, best_weights,
+                               improves_best, log_plan, make_accelerator, record_config, resume, resume_ema, run_length,
+                               save_checkpoint, start_trackers, summary_lines)
+    from detlib.evaluation import command_line
+
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     given = args.given  # what the user chose (flags or --config)
     synthetic = not (args.train_dir or args.val_dir)

@@ -48,34 +48,19 @@ import os
 import sys
 import time
 
-import torch
-from accelerate.utils import broadcast_object_list, send_to_device
-from timm.optim import param_groups_weight_decay
-from timm.utils import ModelEmaV3
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
-                         EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, aspect_groups, build_transform,
-                         check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes, loader_settings,
-                         make_synthetic_coco, read_class_names)
-from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
-                           TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
-                           format_given, improves_best, int_at_least, make_accelerator, run_length, log_plan,
-                           parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
-                           record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
-                           stop_together, summary_lines)
-from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
-                               detections_to_coco, detector_card, evaluation_diagnostics, format_best_f1,
-                               log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
-                               per_class_without_detections, write_card, write_score_thresholds)
+from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, check_coco_for_training, data_dir_paths,
+                         loader_settings, make_synthetic_coco, read_class_names)
+from detlib.engine import (EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, data_defaults_table, float_range,
+                           format_given, int_at_least, parse_with_config, path, preempted, resolve_data_defaults,
+                           run_argument_parser, running, show_data_defaults, stop, stop_together)
 from detlib.files import write_json
 from detlib.hub import check_push, local_weights, push_folder
-from detlib.labels import CategoryMap, describe_mapping, match_categories
-from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
-                              anchor_generator_from_config, check_backbone, decode_detections, load_matching_weights,
-                              reorder_class_outputs, retinanet_loss)
+from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
                             read_model_config, require_model_keys, weights_path)
+from detlib.lazy import no_grad
 
 logger = logging.getLogger("train_retinanet")
 
@@ -271,6 +256,8 @@ def resolve_data(args) -> dict[str, str]:
 def evaluation_categories(model: CategoryMap, val_json: dict, by_name: bool, model_source: str, data_source: str) -> CategoryMap:
     """The evaluated model's classes with the val json's ids (`detlib.labels.match_categories`: ValueError when
     ids name other classes, unless `by_name`); a class the json lacks gets an id the json does not use."""
+    from detlib.labels import CategoryMap, describe_mapping, match_categories
+
     data = CategoryMap([c["id"] for c in val_json["categories"]], [c.get("name", c["id"]) for c in val_json["categories"]])
     mapping = match_categories(model, data, by_name, model_source, data_source)
     if line := describe_mapping(mapping, model):
@@ -284,6 +271,12 @@ def build_dataloaders(args, paths: dict[str, str]):
     """The training and validation data sets and loaders (unprepared), on the json files as the data check
     repaired them (it stops the run on errors; report in output_dir/data_report.json). The val loader holds this
     process's batches already (`EvaluationBatchSampler`): it is not to be passed to `accelerator.prepare`."""
+    import torch
+
+    from detlib.data import (CocoDetection, EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler,
+                             aspect_groups, build_transform, collate_detection, evaluation_shapes)
+    from detlib.labels import CategoryMap
+
     from accelerate import PartialState
 
     train_json, val_json = check_coco_for_training(paths, args.output_dir, check_images=not args.skip_image_check,
@@ -390,6 +383,9 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
     unless --image_size is given; an old file without them: the run's config.yaml, else the defaults, said).
     Returns (that model config or None, the settings every checkpoint of this run records, notes: a line each).
     Stops in one line on flags or files that cannot work."""
+    from detlib.evaluation import area_ranges_from_edges
+    from detlib.retinanet import ANCHOR_CONFIG_KEYS, check_backbone
+
     flag, source = ("--evaluate_only", args.evaluate_only) if args.evaluate_only else ("--init_from", args.init_from)
     try:  # a Hub repo id is fetched now (from the cache when offline), before any work
         local_weights(source) if source else None
@@ -460,6 +456,9 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
     tensor of --init_from's that fits (a class output of another class count re-initialised; the same classes under
     other ids matched by name with --categories_by_name). Returns (model, anchor generator, the weights file
     evaluated or None). Raises RunStop (one line) on weights that do not fit."""
+    from detlib.labels import CategoryMap, describe_mapping, match_categories
+    from detlib.retinanet import RetinaNet, anchor_generator_from_config, load_matching_weights, reorder_class_outputs
+
     pretrained = bool(args.backbone_weights or args.pretrained_backbone or args.init_from)
     if args.freeze_at is None:
         args.freeze_at = 2 if pretrained and not args.evaluate_only else 0
@@ -522,6 +521,10 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
 
 def log_model(model, args, accelerator) -> None:
     """The parameter counts and (main process) the forward cost of one image at the largest input size."""
+    import torch
+
+    from detlib.data import INPUT_DIVISIBILITY
+
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.info("RetinaNet %s: %.2fM parameters (%.2fM trainable)", args.backbone, n_params / 1e6, n_train / 1e6)
@@ -553,6 +556,8 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
     """ReduceLROnPlateau (stepped per epoch on its mean loss, no warm-up; its state is checkpointed) or a per-step
     LambdaLR (`lr_factor`), a function of the step alone: built after a resume at `done_steps`, it gives that step the
     LR of this run's schedule. Not given to `accelerator.prepare`, which would step it once per process per call."""
+    import torch
+
     if args.lr_scheduler == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
                                                           patience=args.plateau_patience)
@@ -565,11 +570,17 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
                                              last_epoch=done_steps - 1)
 
 
-@torch.no_grad()
+@no_grad
 def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args, title: str = "") -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval and log its 12 stats
     under `title` (which weights, which epoch); returns them on every process (collective). Checks for preemption
     every 10 batches (raises Preempted)."""
+    import torch
+    from accelerate.utils import broadcast_object_list, send_to_device
+
+    from detlib.evaluation import CocoEvaluator, detections_to_coco
+    from detlib.retinanet import decode_detections
+
     # The bare model: DDP's forward can be collective, and the processes run unequal numbers of batches. Its buffers
     # are made rank 0's, as DDP's forward would make them (and as a checkpoint holds them): BatchNorm statistics that
     # each process updated on its own batches would otherwise differ between the processes' shares.
@@ -617,6 +628,10 @@ def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, ac
     predictions_val.json, plots/ and samples/ (also to the trackers), with label_errors.json at the `final`
     evaluation. `epoch` counts from 1 (None: evaluating only). Collective. Returns {prefix: its evaluation: epoch,
     step, the stats, per_class, best_f1}."""
+    from detlib.evaluation import (STAT_NAMES, best_f1_thresholds, evaluation_diagnostics, format_best_f1,
+                                   log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
+                                   per_class_without_detections)
+
     evaluations = {}
     for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: the evaluator keeps theirs
         title = (f"evaluation of {weights}" if weights else f"epoch {epoch}") + ", EMA weights" * bool(prefix)
@@ -651,6 +666,9 @@ def save_model(accelerator, args, name: str, model, model_config: dict, evaluati
                extra: dict | None = None) -> None:
     """`output_dir/name/`: the weights (detlib.engine.save_weights), the best-F1 score thresholds of `evaluation` (the
     evaluation of exactly these weights, or None) and the model card (`card`: its dataset and command)."""
+    from detlib.engine import save_weights
+    from detlib.evaluation import detector_card, write_card, write_score_thresholds
+
     folder = save_weights(accelerator, model, args.output_dir, name, model_config, extra)
     if accelerator.is_main_process:
         if evaluation and evaluation.get("best_f1"):
@@ -664,6 +682,11 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
     """Train from `state`'s position (a mid-epoch resume skips the batches already trained) to the end of the epoch
     or the run's `total_steps`. Raises RunStop when the run diverges, Preempted on a preemption signal; `save()`
     writes a --checkpoint_steps checkpoint (one on the epoch's last step is the epoch's own, written by main)."""
+    import torch
+
+    from detlib.engine import divergence
+    from detlib.retinanet import retinanet_loss
+
     model.train()
     G, done = args.gradient_accumulation_steps, state.step_in_epoch * args.gradient_accumulation_steps
     steps_per_epoch, per_step = math.ceil(len(loader) / G), args.lr_scheduler != "plateau"
@@ -715,6 +738,17 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
 
 def main(argv=None):
     args = parse_args(argv)
+
+    import torch
+    from timm.optim import param_groups_weight_decay
+    from timm.utils import ModelEmaV3
+
+    from detlib.engine import (EMA_WEIGHTS, MetricsLog, StepGuard, TrainState, TrainWindow, best_record, best_weights,
+                               improves_best, log_plan, make_accelerator, record_config, resume, resume_ema, run_length,
+                               save_checkpoint, start_trackers, summary_lines)
+    from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, command_line
+    from detlib.retinanet import EmaLossNormalizer
+
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     given = args.given  # what the user chose (flags or --config)
     synthetic = not (args.data_dir or args.train_images or args.val_images)

@@ -17,7 +17,7 @@ import detlib
 
 PACKAGE = pathlib.Path(detlib.__file__).parent
 LAYERS = [
-    ("boxes", "labels", "logtext", "files", "weights", "hub", "backbones"),  # shared conventions and files
+    ("boxes", "labels", "logtext", "files", "lazy", "weights", "hub", "backbones"),  # shared conventions and files
     ("datacheck",),  # the report and the checks of COCO json and ImageFolder trees
     ("data",),  # images, transforms, data sets, VOC/YOLO, the built-in sets
     ("retinanet", "classification"),  # the models

@@ -352,3 +352,31 @@ def test_a_bad_flag_on_2_processes_is_one_line(script, argv, expected):
     assert run.codes == [2, 2], run.texts
     assert [ln for ln in run.texts[0].splitlines() if ": error: " in ln] == [expected], run.texts[0]
     assert "usage:" in run.texts[0] and run.texts[1].strip() == "", run.texts[1]
+
+
+HEAVY_MODULES = ("torch", "timm", "torchvision", "accelerate", "matplotlib")
+HELP_PROBE = """
+import contextlib, io, json, runpy, sys
+sys.argv = [sys.argv[1], "--help"]
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+    runpy.run_path(sys.argv[0], run_name="__main__")
+print(json.dumps({"help": out.getvalue(), "heavy": [m for m in %r if m in sys.modules]}))
+""" % (HEAVY_MODULES,)
+
+
+@pytest.mark.parametrize("script", sorted(f.name for f in (REPO / "scripts").glob("*.py")))
+def test_help_of_every_script_imports_no_heavy_module(script):
+    """`--help` builds the parser only: torch, timm, torchvision, accelerate and matplotlib are imported once a
+    command runs (each took seconds at every start of every process). Checked by what is in sys.modules after
+    `--help` in a fresh interpreter, not by a time."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import launch_env
+
+    proc = subprocess.run([sys.executable, "-c", HELP_PROBE, str(REPO / "scripts" / script)], capture_output=True,
+                          text=True, timeout=120, env=launch_env({"PYTHONPATH": str(REPO)}))
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert "usage:" in result["help"] and "--" in result["help"], proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert result["heavy"] == [], f"{script} --help imported {result['heavy']}"

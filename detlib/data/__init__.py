@@ -9,23 +9,21 @@ of a data folder in any format), `video` (PyAV frames), `builtin` (the synthetic
 data).
 """
 
-from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS
-from .builtin import make_synthetic_coco, make_synthetic_image_folder
-from .coco import PAD_VALUE, CocoDetection, EvaluationCollate, collate_detection, evaluation_shapes
-from .formats import FORMATS, check_coco_for_training, data_dir_paths, read_class_names, read_data_dir_splits
-from .imagefolder import VERIFY_MODES, ImageFolderDataset, scan_image_folder
-from .loaders import loader_settings, worker_loader_kwargs
-from .images import IMAGE_ERRORS, load_rgb
-from .sampler import EvaluationBatchSampler, GroupedBatchSampler, aspect_groups
-from .transforms import AUGMENTATIONS, INPUT_DIVISIBILITY, build_transform
-from .video import INSTALL_HINT, VideoWriter, av_available, video_frames, video_info
+from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS  # light: PIL only
+from ..lazy import lazy_exports
 
-__all__ = [
-    "loader_settings", "worker_loader_kwargs",
-    "make_synthetic_coco", "make_synthetic_image_folder", "PAD_VALUE", "CocoDetection", "collate_detection", "FORMATS",
-    "check_coco_for_training", "data_dir_paths", "read_data_dir_splits", "VERIFY_MODES", "ImageFolderDataset",
-    "scan_image_folder", "IMAGE_ERRORS", "load_rgb", "GroupedBatchSampler", "aspect_groups", "AUGMENTATIONS",
-    "INPUT_DIVISIBILITY", "build_transform", "INSTALL_HINT", "VideoWriter", "av_available", "video_frames",
-    "video_info", "DEFAULT_MAX_IMAGE_PIXELS", "EvaluationCollate", "evaluation_shapes",
-    "EvaluationBatchSampler", "read_class_names"
-]
+AUGMENTATIONS = ("none", "flip", "flip_crop_translate")  # --augment's choices (`transforms`), here for --help
+VERIFY_MODES = ("full", "header", "none")  # how the ImageFolder files are checked (`imagefolder`)
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "builtin": ("make_synthetic_coco", "make_synthetic_image_folder"),
+    "coco": ("PAD_VALUE", "CocoDetection", "EvaluationCollate", "collate_detection", "evaluation_shapes"),
+    "formats": ("FORMATS", "check_coco_for_training", "data_dir_paths", "read_class_names", "read_data_dir_splits"),
+    "imagefolder": ("ImageFolderDataset", "scan_image_folder"),
+    "loaders": ("loader_settings", "worker_loader_kwargs"),
+    "images": ("IMAGE_ERRORS", "load_rgb"),
+    "sampler": ("EvaluationBatchSampler", "GroupedBatchSampler", "aspect_groups"),
+    "transforms": ("INPUT_DIVISIBILITY", "build_transform"),
+    "video": ("INSTALL_HINT", "VideoWriter", "av_available", "video_frames", "video_info"),
+})
+__all__ += ["AUGMENTATIONS", "DEFAULT_MAX_IMAGE_PIXELS", "VERIFY_MODES"]

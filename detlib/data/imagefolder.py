@@ -32,11 +32,11 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from ..files import file_key, read_json_cache, write_json
 from ..logtext import LIST_ITEMS, short_list
 from .images import check_image_file, load_rgb, load_skipping_unreadable
+from . import VERIFY_MODES  # the package's, where --help reads it
 
 logger = logging.getLogger(__name__)
 
 # IMG_EXTENSIONS is torchvision's list (lower case, .webp included); the check is case-insensitive.
-VERIFY_MODES = ("full", "header", "none")
 JUNK_FOLDERS = ("__MACOSX",)  # written by macOS zip tools next to the real folders
 
 

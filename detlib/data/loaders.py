@@ -14,8 +14,6 @@ import signal
 import sys
 import threading
 
-import torch
-
 # The signals that preempt a run (detlib.engine.run_folder's handlers); workers leave them to it.
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
@@ -130,6 +128,8 @@ def loader_settings(num_workers: int, bytes_per_batch: int, persistent: bool = F
     """The DataLoader arguments of a training script's loaders: `num_workers` capped at the CPU count and at what
     /dev/shm holds (`check_shared_memory`), the workers of `worker_loader_kwargs`, pinned memory on CUDA, and
     persistent workers when `persistent` (and there are any). Returns (kwargs, a one-line warning or None)."""
+    import torch
+
     workers, message = check_shared_memory(min(num_workers, os.cpu_count() or 1), bytes_per_batch)
     kwargs = dict(pin_memory=torch.cuda.is_available(), **worker_loader_kwargs(workers))
     if persistent and workers > 0:

@@ -27,7 +27,8 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-AUGMENTATIONS = ("none", "flip", "flip_crop_translate")
+from . import AUGMENTATIONS  # the package's, where --help reads it
+
 # ImageNet statistics of the RGB channels, for backbones pretrained on ImageNet, in pixel units [0, 255]: RetinaNet
 # takes images in [0, 255] and normalises them itself. timm's constants are in [0, 1] units, hence the x 255.
 IMAGENET_MEAN = tuple(255 * v for v in IMAGENET_DEFAULT_MEAN)  # (123.675, 116.28, 103.53)

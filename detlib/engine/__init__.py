@@ -4,11 +4,11 @@ best/), `step` (the all-reduced decision to take a step) and `logs` (the Acceler
 trackers, the summary). The scripts hold the run's state and loop; these are the calls they make.
 """
 
-import importlib
+from ..lazy import lazy_exports
 
-# What the scripts use, by module. Loaded on first use (PEP 562): `checkpoints`, `logs` and `run_folder` import torch
-# and accelerate, and a script's --help (which needs `flags` only) should not wait for them.
-_EXPORTS = {
+# What the scripts use, by module, loaded on first use: `checkpoints`, `logs` and `run_folder` import torch and
+# accelerate, and a script's --help (which needs `flags` only) should not wait for them.
+__getattr__, __all__ = lazy_exports(__name__, {
     "checkpoints": ("EMA_WEIGHTS", "TrainState", "best_record", "best_weights", "divergence", "improves_best",
                     "list_checkpoints", "min_over_processes", "resume", "resume_ema", "save_checkpoint", "save_weights"),
     "flags": ("ArgumentParser", "HelpFormatter", "data_defaults_table", "first_process", "float_range", "format_given",
@@ -19,14 +19,4 @@ _EXPORTS = {
     "run_folder": ("EXIT_DIVERGED", "EXIT_PREEMPTED", "Preempted", "RunStop", "preempted", "running",
                    "stop", "stop_together", "wait_for_the_first_process"),
     "step": ("StepGuard", "run_length"),
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
-    globals()[name] = value
-    return value
+})

@@ -7,19 +7,17 @@ One concept per module: `anchors` (where the anchors are, P3-P7), `box_coder` (b
 `torchvision_weights` (torchvision's COCO RetinaNet as ours).
 """
 
-from .anchors import ANCHOR_CONFIG_KEYS, AnchorGenerator, anchor_generator_from_config
-from .decode import decode_detections
-from .export import ExportableRetinaNet, canvas_size, compare_detections, head_candidates, prepare_input
-from .loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
-from .model import (HEAD_NORMS, RetinaNet, build_retinanet_from_config, check_backbone, load_matching_weights,
-                    reorder_class_outputs)
-from .torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories, torchvision_model_config,
-                                  torchvision_version)
+from ..lazy import lazy_exports
 
-__all__ = [
-    "ANCHOR_CONFIG_KEYS", "AnchorGenerator", "anchor_generator_from_config", "decode_detections", "ExportableRetinaNet",
-    "canvas_size", "compare_detections", "head_candidates", "prepare_input", "BOX_LOSSES", "EmaLossNormalizer",
-    "retinanet_loss", "HEAD_NORMS", "RetinaNet", "build_retinanet_from_config", "check_backbone",
-    "load_matching_weights", "reorder_class_outputs", "convert_torchvision_retinanet", "torchvision_coco_categories",
-    "torchvision_model_config", "torchvision_version"
-]
+BOX_LOSSES = ("l1", "smooth_l1", "giou")  # --box_loss's choices (`loss`), here for --help
+HEAD_NORMS = ("none", "gn")  # --head_norm's choices (`model`)
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "anchors": ("ANCHOR_CONFIG_KEYS", "AnchorGenerator", "anchor_generator_from_config"),
+    "decode": ("decode_detections",),
+    "export": ("ExportableRetinaNet", "canvas_size", "compare_detections", "head_candidates", "prepare_input"),
+    "loss": ("EmaLossNormalizer", "retinanet_loss"),
+    "model": ("RetinaNet", "build_retinanet_from_config", "check_backbone", "load_matching_weights", "reorder_class_outputs"),
+    "torchvision_weights": ("convert_torchvision_retinanet", "torchvision_coco_categories", "torchvision_model_config", "torchvision_version"),
+})
+__all__ += ["BOX_LOSSES", "HEAD_NORMS"]

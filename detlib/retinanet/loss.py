@@ -26,9 +26,9 @@ from torchvision.ops import generalized_box_iou_loss, sigmoid_focal_loss
 
 from ..labels import IGNORE
 from . import box_coder
+from . import BOX_LOSSES  # the package's, where --help reads it
 from .matching import DEFAULT_MAX_ELEMENTS, match_anchors
 
-BOX_LOSSES = ("l1", "smooth_l1", "giou")
 
 
 def retinanet_loss(

@@ -24,6 +24,7 @@ from ..backbones import (backbone_mean_std, frozen_parameters, freeze_stages, lo
 from ..data.transforms import INPUT_DIVISIBILITY
 from ..weights import load_state_dict_file
 from .anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
+from . import HEAD_NORMS  # the package's, where --help reads it
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 # What the P6 conv reads: the backbone's C5 (the paper) or the FPN's P5 (torchvision's v1 RetinaNet).
 P6_INPUTS = ("c5", "p5")
 # Norm of the heads' hidden convs: none (the paper) or GroupNorm (torchvision's v2).
-HEAD_NORMS = ("none", "gn")
 
 # The strides the FPN takes from the backbone: C3, C4, C5.
 BACKBONE_REDUCTIONS = (8, 16, 32)
