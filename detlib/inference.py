@@ -338,22 +338,6 @@ def start_prediction(args):
     return accelerator
 
 
-def prediction_error(message) -> SystemExit:
-    """The exit of a predict script on an error every process finds alike (weights, source, thresholds): the line
-    goes to predict.log and, on the first process, to stderr (one process: as the returned SystemExit's text); on
-    several processes they all meet after it is printed (`wait_for_the_first_process`), so the line is printed once
-    and never lost. Use as `raise prediction_error(e) from None`."""
-    from .engine import first_process, wait_for_the_first_process
-
-    logger.error("%s", message, extra={"console": False})  # the console gets the line below
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return SystemExit(f"error: {message}")
-    if first_process():
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    wait_for_the_first_process()
-    return SystemExit(1)
-
-
 class Interrupted(BaseException):
     """SIGINT or SIGTERM reached a predict script (`run_prediction`). A BaseException, as KeyboardInterrupt is: the
     handler raises it wherever the main thread is, and an `except Exception` there (a damaged EXIF block read as

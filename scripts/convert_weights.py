@@ -27,7 +27,7 @@ import shlex
 import sys
 
 
-from detlib.engine import ArgumentParser, HelpFormatter
+from detlib.engine import ArgumentParser, HelpFormatter, stop
 
 
 # torchvision's published box AP on COCO val2017 (its weights' documentation), quoted in the model card.
@@ -73,7 +73,7 @@ def main(argv=None) -> str:
         # loading strictly into the model model_config.json describes proves the file will load for evaluation
         build_retinanet_from_config(config).load_state_dict(sd, strict=True)
     except (OSError, KeyError, ValueError, RuntimeError) as e:
-        sys.exit(f"error: {args.path}: {type(e).__name__}: {e}")
+        stop(f"{args.path}: {type(e).__name__}: {e}", 1)
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, "model.safetensors")
     save_file({k: v.contiguous() for k, v in sd.items()}, out)

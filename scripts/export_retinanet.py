@@ -32,7 +32,7 @@ import warnings
 
 import numpy as np
 
-from detlib.engine import HelpFormatter, float_range, int_at_least
+from detlib.engine import HelpFormatter, float_range, int_at_least, stop
 from detlib.inference import list_image_files, load_retinanet, retinanet_input_size
 from detlib.lazy import no_grad
 
@@ -230,20 +230,21 @@ def export(args):
 
     setup_console_logging(args.verbose)
     if args.format in ("onnx", "both") and (missing := missing_onnx_packages()):
-        raise SystemExit(f"error: --format {args.format} needs {', '.join(missing)} (not installed): pip install -e "
-                         "'.[export]' (or -r requirements-dev.txt); --format pt2 needs nothing more")
+        stop(f"--format {args.format} needs {', '.join(missing)} (not installed): pip install -e '.[export]' (or -r "
+             "requirements-dev.txt); --format pt2 needs nothing more", 1)
     try:
         model, config, category_map = load_retinanet(args.weights)
         image_size, max_size = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
-        raise SystemExit(f"error: {e}") from None
+        stop(str(e), 1)
     # the exported graph has detlib's anchors and resize built in; a converted torchvision model's would differ
     foreign = [k for k in ("resize_mode", "anchor_offset", "anchor_sizes") if k in config
                and config[k] not in (None, "antialias")]
     if foreign:
-        raise SystemExit(f"error: {args.weights}: exporting a model with torchvision's settings ({', '.join(foreign)} in "
-                         "model_config.json) is not supported yet; evaluate or predict it with the scripts")
-    for line in ignored_flags(args, {a.dest: a.default for a in build_parser()._actions}):  # flags it does not use
+        stop(f"{args.weights}: exporting a model with torchvision's settings ({', '.join(foreign)} in model_config.json) "
+             "is not supported yet; evaluate or predict it with the scripts", 1)
+    parser = build_parser()
+    for line in ignored_flags(args, {k: parser.get_default(k) for k in vars(args)}):  # flags it does not use
         logger.warning("%s", line)
     canvas = canvas_size(image_size, max_size)
     wrapped = ExportableRetinaNet(model, canvas, decode=args.decode == "inside", score_thresh=args.score_thresh,

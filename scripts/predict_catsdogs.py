@@ -34,10 +34,10 @@ from collections import Counter
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.data import INSTALL_HINT, av_available, video_frames
-from detlib.engine import int_at_least
+from detlib.engine import int_at_least, stop
 from detlib.files import atomic_write, write_json
 from detlib.inference import (earlier_outputs, list_media_files, load_classifier, output_names, outputs_written,
-                              predict_videos, prediction_error, prediction_parser, run_prediction, shard_batches,
+                              predict_videos, prediction_parser, run_prediction, shard_batches,
                               start_prediction, write_skipped)
 from detlib.lazy import no_grad
 
@@ -147,7 +147,7 @@ def predict(args):
         if unsupported and not paths and not videos:
             raise ValueError(f"{args.source}: nothing to predict: {unsupported[0]}")
     except (FileNotFoundError, RuntimeError, ValueError) as e:
-        raise prediction_error(e) from None
+        stop(str(e), 1)
     classes = config["classes"]
     image_size = args.image_size or config["image_size"]
     k = min(args.topk or 5, len(classes))

@@ -48,10 +48,10 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLo
 from detlib.data import INSTALL_HINT, VideoWriter, av_available, data_dir_paths, read_data_dir_splits, video_frames
 from detlib.data.formats import read_class_names
 from detlib.datacheck import DataReport, check_coco
-from detlib.engine import float_range, int_at_least
+from detlib.engine import float_range, int_at_least, stop
 from detlib.files import write_json
 from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
-                              outputs_written, prediction_error, prediction_parser, predict_videos, retinanet_input_size,
+                              outputs_written, prediction_parser, predict_videos, retinanet_input_size,
                               run_prediction, start_prediction, write_skipped)
 from detlib.lazy import no_grad
 
@@ -140,7 +140,7 @@ def build_dataset(args, transform):
         return ds, names, [r["id"] for r in ds.records], True, list(ds.missing_images)
     if args.source.lower().endswith(".json") and os.path.isfile(args.source):
         if not args.images:
-            raise prediction_error("a COCO-json --source needs --images DIR (its image folder)")
+            stop("a COCO-json --source needs --images DIR (its image folder)", 1)
         # The evaluation's own data set: same order (by image id), same decoding, same sizes.
         ds = CocoDetection(args.images, args.source, transform, train=False)
         ds.videos = []
@@ -333,7 +333,7 @@ def predict(args):
         model, config, category_map = load_retinanet(args.weights)
         image_size, max_size = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
-        raise prediction_error(e) from None
+        stop(str(e), 1)
     logger.info("loaded %s (%s, fpn_channels %d, %d classes)", weights_path(args.weights), config["backbone"],
                 config["fpn_channels"], len(category_map))
     coco_source = args.source.lower().endswith(".json") and os.path.isfile(args.source)
@@ -347,7 +347,7 @@ def predict(args):
     try:
         thresholds = class_thresholds(args, category_map)
     except (FileNotFoundError, WeightsFileError) as e:
-        raise prediction_error(f"--score_thresh best_f1: {e}") from None
+        stop(f"--score_thresh best_f1: {e}", 1)
     # decoding keeps scores above its threshold (torchvision's >); a best-F1 threshold keeps its own score too (the
     # F1 was measured with it): decode just below the lowest, then each class keeps its scores >= its threshold
     decode_thresh = float(thresholds.min()) if args.score_thresh != "best_f1" else float(
@@ -360,7 +360,7 @@ def predict(args):
         ds, rel_names, coco_ids, exif_applied, skipped = build_dataset(args, build_transform(image_size, "none", max_size,
                                                                                      config.get("resize_mode", "antialias")))
     except (FileNotFoundError, ValueError) as e:
-        raise prediction_error(e) from None
+        stop(str(e), 1)
     # A json's category ids must mean the model's classes: matched by id and name (or by name, with the flag).
     to_output_id = category_map.to_category_ids(torch.arange(len(category_map)))  # label -> id written; -1: left out
     if isinstance(ds, CocoDetection) and "category_names" in config:
@@ -368,7 +368,7 @@ def predict(args):
             mapping = match_categories(category_map, ds.category_map, args.categories_by_name,
                                        weights_path(args.weights), args.source)
         except ValueError as e:
-            raise prediction_error(e) from None
+            stop(str(e), 1)
         if (line := describe_mapping(mapping, category_map)) and accelerator.is_main_process:
             logger.info("--categories_by_name: %s", line)
         to_output_id = torch.tensor([-1 if mapping[c] is None else mapping[c] for c in category_map.category_ids])

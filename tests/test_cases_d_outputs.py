@@ -264,7 +264,8 @@ def old_copy(best, folder):
 
 
 @needs_coco_subset
-def test_case_d17_a_model_config_without_its_size_stops_predict_in_one_line_naming_the_flag(tiny_retinanet, tmp_path):
+def test_case_d17_a_model_config_without_its_size_stops_predict_in_one_line_naming_the_flag(tiny_retinanet, tmp_path,
+                                                                                          capsys):
     """Nothing is filled in: not from the run's config.yaml beside the weights (there is no earlier release to stay
     compatible with), not from a default; the line names the key and the flag that supplies it."""
     photos = tmp_path / "photos"
@@ -277,9 +278,9 @@ def test_case_d17_a_model_config_without_its_size_stops_predict_in_one_line_nami
     with pytest.raises(SystemExit) as e:
         script.main(["--weights", str(run / "best"), "--source", str(photos), "--output_dir", str(tmp_path / "o1"),
                      "--cpu", "--num_workers", "0"])
-    assert str(e.value) == (f"error: {run / 'best' / 'model_config.json'} lacks image_size: pass --image_size (and "
-                            "--max_size) with the size the model was trained at (the training script writes every key "
-                            "into best/, last/ and each checkpoint)")
+    assert e.value.code == 1 and capsys.readouterr().err == (
+        f"error: {run / 'best' / 'model_config.json'} lacks image_size: pass --image_size (and --max_size) with the "
+        "size the model was trained at (the training script writes every key into best/, last/ and each checkpoint)\n")
     # given --image_size: used, nothing to say
     script.main(["--weights", str(run / "best"), "--source", str(photos), "--output_dir", str(tmp_path / "o4"), "--cpu",
                  "--num_workers", "0", "--image_size", "96"])
@@ -385,11 +386,11 @@ def test_case_d17_classifier_config_without_its_model_or_size_stops_and_topk_bey
             "--cpu", "--num_workers", "0"]
     with pytest.raises(SystemExit) as e:
         load_script("predict_catsdogs").main(argv)
-    assert str(e.value).startswith(f"error: {run / 'best' / 'model_config.json'} lacks model (")
+    assert e.value.code == 1 and capsys.readouterr().err.startswith(f"error: {run / 'best' / 'model_config.json'} lacks model (")
     (run / "best" / "model_config.json").write_text(json.dumps({"classes": ["cat", "dog"], "model": "resnet18"}))
     with pytest.raises(SystemExit) as e:
         load_script("predict_catsdogs").main(argv)
-    assert "lacks image_size: pass --image_size with the size the model was trained at" in str(e.value)
+    assert "lacks image_size: pass --image_size with the size the model was trained at" in capsys.readouterr().err
     load_script("predict_catsdogs").main([*argv, "--image_size", "48"])
     out = capsys.readouterr().out
     assert "at 48 px" in out
@@ -470,7 +471,7 @@ def test_case_d17_resume_with_another_lr_or_optimizer_is_refused_and_another_len
     assert "with other flags than its run's: --epochs 1 -> 2" in capsys.readouterr().out
 
 
-def test_export_without_the_onnx_packages_is_one_line_that_says_what_to_install(tmp_path, monkeypatch):
+def test_export_without_the_onnx_packages_is_one_line_that_says_what_to_install(tmp_path, monkeypatch, capsys):
     """The README's export after its first command (requirements.txt only): no onnxscript. One line naming what is
     missing and the install command, before any model is loaded; --format pt2 needs none of it."""
     script = load_script("export_retinanet")
@@ -481,8 +482,10 @@ def test_export_without_the_onnx_packages_is_one_line_that_says_what_to_install(
     for fmt in ("onnx", "both"):
         with pytest.raises(SystemExit) as e:
             script.main(["--weights", str(tmp_path / "no_such_run"), "--output", str(tmp_path / "m.onnx"), "--format", fmt])
-        assert str(e.value) == (f"error: --format {fmt} needs onnxscript, onnxruntime (not installed): pip install -e "
-                                "'.[export]' (or -r requirements-dev.txt); --format pt2 needs nothing more")
+        assert e.value.code == 1 and capsys.readouterr().err == (
+            f"error: --format {fmt} needs onnxscript, onnxruntime (not installed): pip install -e '.[export]' (or -r "
+            "requirements-dev.txt); --format pt2 needs nothing more\n")
     with pytest.raises(SystemExit) as e:  # pt2 goes on to the weights, which are missing here
         script.main(["--weights", str(tmp_path / "no_such_run"), "--output", str(tmp_path / "m.onnx"), "--format", "pt2"])
-    assert str(e.value).startswith("error: no model weights at ") and "not installed" not in str(e.value)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith("error: no model weights at ") and "not installed" not in err

@@ -293,16 +293,16 @@ def test_a_signal_the_prediction_runs_on_past_ends_it_with_its_code_and_says_the
     assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
-def test_the_other_processes_leave_a_prediction_error_silently_when_the_launcher_stops_them(monkeypatch,
+def test_the_other_processes_leave_a_stop_silently_when_the_launcher_stops_them(monkeypatch,
                                                                                             prediction_signals, capsys):
-    """On a process other than the first, `prediction_error` waits for the first to print; a launcher that
+    """On a process other than the first, `stop` waits for the first to print; a launcher that
     SIGTERMs the waiting one meanwhile must end it silently (it was: a false `stopped: SIGTERM before the end` line
     from run_prediction's handler). Checked: the wait leaves SIGINT and SIGTERM to their default action, and the
     process exits 1 without a line."""
     import signal
 
-    from detlib.engine import run_folder
-    from detlib.inference import prediction_error, run_prediction
+    from detlib.engine import run_folder, stop
+    from detlib.inference import run_prediction
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -311,7 +311,7 @@ def test_the_other_processes_leave_a_prediction_error_silently_when_the_launcher
         [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)]))
 
     def main():
-        raise prediction_error("no model weights at /nowhere")
+        stop("no model weights at /nowhere", 1)
 
     with pytest.raises(SystemExit) as stop:
         run_prediction(main)

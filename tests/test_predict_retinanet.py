@@ -193,7 +193,7 @@ def test_a_model_config_json_that_is_no_json_object_is_one_line(tmp_path, capsys
 @pytest.mark.parametrize("script", ["predict_retinanet.py", "predict_catsdogs.py"])
 def test_an_error_at_start_on_2_processes_is_one_line(script, tmp_path):
     """Weights that are not there: every process finds it, the first prints the one `error:` line (and writes it to
-    predict.log), the other exits 1 without a line of its own (`detlib.inference.prediction_error`)."""
+    predict.log), the other exits 1 without a line of its own (`detlib.engine.stop`)."""
     run = forked_launch(script, ["--weights", tmp_path / "missing", "--source", tmp_path, "--num_workers", "0",
                                  "--output_dir", tmp_path / "out"])
     errors = [[ln for ln in text.splitlines() if ln.startswith("error:")] for text in run.texts]

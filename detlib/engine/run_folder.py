@@ -100,8 +100,11 @@ def _meet(timeout_s: float = 60.0) -> None:
 
 
 def stop(message: str, code: int = 2):
-    """A stop before the run exists (flags, files named on the command line), found alike by every process: the
-    first prints `error: message`; every process exits with `code`."""
+    """The one exit of an error every process finds alike outside a running run (flags, files named on the command
+    line, a predict script's or export's inputs): `message` goes to the log file, if there is one, and the first
+    process prints `error: message`; every process meets after it and exits with `code`."""
+    if any(isinstance(h, logging.FileHandler) for h in logging.getLogger().handlers):
+        logger.error("%s", message, extra={"console": False})  # the console gets the line below
     if first_process():
         print(f"error: {message}", file=sys.stderr, flush=True)
     wait_for_the_first_process()
