@@ -301,7 +301,7 @@ def test_the_other_processes_leave_a_stop_silently_when_the_launcher_stops_them(
     process exits 1 without a line."""
     import signal
 
-    from detlib.engine import run_folder, stop
+    from detlib.engine import run_folder
     from detlib.inference import run_prediction
 
     monkeypatch.setenv("RANK", "1")
@@ -311,7 +311,7 @@ def test_the_other_processes_leave_a_stop_silently_when_the_launcher_stops_them(
         [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)]))
 
     def main():
-        stop("no model weights at /nowhere", 1)
+        run_folder.stop("no model weights at /nowhere", 1)
 
     with pytest.raises(SystemExit) as stop:
         run_prediction(main)
