@@ -469,8 +469,7 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, gua
 
 
 def main(argv=None):
-    args = parse_args(argv)
-
+    args = parse_args(argv)  # before the imports below: --help and a bad flag need none of them
     import torch
     from timm.utils import ModelEmaV3
 

@@ -737,8 +737,7 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
 
 
 def main(argv=None):
-    args = parse_args(argv)
-
+    args = parse_args(argv)  # before the imports below: --help and a bad flag need none of them
     import torch
     from timm.optim import param_groups_weight_decay
     from timm.utils import ModelEmaV3
