@@ -99,14 +99,14 @@ def _meet(timeout_s: float = 60.0) -> None:
     waiting.join(timeout_s)
 
 
-def stop(message: str, code: int = 2):
+def stop(message: str, code: int = 2, word: str = "error"):
     """The one exit of an error every process finds alike outside a running run (flags, files named on the command
-    line, a predict script's or export's inputs): `message` goes to the log file, if there is one, and the first
-    process prints `error: message`; every process meets after it and exits with `code`."""
+    line, a predict script's or export's inputs, a run folder refused): `message` goes to the log file, if there is
+    one, and the first process prints `word: message`; every process meets after it and exits with `code`."""
     if any(isinstance(h, logging.FileHandler) for h in logging.getLogger().handlers):
         logger.error("%s", message, extra={"console": False})  # the console gets the line below
     if first_process():
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"{word}: {message}", file=sys.stderr, flush=True)
     wait_for_the_first_process()
     raise SystemExit(code)
 
@@ -249,10 +249,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
     refused, notes = prepare_output_dir(output_dir, evaluate_only, resume, overwrite) if is_main else (None, [])
     refused = broadcast_object_list([refused])[0]
     if refused:
-        if is_main:
-            print(f"{'stopped' if refused[1] else 'error'}: {refused[0]}", file=sys.stderr, flush=True)
-        wait_for_the_first_process()
-        raise SystemExit(1)
+        stop(refused[0], 1, "stopped" if refused[1] else "error")
     setup_logging(output_dir, is_main, verbose=verbose)
     for note in notes:
         logger.warning("%s", note)
