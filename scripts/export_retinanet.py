@@ -241,8 +241,8 @@ def export(args):
     foreign = [k for k in ("resize_mode", "anchor_offset", "anchor_sizes") if k in config
                and config[k] not in (None, "antialias")]
     if foreign:
-        stop(f"{args.weights}: exporting a model with torchvision's settings ({', '.join(foreign)} in model_config.json) "
-             "is not supported yet; evaluate or predict it with the scripts", 1)
+        stop(f"{args.weights}: exporting a model with torchvision's settings ({', '.join(foreign)} in "
+             "model_config.json) is not supported yet; evaluate or predict it with the scripts", 1)
     parser = build_parser()
     for line in ignored_flags(args, {k: parser.get_default(k) for k in vars(args)}):  # flags it does not use
         logger.warning("%s", line)

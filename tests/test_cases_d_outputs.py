@@ -386,7 +386,8 @@ def test_case_d17_classifier_config_without_its_model_or_size_stops_and_topk_bey
             "--cpu", "--num_workers", "0"]
     with pytest.raises(SystemExit) as e:
         load_script("predict_catsdogs").main(argv)
-    assert e.value.code == 1 and capsys.readouterr().err.startswith(f"error: {run / 'best' / 'model_config.json'} lacks model (")
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: {run / 'best' / 'model_config.json'} lacks model (")
     (run / "best" / "model_config.json").write_text(json.dumps({"classes": ["cat", "dog"], "model": "resnet18"}))
     with pytest.raises(SystemExit) as e:
         load_script("predict_catsdogs").main(argv)
