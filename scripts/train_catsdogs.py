@@ -46,12 +46,10 @@ from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_cl
                                    classification_transform, per_class_summary, per_class_table)
 from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
-                           TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
-                           format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
-                           parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
-                           record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
-                           stop_together, summary_lines)
+from detlib.engine import (MetricsLog, Preempted, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
+                           evaluate_only, float_range, format_given, given_flags, int_at_least, parse_with_config, path,
+                           preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
+                           save_weights, show_data_defaults, stop, stop_together)
 from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
 from detlib.files import atomic_write
 from detlib.logtext import short_list
@@ -403,50 +401,28 @@ def check_classes(saved: dict | None, classes: list[str], args) -> None:
                   + ("; the same names in another order" if sorted(theirs) == sorted(classes) else ""))
 
 
-def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, guard, window, metrics, args,
-                    total_steps: int, save, ema=None) -> None:
-    """Train from `state`'s position (a mid-epoch resume skips the batches already trained) to the end of the epoch
-    or the run's `total_steps`. Raises RunStop when the run diverges, Preempted on a preemption signal; `save()`
-    writes a --checkpoint_steps checkpoint (one on the epoch's last step is the epoch's own, written by main)."""
+def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args) -> None:
+    """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
+    bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
     model.train()
-    G, done = args.gradient_accumulation_steps, state.step_in_epoch * args.gradient_accumulation_steps
-    steps_per_epoch = math.ceil(len(loader) / G)
-    loader.set_epoch(state.epoch)
-    for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
-        if i % G == 0:  # the first micro-batch of an accumulation window
-            guard.snapshot(model)
-            lrs, window_loss = [g["lr"] for g in optimizer.param_groups], 0.0  # the step's LRs; its micro-batches' loss
+    G = args.gradient_accumulation_steps
+    for i, batch in loop.batches(loader, model, optimizer):
         with accelerator.accumulate(model):
             logits = model(batch["image"])
             loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
             # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
             accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
-            window_loss = window_loss + loss.detach()
             accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
-            window.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
+            loop.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
             if not accelerator.sync_gradients:
                 continue
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            # one all-reduce: every rank steps or skips together, on the mean loss of the window's micro-batches
-            finite = guard.check(window_loss / (i % G + 1), grad_norm, state.global_step + 1, lrs[0])
+            finite = loop.finite(grad_norm)  # the same on every rank
             if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-        stepped = finite and not accelerator.optimizer_step_was_skipped
-        if stepped and ema is not None:
-            ema.update(accelerator.unwrap_model(model, keep_torch_compile=False), step=state.global_step + 1)
-        state.step_done(stepped, guard.loss)
-        end = state.step_in_epoch == steps_per_epoch or state.global_step == total_steps
-        if state.global_step % args.log_interval == 0 or end or guard.diverged:
-            window.log(metrics, state, lrs, guard.grad_norm, steps_per_epoch)
-        if guard.diverged:
-            raise RunStop(divergence(args.output_dir, state, guard.streak, lrs[0]), EXIT_DIVERGED)
-        if args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0 and not end:
-            save()
-        if name := preempted(accelerator):
-            raise Preempted(name)
-        if state.global_step >= total_steps:
+        if loop.step_done(finite):  # EMA, counters, train line, divergence, step checkpoint, preemption poll
             break
 
 
@@ -458,11 +434,7 @@ def main(argv=None):
     args.model = args.model or DEFAULT_MODEL
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     saved, notes = check_flags(args, given, synthetic)
-    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
-                                   args.output_dir, args.seed, args.verbose,
-                                   args.compile_backend if args.compile and not args.evaluate_only else None,
-                                   args.compile_mode)
-    state, t_start = TrainState(), time.time()
+    accelerator, state, t_start = accelerator_for(args), TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
                  args.overwrite_output_dir, args.verbose):
         for line in notes:
@@ -480,14 +452,12 @@ def main(argv=None):
             "train": dirs.get("train_dir"), "val": dirs.get("val_dir")}}  # data/<name>/val
         metrics, given_line = MetricsLog(accelerator, args.output_dir), format_given(build_parser(), config, given)
 
+        def evaluate(models: dict, epoch: int | None, final: bool = False) -> dict:
+            return evaluate_and_log(models, val_loader, val_ds, accelerator, metrics, state, args, epoch, weights)
+
         if args.evaluate_only:
             model, val_loader = accelerator.prepare(model, val_loader)
-            record_config(accelerator, config, given_line, args.output_dir)
-            start_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name, args.report_to)
-            try:
-                return evaluate_and_log({"": model}, val_loader, val_ds, accelerator, metrics, state, args, None, weights)[""]
-            except Preempted as p:
-                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
+            return evaluate_only(accelerator, args, config, given_line, lambda: evaluate({"": model}, None)[""])
 
         # ---- optimizer, schedule, resume
         if args.optimizer == "adamw":
@@ -501,77 +471,26 @@ def main(argv=None):
         warmup = round(WARMUP_FRACTION * total_steps) if args.warmup_steps is None else args.warmup_steps
         ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
                          use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
-        checkpoint = resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
-                            FIXED_ON_RESUME, "--weights", RECORD_KEYS)
-        resume_ema(ema, checkpoint)
+        resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
+                               FIXED_ON_RESUME, "--weights", RECORD_KEYS))
         # a function of the step (built at the resumed one), stepped per optimizer step; not prepared: a prepared
         # scheduler steps once per process on every call
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup),
                                                       last_epoch=state.global_step - 1)
-        record_config(accelerator, config, given_line, args.output_dir)
-        state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
-                                      args.report_to)
-        log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size
-                 * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"],
-                 args.max_grad_norm)
-        guard, window = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator)
-        bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
-
-        evaluated, saved, start_step = {}, {}, state.global_step  # the last evaluation, by prefix ("", "ema_")
-
-        def save() -> str:  # the state's checkpoint, once (a preemption right after one reuses it)
-            if repr(state) not in saved:
-                saved.clear()
-                saved[repr(state)] = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema
-                                                     else [])], args.checkpoint_total_limit, config, model_config,
-                                                     {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
-                logger.info("saved checkpoint %s", saved[repr(state)])
-            return saved[repr(state)]
-
-        def evaluate_epoch(epoch: int) -> None:  # the epoch counted from 1; best/ when it beats every earlier one
-            state.eval_pending = epoch  # a preemption's checkpoint says the evaluation is to be run
-            stats = evaluate_and_log({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
-                                     val_loader, val_ds, accelerator, metrics, state, args, epoch)
-            evaluated.update({p: {"epoch": epoch, "step": state.global_step, **v} for p, v in stats.items()})
-            prefix = best_weights(stats, "val_accuracy")
-            if improves_best(accelerator, args.output_dir, "val_accuracy", value := stats[prefix]["val_accuracy"], state):
-                save_model(accelerator, args, "best", ema.module if prefix else model, model_config, card, evaluated[prefix],
-                           {"metric": "val_accuracy", "value": value, "epoch": epoch, "step": state.global_step,
-                            "weights": "ema" if prefix else "trained"})
-                logger.info("new best val_accuracy %.4f (%s weights), saved %s/best/", value,
-                            "EMA" if prefix else "trained", args.output_dir)
-            state.eval_pending = 0
+        loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
+                         given_line, metrics, "val_accuracy", evaluate, lambda name, m, evaluation, extra: save_model(
+                             accelerator, args, name, m, model_config, card, evaluation, extra),
+                         optimizer.param_groups[0]["lr"])
 
         # ---- train
-        try:
-            if state.eval_pending:  # preempted in an evaluation: run it first
-                evaluate_epoch(state.eval_pending)
-            for epoch in range(state.epoch, args.epochs):
-                if state.global_step >= total_steps:
-                    break
-                train_one_epoch(model, optimizer, scheduler, train_loader, accelerator, state, guard, window, metrics,
-                                args, total_steps, save, ema)
-                last = state.global_step >= total_steps or epoch + 1 == args.epochs
-                step_checkpoint = args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0
-                if state.step_in_epoch >= steps_per_epoch:
-                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1,
-                                state.end_epoch(), optimizer.param_groups[0]["lr"], state.skipped_steps)
-                if (epoch + 1) % args.eval_interval == 0 or last:
-                    evaluate_epoch(epoch + 1)
-                if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
-                    save()
-        except Preempted as p:
-            raise p.stop(state, save()) from None
-        final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
-        if state.global_step > start_step or not os.path.isdir(os.path.join(args.output_dir, "last")):
-            save_model(accelerator, args, "last", model, model_config, card, final.get(""))
-        if ema is not None and state.global_step > start_step:
-            save_model(accelerator, args, "last_ema", ema.module, model_config, card, final.get("ema_"))
-        best = best_record(accelerator, args.output_dir, "val_accuracy")
-    logger.info("summary:\n  %s", "\n  ".join(summary_lines(
-        args.output_dir, "val_accuracy", time.time() - t_start, state, best, final.get(""), window.images_seen,
-        ema is not None)))
-    return final.get("")
+        with loop.checkpoint_on_preemption():
+            for epoch in loop.epochs():
+                train_one_epoch(model, optimizer, scheduler, train_loader, accelerator, loop, args)
+                loop.end_epoch(epoch, optimizer)
+                loop.evaluate_and_checkpoint(epoch)
+        final = loop.finish()
+    loop.log_summary(time.time() - t_start)
+    return final
 
 
 if __name__ == "__main__":
