@@ -215,6 +215,31 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
 
 
+def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args) -> None:
+    """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
+    bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
+    model.train()
+    G = args.gradient_accumulation_steps
+    for i, batch in loop.batches(loader, model, optimizer):
+        with accelerator.accumulate(model):
+            logits = model(batch["image"])
+            loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
+            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
+            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
+            accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
+            loop.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
+            if not accelerator.sync_gradients:
+                continue
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+            finite = loop.finite(grad_norm)  # the same on every rank
+            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        if loop.step_done(finite):  # EMA, counters, train line, divergence, step checkpoint, preemption poll
+            break
+
+
 @torch.no_grad()
 def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False) -> tuple[dict, dict]:
     """Evaluate the val shard of every process and gather the per-image results (collective).
@@ -399,31 +424,6 @@ def check_classes(saved: dict | None, classes: list[str], args) -> None:
                   f"model: {short_list(sorted(set(theirs) - set(classes))) or 'none'}; only in the folder: "
                   f"{short_list(sorted(set(classes) - set(theirs))) or 'none'}"
                   + ("; the same names in another order" if sorted(theirs) == sorted(classes) else ""))
-
-
-def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args) -> None:
-    """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
-    bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
-    model.train()
-    G = args.gradient_accumulation_steps
-    for i, batch in loop.batches(loader, model, optimizer):
-        with accelerator.accumulate(model):
-            logits = model(batch["image"])
-            loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
-            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
-            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
-            accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
-            loop.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
-            if not accelerator.sync_gradients:
-                continue
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            finite = loop.finite(grad_norm)  # the same on every rank
-            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-        if loop.step_done(finite):  # EMA, counters, train line, divergence, step checkpoint, preemption poll
-            break
 
 
 def main(argv=None):

@@ -58,12 +58,10 @@ from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT
                          EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, aspect_groups, build_transform,
                          check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes, loader_settings,
                          make_synthetic_coco, read_class_names)
-from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
-                           TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
-                           format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
-                           parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
-                           record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
-                           stop_together, summary_lines)
+from detlib.engine import (MetricsLog, Preempted, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
+                           evaluate_only, float_range, format_given, given_flags, int_at_least, parse_with_config, path,
+                           preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
+                           save_weights, show_data_defaults, stop, stop_together)
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
                                detections_to_coco, detector_card, evaluation_diagnostics, format_best_f1,
                                log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
@@ -565,6 +563,38 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
                                              last_epoch=done_steps - 1)
 
 
+def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, loop, args, normalizer=None) -> None:
+    """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
+    bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
+    model.train()
+    G = args.gradient_accumulation_steps
+    for i, batch in loop.batches(loader, model, optimizer):
+        with accelerator.accumulate(model):
+            images = batch["images"]
+            if args.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            out = model(images)
+            anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
+            losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
+                                    batch["crowd_boxes"], box_loss=args.box_loss, normalizer=normalizer)
+            loss, n = losses["loss"], len(batch["image_ids"])
+            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
+            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
+            loop.add({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
+                      "pos_anchors_per_image": losses["num_pos"] / n}, n)
+            if not accelerator.sync_gradients:
+                continue
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+            finite = loop.finite(grad_norm)  # the same on every rank
+            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if args.lr_scheduler != "plateau":  # per step; the plateau scheduler per epoch, in main
+                scheduler.step()
+        if loop.step_done(finite):  # EMA, counters, train line, divergence, step checkpoint, preemption poll
+            break
+
+
 @torch.no_grad()
 def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args, title: str = "") -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval and log its 12 stats
@@ -659,60 +689,6 @@ def save_model(accelerator, args, name: str, model, model_config: dict, evaluati
         write_card(detector_card(model_config, evaluation=evaluation, weights_name=name, where=where, **card), folder)
 
 
-def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, state, guard, window, metrics, args,
-                    total_steps: int, save, ema=None, normalizer=None) -> None:
-    """Train from `state`'s position (a mid-epoch resume skips the batches already trained) to the end of the epoch
-    or the run's `total_steps`. Raises RunStop when the run diverges, Preempted on a preemption signal; `save()`
-    writes a --checkpoint_steps checkpoint (one on the epoch's last step is the epoch's own, written by main)."""
-    model.train()
-    G, done = args.gradient_accumulation_steps, state.step_in_epoch * args.gradient_accumulation_steps
-    steps_per_epoch, per_step = math.ceil(len(loader) / G), args.lr_scheduler != "plateau"
-    loader.set_epoch(state.epoch)
-    for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
-        if i % G == 0:  # the first micro-batch of an accumulation window
-            guard.snapshot(model)
-            lrs, window_loss = [g["lr"] for g in optimizer.param_groups], 0.0  # the step's LRs; its micro-batches' loss
-        with accelerator.accumulate(model):
-            images = batch["images"]
-            if args.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
-            out = model(images)
-            anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
-            losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
-                                    batch["crowd_boxes"], box_loss=args.box_loss, normalizer=normalizer)
-            loss, n = losses["loss"], len(batch["image_ids"])
-            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
-            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
-            window_loss = window_loss + loss.detach()
-            window.add({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
-                        "pos_anchors_per_image": losses["num_pos"] / n}, n)
-            if not accelerator.sync_gradients:
-                continue
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            # one all-reduce: every rank steps or skips together, on the mean loss of the window's micro-batches
-            finite = guard.check(window_loss / (i % G + 1), grad_norm, state.global_step + 1, lrs[0])
-            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if per_step:
-                scheduler.step()
-        stepped = finite and not accelerator.optimizer_step_was_skipped
-        if stepped and ema is not None:
-            ema.update(accelerator.unwrap_model(model, keep_torch_compile=False), step=state.global_step + 1)
-        state.step_done(stepped, guard.loss)
-        end = state.step_in_epoch == steps_per_epoch or state.global_step == total_steps
-        if state.global_step % args.log_interval == 0 or end or guard.diverged:
-            window.log(metrics, state, lrs, guard.grad_norm, steps_per_epoch)
-        if guard.diverged:
-            raise RunStop(divergence(args.output_dir, state, guard.streak, lrs[0]), EXIT_DIVERGED)
-        if args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0 and not end:
-            save()
-        if name := preempted(accelerator):
-            raise Preempted(name)
-        if state.global_step >= total_steps:
-            break
-
-
 def main(argv=None):
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
@@ -726,11 +702,7 @@ def main(argv=None):
         args.warmup_steps = 0
     if args.evaluate_only:  # never over a training run's files
         args.output_dir = os.path.join(args.output_dir, "evaluate_only")
-    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
-                                   args.output_dir, args.seed, args.verbose,
-                                   args.compile_backend if args.compile and not args.evaluate_only else None,
-                                   args.compile_mode)
-    state, t_start = TrainState(), time.time()
+    accelerator, state, t_start = accelerator_for(args), TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
                  args.overwrite_output_dir, args.verbose):
         for line in notes:
@@ -782,18 +754,14 @@ def main(argv=None):
                                   area_ranges=area_ranges_from_edges(args.area_ranges) if args.area_ranges else None)
         given_line = format_given(build_parser(), config, given)  # the flags the user set, for the config's log line
 
-        def evaluate_epoch(models: dict, epoch: int | None, weights: str | None = None, final: bool = False) -> dict:
+        def evaluate(models: dict, epoch: int | None, final: bool = False) -> dict:
             return evaluate_and_log(models, val_loader, val_ds, evaluator, anchor_gen, accelerator, metrics, state, args,
                                     paths["val_images"], epoch, weights, final)
 
         if args.evaluate_only:
             model = accelerator.prepare(model)
-            record_config(accelerator, config, given_line, args.output_dir)
-            start_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name, args.report_to)
-            try:
-                return {k: v for k, v in evaluate_epoch({"": model}, None, weights)[""].items() if k in STAT_NAMES}
-            except Preempted as p:
-                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
+            return evaluate_only(accelerator, args, config, given_line, lambda: {
+                k: v for k, v in evaluate({"": model}, None)[""].items() if k in STAT_NAMES})
 
         # ---- optimizer, schedule, resume
         # No weight decay on norm weights and biases (every 1-D parameter: timm, nanoGPT; detectron2's
@@ -812,82 +780,33 @@ def main(argv=None):
         if args.loss_normalizer == "ema":  # the same value on every process, checkpointed
             normalizer = EmaLossNormalizer(reduce=lambda t: accelerator.reduce(t, reduction="mean"))
             accelerator.register_for_checkpointing(normalizer)
-        bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
-        ema = ModelEmaV3(bare, decay=args.model_ema, use_warmup=args.model_ema_warmup,
-                         warmup_power=0.75) if args.model_ema else None
+        ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
+                         use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
         resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
                                FIXED_ON_RESUME, records=RECORD_KEYS))
         scheduler = plateau or build_scheduler(optimizer, args, steps_per_epoch, total_steps, state.global_step)
-        record_config(accelerator, config, given_line, args.output_dir)
-        state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
-                                      args.report_to)
-        log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size
-                 * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"],
-                 args.max_grad_norm)
-        guard, window, evaluated = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
-        saved, start_step = {}, state.global_step
-
-        def save() -> str:  # the state's checkpoint, once (a preemption right after one reuses it)
-            if repr(state) not in saved:
-                saved.clear()
-                saved[repr(state)] = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema
-                                                     else [])], args.checkpoint_total_limit, config, model_config,
-                                                     {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
-                logger.info("saved checkpoint %s", saved[repr(state)])
-            return saved[repr(state)]
-
-        def evaluate_and_keep_best(epoch: int, final: bool) -> None:  # best/: weights that beat every earlier one
-            state.eval_pending = epoch  # a preemption's checkpoint says the evaluation is to be run
-            evaluated.update(evaluate_epoch({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
-                                            epoch, final=final))
-            prefix = best_weights(evaluated, "AP")
-            if improves_best(accelerator, args.output_dir, "AP", value := evaluated[prefix]["AP"], state):
-                save_model(accelerator, args, "best", ema.module if prefix else model, model_config, evaluated[prefix],
-                           card, {"metric": "AP", "value": value, "epoch": epoch, "step": state.global_step,
-                                  "weights": "ema" if prefix else "trained"})
-                logger.info("new best AP %.4f (%s weights), saved %s/best/", value, "EMA" if prefix else "trained",
-                            args.output_dir)
-            state.eval_pending = 0
+        loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
+                         given_line, metrics, "AP", evaluate, lambda name, m, evaluation, extra: save_model(
+                             accelerator, args, name, m, model_config, evaluation, card, extra),
+                         optimizer.param_groups[0]["lr"])
 
         # ---- train
-        try:
-            if state.eval_pending:  # preempted in an evaluation: run it first
-                evaluate_and_keep_best(state.eval_pending, state.global_step >= total_steps)
-            for epoch in range(state.epoch, args.epochs):
-                if state.global_step >= total_steps:
-                    break
+        with loop.checkpoint_on_preemption(stop_note):
+            for epoch in loop.epochs():
                 train_ds.set_epoch(epoch)  # the augmentation's stream (workers copy the data set each epoch)
-                train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, state, guard, window,
-                                metrics, args, total_steps, save, ema, normalizer)
-                last = state.global_step >= total_steps or epoch + 1 == args.epochs
-                step_checkpoint = args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0
-                if state.step_in_epoch >= steps_per_epoch:
-                    lr, mean_loss = optimizer.param_groups[0]["lr"], state.end_epoch()
-                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1, mean_loss, lr,
-                                state.skipped_steps)
-                    if args.lr_scheduler == "plateau":
-                        scheduler.step(mean_loss)  # the epoch's mean over all processes: the same on every rank
-                        if optimizer.param_groups[0]["lr"] < lr:
-                            logger.info("plateau: no lower mean loss in %d epoch(s), lr %.3g -> %.3g from epoch %d on",
-                                        args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], epoch + 2)
-                if (epoch + 1) % args.eval_interval == 0 or last:
-                    evaluate_and_keep_best(epoch + 1, last)
-                if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
-                    save()
-        except Preempted as p:
-            raise p.stop(state, save(), stop_note) from None
-        final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
-        if state.global_step > start_step or not os.path.isdir(os.path.join(args.output_dir, "last")):
-            save_model(accelerator, args, "last", model, model_config, final.get(""), card)
-        if ema is not None and state.global_step > start_step:
-            save_model(accelerator, args, "last_ema", ema.module, model_config, final.get("ema_"), card)
-        best = best_record(accelerator, args.output_dir, "AP")
-    logger.info("summary:\n  %s", "\n  ".join(summary_lines(
-        args.output_dir, "AP", time.time() - t_start, state, best, final.get(""), window.images_seen,
-        ema is not None, also=("AP50",))))
+                train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, loop, args, normalizer)
+                lr, mean_loss = optimizer.param_groups[0]["lr"], loop.end_epoch(epoch, optimizer)
+                if plateau and mean_loss is not None:
+                    scheduler.step(mean_loss)  # the epoch's mean over all processes: the same on every rank
+                    if optimizer.param_groups[0]["lr"] < lr:
+                        logger.info("plateau: no lower mean loss in %d epoch(s), lr %.3g -> %.3g from epoch %d on",
+                                    args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], epoch + 2)
+                loop.evaluate_and_checkpoint(epoch)
+        final = loop.finish()
+    loop.log_summary(time.time() - t_start, also=("AP50",))
     if args.push_to_hub and accelerator.is_main_process:
         push_best(args.output_dir, args.push_to_hub, args.hub_private)
-    return {k: v for k, v in final[""].items() if k in STAT_NAMES} if "" in final else None
+    return {k: v for k, v in final.items() if k in STAT_NAMES} if final else None
 
 
 if __name__ == "__main__":
