@@ -46,12 +46,13 @@ from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_cl
                                    classification_transform, per_class_summary, per_class_table)
 from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import (MetricsLog, Preempted, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
+from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
                            evaluate_only, float_range, format_given, given_flags, int_at_least, parse_with_config, path,
-                           preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
-                           save_weights, show_data_defaults, stop, stop_together)
+                           resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
+                           save_weights, show_data_defaults, stop, stop_if_preempted, stop_together)
 from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
 from detlib.files import atomic_write
+from detlib.labels import CategoryMap, model_classes_in_data
 from detlib.logtext import short_list
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
 
@@ -254,8 +255,8 @@ def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False)
     model.eval()
     parts = []
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
-        if poll and i % 10 == 0 and (name := preempted(accelerator)):
-            raise Preempted(name)
+        if poll and i % 10 == 0:
+            stop_if_preempted(accelerator)
         logits = model(batch["image"]).float()
         loss = F.cross_entropy(logits, batch["label"], reduction="none")
         conf, pred = logits.softmax(-1).max(-1)
@@ -346,26 +347,25 @@ def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, sta
 
 
 def match_classifier_classes(model, weights: str, classes: list[str], by_name: bool) -> None:
-    """--weights of one of our classifiers with as many classes as this data: its outputs keep their meaning. The
-    same names in the same order load as they are; otherwise the run stops in one line naming both sides, or with
-    `by_name` each output row moves to the class of its name (a class the weights lack keeps a zero row)."""
+    """--weights of one of our classifiers with as many classes as this data: its outputs keep their meaning
+    (`detlib.labels.model_classes_in_data`, output i the id of class i). The same names load as they are; otherwise
+    the run stops in one line naming both sides, or with `by_name` each output row moves to the class of its name (a
+    class the weights lack keeps a zero row)."""
     try:
         theirs = (read_model_config(weights) or {}).get("classes")
-    except WeightsFileError as e:
+        if not theirs or len(theirs) != len(classes):
+            return  # another class count: build_classifier left the output layer fresh
+        _, source = model_classes_in_data(CategoryMap(range(len(theirs)), theirs), CategoryMap(range(len(classes)),
+                                          classes), by_name, weights, "this data", "--classes_by_name", "output")
+    except (WeightsFileError, ValueError) as e:
         raise RunStop(f"--weights: {e}") from None
-    if not theirs or len(theirs) != len(classes) or list(theirs) == list(classes):
-        return  # another class count: build_classifier left the output layer fresh
-    if not by_name:
-        pairs = ", ".join(f"output {i} is {a!r} in {weights} but {b!r} here" for i, (a, b) in enumerate(zip(theirs, classes))
-                          if a != b)
-        raise RunStop(f"--weights: the classifier's classes are not this data's: {pairs}; pass --classes_by_name to "
-                      "match them by name")
+    if source == list(range(len(classes))):
+        return
     head = model.get_classifier() if hasattr(model, "get_classifier") else model.fc
     weight, bias = head.weight.detach().clone(), head.bias.detach().clone()
     with torch.no_grad():
-        for j, name in enumerate(classes):
-            head.weight[j], head.bias[j] = ((weight[theirs.index(name)], bias[theirs.index(name)]) if name in theirs
-                                            else (torch.zeros_like(weight[j]), torch.zeros_like(bias[j])))
+        for j, i in enumerate(source):
+            head.weight[j], head.bias[j] = (weight[i], bias[i]) if i is not None else (0.0, 0.0)
     logger.info("--classes_by_name: outputs of %s moved to this data's order %s (they were %s)", weights, classes, theirs)
 
 

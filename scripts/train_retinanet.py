@@ -49,28 +49,27 @@ import sys
 import time
 
 import torch
-from accelerate.utils import broadcast_object_list, send_to_device
+from accelerate.utils import broadcast_object_list
 from timm.optim import param_groups_weight_decay
 from timm.utils import ModelEmaV3
-from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
                          EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, aspect_groups, build_transform,
                          check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes, loader_settings,
                          make_synthetic_coco, read_class_names)
-from detlib.engine import (MetricsLog, Preempted, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
+from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
                            evaluate_only, float_range, format_given, given_flags, int_at_least, parse_with_config, path,
-                           preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
-                           save_weights, show_data_defaults, stop, stop_together)
+                           resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
+                           save_weights, show_data_defaults, stop, stop_if_preempted, stop_together)
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
-                               detections_to_coco, detector_card, evaluation_diagnostics, format_best_f1,
+                               detect_images, detector_card, evaluation_diagnostics, format_best_f1,
                                log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
                                per_class_without_detections, write_card, write_score_thresholds)
 from detlib.files import write_json
 from detlib.hub import check_push, local_weights, push_folder
-from detlib.labels import CategoryMap, describe_mapping, match_categories
+from detlib.labels import CategoryMap, model_classes_in_data
 from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
-                              anchor_generator_from_config, check_backbone, decode_detections, load_matching_weights,
+                              anchor_generator_from_config, check_backbone, load_matching_weights,
                               reorder_class_outputs, retinanet_loss)
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
                             read_model_config, require_model_keys, weights_path)
@@ -266,18 +265,6 @@ def resolve_data(args) -> dict[str, str]:
     return make_synthetic_coco()
 
 
-def evaluation_categories(model: CategoryMap, val_json: dict, by_name: bool, model_source: str, data_source: str) -> CategoryMap:
-    """The evaluated model's classes with the val json's ids (`detlib.labels.match_categories`: ValueError when
-    ids name other classes, unless `by_name`); a class the json lacks gets an id the json does not use."""
-    data = CategoryMap([c["id"] for c in val_json["categories"]], [c.get("name", c["id"]) for c in val_json["categories"]])
-    mapping = match_categories(model, data, by_name, model_source, data_source)
-    if line := describe_mapping(mapping, model):
-        logger.info("--categories_by_name: %s", line)
-    spare = iter(range(max(data.category_ids) + 1, max(data.category_ids) + 1 + len(model)))
-    return CategoryMap([mapping[c] if mapping[c] is not None else next(spare) for c in model.category_ids], model.names,
-                       sort=False)
-
-
 def build_dataloaders(args, paths: dict[str, str]):
     """The training and validation data sets and loaders (unprepared), on the json files as the data check
     repaired them (it stops the run on errors; report in output_dir/data_report.json). The val loader holds this
@@ -307,9 +294,13 @@ def build_dataloaders(args, paths: dict[str, str]):
     saved = read_model_config(args.evaluate_only) if args.evaluate_only else None
     if category_map is None and saved and saved.get("category_ids"):
         category_map = CategoryMap(saved["category_ids"], saved.get("category_names"))
-        if saved.get("category_names"):  # the json's ids must mean the model's classes (or be matched by name)
-            category_map = evaluation_categories(category_map, val_json, args.categories_by_name, args.evaluate_only,
-                                                 paths["val_annotations"])
+        if saved.get("category_names"):  # the json's ids must mean the model's classes (or be matched by name); a
+            # class the json lacks is evaluated under an id the json does not use
+            data = CategoryMap(*zip(*[(c["id"], c.get("name", c["id"])) for c in val_json["categories"]]))
+            ids, _ = model_classes_in_data(category_map, data, args.categories_by_name, args.evaluate_only,
+                                           paths["val_annotations"])
+            spare = iter(range(max(data.category_ids) + 1, max(data.category_ids) + 1 + len(ids)))
+            category_map = CategoryMap([next(spare) if i is None else i for i in ids], category_map.names, sort=False)
         unknown = sorted({a["category_id"] for a in val_json["annotations"]} - set(category_map.category_ids))
         if unknown:
             raise ValueError(f"{paths['val_annotations']}: category ids {unknown} have val boxes but are not classes of "
@@ -494,17 +485,13 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
         raise RunStop(f"--init_from: no tensor of {init_file} fits this model ({args.backbone}, fpn_channels "
                       f"{args.fpn_channels})")
     if not loaded["reinitialised"] and saved and saved.get("category_names"):  # its class output is kept
-        source = CategoryMap(saved["category_ids"], saved["category_names"])
         try:
-            mapping = match_categories(source, category_map, args.categories_by_name, init_file, train_annotations)
+            _, source_class = model_classes_in_data(CategoryMap(saved["category_ids"], saved["category_names"]),
+                                                    category_map, args.categories_by_name, init_file, train_annotations)
         except ValueError as e:
             raise RunStop(f"--init_from: {e}") from None
         if args.categories_by_name:
-            index = {c: i for i, c in enumerate(source.category_ids)}
-            by_data_id = {d: index[m] for m, d in mapping.items() if d is not None}
-            reorder_class_outputs(model, [by_data_id.get(c) for c in category_map.category_ids])
-            if line := describe_mapping(mapping, source):
-                logger.info("--init_from --categories_by_name: %s", line)
+            reorder_class_outputs(model, source_class)
     named = [k for k in loaded["skipped"] if not k.endswith("num_batches_tracked")]  # a frozen BatchNorm has none
     logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s%s); not in the file, kept as "
                 "initialised: %d%s", init_file, len(loaded["loaded"]),
@@ -609,25 +596,10 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
             torch.distributed.broadcast(buffer, src=0)
     model.eval()
     evaluator.reset()
-    for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
-        if i % 10 == 0 and (name := preempted(accelerator)):  # every process has as many batches (some empty)
-            raise Preempted(name)
-        if not batch:
-            continue
-        batch = send_to_device(batch, accelerator.device, non_blocking=True)
-        out = model(batch["images"])
-        anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
-        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
-                                 batch["scales"], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
-                                 max_detections=args.detections_per_image)
-        for j, d in enumerate(dets.per_image(len(batch["image_ids"]))):
-            image_id = int(batch["image_ids"][j])
-            if not bool(batch["valid"][j]):
-                evaluator.add_failed(image_id)
-                continue
-            evaluator.add(image_id, detections_to_coco(d["boxes"], d["scores"], category_map.to_category_ids(d["labels"]),
-                                                       image_id))
-    evaluator.gather(accelerator)
+    evaluator.per_image, evaluator.failed = detect_images(
+        model, anchor_gen, loader, accelerator, category_map.to_category_ids(torch.arange(len(category_map))),
+        args.score_thresh, args.nms_thresh, args.detections_per_image,
+        every_10_batches=lambda: stop_if_preempted(accelerator))
     result = [None]
     if accelerator.is_main_process:
         stats, summary = evaluator.evaluate()

@@ -18,7 +18,8 @@ _EXPORTS = {
              "save_config", "setup_console_logging", "setup_logging", "start_trackers", "summary_lines"),
     "run_folder": ("EXIT_DIVERGED", "EXIT_PREEMPTED", "Preempted", "RunStop", "preempted", "running",
                    "stop", "stop_together", "wait_for_the_first_process"),
-    "step": ("StepGuard", "TrainLoop", "accelerator_for", "evaluate_only", "run_length"),
+    "step": ("StepGuard", "TrainLoop", "accelerator_for", "evaluate_only", "run_length",
+             "stop_if_preempted"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -89,6 +89,12 @@ def accelerator_for(args):
                             else None, args.compile_mode)
 
 
+def stop_if_preempted(accelerator) -> None:
+    """Raise Preempted when a preemption signal came to any process (collective: every rank at the same point)."""
+    if name := preempted(accelerator):
+        raise Preempted(name)
+
+
 def evaluate_only(accelerator, args, config: dict, given_line: str, evaluate):
     """--evaluate_only: config.yaml, the trackers, then `evaluate()`'s result; a preemption signal is RunStop."""
     record_config(accelerator, config, given_line, args.output_dir)
@@ -168,8 +174,7 @@ class TrainLoop:
             raise RunStop(divergence(args.output_dir, state, guard.streak, self.lrs[0]), EXIT_DIVERGED)
         if args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0 and not end:
             self.checkpoint()
-        if name := preempted(acc):
-            raise Preempted(name)
+        stop_if_preempted(acc)
         return state.global_step >= self.total_steps
 
     def end_epoch(self, epoch: int, optimizer) -> float | None:
