@@ -30,7 +30,6 @@ Defaults that depend on the data (built-in: no --train_dir / --val_dir given) an
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import math
 import os
@@ -43,7 +42,8 @@ from timm.utils import ModelEmaV3
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
-                                   classification_transform, per_class_summary, per_class_table)
+                                   classification_transform, log_wandb_extras, per_class_summary, per_class_table,
+                                   write_predictions)
 from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
 from detlib.datacheck import check_folders_for_training
 from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
@@ -51,7 +51,6 @@ from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerat
                            resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
                            save_weights, show_data_defaults, stop, stop_if_preempted, stop_together)
 from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
-from detlib.files import atomic_write
 from detlib.labels import CategoryMap, model_classes_in_data
 from detlib.logtext import short_list
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
@@ -278,44 +277,6 @@ def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False)
     return stats, {"index": index, "label": label, "pred": pred, "confidence": conf}
 
 
-def write_predictions(path: str, val_ds, preds: dict) -> None:
-    """One CSV row per val image: path, true class, predicted class, confidence (main process)."""
-    with atomic_write(path, newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["path", "label", "pred", "confidence"])
-        for i, y, p, c in zip(*(preds[k].tolist() for k in ("index", "label", "pred", "confidence"))):
-            w.writerow([val_ds.samples[i][0], val_ds.classes[y], val_ds.classes[p], f"{c:.6f}"])
-
-
-# wandb's confusion-matrix chart is a table of K x K rows, of which wandb keeps 10,000: a true chart up to 100 classes
-# (beyond, the PNG of detlib.evaluation.report.log_classification_extras shows the classes with the most errors).
-WANDB_CONFUSION_CLASSES = 100
-
-
-def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int) -> None:
-    """wandb (main process): the confusion matrix (up to WANDB_CONFUSION_CLASSES classes) and a table of the first
-    misclassified val images."""
-    if not any(t.name == "wandb" for t in accelerator.trackers):
-        return
-    import wandb
-
-    from detlib.data.images import load_rgb
-
-    labels, predicted = preds["label"].tolist(), preds["pred"].tolist()
-    table = wandb.Table(columns=["image", "path", "label", "predicted", "confidence"])
-    for k in [k for k in range(len(labels)) if labels[k] != predicted[k]][:max_rows]:
-        path = val_ds.samples[int(preds["index"][k])][0]
-        img, _ = load_rgb(path)
-        img.thumbnail((128, 128))
-        table.add_data(wandb.Image(img), path, val_ds.classes[labels[k]], val_ds.classes[predicted[k]],
-                       float(preds["confidence"][k]))
-    log = {"val_misclassified": table}
-    if len(val_ds.classes) <= WANDB_CONFUSION_CLASSES:
-        log["val_confusion_matrix"] = wandb.plot.confusion_matrix(y_true=labels, preds=predicted,
-                                                                  class_names=list(val_ds.classes))
-    accelerator.get_tracker("wandb", unwrap=True).log(log, step=step)
-
-
 def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, state, args, epoch: int | None,
                      weights: str | None = None) -> dict:
     """Evaluate `models` ({"": the weights being trained or evaluated, "ema_": their EMA}) and log the evaluation: one
@@ -333,10 +294,10 @@ def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, sta
     m = classification_metrics(preds["pred"], preds["label"], len(val_ds.classes))
     per_class, where = per_class_table(val_ds.classes, m["confusion"]), ""
     if accelerator.is_main_process:
-        write_predictions(os.path.join(args.output_dir, "predictions_val.csv"), val_ds, preds)
+        write_predictions(os.path.join(args.output_dir, "predictions_val.csv"), val_ds.samples, val_ds.classes, preds)
         extras = log_classification_extras(accelerator, args.output_dir, epoch, state.global_step, val_ds.classes,
                                            m["confusion"], per_class)
-        log_wandb_extras(accelerator, val_ds, preds, state.global_step, args.num_misclassified)
+        log_wandb_extras(accelerator, val_ds.samples, val_ds.classes, preds, state.global_step, args.num_misclassified)
         where = f"; per class and confusion matrix in {extras['folder']}"
     s = stats[""]
     logger.info("%s on %d images: accuracy %.4f, loss %.4f%s; %s%s", f"evaluation of {weights}" if weights else

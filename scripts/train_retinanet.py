@@ -53,7 +53,7 @@ from accelerate.utils import broadcast_object_list
 from timm.optim import param_groups_weight_decay
 from timm.utils import ModelEmaV3
 
-from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
+from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, CocoDetection,
                          EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, aspect_groups, build_transform,
                          check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes, loader_settings,
                          make_synthetic_coco, read_class_names)
@@ -66,10 +66,10 @@ from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges
                                log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
                                per_class_without_detections, write_card, write_score_thresholds)
 from detlib.files import write_json
-from detlib.hub import check_push, local_weights, push_folder
+from detlib.hub import check_push, local_weights, push_best
 from detlib.labels import CategoryMap, model_classes_in_data
 from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
-                              anchor_generator_from_config, check_backbone, load_matching_weights,
+                              anchor_generator_from_config, check_backbone, load_matching_weights, log_model_size,
                               reorder_class_outputs, retinanet_loss)
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
                             read_model_config, require_model_keys, weights_path)
@@ -339,31 +339,10 @@ def build_dataloaders(args, paths: dict[str, str]):
 
 def card_dataset(args, paths: dict, synthetic: bool) -> dict:
     """The data set as the model card names it: --data_dir's folder name, else the val json's name."""
-    if synthetic:
-        name = "detlib synthetic shapes"
-    elif args.data_dir:
-        name = os.path.basename(os.path.abspath(args.data_dir))
-    else:
-        name = os.path.splitext(os.path.basename(paths["val_annotations"]))[0]
+    name = ("detlib synthetic shapes" if synthetic else os.path.basename(os.path.abspath(args.data_dir)) if args.data_dir
+            else os.path.splitext(os.path.basename(paths["val_annotations"]))[0])
     return {"name": name, "format": args.data_format, "train": paths.get("train_annotations"),
             "val": paths.get("val_annotations")}
-
-
-def push_best(output_dir: str, repo_id: str, private: bool) -> None:
-    """Upload best/ (last/ when no evaluation made one) to the Hub; a failure is one line and exit 1, the folder
-    kept for a manual upload."""
-    folder = os.path.join(output_dir, "best")
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        folder = os.path.join(output_dir, "last")
-        logger.warning("--push_to_hub: no best/ (no evaluation improved on the first): uploading last/")
-    try:
-        url = push_folder(folder, repo_id, private, message=f"detlib train_retinanet: {os.path.basename(folder)}/")
-    except RuntimeError as e:
-        logger.error("%s", e, extra={"console": False})
-        print(f"error: --push_to_hub: {e}; the weights are in {folder}: upload them with "
-              f"`hf upload {repo_id} {folder}`", file=sys.stderr, flush=True)
-        raise SystemExit(1)
-    logger.info("--push_to_hub: uploaded %s to %s", folder, url)
 
 
 def not_used_flags(args) -> list[str]:
@@ -505,21 +484,6 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
     return model, anchor_gen, None
 
 
-def log_model(model, args, accelerator) -> None:
-    """The parameter counts and (main process) the forward cost of one image at the largest input size."""
-    n_params = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    logger.info("RetinaNet %s: %.2fM parameters (%.2fM trainable)", args.backbone, n_params / 1e6, n_train / 1e6)
-    if accelerator.is_main_process:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        s = int(math.ceil((args.max_size or args.image_size) / INPUT_DIVISIBILITY) * INPUT_DIVISIBILITY)
-        with torch.no_grad(), FlopCounterMode(display=False) as fc:
-            model.eval()(torch.zeros(1, 3, s, s))
-        model.train()
-        logger.info("forward cost at %dx%d: %.1f GFLOPs per image", s, s, fc.get_total_flops() / 1e9)
-
-
 def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, milestones=()) -> float:
     """The LR factor of optimizer step `step` (0-based) of the per-step schedules: a linear warm-up from WARMUP_START
     over `warmup_steps` (Goyal et al. 2017, section 2.2: step s takes WARMUP_START + (1 - WARMUP_START) * (s + 1) /
@@ -595,7 +559,6 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
         for buffer in model.buffers():
             torch.distributed.broadcast(buffer, src=0)
     model.eval()
-    evaluator.reset()
     evaluator.per_image, evaluator.failed = detect_images(
         model, anchor_gen, loader, accelerator, category_map.to_category_ids(torch.arange(len(category_map))),
         args.score_thresh, args.nms_thresh, args.detections_per_image,
@@ -716,7 +679,7 @@ def main(argv=None):
             logger.warning("--sync_bn needs CUDA devices; ignored on %s", accelerator.device.type)
         if args.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        log_model(model, args, accelerator)
+        log_model_size(model, args.backbone, args.max_size or args.image_size, accelerator.is_main_process)
         config = {**vars(args), "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
                   "synthetic_data": synthetic, "num_classes": len(category_map),
                   **{f"data_{k}": v for k, v in paths.items()}, "not_used": not_used_flags(args)}
@@ -777,7 +740,7 @@ def main(argv=None):
         final = loop.finish()
     loop.log_summary(time.time() - t_start, also=("AP50",))
     if args.push_to_hub and accelerator.is_main_process:
-        push_best(args.output_dir, args.push_to_hub, args.hub_private)
+        push_best(args.output_dir, args.push_to_hub, args.hub_private, "train_retinanet")
     return {k: v for k, v in final.items() if k in STAT_NAMES} if final else None
 
 

@@ -12,7 +12,7 @@ from .decode import decode_detections
 from .export import ExportableRetinaNet, canvas_size, compare_detections, head_candidates, prepare_input
 from .loss import BOX_LOSSES, EmaLossNormalizer, retinanet_loss
 from .model import (HEAD_NORMS, RetinaNet, build_retinanet_from_config, check_backbone, load_matching_weights,
-                    reorder_class_outputs)
+                    log_model_size, reorder_class_outputs)
 from .torchvision_weights import (convert_torchvision_retinanet, torchvision_coco_categories, torchvision_model_config,
                                   torchvision_version)
 
@@ -20,6 +20,6 @@ __all__ = [
     "ANCHOR_CONFIG_KEYS", "AnchorGenerator", "anchor_generator_from_config", "decode_detections", "ExportableRetinaNet",
     "canvas_size", "compare_detections", "head_candidates", "prepare_input", "BOX_LOSSES", "EmaLossNormalizer",
     "retinanet_loss", "HEAD_NORMS", "RetinaNet", "build_retinanet_from_config", "check_backbone",
-    "load_matching_weights", "reorder_class_outputs", "convert_torchvision_retinanet", "torchvision_coco_categories",
+    "load_matching_weights", "log_model_size", "reorder_class_outputs", "convert_torchvision_retinanet", "torchvision_coco_categories",
     "torchvision_model_config", "torchvision_version"
 ]
