@@ -30,6 +30,7 @@ Defaults that depend on the data (built-in: no --train_dir / --val_dir given) an
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -49,7 +50,7 @@ from detlib.datacheck import check_folders_for_training
 from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
                            evaluate_only, float_range, format_given, given_flags, int_at_least, parse_with_config, path,
                            resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
-                           save_weights, show_data_defaults, stop, stop_if_preempted, stop_together)
+                           show_data_defaults, stop, stop_if_preempted, stop_together)
 from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
 from detlib.labels import CategoryMap, model_classes_in_data
 from detlib.logtext import short_list
@@ -365,13 +366,10 @@ def build_model(args, classes: list[str], saved: dict | None):
     return model, weights
 
 
-def save_model(accelerator, args, name: str, model, model_config: dict, card: dict, evaluation: dict | None = None,
-               extra: dict | None = None) -> None:
-    """`output_dir/name/`: the weights (detlib.engine.save_weights) and the model card of what the run knows of them
+def write_model_files(model_config: dict, card: dict, folder: str, name: str, evaluation: dict | None) -> None:
+    """Beside the weights in `folder` (`output_dir/name/`, main process): the model card of what the run knows of them
     (`card`: its data set and command; `evaluation`: of exactly these weights, or None)."""
-    folder = save_weights(accelerator, model, args.output_dir, name, model_config, extra)
-    if accelerator.is_main_process:
-        write_card(classifier_card(model_config, evaluation=evaluation, weights_name=name, where=folder, **card), folder)
+    write_card(classifier_card(model_config, evaluation=evaluation, weights_name=name, where=folder, **card), folder)
 
 
 def check_classes(saved: dict | None, classes: list[str], args) -> None:
@@ -439,9 +437,8 @@ def main(argv=None):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup),
                                                       last_epoch=state.global_step - 1)
         loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
-                         given_line, metrics, "val_accuracy", evaluate, lambda name, m, evaluation, extra: save_model(
-                             accelerator, args, name, m, model_config, card, evaluation, extra),
-                         optimizer.param_groups[0]["lr"])
+                         given_line, metrics, optimizer.param_groups[0]["lr"], metric="val_accuracy", evaluate=evaluate,
+                         write_files=functools.partial(write_model_files, model_config, card))
 
         # ---- train
         with loop.checkpoint_on_preemption():

@@ -42,6 +42,7 @@ Defaults that depend on the data (built-in: no --data_dir / --train_images / --v
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -60,7 +61,7 @@ from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, CocoD
 from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
                            evaluate_only, float_range, format_given, given_flags, int_at_least, parse_with_config, path,
                            resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
-                           save_weights, show_data_defaults, stop, stop_if_preempted, stop_together)
+                           show_data_defaults, stop, stop_if_preempted, stop_together)
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
                                detect_images, detector_card, evaluation_diagnostics, format_best_f1,
                                log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
@@ -612,16 +613,13 @@ def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, ac
     return evaluations
 
 
-def save_model(accelerator, args, name: str, model, model_config: dict, evaluation: dict | None, card: dict,
-               extra: dict | None = None) -> None:
-    """`output_dir/name/`: the weights (detlib.engine.save_weights), the best-F1 score thresholds of `evaluation` (the
-    evaluation of exactly these weights, or None) and the model card (`card`: its dataset and command)."""
-    folder = save_weights(accelerator, model, args.output_dir, name, model_config, extra)
-    if accelerator.is_main_process:
-        if evaluation and evaluation.get("best_f1"):
-            write_score_thresholds(folder, evaluation["best_f1"], evaluation)
-        where = args.push_to_hub if args.push_to_hub and name == "best" else folder
-        write_card(detector_card(model_config, evaluation=evaluation, weights_name=name, where=where, **card), folder)
+def write_model_files(args, model_config: dict, card: dict, folder: str, name: str, evaluation: dict | None) -> None:
+    """Beside the weights in `folder` (`output_dir/name/`, main process): the best-F1 score thresholds of `evaluation`
+    (of exactly these weights, or None) and the model card (`card`: its dataset and command)."""
+    if evaluation and evaluation.get("best_f1"):
+        write_score_thresholds(folder, evaluation["best_f1"], evaluation)
+    where = args.push_to_hub if args.push_to_hub and name == "best" else folder
+    write_card(detector_card(model_config, evaluation=evaluation, weights_name=name, where=where, **card), folder)
 
 
 def main(argv=None):
@@ -721,9 +719,8 @@ def main(argv=None):
                                FIXED_ON_RESUME, records=RECORD_KEYS))
         scheduler = plateau or build_scheduler(optimizer, args, steps_per_epoch, total_steps, state.global_step)
         loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
-                         given_line, metrics, "AP", evaluate, lambda name, m, evaluation, extra: save_model(
-                             accelerator, args, name, m, model_config, evaluation, card, extra),
-                         optimizer.param_groups[0]["lr"])
+                         given_line, metrics, optimizer.param_groups[0]["lr"], metric="AP", evaluate=evaluate,
+                         write_files=functools.partial(write_model_files, args, model_config, card))
 
         # ---- train
         with loop.checkpoint_on_preemption(stop_note):

@@ -18,7 +18,8 @@ import os
 
 import torch
 
-from .checkpoints import EMA_WEIGHTS, best_record, best_weights, divergence, improves_best, save_checkpoint
+from .checkpoints import (EMA_WEIGHTS, best_record, best_weights, divergence, improves_best, save_checkpoint,
+                          save_weights)
 from .logs import TrainWindow, log_plan, make_accelerator, record_config, start_trackers, summary_lines
 from .run_folder import EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, preempted
 
@@ -109,13 +110,13 @@ class TrainLoop:
     """The bookkeeping of a training run around the script's step. Made after `resume` (it writes config.yaml, starts
     the trackers, logs the plan). `args`: the run machinery's flags; `evaluate(models, epoch, final)`: the script's
     evaluation of {"": the trained weights, "ema_": their EMA} -> {prefix: stats holding `metric`};
-    `save_model(name, model, evaluation, extra)`: the script's weights folder (`save_weights` and its model card)."""
+    `write_files(folder, name, evaluation)`: the script's files beside a weights folder's weights (its model card)."""
 
     def __init__(self, accelerator, args, state, model, ema, steps_per_epoch: int, total_steps: int, config: dict,
-                 model_config: dict, given_line: str, metrics, metric: str, evaluate, save_model, lr: float):
+                 model_config: dict, given_line: str, metrics, lr: float, metric: str, evaluate, write_files):
         self.acc, self.args, self.state, self.model, self.ema, self.metrics = accelerator, args, state, model, ema, metrics
         self.steps_per_epoch, self.total_steps, self.config, self.model_config = steps_per_epoch, total_steps, config, model_config
-        self.metric, self.evaluate_fn, self.save_model = metric, evaluate, save_model
+        self.metric, self.evaluate_fn, self.write_files = metric, evaluate, write_files
         self.bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
         self.guard, self.window = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator)
         self.evaluated, self.saved, self.start_step, self.final, self.best = {}, {}, state.global_step, {}, None
@@ -207,7 +208,7 @@ class TrainLoop:
         self.evaluated.update({p: {"epoch": epoch, "step": state.global_step, **v} for p, v in stats.items()})
         prefix = best_weights(stats, self.metric)
         if improves_best(self.acc, self.args.output_dir, self.metric, value := stats[prefix][self.metric], state):
-            self.save_model("best", ema.module if prefix else self.model, self.evaluated[prefix], {
+            self.save("best", ema.module if prefix else self.model, self.evaluated[prefix], {
                 "metric": self.metric, "value": value, "epoch": epoch, "step": state.global_step,
                 "weights": "ema" if prefix else "trained"})
             logger.info("new best %s %.4f (%s weights), saved %s/best/", self.metric, value,
@@ -225,6 +226,12 @@ class TrainLoop:
             logger.info("saved checkpoint %s", self.saved[repr(self.state)])
         return self.saved[repr(self.state)]
 
+    def save(self, name: str, model, evaluation: dict | None, extra: dict | None = None) -> None:
+        """`output_dir/name/`: `save_weights` (`extra` as best.json), then the script's `write_files`."""
+        folder = save_weights(self.acc, model, self.args.output_dir, name, self.model_config, extra)
+        if self.acc.is_main_process:
+            self.write_files(folder, name, evaluation)
+
     @contextlib.contextmanager
     def checkpoint_on_preemption(self, note: str = ""):
         """A preemption signal inside: the state's checkpoint, then RunStop (EXIT_PREEMPTED) naming it; `note` ends
@@ -240,9 +247,9 @@ class TrainLoop:
         state, out = self.state, self.args.output_dir
         self.final = {p: e for p, e in self.evaluated.items() if e["step"] == state.global_step}
         if state.global_step > self.start_step or not os.path.isdir(os.path.join(out, "last")):
-            self.save_model("last", self.model, self.final.get(""), None)
+            self.save("last", self.model, self.final.get(""))
         if self.ema is not None and state.global_step > self.start_step:
-            self.save_model("last_ema", self.ema.module, self.final.get("ema_"), None)
+            self.save("last_ema", self.ema.module, self.final.get("ema_"))
         self.best = best_record(self.acc, out, self.metric)
         return self.final.get("")
 
