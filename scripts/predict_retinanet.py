@@ -179,14 +179,17 @@ def labelled_split(args) -> tuple[dict, str]:
     return check.dataset, paths["val_images"]
 
 
-def write_outputs(args, ds, merged: dict[int, list[dict]], failed: list[int], video_shards: list, skipped: list[str],
-                  names: dict[int, str]) -> list[dict]:
+def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, str]) -> list[dict]:
     """predictions.json (the images', by input index, then the videos' frame by frame), skipped.txt and the summary
-    line (main process). `video_shards`: every process's (per video, failed videos)."""
+    line (main process). `shards`: (per image, failed images, per video, failed videos) of each part."""
+    merged: dict[int, list[dict]] = {}
     videos: dict[int, list[dict]] = {}
+    failed: list[int] = []
     failed_videos: dict[int, str] = {}
-    for video_part, video_fail in video_shards:
+    for part, fail, video_part, video_fail in shards:
+        merged.update(part)
         videos.update(video_part)
+        failed += fail
         failed_videos.update(video_fail)
     # in input order: each process lists only its own batches and videos (dealt round-robin)
     skipped = (skipped + [ds_path(ds, k) + " (unreadable)" for k in sorted(failed)]
@@ -408,7 +411,8 @@ def main(argv=None):
     failed = [i if index_of is None else index_of[i] for i in failed]
     results = None
     if accelerator.is_main_process:
-        results = write_outputs(args, ds, per_image, failed, video_shards, skipped, names)
+        results = write_outputs(args, ds, [(per_image, failed, {}, {})] + [({}, [], *v) for v in video_shards],
+                                skipped, names)
     outputs_written()  # a signal from here on says the outputs are complete
     # a clean end of the process group: a rank that exits while another still tears down gloo can abort
     accelerator.wait_for_everyone()
