@@ -1,4 +1,5 @@
-"""Image classification: the transforms, the model builder with its weight loading, and the metrics.
+"""Image classification: the transforms, the model builder with its weight loading, the metrics, and the evaluation's
+extra files (predictions CSV, wandb table).
 
 The data (ImageFolder scan and data set) is `detlib.data.imagefolder`; the built-in stripes data set is
 `detlib.data.builtin`; weights files are read by `detlib.weights.load_state_dict_file`.
@@ -223,3 +224,45 @@ def per_class_summary(per_class: dict[str, dict], confusion: list[list[int]]) ->
 
     return (f"{len(per_class)} classes, mean precision {mean_p:.3f}, mean recall {mean_r:.3f}; lowest recall (images): "
             f"{', '.join(map(name, ranked[:EXTREMES]))}; highest: {', '.join(map(name, ranked[::-1][:EXTREMES]))}")
+
+
+def write_predictions(path: str, samples: list[tuple[str, int]], classes: list[str], preds: dict) -> None:
+    """One CSV row per val image: path, true class, predicted class, confidence. `samples`: the data set's
+    (path, label); `preds`: [N] tensors "index" (into `samples`), "label", "pred", "confidence"."""
+    import csv
+
+    from .files import atomic_write
+
+    with atomic_write(path, newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "label", "pred", "confidence"])
+        for i, y, p, c in zip(*(preds[k].tolist() for k in ("index", "label", "pred", "confidence"))):
+            w.writerow([samples[i][0], classes[y], classes[p], f"{c:.6f}"])
+
+
+# wandb's confusion-matrix chart is a table of K x K rows, of which wandb keeps 10,000: a true chart up to 100 classes
+# (beyond, the PNG of detlib.evaluation.report.log_classification_extras shows the classes with the most errors).
+WANDB_CONFUSION_CLASSES = 100
+
+
+def log_wandb_extras(accelerator, samples: list[tuple[str, int]], classes: list[str], preds: dict, step: int,
+                     max_rows: int) -> None:
+    """wandb (main process): the confusion matrix (up to WANDB_CONFUSION_CLASSES classes) and a table of the first
+    `max_rows` misclassified val images (`samples`, `preds` as `write_predictions` takes them)."""
+    if not any(t.name == "wandb" for t in accelerator.trackers):
+        return
+    import wandb
+
+    from .data.images import load_rgb
+
+    labels, predicted = preds["label"].tolist(), preds["pred"].tolist()
+    table = wandb.Table(columns=["image", "path", "label", "predicted", "confidence"])
+    for k in [k for k in range(len(labels)) if labels[k] != predicted[k]][:max_rows]:
+        path = samples[int(preds["index"][k])][0]
+        img, _ = load_rgb(path)
+        img.thumbnail((128, 128))
+        table.add_data(wandb.Image(img), path, classes[labels[k]], classes[predicted[k]], float(preds["confidence"][k]))
+    log = {"val_misclassified": table}
+    if len(classes) <= WANDB_CONFUSION_CLASSES:
+        log["val_confusion_matrix"] = wandb.plot.confusion_matrix(y_true=labels, preds=predicted, class_names=list(classes))
+    accelerator.get_tracker("wandb", unwrap=True).log(log, step=step)

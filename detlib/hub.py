@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import re
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -152,3 +153,20 @@ def push_folder(folder: str, repo_id: str, private: bool = False, message: str |
     except Exception as e:
         raise RuntimeError(f"uploading {folder} to {repo_id} failed ({_first_line(e)})") from None
     return getattr(info, "repo_url", None) or f"{api.endpoint}/{repo_id}"
+
+
+def push_best(output_dir: str, repo_id: str, private: bool, script: str) -> None:
+    """--push_to_hub at the end of a run: upload best/ (last/ when no evaluation made one); a failure is one line and
+    exit 1, the folder kept for a manual upload."""
+    folder = os.path.join(output_dir, "best")
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        folder = os.path.join(output_dir, "last")
+        logger.warning("--push_to_hub: no best/ (no evaluation improved on the first): uploading last/")
+    try:
+        url = push_folder(folder, repo_id, private, message=f"detlib {script}: {os.path.basename(folder)}/")
+    except RuntimeError as e:
+        logger.error("%s", e, extra={"console": False})
+        print(f"error: --push_to_hub: {e}; the weights are in {folder}: upload them with "
+              f"`hf upload {repo_id} {folder}`", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    logger.info("--push_to_hub: uploaded %s to %s", folder, url)

@@ -17,9 +17,12 @@ Anchor assignment (the output of `detlib.retinanet.matching.match_anchors`, one 
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 PAD_LABEL = -1
 BACKGROUND = -1
@@ -70,7 +73,8 @@ def _same_name(a: str, b: str) -> bool:
 
 
 def match_categories(model: CategoryMap, data: CategoryMap, by_name: bool = False, model_source: str = "the model",
-                     data_source: str = "the data") -> dict[int, int | None]:
+                     data_source: str = "the data", flag: str = "--categories_by_name",
+                     unit: str = "id") -> dict[int, int | None]:
     """Where a trained model meets a data set's categories: which data-set category each model class means.
 
     Without `by_name` the classes are matched by category id, and an id that both sides have must carry the same
@@ -81,6 +85,7 @@ def match_categories(model: CategoryMap, data: CategoryMap, by_name: bool = Fals
 
     Args:
         model: the model's classes (from its model_config.json). data: the data set's (its json's categories).
+        flag, unit: the flag that matches by name and what an id is (a classifier's "output"), for the message.
     Returns:
         {model category id: data category id, or None (by_name, no category of that name)}, in the model's order.
     Raises:
@@ -92,10 +97,10 @@ def match_categories(model: CategoryMap, data: CategoryMap, by_name: bool = Fals
         clash = [(c, n, data_names[c]) for c, n in zip(model.category_ids, model.names)
                  if c in data_names and not _same_name(n, data_names[c])]
         if clash:
-            pairs = ", ".join(f"id {c} is {m!r} in {model_source} but {d!r} in {data_source}" for c, m, d in clash[:5])
+            pairs = ", ".join(f"{unit} {c} is {m!r} in {model_source} but {d!r} in {data_source}" for c, m, d in clash[:5])
             more = f" (and {len(clash) - 5} more)" if len(clash) > 5 else ""
-            raise ValueError(f"the model's classes are not this data set's: {pairs}{more}; pass --categories_by_name "
-                             "to match the classes by name")
+            raise ValueError(f"the model's classes are not this data set's: {pairs}{more}; pass {flag} to match the "
+                             "classes by name")
         return {c: c for c in model.category_ids}
     by_folded: dict[str, int] = {}
     for c, n in data_names.items():
@@ -118,3 +123,16 @@ def describe_mapping(mapping: dict[int, int | None], model: CategoryMap) -> str 
     if dropped:
         parts.append(f"not in the data set (their detections are left out): {', '.join(dropped)}")
     return "; ".join(parts)
+
+
+def model_classes_in_data(model: CategoryMap, data: CategoryMap, by_name: bool = False, model_source: str = "the model",
+                          data_source: str = "the data", flag: str = "--categories_by_name",
+                          unit: str = "id") -> tuple[list[int | None], list[int | None]]:
+    """Where a trained model meets a data set (evaluation, predict, `--init_from`, a classifier's `--weights`):
+    `match_categories` (its ValueError), the line of classes moved or dropped logged. Returns (for each model label,
+    the data category id of its class or None; for each data label, the model label of its class or None)."""
+    mapping = match_categories(model, data, by_name, model_source, data_source, flag, unit)
+    if line := describe_mapping(mapping, model):
+        logger.info("%s: %s", flag, line)
+    ids = [mapping[c] for c in model.category_ids]
+    return ids, [ids.index(c) if c in ids else None for c in data.category_ids]

@@ -43,17 +43,26 @@ import logging
 import os
 from collections import Counter
 
+import torch
+from accelerate.utils import gather_object
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.data import INSTALL_HINT, VideoWriter, av_available, data_dir_paths, read_data_dir_splits, video_frames
+from detlib.data import (INSTALL_HINT, CocoDetection, EvaluationBatchSampler, EvaluationCollate, VideoWriter, av_available,
+                         build_transform, data_dir_paths, evaluation_shapes, read_data_dir_splits, video_frames,
+                         worker_loader_kwargs)
 from detlib.data.formats import read_class_names
+from detlib.data.images import DetectionImageFiles, detection_item
 from detlib.datacheck import DataReport, check_coco
 from detlib.engine import float_range, int_at_least, stop
+from detlib.evaluation import (boxes_from_coco, class_color, detect, detect_images, draw_detections, drawing_scale,
+                               read_score_thresholds, save_image, upright_image_and_boxes)
 from detlib.files import write_json
 from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
                               outputs_written, prediction_parser, predict_videos, retinanet_input_size,
                               run_prediction, start_prediction, write_skipped)
-from detlib.lazy import no_grad
+from detlib.labels import model_classes_in_data
+from detlib.retinanet import anchor_generator_from_config
+from detlib.weights import WeightsFileError, weights_path
 
 logger = logging.getLogger("predict_retinanet")
 # OUT/<folder>/<name>: the files written per input (never read as inputs, see list_image_files)
@@ -112,10 +121,6 @@ def class_thresholds(args, category_map) -> torch.Tensor:
     """[K] float32: the lowest score kept for each of the model's classes (label order): --score_thresh, or with
     best_f1 the thresholds of score_thresholds.json beside the weights (the pooled one for classes without their
     own). Raises FileNotFoundError / WeightsFileError (one line) when best_f1 has no file to read."""
-    import torch
-
-    from detlib.evaluation import read_score_thresholds
-
     if args.score_thresh != "best_f1":
         return torch.full((len(category_map),), float(args.score_thresh))
     per_class, pooled, path = read_score_thresholds(args.weights)
@@ -129,9 +134,6 @@ def class_thresholds(args, category_map) -> torch.Tensor:
 def build_dataset(args, transform):
     """(data set, names relative to the source root, COCO image ids or None, EXIF turn on (a labelled source: by the
     data's rule, docs/data_check.md), skipped files)."""
-    from detlib.data import CocoDetection
-    from detlib.data.images import DetectionImageFiles
-
     if args.data_format or (args.source.lower().endswith((".yaml", ".yml")) and os.path.isfile(args.source)):
         dataset, image_dir = labelled_split(args)
         ds = CocoDetection(image_dir, dataset, transform, train=False)
@@ -178,8 +180,8 @@ def labelled_split(args) -> tuple[dict, str]:
 
 
 def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, str]) -> list[dict]:
-    """predictions.json (the images', then the videos' frame by frame), skipped.txt and the summary line from every
-    process's share (main process)."""
+    """predictions.json (the images', by input index, then the videos' frame by frame), skipped.txt and the summary
+    line (main process). `shards`: (per image, failed images, per video, failed videos) of each part."""
     merged: dict[int, list[dict]] = {}
     videos: dict[int, list[dict]] = {}
     failed: list[int] = []
@@ -233,12 +235,6 @@ def predict_video(args, path: str, name: str, out_name: str, detect, transform, 
     Returns (the COCO results of every frame, each with `file_name`, `frame` (from 0), `time` (seconds) and
     `image_id` = the frame index; None, or why the file was not read to its end: `VideoFrames.problem()`).
     Raises ValueError when the file yields no frame (then nothing is written for it)."""
-    import torch
-
-    from detlib.data import EvaluationCollate
-    from detlib.data.images import detection_item
-    from detlib.evaluation import boxes_from_coco, class_color, draw_detections
-
     frames = video_frames(path)
     writer = None if args.no_images else VideoWriter(os.path.join(args.output_dir, "videos", out_name + ".mp4"),
                                                      frames.fps)
@@ -283,8 +279,6 @@ def per_image_detection(r: dict, names: dict[int, str]) -> dict:
 
 
 def ds_path(ds, index: int) -> str:
-    from detlib.data import CocoDetection
-
     return ds.records[index]["path"] if isinstance(ds, CocoDetection) else ds.paths[index]
 
 
@@ -293,9 +287,6 @@ def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dic
     """OUT/images/<out_name>.jpg (detections >= --draw_thresh on the upright image) and, with --save_json_per_image,
     OUT/json/<out_name>.json; written by the process that predicted the image. `out_name`: the input's own in
     `output_names` (default: `name` without its extension)."""
-    from detlib.evaluation import (boxes_from_coco, class_color, draw_detections, drawing_scale, save_image,
-                                   upright_image_and_boxes)
-
     stem = out_name or os.path.splitext(name)[0]
     if not args.no_images:
         shown = [r for r in res if r["score"] >= args.draw_thresh]
@@ -310,22 +301,9 @@ def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dic
                    os.path.join(args.output_dir, "json", stem + ".json"), indent=1)
 
 
+@torch.no_grad()
 def main(argv=None):
-    return predict(parse_args(argv))  # --help and a bad flag answer before torch is imported
-
-
-@no_grad
-def predict(args):
-    import torch
-    from accelerate.utils import gather_object
-
-    from detlib.data import (CocoDetection, EvaluationBatchSampler, EvaluationCollate, build_transform,
-                             evaluation_shapes, worker_loader_kwargs)
-    from detlib.evaluation import detections_to_coco
-    from detlib.labels import describe_mapping, match_categories
-    from detlib.retinanet import anchor_generator_from_config, decode_detections
-    from detlib.weights import WeightsFileError, weights_path
-
+    args = parse_args(argv)
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
 
     # ---- model (rebuilt from model_config.json, class names included)
@@ -365,14 +343,12 @@ def predict(args):
     to_output_id = category_map.to_category_ids(torch.arange(len(category_map)))  # label -> id written; -1: left out
     if isinstance(ds, CocoDetection) and "category_names" in config:
         try:
-            mapping = match_categories(category_map, ds.category_map, args.categories_by_name,
-                                       weights_path(args.weights), args.source)
+            ids, _ = model_classes_in_data(category_map, ds.category_map, args.categories_by_name,
+                                           weights_path(args.weights), args.source)
         except ValueError as e:
             stop(str(e), 1)
-        if (line := describe_mapping(mapping, category_map)) and accelerator.is_main_process:
-            logger.info("--categories_by_name: %s", line)
-        to_output_id = torch.tensor([-1 if mapping[c] is None else mapping[c] for c in category_map.category_ids])
-        names = {mapping[c]: n for c, n in names.items() if mapping[c] is not None}
+        to_output_id = torch.tensor([-1 if i is None else i for i in ids])
+        names = {i: n for i, n in zip(ids, category_map.names) if i is not None}
     elif "category_names" not in config:
         if isinstance(ds, CocoDetection) and ds.category_map.category_ids == category_map.category_ids:
             names = dict(zip(ds.category_map.category_ids, ds.category_map.names))
@@ -403,60 +379,40 @@ def predict(args):
                 f" and {len(ds.videos)} videos" if ds.videos else "", args.source, image_size, max_size,
                 accelerator.num_processes, args.batch_size)
 
-    # ---- predict (the decoding of scripts/train_retinanet.py's evaluate)
-    index_of = {iid: k for k, iid in enumerate(coco_ids)} if coco_ids is not None else None
-    per_image: dict[int, list[dict]] = {}
-    failed: list[int] = []
+    # ---- predict (detlib.evaluation.detect, as the training script's evaluation), each image's files written by
+    # the process that predicted it
+    index_of = {iid: k for k, iid in enumerate(coco_ids)} if coco_ids is not None else None  # image id -> input
+    settings = (to_output_id, decode_thresh, args.nms_thresh, args.detections_per_image, thresholds)
 
-    def detect(batch) -> list[list[dict] | None]:
-        """Per image of a collated batch, its COCO results (None: the image could not be read)."""
-        images = batch["images"].to(accelerator.device)
-        with accelerator.autocast():
-            out = model(images)
-        anchors, counts = anchor_gen(*images.shape[-2:], device=images.device)
-        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
-                                 batch["scales"], score_thresh=decode_thresh, nms_thresh=args.nms_thresh,
-                                 max_detections=args.detections_per_image)
-        found = []
-        for i, d in enumerate(dets.per_image(len(batch["image_ids"]))):
-            if not bool(batch["valid"][i]):
-                found.append(None)
-                continue
-            ids = to_output_id.to(d["labels"].device)[d["labels"].long()]
-            keep = (ids >= 0) & (d["scores"] >= thresholds.to(d["scores"].device)[d["labels"].long()])
-            found.append(detections_to_coco(d["boxes"][keep], d["scores"][keep], ids[keep], int(batch["image_ids"][i])))
-        return found
+    def write_image(image_id: int, res: list[dict]) -> None:
+        k = image_id if index_of is None else index_of[image_id]
+        for r in res if coco_ids is None else []:
+            r["file_name"] = rel_names[k]
+        size = ds.records[k]["size"] if isinstance(ds, CocoDetection) else None  # the json's, boxes refer to it
+        write_image_outputs(args, ds_path(ds, k), image_id, rel_names[k], res, exif_applied, names, size,
+                            out_name=out_names[k])
 
-    for batch in tqdm(loader, desc="predict", disable=not accelerator.is_local_main_process or not len(ds)):
-        if not batch:  # a process's filler batch (EvaluationBatchSampler): no image
-            continue
-        for i, res in enumerate(detect(batch)):
-            image_id = int(batch["image_ids"][i])  # the json's id, or the file's index in the sorted list
-            if i and image_id == int(batch["image_ids"][i - 1]):  # a copy that fills the batch (EvaluationCollate)
-                continue
-            index = image_id if index_of is None else index_of[image_id]
-            if res is None:
-                failed.append(index)
-                continue
-            if coco_ids is None:
-                for r in res:
-                    r["file_name"] = rel_names[index]
-            per_image[index] = res
-            size = ds.records[index]["size"] if isinstance(ds, CocoDetection) else None  # the json's, boxes refer to it
-            write_image_outputs(args, ds_path(ds, index), image_id, rel_names[index], res, exif_applied, names, size,
-                                out_name=out_names[index])
+    found, failed = detect_images(model, anchor_gen, loader, accelerator, *settings, autocast=True,
+                                  on_image=write_image, desc="predict")
 
     # ---- videos, each on one process (video v on process v % n), frame by frame in batches of --batch_size
+    def detect_frames(batch) -> list[list[dict]]:
+        return detect(model, anchor_gen, {**batch, "images": batch["images"].to(accelerator.device)}, *settings,
+                      accelerator.autocast())
+
     per_video, failed_videos = predict_videos(
-        [path for path, _ in ds.videos], lambda v: predict_video(args, *ds.videos[v], video_out_names[v], detect,
+        [path for path, _ in ds.videos], lambda v: predict_video(args, *ds.videos[v], video_out_names[v], detect_frames,
                                                                  ds.transform, names, not accelerator.is_local_main_process),
         accelerator.process_index, accelerator.num_processes)
 
-    # ---- merge (every process's share, by index: no image twice) and write
-    shards = gather_object([(per_image, failed, per_video, failed_videos)])
+    # ---- merge (the videos of every process) and write
+    video_shards = gather_object([(per_video, failed_videos)])
+    per_image = {(i if index_of is None else index_of[i]): res for i, res in found.items()}
+    failed = [i if index_of is None else index_of[i] for i in failed]
     results = None
     if accelerator.is_main_process:
-        results = write_outputs(args, ds, shards, skipped, names)
+        results = write_outputs(args, ds, [(per_image, failed, {}, {})] + [({}, [], *v) for v in video_shards],
+                                skipped, names)
     outputs_written()  # a signal from here on says the outputs are complete
     # a clean end of the process group: a rank that exits while another still tears down gloo can abort
     accelerator.wait_for_everyone()

@@ -30,24 +30,31 @@ Defaults that depend on the data (built-in: no --train_dir / --val_dir given) an
 from __future__ import annotations
 
 import argparse
-import csv
+import functools
 import logging
 import math
 import os
 import sys
 import time
 
+import torch
+import torch.nn.functional as F
+from timm.utils import ModelEmaV3
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.data import VERIFY_MODES, loader_settings, make_synthetic_image_folder
+from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
+                                   classification_transform, log_wandb_extras, per_class_summary, per_class_table,
+                                   write_predictions)
+from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import (EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, data_defaults_table, float_range,
-                           format_given, int_at_least, parse_with_config, path, preempted, resolve_data_defaults,
-                           run_argument_parser, running, show_data_defaults, stop, stop_together)
-from detlib.files import atomic_write
+from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
+                           evaluate_only, float_range, format_given, int_at_least, parse_with_config, path,
+                           resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
+                           show_data_defaults, stop, stop_if_preempted, stop_together)
+from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
+from detlib.labels import CategoryMap, model_classes_in_data
 from detlib.logtext import short_list
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
-from detlib.lazy import no_grad
 
 logger = logging.getLogger("train_catsdogs")
 
@@ -116,8 +123,6 @@ def check_flags(args, given: set[str], synthetic: bool) -> tuple[dict | None, li
     model its model_config.json describes, at its size unless --image_size is given (a file without them stops in one
     line naming the flag). Returns (the saved model config or None, notes: one line each for
     what was missing and for flags this run cannot honour)."""
-    from detlib.classification import check_classifier
-
     saved, notes = resolve_evaluated_model(args, given) if args.evaluate_only else (None, [])
     try:
         check_classifier(args.model, args.image_size)
@@ -167,11 +172,6 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     left out and reported; the decode result is cached in `output_dir/image_check_cache.json`.
     Returns (train_ds or None, val_ds, train_loader or None, val_loader).
     """
-    import torch
-
-    from detlib.classification import classification_transform
-    from detlib.data import ImageFolderDataset, scan_image_folder
-
     from accelerate import PartialState
 
     is_main = PartialState().is_main_process
@@ -216,7 +216,32 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
 
 
-@no_grad
+def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args) -> None:
+    """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
+    bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
+    model.train()
+    G = args.gradient_accumulation_steps
+    for i, batch in loop.batches(loader, model, optimizer):
+        with accelerator.accumulate(model):
+            logits = model(batch["image"])
+            loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
+            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
+            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
+            accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
+            loop.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
+            if not accelerator.sync_gradients:
+                continue
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+            finite = loop.finite(grad_norm)  # the same on every rank
+            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+        if loop.step_done(finite):  # EMA, counters, train line, divergence, step checkpoint, preemption poll
+            break
+
+
+@torch.no_grad()
 def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False) -> tuple[dict, dict]:
     """Evaluate the val shard of every process and gather the per-image results (collective).
 
@@ -227,16 +252,11 @@ def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False)
     PER_CLASS_SCALARS classes, val_precision_<class>, val_recall_<class> and val_confusion_matrix.
     `poll`: check for preemption every 10 batches (raises Preempted).
     """
-    import torch
-    import torch.nn.functional as F
-
-    from detlib.classification import PER_CLASS_SCALARS, classification_metrics
-
     model.eval()
     parts = []
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
-        if poll and i % 10 == 0 and (name := preempted(accelerator)):
-            raise Preempted(name)
+        if poll and i % 10 == 0:
+            stop_if_preempted(accelerator)
         logits = model(batch["image"]).float()
         loss = F.cross_entropy(logits, batch["label"], reduction="none")
         conf, pred = logits.softmax(-1).max(-1)
@@ -258,44 +278,6 @@ def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False)
     return stats, {"index": index, "label": label, "pred": pred, "confidence": conf}
 
 
-def write_predictions(path: str, val_ds, preds: dict) -> None:
-    """One CSV row per val image: path, true class, predicted class, confidence (main process)."""
-    with atomic_write(path, newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["path", "label", "pred", "confidence"])
-        for i, y, p, c in zip(*(preds[k].tolist() for k in ("index", "label", "pred", "confidence"))):
-            w.writerow([val_ds.samples[i][0], val_ds.classes[y], val_ds.classes[p], f"{c:.6f}"])
-
-
-# wandb's confusion-matrix chart is a table of K x K rows, of which wandb keeps 10,000: a true chart up to 100 classes
-# (beyond, the PNG of detlib.evaluation.report.log_classification_extras shows the classes with the most errors).
-WANDB_CONFUSION_CLASSES = 100
-
-
-def log_wandb_extras(accelerator, val_ds, preds: dict, step: int, max_rows: int) -> None:
-    """wandb (main process): the confusion matrix (up to WANDB_CONFUSION_CLASSES classes) and a table of the first
-    misclassified val images."""
-    if not any(t.name == "wandb" for t in accelerator.trackers):
-        return
-    import wandb
-
-    from detlib.data.images import load_rgb
-
-    labels, predicted = preds["label"].tolist(), preds["pred"].tolist()
-    table = wandb.Table(columns=["image", "path", "label", "predicted", "confidence"])
-    for k in [k for k in range(len(labels)) if labels[k] != predicted[k]][:max_rows]:
-        path = val_ds.samples[int(preds["index"][k])][0]
-        img, _ = load_rgb(path)
-        img.thumbnail((128, 128))
-        table.add_data(wandb.Image(img), path, val_ds.classes[labels[k]], val_ds.classes[predicted[k]],
-                       float(preds["confidence"][k]))
-    log = {"val_misclassified": table}
-    if len(val_ds.classes) <= WANDB_CONFUSION_CLASSES:
-        log["val_confusion_matrix"] = wandb.plot.confusion_matrix(y_true=labels, preds=predicted,
-                                                                  class_names=list(val_ds.classes))
-    accelerator.get_tracker("wandb", unwrap=True).log(log, step=step)
-
-
 def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, state, args, epoch: int | None,
                      weights: str | None = None) -> dict:
     """Evaluate `models` ({"": the weights being trained or evaluated, "ema_": their EMA}) and log the evaluation: one
@@ -303,9 +285,6 @@ def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, sta
     plots/epoch_NNNN/ (also to the trackers), the wandb extras and one log line of bounded length at any number of
     classes. `epoch` counts from 1 (None evaluating only, with the `weights` file scored). Collective. Returns
     {prefix: stats}."""
-    from detlib.classification import classification_metrics, per_class_summary, per_class_table
-    from detlib.evaluation import log_classification_extras
-
     stats, preds = {}, None
     for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: their predictions are kept
         stats[prefix], preds = evaluate(model, val_loader, accelerator, val_ds.classes, poll=True)
@@ -316,10 +295,10 @@ def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, sta
     m = classification_metrics(preds["pred"], preds["label"], len(val_ds.classes))
     per_class, where = per_class_table(val_ds.classes, m["confusion"]), ""
     if accelerator.is_main_process:
-        write_predictions(os.path.join(args.output_dir, "predictions_val.csv"), val_ds, preds)
+        write_predictions(os.path.join(args.output_dir, "predictions_val.csv"), val_ds.samples, val_ds.classes, preds)
         extras = log_classification_extras(accelerator, args.output_dir, epoch, state.global_step, val_ds.classes,
                                            m["confusion"], per_class)
-        log_wandb_extras(accelerator, val_ds, preds, state.global_step, args.num_misclassified)
+        log_wandb_extras(accelerator, val_ds.samples, val_ds.classes, preds, state.global_step, args.num_misclassified)
         where = f"; per class and confusion matrix in {extras['folder']}"
     s = stats[""]
     logger.info("%s on %d images: accuracy %.4f, loss %.4f%s; %s%s", f"evaluation of {weights}" if weights else
@@ -330,28 +309,25 @@ def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, sta
 
 
 def match_classifier_classes(model, weights: str, classes: list[str], by_name: bool) -> None:
-    """--weights of one of our classifiers with as many classes as this data: its outputs keep their meaning. The
-    same names in the same order load as they are; otherwise the run stops in one line naming both sides, or with
-    `by_name` each output row moves to the class of its name (a class the weights lack keeps a zero row)."""
-    import torch
-
+    """--weights of one of our classifiers with as many classes as this data: its outputs keep their meaning
+    (`detlib.labels.model_classes_in_data`, output i the id of class i). The same names load as they are; otherwise
+    the run stops in one line naming both sides, or with `by_name` each output row moves to the class of its name (a
+    class the weights lack keeps a zero row)."""
     try:
         theirs = (read_model_config(weights) or {}).get("classes")
-    except WeightsFileError as e:
+        if not theirs or len(theirs) != len(classes):
+            return  # another class count: build_classifier left the output layer fresh
+        _, source = model_classes_in_data(CategoryMap(range(len(theirs)), theirs), CategoryMap(range(len(classes)),
+                                          classes), by_name, weights, "this data", "--classes_by_name", "output")
+    except (WeightsFileError, ValueError) as e:
         raise RunStop(f"--weights: {e}") from None
-    if not theirs or len(theirs) != len(classes) or list(theirs) == list(classes):
-        return  # another class count: build_classifier left the output layer fresh
-    if not by_name:
-        pairs = ", ".join(f"output {i} is {a!r} in {weights} but {b!r} here" for i, (a, b) in enumerate(zip(theirs, classes))
-                          if a != b)
-        raise RunStop(f"--weights: the classifier's classes are not this data's: {pairs}; pass --classes_by_name to "
-                      "match them by name")
+    if source == list(range(len(classes))):
+        return
     head = model.get_classifier() if hasattr(model, "get_classifier") else model.fc
     weight, bias = head.weight.detach().clone(), head.bias.detach().clone()
     with torch.no_grad():
-        for j, name in enumerate(classes):
-            head.weight[j], head.bias[j] = ((weight[theirs.index(name)], bias[theirs.index(name)]) if name in theirs
-                                            else (torch.zeros_like(weight[j]), torch.zeros_like(bias[j])))
+        for j, i in enumerate(source):
+            head.weight[j], head.bias[j] = (weight[i], bias[i]) if i is not None else (0.0, 0.0)
     logger.info("--classes_by_name: outputs of %s moved to this data's order %s (they were %s)", weights, classes, theirs)
 
 
@@ -376,8 +352,6 @@ def load_data(args, accelerator, synthetic: bool) -> tuple:
 def build_model(args, classes: list[str], saved: dict | None):
     """The classifier: --evaluate_only's weights loaded strictly (its classes the val folder's), or --weights /
     --pretrained. Returns (model, the weights file evaluated or None); raises RunStop in one line."""
-    from detlib.classification import build_classifier
-
     check_classes(saved, classes, args)
     try:
         model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
@@ -392,16 +366,10 @@ def build_model(args, classes: list[str], saved: dict | None):
     return model, weights
 
 
-def save_model(accelerator, args, name: str, model, model_config: dict, card: dict, evaluation: dict | None = None,
-               extra: dict | None = None) -> None:
-    """`output_dir/name/`: the weights (detlib.engine.save_weights) and the model card of what the run knows of them
+def write_model_files(model_config: dict, card: dict, folder: str, name: str, evaluation: dict | None) -> None:
+    """Beside the weights in `folder` (`output_dir/name/`, main process): the model card of what the run knows of them
     (`card`: its data set and command; `evaluation`: of exactly these weights, or None)."""
-    from detlib.engine import save_weights
-    from detlib.evaluation import classifier_card, write_card
-
-    folder = save_weights(accelerator, model, args.output_dir, name, model_config, extra)
-    if accelerator.is_main_process:
-        write_card(classifier_card(model_config, evaluation=evaluation, weights_name=name, where=folder, **card), folder)
+    write_card(classifier_card(model_config, evaluation=evaluation, weights_name=name, where=folder, **card), folder)
 
 
 def check_classes(saved: dict | None, classes: list[str], args) -> None:
@@ -417,78 +385,15 @@ def check_classes(saved: dict | None, classes: list[str], args) -> None:
                   + ("; the same names in another order" if sorted(theirs) == sorted(classes) else ""))
 
 
-def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, guard, window, metrics, args,
-                    total_steps: int, save, ema=None) -> None:
-    """Train from `state`'s position (a mid-epoch resume skips the batches already trained) to the end of the epoch
-    or the run's `total_steps`. Raises RunStop when the run diverges, Preempted on a preemption signal; `save()`
-    writes a --checkpoint_steps checkpoint (one on the epoch's last step is the epoch's own, written by main)."""
-    import torch.nn.functional as F
-
-    from detlib.engine import divergence
-
-    model.train()
-    G, done = args.gradient_accumulation_steps, state.step_in_epoch * args.gradient_accumulation_steps
-    steps_per_epoch = math.ceil(len(loader) / G)
-    loader.set_epoch(state.epoch)
-    for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
-        if i % G == 0:  # the first micro-batch of an accumulation window
-            guard.snapshot(model)
-            lrs, window_loss = [g["lr"] for g in optimizer.param_groups], 0.0  # the step's LRs; its micro-batches' loss
-        with accelerator.accumulate(model):
-            logits = model(batch["image"])
-            loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
-            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
-            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
-            window_loss = window_loss + loss.detach()
-            accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
-            window.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
-            if not accelerator.sync_gradients:
-                continue
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            # one all-reduce: every rank steps or skips together, on the mean loss of the window's micro-batches
-            finite = guard.check(window_loss / (i % G + 1), grad_norm, state.global_step + 1, lrs[0])
-            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-        stepped = finite and not accelerator.optimizer_step_was_skipped
-        if stepped and ema is not None:
-            ema.update(accelerator.unwrap_model(model, keep_torch_compile=False), step=state.global_step + 1)
-        state.step_done(stepped, guard.loss)
-        end = state.step_in_epoch == steps_per_epoch or state.global_step == total_steps
-        if state.global_step % args.log_interval == 0 or end or guard.diverged:
-            window.log(metrics, state, lrs, guard.grad_norm, steps_per_epoch)
-        if guard.diverged:
-            raise RunStop(divergence(args.output_dir, state, guard.streak, lrs[0]), EXIT_DIVERGED)
-        if args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0 and not end:
-            save()
-        if name := preempted(accelerator):
-            raise Preempted(name)
-        if state.global_step >= total_steps:
-            break
-
-
 def main(argv=None):
-    args = parse_args(argv)  # before the imports below: --help and a bad flag need none of them
-    import torch
-    from timm.utils import ModelEmaV3
-
-    from detlib.engine import (EMA_WEIGHTS, MetricsLog, StepGuard, TrainState, TrainWindow, best_record, best_weights,
-                               improves_best, log_plan, make_accelerator, record_config, resume, resume_ema, run_length,
-                               save_checkpoint, start_trackers, summary_lines)
-    from detlib.evaluation import command_line
-
+    args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     given = args.given  # what the user chose (flags or --config)
     synthetic = not (args.train_dir or args.val_dir)
     args.model = args.model or DEFAULT_MODEL
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     saved, notes = check_flags(args, given, synthetic)
-    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
-                                   args.output_dir, args.seed, args.verbose,
-                                   args.compile_backend if args.compile and not args.evaluate_only else None,
-                                   args.compile_mode)
-    state, t_start = TrainState(), time.time()
+    accelerator, state, t_start = accelerator_for(args), TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
                  args.overwrite_output_dir, args.verbose):
         for line in notes:
@@ -506,14 +411,12 @@ def main(argv=None):
             "train": dirs.get("train_dir"), "val": dirs.get("val_dir")}}  # data/<name>/val
         metrics, given_line = MetricsLog(accelerator, args.output_dir), format_given(args, config)
 
+        def evaluate(models: dict, epoch: int | None, final: bool = False) -> dict:
+            return evaluate_and_log(models, val_loader, val_ds, accelerator, metrics, state, args, epoch, weights)
+
         if args.evaluate_only:
             model, val_loader = accelerator.prepare(model, val_loader)
-            record_config(accelerator, config, given_line, args.output_dir)
-            start_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name, args.report_to)
-            try:
-                return evaluate_and_log({"": model}, val_loader, val_ds, accelerator, metrics, state, args, None, weights)[""]
-            except Preempted as p:
-                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
+            return evaluate_only(accelerator, args, config, given_line, lambda: evaluate({"": model}, None)[""])
 
         # ---- optimizer, schedule, resume
         if args.optimizer == "adamw":
@@ -527,77 +430,25 @@ def main(argv=None):
         warmup = round(WARMUP_FRACTION * total_steps) if args.warmup_steps is None else args.warmup_steps
         ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
                          use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
-        checkpoint = resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
-                            FIXED_ON_RESUME, "--weights", RECORD_KEYS)
-        resume_ema(ema, checkpoint)
+        resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
+                               FIXED_ON_RESUME, "--weights", RECORD_KEYS))
         # a function of the step (built at the resumed one), stepped per optimizer step; not prepared: a prepared
         # scheduler steps once per process on every call
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup),
                                                       last_epoch=state.global_step - 1)
-        record_config(accelerator, config, given_line, args.output_dir)
-        state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
-                                      args.report_to)
-        log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size
-                 * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"],
-                 args.max_grad_norm)
-        guard, window = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator)
-        bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
-
-        evaluated, saved, start_step = {}, {}, state.global_step  # the last evaluation, by prefix ("", "ema_")
-
-        def save() -> str:  # the state's checkpoint, once (a preemption right after one reuses it)
-            if repr(state) not in saved:
-                saved.clear()
-                saved[repr(state)] = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema
-                                                     else [])], args.checkpoint_total_limit, config, model_config,
-                                                     {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
-                logger.info("saved checkpoint %s", saved[repr(state)])
-            return saved[repr(state)]
-
-        def evaluate_epoch(epoch: int) -> None:  # the epoch counted from 1; best/ when it beats every earlier one
-            state.eval_pending = epoch  # a preemption's checkpoint says the evaluation is to be run
-            stats = evaluate_and_log({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
-                                     val_loader, val_ds, accelerator, metrics, state, args, epoch)
-            evaluated.update({p: {"epoch": epoch, "step": state.global_step, **v} for p, v in stats.items()})
-            prefix = best_weights(stats, "val_accuracy")
-            if improves_best(accelerator, args.output_dir, "val_accuracy", value := stats[prefix]["val_accuracy"], state):
-                save_model(accelerator, args, "best", ema.module if prefix else model, model_config, card, evaluated[prefix],
-                           {"metric": "val_accuracy", "value": value, "epoch": epoch, "step": state.global_step,
-                            "weights": "ema" if prefix else "trained"})
-                logger.info("new best val_accuracy %.4f (%s weights), saved %s/best/", value,
-                            "EMA" if prefix else "trained", args.output_dir)
-            state.eval_pending = 0
+        loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
+                         given_line, metrics, optimizer.param_groups[0]["lr"], metric="val_accuracy", evaluate=evaluate,
+                         write_files=functools.partial(write_model_files, model_config, card))
 
         # ---- train
-        try:
-            if state.eval_pending:  # preempted in an evaluation: run it first
-                evaluate_epoch(state.eval_pending)
-            for epoch in range(state.epoch, args.epochs):
-                if state.global_step >= total_steps:
-                    break
-                train_one_epoch(model, optimizer, scheduler, train_loader, accelerator, state, guard, window, metrics,
-                                args, total_steps, save, ema)
-                last = state.global_step >= total_steps or epoch + 1 == args.epochs
-                step_checkpoint = args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0
-                if state.step_in_epoch >= steps_per_epoch:
-                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1,
-                                state.end_epoch(), optimizer.param_groups[0]["lr"], state.skipped_steps)
-                if (epoch + 1) % args.eval_interval == 0 or last:
-                    evaluate_epoch(epoch + 1)
-                if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
-                    save()
-        except Preempted as p:
-            raise p.stop(state, save()) from None
-        final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
-        if state.global_step > start_step or not os.path.isdir(os.path.join(args.output_dir, "last")):
-            save_model(accelerator, args, "last", model, model_config, card, final.get(""))
-        if ema is not None and state.global_step > start_step:
-            save_model(accelerator, args, "last_ema", ema.module, model_config, card, final.get("ema_"))
-        best = best_record(accelerator, args.output_dir, "val_accuracy")
-    logger.info("summary:\n  %s", "\n  ".join(summary_lines(
-        args.output_dir, "val_accuracy", time.time() - t_start, state, best, final.get(""), window.images_seen,
-        ema is not None)))
-    return final.get("")
+        with loop.checkpoint_on_preemption():
+            for epoch in loop.epochs():
+                train_one_epoch(model, optimizer, scheduler, train_loader, accelerator, loop, args)
+                loop.end_epoch(epoch, optimizer)
+                loop.evaluate_and_checkpoint(epoch)
+        final = loop.finish()
+    loop.log_summary(time.time() - t_start)
+    return final
 
 
 if __name__ == "__main__":

@@ -42,25 +42,38 @@ Defaults that depend on the data (built-in: no --data_dir / --train_images / --v
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
 import sys
 import time
 
-from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
+import torch
+from accelerate.utils import broadcast_object_list
+from timm.optim import param_groups_weight_decay
+from timm.utils import ModelEmaV3
 
-from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, check_coco_for_training, data_dir_paths,
-                         loader_settings, make_synthetic_coco, read_class_names)
-from detlib.engine import (EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, data_defaults_table, float_range,
-                           format_given, int_at_least, parse_with_config, path, preempted, resolve_data_defaults,
-                           run_argument_parser, running, show_data_defaults, stop, stop_together)
+from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, CocoDetection,
+                         EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, aspect_groups, build_transform,
+                         check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes, loader_settings,
+                         make_synthetic_coco, read_class_names)
+from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
+                           evaluate_only, float_range, format_given, int_at_least, parse_with_config, path,
+                           resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
+                           show_data_defaults, stop, stop_if_preempted, stop_together)
+from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
+                               detect_images, detector_card, evaluation_diagnostics, format_best_f1,
+                               log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
+                               per_class_without_detections, write_card, write_score_thresholds)
 from detlib.files import write_json
-from detlib.hub import check_push, local_weights, push_folder
-from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
+from detlib.hub import check_push, local_weights, push_best
+from detlib.labels import CategoryMap, model_classes_in_data
+from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
+                              anchor_generator_from_config, check_backbone, load_matching_weights, log_model_size,
+                              reorder_class_outputs, retinanet_loss)
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
                             read_model_config, require_model_keys, weights_path)
-from detlib.lazy import no_grad
 
 logger = logging.getLogger("train_retinanet")
 
@@ -253,30 +266,10 @@ def resolve_data(args) -> dict[str, str]:
     return make_synthetic_coco()
 
 
-def evaluation_categories(model: CategoryMap, val_json: dict, by_name: bool, model_source: str, data_source: str) -> CategoryMap:
-    """The evaluated model's classes with the val json's ids (`detlib.labels.match_categories`: ValueError when
-    ids name other classes, unless `by_name`); a class the json lacks gets an id the json does not use."""
-    from detlib.labels import CategoryMap, describe_mapping, match_categories
-
-    data = CategoryMap([c["id"] for c in val_json["categories"]], [c.get("name", c["id"]) for c in val_json["categories"]])
-    mapping = match_categories(model, data, by_name, model_source, data_source)
-    if line := describe_mapping(mapping, model):
-        logger.info("--categories_by_name: %s", line)
-    spare = iter(range(max(data.category_ids) + 1, max(data.category_ids) + 1 + len(model)))
-    return CategoryMap([mapping[c] if mapping[c] is not None else next(spare) for c in model.category_ids], model.names,
-                       sort=False)
-
-
 def build_dataloaders(args, paths: dict[str, str]):
     """The training and validation data sets and loaders (unprepared), on the json files as the data check
     repaired them (it stops the run on errors; report in output_dir/data_report.json). The val loader holds this
     process's batches already (`EvaluationBatchSampler`): it is not to be passed to `accelerator.prepare`."""
-    import torch
-
-    from detlib.data import (CocoDetection, EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler,
-                             aspect_groups, build_transform, collate_detection, evaluation_shapes)
-    from detlib.labels import CategoryMap
-
     from accelerate import PartialState
 
     train_json, val_json = check_coco_for_training(paths, args.output_dir, check_images=not args.skip_image_check,
@@ -302,9 +295,13 @@ def build_dataloaders(args, paths: dict[str, str]):
     saved = read_model_config(args.evaluate_only) if args.evaluate_only else None
     if category_map is None and saved and saved.get("category_ids"):
         category_map = CategoryMap(saved["category_ids"], saved.get("category_names"))
-        if saved.get("category_names"):  # the json's ids must mean the model's classes (or be matched by name)
-            category_map = evaluation_categories(category_map, val_json, args.categories_by_name, args.evaluate_only,
-                                                 paths["val_annotations"])
+        if saved.get("category_names"):  # the json's ids must mean the model's classes (or be matched by name); a
+            # class the json lacks is evaluated under an id the json does not use
+            data = CategoryMap(*zip(*[(c["id"], c.get("name", c["id"])) for c in val_json["categories"]]))
+            ids, _ = model_classes_in_data(category_map, data, args.categories_by_name, args.evaluate_only,
+                                           paths["val_annotations"])
+            spare = iter(range(max(data.category_ids) + 1, max(data.category_ids) + 1 + len(ids)))
+            category_map = CategoryMap([next(spare) if i is None else i for i in ids], category_map.names, sort=False)
         unknown = sorted({a["category_id"] for a in val_json["annotations"]} - set(category_map.category_ids))
         if unknown:
             raise ValueError(f"{paths['val_annotations']}: category ids {unknown} have val boxes but are not classes of "
@@ -343,31 +340,10 @@ def build_dataloaders(args, paths: dict[str, str]):
 
 def card_dataset(args, paths: dict, synthetic: bool) -> dict:
     """The data set as the model card names it: --data_dir's folder name, else the val json's name."""
-    if synthetic:
-        name = "detlib synthetic shapes"
-    elif args.data_dir:
-        name = os.path.basename(os.path.abspath(args.data_dir))
-    else:
-        name = os.path.splitext(os.path.basename(paths["val_annotations"]))[0]
+    name = ("detlib synthetic shapes" if synthetic else os.path.basename(os.path.abspath(args.data_dir)) if args.data_dir
+            else os.path.splitext(os.path.basename(paths["val_annotations"]))[0])
     return {"name": name, "format": args.data_format, "train": paths.get("train_annotations"),
             "val": paths.get("val_annotations")}
-
-
-def push_best(output_dir: str, repo_id: str, private: bool) -> None:
-    """Upload best/ (last/ when no evaluation made one) to the Hub; a failure is one line and exit 1, the folder
-    kept for a manual upload."""
-    folder = os.path.join(output_dir, "best")
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        folder = os.path.join(output_dir, "last")
-        logger.warning("--push_to_hub: no best/ (no evaluation improved on the first): uploading last/")
-    try:
-        url = push_folder(folder, repo_id, private, message=f"detlib train_retinanet: {os.path.basename(folder)}/")
-    except RuntimeError as e:
-        logger.error("%s", e, extra={"console": False})
-        print(f"error: --push_to_hub: {e}; the weights are in {folder}: upload them with "
-              f"`hf upload {repo_id} {folder}`", file=sys.stderr, flush=True)
-        raise SystemExit(1)
-    logger.info("--push_to_hub: uploaded %s to %s", folder, url)
 
 
 def not_used_flags(args) -> list[str]:
@@ -383,9 +359,6 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
     unless --image_size is given; an old file without them: the run's config.yaml, else the defaults, said).
     Returns (that model config or None, the settings every checkpoint of this run records, notes: a line each).
     Stops in one line on flags or files that cannot work."""
-    from detlib.evaluation import area_ranges_from_edges
-    from detlib.retinanet import ANCHOR_CONFIG_KEYS, check_backbone
-
     flag, source = ("--evaluate_only", args.evaluate_only) if args.evaluate_only else ("--init_from", args.init_from)
     try:  # a Hub repo id is fetched now (from the cache when offline), before any work
         local_weights(source) if source else None
@@ -456,9 +429,6 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
     tensor of --init_from's that fits (a class output of another class count re-initialised; the same classes under
     other ids matched by name with --categories_by_name). Returns (model, anchor generator, the weights file
     evaluated or None). Raises RunStop (one line) on weights that do not fit."""
-    from detlib.labels import CategoryMap, describe_mapping, match_categories
-    from detlib.retinanet import RetinaNet, anchor_generator_from_config, load_matching_weights, reorder_class_outputs
-
     pretrained = bool(args.backbone_weights or args.pretrained_backbone or args.init_from)
     if args.freeze_at is None:
         args.freeze_at = 2 if pretrained and not args.evaluate_only else 0
@@ -495,17 +465,13 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
         raise RunStop(f"--init_from: no tensor of {init_file} fits this model ({args.backbone}, fpn_channels "
                       f"{args.fpn_channels})")
     if not loaded["reinitialised"] and saved and saved.get("category_names"):  # its class output is kept
-        source = CategoryMap(saved["category_ids"], saved["category_names"])
         try:
-            mapping = match_categories(source, category_map, args.categories_by_name, init_file, train_annotations)
+            _, source_class = model_classes_in_data(CategoryMap(saved["category_ids"], saved["category_names"]),
+                                                    category_map, args.categories_by_name, init_file, train_annotations)
         except ValueError as e:
             raise RunStop(f"--init_from: {e}") from None
         if args.categories_by_name:
-            index = {c: i for i, c in enumerate(source.category_ids)}
-            by_data_id = {d: index[m] for m, d in mapping.items() if d is not None}
-            reorder_class_outputs(model, [by_data_id.get(c) for c in category_map.category_ids])
-            if line := describe_mapping(mapping, source):
-                logger.info("--init_from --categories_by_name: %s", line)
+            reorder_class_outputs(model, source_class)
     named = [k for k in loaded["skipped"] if not k.endswith("num_batches_tracked")]  # a frozen BatchNorm has none
     logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s%s); not in the file, kept as "
                 "initialised: %d%s", init_file, len(loaded["loaded"]),
@@ -517,25 +483,6 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
                 f" ({', '.join(loaded['not_in_file'][:8])}{' ...' if len(loaded['not_in_file']) > 8 else ''})"
                 if loaded["not_in_file"] else "")
     return model, anchor_gen, None
-
-
-def log_model(model, args, accelerator) -> None:
-    """The parameter counts and (main process) the forward cost of one image at the largest input size."""
-    import torch
-
-    from detlib.data import INPUT_DIVISIBILITY
-
-    n_params = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    logger.info("RetinaNet %s: %.2fM parameters (%.2fM trainable)", args.backbone, n_params / 1e6, n_train / 1e6)
-    if accelerator.is_main_process:
-        from torch.utils.flop_counter import FlopCounterMode
-
-        s = int(math.ceil((args.max_size or args.image_size) / INPUT_DIVISIBILITY) * INPUT_DIVISIBILITY)
-        with torch.no_grad(), FlopCounterMode(display=False) as fc:
-            model.eval()(torch.zeros(1, 3, s, s))
-        model.train()
-        logger.info("forward cost at %dx%d: %.1f GFLOPs per image", s, s, fc.get_total_flops() / 1e9)
 
 
 def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, milestones=()) -> float:
@@ -556,8 +503,6 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
     """ReduceLROnPlateau (stepped per epoch on its mean loss, no warm-up; its state is checkpointed) or a per-step
     LambdaLR (`lr_factor`), a function of the step alone: built after a resume at `done_steps`, it gives that step the
     LR of this run's schedule. Not given to `accelerator.prepare`, which would step it once per process per call."""
-    import torch
-
     if args.lr_scheduler == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
                                                           patience=args.plateau_patience)
@@ -570,17 +515,43 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
                                              last_epoch=done_steps - 1)
 
 
-@no_grad
+def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, loop, args, normalizer=None) -> None:
+    """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
+    bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
+    model.train()
+    G = args.gradient_accumulation_steps
+    for i, batch in loop.batches(loader, model, optimizer):
+        with accelerator.accumulate(model):
+            images = batch["images"]
+            if args.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            out = model(images)
+            anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
+            losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
+                                    batch["crowd_boxes"], box_loss=args.box_loss, normalizer=normalizer)
+            loss, n = losses["loss"], len(batch["image_ids"])
+            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
+            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
+            loop.add({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
+                      "pos_anchors_per_image": losses["num_pos"] / n}, n)
+            if not accelerator.sync_gradients:
+                continue
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+            finite = loop.finite(grad_norm)  # the same on every rank
+            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if args.lr_scheduler != "plateau":  # per step; the plateau scheduler per epoch, in main
+                scheduler.step()
+        if loop.step_done(finite):  # EMA, counters, train line, divergence, step checkpoint, preemption poll
+            break
+
+
+@torch.no_grad()
 def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args, title: str = "") -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval and log its 12 stats
     under `title` (which weights, which epoch); returns them on every process (collective). Checks for preemption
     every 10 batches (raises Preempted)."""
-    import torch
-    from accelerate.utils import broadcast_object_list, send_to_device
-
-    from detlib.evaluation import CocoEvaluator, detections_to_coco
-    from detlib.retinanet import decode_detections
-
     # The bare model: DDP's forward can be collective, and the processes run unequal numbers of batches. Its buffers
     # are made rank 0's, as DDP's forward would make them (and as a checkpoint holds them): BatchNorm statistics that
     # each process updated on its own batches would otherwise differ between the processes' shares.
@@ -589,26 +560,10 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
         for buffer in model.buffers():
             torch.distributed.broadcast(buffer, src=0)
     model.eval()
-    evaluator.reset()
-    for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
-        if i % 10 == 0 and (name := preempted(accelerator)):  # every process has as many batches (some empty)
-            raise Preempted(name)
-        if not batch:
-            continue
-        batch = send_to_device(batch, accelerator.device, non_blocking=True)
-        out = model(batch["images"])
-        anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
-        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
-                                 batch["scales"], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
-                                 max_detections=args.detections_per_image)
-        for j, d in enumerate(dets.per_image(len(batch["image_ids"]))):
-            image_id = int(batch["image_ids"][j])
-            if not bool(batch["valid"][j]):
-                evaluator.add_failed(image_id)
-                continue
-            evaluator.add(image_id, detections_to_coco(d["boxes"], d["scores"], category_map.to_category_ids(d["labels"]),
-                                                       image_id))
-    evaluator.gather(accelerator)
+    evaluator.per_image, evaluator.failed = detect_images(
+        model, anchor_gen, loader, accelerator, category_map.to_category_ids(torch.arange(len(category_map))),
+        args.score_thresh, args.nms_thresh, args.detections_per_image,
+        every_10_batches=lambda: stop_if_preempted(accelerator))
     result = [None]
     if accelerator.is_main_process:
         stats, summary = evaluator.evaluate()
@@ -628,10 +583,6 @@ def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, ac
     predictions_val.json, plots/ and samples/ (also to the trackers), with label_errors.json at the `final`
     evaluation. `epoch` counts from 1 (None: evaluating only). Collective. Returns {prefix: its evaluation: epoch,
     step, the stats, per_class, best_f1}."""
-    from detlib.evaluation import (STAT_NAMES, best_f1_thresholds, evaluation_diagnostics, format_best_f1,
-                                   log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
-                                   per_class_without_detections)
-
     evaluations = {}
     for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: the evaluator keeps theirs
         title = (f"evaluation of {weights}" if weights else f"epoch {epoch}") + ", EMA weights" * bool(prefix)
@@ -662,92 +613,17 @@ def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, ac
     return evaluations
 
 
-def save_model(accelerator, args, name: str, model, model_config: dict, evaluation: dict | None, card: dict,
-               extra: dict | None = None) -> None:
-    """`output_dir/name/`: the weights (detlib.engine.save_weights), the best-F1 score thresholds of `evaluation` (the
-    evaluation of exactly these weights, or None) and the model card (`card`: its dataset and command)."""
-    from detlib.engine import save_weights
-    from detlib.evaluation import detector_card, write_card, write_score_thresholds
-
-    folder = save_weights(accelerator, model, args.output_dir, name, model_config, extra)
-    if accelerator.is_main_process:
-        if evaluation and evaluation.get("best_f1"):
-            write_score_thresholds(folder, evaluation["best_f1"], evaluation)
-        where = args.push_to_hub if args.push_to_hub and name == "best" else folder
-        write_card(detector_card(model_config, evaluation=evaluation, weights_name=name, where=where, **card), folder)
-
-
-def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, state, guard, window, metrics, args,
-                    total_steps: int, save, ema=None, normalizer=None) -> None:
-    """Train from `state`'s position (a mid-epoch resume skips the batches already trained) to the end of the epoch
-    or the run's `total_steps`. Raises RunStop when the run diverges, Preempted on a preemption signal; `save()`
-    writes a --checkpoint_steps checkpoint (one on the epoch's last step is the epoch's own, written by main)."""
-    import torch
-
-    from detlib.engine import divergence
-    from detlib.retinanet import retinanet_loss
-
-    model.train()
-    G, done = args.gradient_accumulation_steps, state.step_in_epoch * args.gradient_accumulation_steps
-    steps_per_epoch, per_step = math.ceil(len(loader) / G), args.lr_scheduler != "plateau"
-    loader.set_epoch(state.epoch)
-    for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
-        if i % G == 0:  # the first micro-batch of an accumulation window
-            guard.snapshot(model)
-            lrs, window_loss = [g["lr"] for g in optimizer.param_groups], 0.0  # the step's LRs; its micro-batches' loss
-        with accelerator.accumulate(model):
-            images = batch["images"]
-            if args.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
-            out = model(images)
-            anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
-            losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
-                                    batch["crowd_boxes"], box_loss=args.box_loss, normalizer=normalizer)
-            loss, n = losses["loss"], len(batch["image_ids"])
-            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
-            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
-            window_loss = window_loss + loss.detach()
-            window.add({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
-                        "pos_anchors_per_image": losses["num_pos"] / n}, n)
-            if not accelerator.sync_gradients:
-                continue
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            # one all-reduce: every rank steps or skips together, on the mean loss of the window's micro-batches
-            finite = guard.check(window_loss / (i % G + 1), grad_norm, state.global_step + 1, lrs[0])
-            if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if per_step:
-                scheduler.step()
-        stepped = finite and not accelerator.optimizer_step_was_skipped
-        if stepped and ema is not None:
-            ema.update(accelerator.unwrap_model(model, keep_torch_compile=False), step=state.global_step + 1)
-        state.step_done(stepped, guard.loss)
-        end = state.step_in_epoch == steps_per_epoch or state.global_step == total_steps
-        if state.global_step % args.log_interval == 0 or end or guard.diverged:
-            window.log(metrics, state, lrs, guard.grad_norm, steps_per_epoch)
-        if guard.diverged:
-            raise RunStop(divergence(args.output_dir, state, guard.streak, lrs[0]), EXIT_DIVERGED)
-        if args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0 and not end:
-            save()
-        if name := preempted(accelerator):
-            raise Preempted(name)
-        if state.global_step >= total_steps:
-            break
+def write_model_files(args, model_config: dict, card: dict, folder: str, name: str, evaluation: dict | None) -> None:
+    """Beside the weights in `folder` (`output_dir/name/`, main process): the best-F1 score thresholds of `evaluation`
+    (of exactly these weights, or None) and the model card (`card`: its dataset and command)."""
+    if evaluation and evaluation.get("best_f1"):
+        write_score_thresholds(folder, evaluation["best_f1"], evaluation)
+    where = args.push_to_hub if args.push_to_hub and name == "best" else folder
+    write_card(detector_card(model_config, evaluation=evaluation, weights_name=name, where=where, **card), folder)
 
 
 def main(argv=None):
-    args = parse_args(argv)  # before the imports below: --help and a bad flag need none of them
-    import torch
-    from timm.optim import param_groups_weight_decay
-    from timm.utils import ModelEmaV3
-
-    from detlib.engine import (EMA_WEIGHTS, MetricsLog, StepGuard, TrainState, TrainWindow, best_record, best_weights,
-                               improves_best, log_plan, make_accelerator, record_config, resume, resume_ema, run_length,
-                               save_checkpoint, start_trackers, summary_lines)
-    from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, command_line
-    from detlib.retinanet import EmaLossNormalizer
-
+    args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     given = args.given  # what the user chose (flags or --config)
     synthetic = not (args.data_dir or args.train_images or args.val_images)
@@ -759,11 +635,7 @@ def main(argv=None):
         args.warmup_steps = 0
     if args.evaluate_only:  # never over a training run's files
         args.output_dir = os.path.join(args.output_dir, "evaluate_only")
-    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to,
-                                   args.output_dir, args.seed, args.verbose,
-                                   args.compile_backend if args.compile and not args.evaluate_only else None,
-                                   args.compile_mode)
-    state, t_start = TrainState(), time.time()
+    accelerator, state, t_start = accelerator_for(args), TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
                  args.overwrite_output_dir, args.verbose):
         for line in notes:
@@ -805,7 +677,7 @@ def main(argv=None):
             logger.warning("--sync_bn needs CUDA devices; ignored on %s", accelerator.device.type)
         if args.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        log_model(model, args, accelerator)
+        log_model_size(model, args.backbone, args.max_size or args.image_size, accelerator.is_main_process)
         config = {**vars(args), "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
                   "synthetic_data": synthetic, "num_classes": len(category_map),
                   **{f"data_{k}": v for k, v in paths.items()}, "not_used": not_used_flags(args)}
@@ -815,18 +687,14 @@ def main(argv=None):
                                   area_ranges=area_ranges_from_edges(args.area_ranges) if args.area_ranges else None)
         given_line = format_given(args, config)  # the flags the user set, for the config's log line
 
-        def evaluate_epoch(models: dict, epoch: int | None, weights: str | None = None, final: bool = False) -> dict:
+        def evaluate(models: dict, epoch: int | None, final: bool = False) -> dict:
             return evaluate_and_log(models, val_loader, val_ds, evaluator, anchor_gen, accelerator, metrics, state, args,
                                     paths["val_images"], epoch, weights, final)
 
         if args.evaluate_only:
             model = accelerator.prepare(model)
-            record_config(accelerator, config, given_line, args.output_dir)
-            start_trackers(accelerator, args.project, config, args.output_dir, None, args.run_name, args.report_to)
-            try:
-                return {k: v for k, v in evaluate_epoch({"": model}, None, weights)[""].items() if k in STAT_NAMES}
-            except Preempted as p:
-                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
+            return evaluate_only(accelerator, args, config, given_line, lambda: {
+                k: v for k, v in evaluate({"": model}, None)[""].items() if k in STAT_NAMES})
 
         # ---- optimizer, schedule, resume
         # No weight decay on norm weights and biases (every 1-D parameter: timm, nanoGPT; detectron2's
@@ -845,82 +713,32 @@ def main(argv=None):
         if args.loss_normalizer == "ema":  # the same value on every process, checkpointed
             normalizer = EmaLossNormalizer(reduce=lambda t: accelerator.reduce(t, reduction="mean"))
             accelerator.register_for_checkpointing(normalizer)
-        bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
-        ema = ModelEmaV3(bare, decay=args.model_ema, use_warmup=args.model_ema_warmup,
-                         warmup_power=0.75) if args.model_ema else None
+        ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
+                         use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
         resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
                                FIXED_ON_RESUME, records=RECORD_KEYS))
         scheduler = plateau or build_scheduler(optimizer, args, steps_per_epoch, total_steps, state.global_step)
-        record_config(accelerator, config, given_line, args.output_dir)
-        state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,
-                                      args.report_to)
-        log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size
-                 * accelerator.num_processes * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"],
-                 args.max_grad_norm)
-        guard, window, evaluated = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
-        saved, start_step = {}, state.global_step
-
-        def save() -> str:  # the state's checkpoint, once (a preemption right after one reuses it)
-            if repr(state) not in saved:
-                saved.clear()
-                saved[repr(state)] = save_checkpoint(accelerator, args.output_dir, state, [model, *([ema.module] if ema
-                                                     else [])], args.checkpoint_total_limit, config, model_config,
-                                                     {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
-                logger.info("saved checkpoint %s", saved[repr(state)])
-            return saved[repr(state)]
-
-        def evaluate_and_keep_best(epoch: int, final: bool) -> None:  # best/: weights that beat every earlier one
-            state.eval_pending = epoch  # a preemption's checkpoint says the evaluation is to be run
-            evaluated.update(evaluate_epoch({"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})},
-                                            epoch, final=final))
-            prefix = best_weights(evaluated, "AP")
-            if improves_best(accelerator, args.output_dir, "AP", value := evaluated[prefix]["AP"], state):
-                save_model(accelerator, args, "best", ema.module if prefix else model, model_config, evaluated[prefix],
-                           card, {"metric": "AP", "value": value, "epoch": epoch, "step": state.global_step,
-                                  "weights": "ema" if prefix else "trained"})
-                logger.info("new best AP %.4f (%s weights), saved %s/best/", value, "EMA" if prefix else "trained",
-                            args.output_dir)
-            state.eval_pending = 0
+        loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
+                         given_line, metrics, optimizer.param_groups[0]["lr"], metric="AP", evaluate=evaluate,
+                         write_files=functools.partial(write_model_files, args, model_config, card))
 
         # ---- train
-        try:
-            if state.eval_pending:  # preempted in an evaluation: run it first
-                evaluate_and_keep_best(state.eval_pending, state.global_step >= total_steps)
-            for epoch in range(state.epoch, args.epochs):
-                if state.global_step >= total_steps:
-                    break
+        with loop.checkpoint_on_preemption(stop_note):
+            for epoch in loop.epochs():
                 train_ds.set_epoch(epoch)  # the augmentation's stream (workers copy the data set each epoch)
-                train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, state, guard, window,
-                                metrics, args, total_steps, save, ema, normalizer)
-                last = state.global_step >= total_steps or epoch + 1 == args.epochs
-                step_checkpoint = args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0
-                if state.step_in_epoch >= steps_per_epoch:
-                    lr, mean_loss = optimizer.param_groups[0]["lr"], state.end_epoch()
-                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1, mean_loss, lr,
-                                state.skipped_steps)
-                    if args.lr_scheduler == "plateau":
-                        scheduler.step(mean_loss)  # the epoch's mean over all processes: the same on every rank
-                        if optimizer.param_groups[0]["lr"] < lr:
-                            logger.info("plateau: no lower mean loss in %d epoch(s), lr %.3g -> %.3g from epoch %d on",
-                                        args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], epoch + 2)
-                if (epoch + 1) % args.eval_interval == 0 or last:
-                    evaluate_and_keep_best(epoch + 1, last)
-                if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
-                    save()
-        except Preempted as p:
-            raise p.stop(state, save(), stop_note) from None
-        final = {p: e for p, e in evaluated.items() if e["step"] == state.global_step}  # of the weights at the end
-        if state.global_step > start_step or not os.path.isdir(os.path.join(args.output_dir, "last")):
-            save_model(accelerator, args, "last", model, model_config, final.get(""), card)
-        if ema is not None and state.global_step > start_step:
-            save_model(accelerator, args, "last_ema", ema.module, model_config, final.get("ema_"), card)
-        best = best_record(accelerator, args.output_dir, "AP")
-    logger.info("summary:\n  %s", "\n  ".join(summary_lines(
-        args.output_dir, "AP", time.time() - t_start, state, best, final.get(""), window.images_seen,
-        ema is not None, also=("AP50",))))
+                train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, loop, args, normalizer)
+                lr, mean_loss = optimizer.param_groups[0]["lr"], loop.end_epoch(epoch, optimizer)
+                if plateau and mean_loss is not None:
+                    scheduler.step(mean_loss)  # the epoch's mean over all processes: the same on every rank
+                    if optimizer.param_groups[0]["lr"] < lr:
+                        logger.info("plateau: no lower mean loss in %d epoch(s), lr %.3g -> %.3g from epoch %d on",
+                                    args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], epoch + 2)
+                loop.evaluate_and_checkpoint(epoch)
+        final = loop.finish()
+    loop.log_summary(time.time() - t_start, also=("AP50",))
     if args.push_to_hub and accelerator.is_main_process:
-        push_best(args.output_dir, args.push_to_hub, args.hub_private)
-    return {k: v for k, v in final[""].items() if k in STAT_NAMES} if "" in final else None
+        push_best(args.output_dir, args.push_to_hub, args.hub_private, "train_retinanet")
+    return {k: v for k, v in final.items() if k in STAT_NAMES} if final else None
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import REPO, write_coco, write_image
-from detlib.labels import CategoryMap, describe_mapping, match_categories
+from detlib.labels import CategoryMap, describe_mapping, match_categories, model_classes_in_data
 from detlib.retinanet.model import RetinaNet, reorder_class_outputs
 
 SHAPES = [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}, {"id": 3, "name": "triangle"}]
@@ -124,7 +124,7 @@ def test_classifier_weights_of_other_class_names_stop_or_map_by_name(tmp_path, c
               "--max_steps", "1", "--report_to", "none", "--num_workers", "0"]  # in-process: no workers
     code, _, err = run_main("train_catsdogs", common + ["--output_dir", tmp_path / "a"], capsys)
     assert code != 0
-    assert "output 0 is 'vertical' in" in err and "'horizontal' here" in err, err[-2000:]
+    assert "output 0 is 'vertical' in" in err and "'horizontal' in this data" in err, err[-2000:]
     code, out, err = run_main("train_catsdogs", common + ["--classes_by_name", "--output_dir", tmp_path / "b"], capsys)
     assert code == 0 and "--classes_by_name: outputs of" in out + err
 
@@ -132,11 +132,7 @@ def test_classifier_weights_of_other_class_names_stop_or_map_by_name(tmp_path, c
 def test_evaluate_only_scores_the_model_classes_under_the_json_ids():
     """`train_retinanet.py --evaluate_only`'s class map: refused when ids name other classes; with the flag, each
     model class evaluated under the json's id of its name (a class the json lacks under an id it does not use)."""
-    spec = importlib.util.spec_from_file_location("train_retinanet", REPO / "scripts" / "train_retinanet.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     with pytest.raises(ValueError, match="id 3 is 'triangle' in best/ but 'car' in val.json"):
-        module.evaluation_categories(cmap(SHAPES), {"categories": COCO_FIRST}, False, "best/", "val.json")
-    got = module.evaluation_categories(cmap(SHAPES), {"categories": SHAPES_OTHER_IDS[:2]}, True, "best/", "val.json")
-    assert got.category_ids == [2, 3, 1] and got.names == ["circle", "square", "triangle"]  # square: not in the json
-    assert got.to_category_ids(torch.tensor([0, 1, 2])).tolist() == [2, 3, 1] and got.to_label(1) == 2
+        model_classes_in_data(cmap(SHAPES), cmap(COCO_FIRST), False, "best/", "val.json")
+    ids, source = model_classes_in_data(cmap(SHAPES), cmap(SHAPES_OTHER_IDS[:2]), True, "best/", "val.json")
+    assert ids == [2, None, 1] and source == [2, 0]  # square: not in the json; json labels triangle, circle

@@ -371,7 +371,7 @@ class EvaluationCollate:
       agreed on 119 of 160 top-20 detections.)
     * A batch of one image is filled with a copy of it up to `MIN_EVALUATION_BATCH`, so the convolutions never run
       a batch of one (other kernels on a CPU). The copy carries the image's id and `valid` flag: `CocoEvaluator.add`
-      keeps the first results of an id, and predict skips an id repeating the one before it.
+      and `detect_images` keep the first results of an id.
     * An empty list (a process's filler batch, `EvaluationBatchSampler`) gives {}: nothing to run.
     A batch whose images' padded shapes differ anyway (a size that did not predict the transform's output) is padded
     to its largest, with a warning naming the image, whose detections then depend on its batch.

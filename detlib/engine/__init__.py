@@ -18,5 +18,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
              "save_config", "setup_console_logging", "setup_logging", "start_trackers", "summary_lines"),
     "run_folder": ("EXIT_DIVERGED", "EXIT_PREEMPTED", "Preempted", "RunStop", "preempted", "running",
                    "stop", "stop_together", "wait_for_the_first_process"),
-    "step": ("StepGuard", "run_length"),
+    "step": ("StepGuard", "TrainLoop", "accelerator_for", "evaluate_only", "run_length",
+             "stop_if_preempted"),
 })

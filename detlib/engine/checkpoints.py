@@ -69,9 +69,7 @@ class TrainState:
     run_id: str | None = None
 
     def load(self, values: dict) -> None:
-        for f in fields(self):
-            if f.name in values:
-                setattr(self, f.name, values[f.name])
+        self.__dict__.update({f.name: values[f.name] for f in fields(self) if f.name in values})
 
     def step_done(self, stepped: bool, loss: float) -> None:
         """Count an optimizer step (`stepped` False: the weights were left as they were) and its `loss`, the mean over
@@ -162,14 +160,16 @@ def verify_checkpoint(path: str) -> None:
         raise CheckpointError(str(e)) from None
 
 
-def newest_checkpoint(output_dir: str) -> str | None:
-    """The newest checkpoint of `output_dir` that `verify_checkpoint` passes, or None (never raises)."""
+def newest_checkpoint(output_dir: str, say: bool = False) -> str | None:
+    """The newest checkpoint of `output_dir` that `verify_checkpoint` passes, or None (never raises; `say`: each
+    damaged one passed over is logged)."""
     for path in reversed(_folders(output_dir)):
         try:
             verify_checkpoint(path)
             return path
-        except CheckpointError:
-            continue
+        except CheckpointError as e:
+            if say:
+                logger.warning("skipping damaged checkpoint %s: %s", os.path.basename(path), e)
     return None
 
 
@@ -179,15 +179,10 @@ def find_checkpoint(output_dir: str, resume: str) -> str | None:
     if resume != "latest":
         verify_checkpoint(resume)
         return resume
-    for path in reversed(_folders(output_dir)):
-        try:
-            verify_checkpoint(path)
-            return path
-        except CheckpointError as e:
-            logger.warning("skipping damaged checkpoint %s: %s", os.path.basename(path), e)
-    logger.warning("--resume_from_checkpoint latest: no usable checkpoint in %s; starting from scratch",
-                   os.path.join(output_dir, "checkpoints"))
-    return None
+    if (path := newest_checkpoint(output_dir, say=True)) is None:
+        logger.warning("--resume_from_checkpoint latest: no usable checkpoint in %s; starting from scratch",
+                       os.path.join(output_dir, "checkpoints"))
+    return path
 
 
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: list, limit: int = 0,
@@ -295,12 +290,9 @@ def _compare(path: str, ours: dict, fixed: tuple[str, ...], init_flag: str, reco
     `fixed` key or a class list differs, else None. `records` (what the run found: data paths, counts) are compared
     only where the state fixes them (the class count), and named without `--`: they are no flags."""
     theirs = {}
-    if os.path.isfile(os.path.join(path, "config.yaml")):
-        with open(os.path.join(path, "config.yaml")) as f:
+    if os.path.isfile(config := os.path.join(path, "config.yaml")):
+        with open(config) as f:
             theirs = yaml.safe_load(f) or {}
-    else:
-        logger.warning("%s holds no config.yaml (written by an older version): this run's flags are not compared with "
-                       "its run's", path)
     if os.path.isfile(os.path.join(path, "model_config.json")):
         saved = read_json_object(os.path.join(path, "model_config.json"))
         theirs.update({k: saved[k] for k in CLASS_KEYS if k in saved})

@@ -1,9 +1,8 @@
 """COCO box evaluation that runs on every process and counts every image exactly once.
 
-Each process decodes its shard of the validation set and records per-image results. `CocoEvaluator.
-gather` collects them from all processes as Python objects and de-duplicates them by image id: a
-distributed sampler pads the last shard by repeating images, and a repeated image must not count twice.
-The main process then runs COCOeval and returns the 12 standard stats by name.
+Each process decodes its shard of the validation set; `detlib.evaluation.detect.detect_images` gathers the
+per-image results of all processes as Python objects by image id (an image repeated to fill a batch counts once).
+The main process then runs COCOeval (`CocoEvaluator.evaluate`) and returns the 12 standard stats by name.
 
 The ground truth is the checked, normalised json of `detlib.datacheck.coco` (a raw dict is checked here): numbers
 parsed, boxes derived, ids made integers. Annotation ids are always renumbered 1..N for COCOeval, because
@@ -332,7 +331,8 @@ def evaluate_coco(gt_dataset: dict, results: list[dict], image_ids: Iterable[int
 
 
 class CocoEvaluator:
-    """Collects per-image detections on each process; `gather` + `evaluate` give the COCO stats.
+    """Holds per-image detections (`per_image`, `failed`: `detect_images`' gathered results, or `add`) and gives their
+    COCO stats (`evaluate`).
 
     Args:
         gt_dataset: the validation ground truth as a COCO-format dict, normalised here by the data check (the
@@ -343,10 +343,9 @@ class CocoEvaluator:
     Raises:
         ValueError: the ground truth has errors (see `checked_ground_truth`), or malformed `area_ranges`.
 
-    Use: call `add(image_id, results)` for every image a process evaluates (also for images with no
-    detection: the image is then counted with zero detections) and `add_failed(image_id)` for images
-    that could not be read; then, on ALL processes, `gather(accelerator)`; then on the main process
-    `evaluate()`.
+    Use: `add(image_id, results)` for every image (also for images with no detection: the image is then counted
+    with zero detections) and `add_failed(image_id)` for images that could not be read, or set `per_image` and
+    `failed` to `detect_images`' results; then `evaluate()` on the main process.
     """
 
     def __init__(self, gt_dataset: dict, backend: str = "auto", area_ranges=None):
@@ -374,21 +373,6 @@ class CocoEvaluator:
     def add_failed(self, image_id: int) -> None:
         """Record an image that could not be decoded: it is left out of the evaluation, with a warning."""
         self.failed.add(int(image_id))
-
-    def gather(self, accelerator=None) -> None:
-        """Merge the records of all processes into every process's evaluator (collective: call on all ranks)."""
-        if accelerator is None or accelerator.num_processes == 1:
-            return
-        from accelerate.utils import gather_object
-
-        shards = gather_object([(self.per_image, sorted(self.failed))])
-        merged: dict[int, list[dict]] = {}
-        failed: set[int] = set()
-        for per_image, fail in shards:  # rank order; duplicates from sampler padding keep the first
-            for iid, res in per_image.items():
-                merged.setdefault(iid, res)
-            failed.update(fail)
-        self.per_image, self.failed = merged, failed
 
     @property
     def results(self) -> list[dict]:

@@ -392,6 +392,22 @@ def load_matching_weights(model: RetinaNet, state_dict: dict, prior_prob: float 
     return report
 
 
+def log_model_size(model: nn.Module, backbone: str, side: int, is_main: bool = True) -> None:
+    """The parameter counts and (`is_main`) the forward cost of one image of the largest input, `side` pixels (rounded
+    up to INPUT_DIVISIBILITY) square."""
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("RetinaNet %s: %.2fM parameters (%.2fM trainable)", backbone, n_params / 1e6, n_train / 1e6)
+    if is_main:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        s = int(math.ceil(side / INPUT_DIVISIBILITY) * INPUT_DIVISIBILITY)
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            model.eval()(torch.zeros(1, 3, s, s))
+        model.train()
+        logger.info("forward cost at %dx%d: %.1f GFLOPs per image", s, s, fc.get_total_flops() / 1e9)
+
+
 def reorder_class_outputs(model: RetinaNet, source_class: list[int | None], prior_prob: float = 0.01) -> None:
     """After `load_matching_weights` from a detector of the same class count whose classes are matched by name
     (`--init_from ... --categories_by_name`): class j of `model` takes the classification output of the loaded

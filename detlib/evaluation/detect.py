@@ -1,0 +1,78 @@
+"""A detector run over batches to COCO results, gathered across processes: the one path of the training script's
+evaluation and of predict (images and video frames).
+
+The batches are `EvaluationBatchSampler` / `EvaluationCollate`'s: images of one padded shape, each image on one
+process, so that an image's detections are those of the image alone on any process count and batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
+
+from ..retinanet import decode_detections
+from .coco import detections_to_coco
+
+
+@torch.no_grad()
+def detect(model, anchor_gen, batch: dict, to_ids: torch.Tensor, score_thresh: float, nms_thresh: float,
+           max_detections: int, min_scores: torch.Tensor | None = None, autocast=None) -> list[list[dict] | None]:
+    """One collated batch (`images` [B, 3, H, W] on the model's device, `image_sizes`, `scales`, `image_ids`,
+    `valid`) -> per image its COCO result dicts (`detections_to_coco`: xywh pixels of the original image), None for
+    an image that could not be read. `to_ids`: [K] int64, the category id written for each label, -1 for a class
+    left out; `min_scores`: [K], each class's lowest kept score (beside `score_thresh`, decoding's);
+    `autocast`: a context manager around the forward (e.g. `accelerator.autocast()`)."""
+    images = batch["images"]
+    if autocast is not None:
+        with autocast:
+            out = model(images)
+    else:
+        out = model(images)
+    anchors, counts = anchor_gen(*images.shape[-2:], device=images.device)
+    dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
+                             batch["scales"], score_thresh=score_thresh, nms_thresh=nms_thresh,
+                             max_detections=max_detections)
+    found = []
+    for i, d in enumerate(dets.per_image(len(batch["image_ids"]))):
+        labels = d["labels"].long()
+        ids = to_ids.to(labels.device)[labels]
+        keep = (ids >= 0) if min_scores is None else (ids >= 0) & (d["scores"] >= min_scores.to(labels.device)[labels])
+        found.append(detections_to_coco(d["boxes"][keep], d["scores"][keep], ids[keep], int(batch["image_ids"][i]))
+                     if bool(batch["valid"][i]) else None)
+    return found
+
+
+def detect_images(model, anchor_gen, loader, accelerator, to_ids: torch.Tensor, score_thresh: float,
+                  nms_thresh: float, max_detections: int, min_scores: torch.Tensor | None = None, autocast: bool = False,
+                  every_10_batches=None, on_image=None, desc: str = "eval") -> tuple[dict[int, list[dict]], set[int]]:
+    """`detect` over this process's `loader`, then every process's results gathered (collective: every process has
+    as many batches, some empty). `every_10_batches()`: called before batches 0, 10, ... (a preemption poll);
+    `on_image(image_id, results)`: on the process that detected the image (its per-image files). Returns
+    ({image id: COCO result dicts}, the ids of unreadable images), the same on every process."""
+    from accelerate.utils import gather_object, send_to_device
+
+    per_image, failed = {}, set()
+    for i, batch in enumerate(tqdm(loader, desc=desc, disable=not accelerator.is_local_main_process, leave=False)):
+        if every_10_batches is not None and i % 10 == 0:
+            every_10_batches()
+        if not batch:  # a process's filler batch (EvaluationBatchSampler): no image
+            continue
+        batch = send_to_device(batch, accelerator.device, non_blocking=True)
+        found = detect(model, anchor_gen, batch, to_ids, score_thresh, nms_thresh, max_detections, min_scores,
+                       accelerator.autocast() if autocast else None)
+        for image_id, res in zip(batch["image_ids"].tolist(), found):
+            if image_id in per_image or image_id in failed:  # a copy that fills the batch (EvaluationCollate)
+                continue
+            if res is None:
+                failed.add(image_id)
+                continue
+            per_image[image_id] = res
+            if on_image is not None:
+                on_image(image_id, res)
+    if accelerator.num_processes == 1:
+        return per_image, failed
+    merged, all_failed = {}, set()
+    for part, fail in gather_object([(per_image, sorted(failed))]):
+        merged.update(part)
+        all_failed.update(fail)
+    return merged, all_failed
