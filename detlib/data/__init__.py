@@ -3,13 +3,14 @@ aspect-ratio grouping, the ImageFolder data set, VOC / YOLO read as COCO, video 
 
 `images` (files to RGB, damaged files survived), `transforms` (augmentation, resizing, the input conventions),
 `coco` (the detection data set, the batch), `records` (compact per-image arrays), `sampler` (aspect grouping, the
-evaluation's batches of one padded shape), `imagefolder` (the classification data set), `loaders` (the DataLoader
-set-up: workers that end with their training process, the /dev/shm check), `formats` (VOC / YOLO, and the data check
-of a data folder in any format), `video` (PyAV frames), `builtin` (the synthetic sets both scripts train on without
-data).
+evaluation's batches of one padded shape), `balanced` (class-balanced sampling of a skewed training set),
+`imagefolder` (the classification data set), `loaders` (the DataLoader set-up: workers that end with their training
+process, the /dev/shm check), `formats` (VOC / YOLO, and the data check of a data folder in any format), `video` (PyAV
+frames), `builtin` (the synthetic sets both scripts train on without data).
 """
 
 from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS
+from .balanced import ClassBalancedSampler, RepeatFactorSampler, log_class_frequencies, repeat_factors
 from .builtin import make_synthetic_coco, make_synthetic_image_folder
 from .coco import PAD_VALUE, CocoDetection, EvaluationCollate, collate_detection, evaluation_shapes
 from .formats import FORMATS, check_coco_for_training, data_dir_paths, read_class_names, read_data_dir_splits
@@ -27,5 +28,6 @@ __all__ = [
     "scan_image_folder", "IMAGE_ERRORS", "load_rgb", "GroupedBatchSampler", "aspect_groups", "AUGMENTATIONS",
     "INPUT_DIVISIBILITY", "build_transform", "INSTALL_HINT", "VideoWriter", "av_available", "video_frames",
     "video_info", "DEFAULT_MAX_IMAGE_PIXELS", "EvaluationCollate", "evaluation_shapes",
-    "EvaluationBatchSampler", "read_class_names"
+    "EvaluationBatchSampler", "read_class_names", "ClassBalancedSampler", "RepeatFactorSampler", "log_class_frequencies",
+    "repeat_factors"
 ]
