@@ -13,7 +13,8 @@ number of draws may not change from epoch to epoch as independent roundings woul
 systematic sampling in a shuffled order (one uniform offset laid over the cumulated fractions): each image gets its
 extra draw with probability exactly r - floor(r), and their number is floor(F) or floor(F) + 1 (F the sum of the
 fractions); an epoch is floor(sum r) draws, the one surplus extra dropped (the last in the shuffled order) when there is
-one. The fractions are counted in integer units of 2^-24, so the length does not depend on the order of a float sum.
+one: the images' mean draws over the epochs are their r less, together, the fraction of sum r that the epoch rounds off
+(under one draw an epoch). The fractions are counted in integer units of 2^-24, so the length does not depend on the order of a float sum.
 Image i's k-th draw of an epoch is the key i + k * N (N images): the data set reads image key % N and gives each copy
 its own augmentation (`CocoDetection`).
 
