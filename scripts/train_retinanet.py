@@ -55,8 +55,8 @@ from timm.utils import ModelEmaV3
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
-                         EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, RepeatFactorSampler, aspect_groups,
-                         build_transform, check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes,
+                         EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, RepeatFactorSampler,
+                         aspect_groups, build_transform, check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes,
                          loader_settings, log_class_frequencies, make_synthetic_coco, read_class_names, repeat_factors)
 from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLog, Preempted, RunStop, StepGuard,
                            TrainState, TrainWindow, best_record, best_weights, data_defaults_table, divergence, float_range,
@@ -349,8 +349,8 @@ def build_dataloaders(args, paths: dict[str, str]):
                                   f"--repeat_threshold {args.repeat_threshold:g}", args.output_dir,
                                   PartialState().is_main_process)
         if args.aspect_grouping:  # landscape and portrait images in separate batches: less padding
-            batches = GroupedBatchSampler(aspect_groups([r["size"] for r in train_ds.records]),
-                                          args.per_device_batch_size, seed=args.seed, drop_last=drop_last, sampler=sampler)
+            batches = GroupedBatchSampler(aspect_groups([r["size"] for r in train_ds.records]), args.per_device_batch_size,
+                                          seed=args.seed, drop_last=drop_last, sampler=sampler)
             train_loader = torch.utils.data.DataLoader(train_ds, batch_sampler=batches, **common)
         else:
             train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size,

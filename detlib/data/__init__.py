@@ -28,6 +28,6 @@ __all__ = [
     "scan_image_folder", "IMAGE_ERRORS", "load_rgb", "GroupedBatchSampler", "aspect_groups", "AUGMENTATIONS",
     "INPUT_DIVISIBILITY", "build_transform", "INSTALL_HINT", "VideoWriter", "av_available", "video_frames",
     "video_info", "DEFAULT_MAX_IMAGE_PIXELS", "EvaluationCollate", "evaluation_shapes",
-    "EvaluationBatchSampler", "read_class_names", "ClassBalancedSampler", "RepeatFactorSampler", "log_class_frequencies",
-    "repeat_factors"
+    "EvaluationBatchSampler", "read_class_names", "ClassBalancedSampler", "RepeatFactorSampler",
+    "log_class_frequencies", "repeat_factors"
 ]

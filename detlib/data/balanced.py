@@ -14,7 +14,8 @@ systematic sampling in a shuffled order (one uniform offset laid over the cumula
 extra draw with probability exactly r - floor(r), and their number is floor(F) or floor(F) + 1 (F the sum of the
 fractions); an epoch is floor(sum r) draws, the one surplus extra dropped (the last in the shuffled order) when there is
 one: the images' mean draws over the epochs are their r less, together, the fraction of sum r that the epoch rounds off
-(under one draw an epoch). The fractions are counted in integer units of 2^-24, so the length does not depend on the order of a float sum.
+(under one draw an epoch). The fractions are counted in integer units of 2^-24, so the length does not depend on the
+order of a float sum.
 Image i's k-th draw of an epoch is the key i + k * N (N images): the data set reads image key % N and gives each copy
 its own augmentation (`CocoDetection`).
 
@@ -173,8 +174,8 @@ def class_frequencies(image_classes: Sequence[Sequence[int]], draws: Sequence[in
     has = per_image > 0
     return [{"class": names[c], "images": int(has[:, c].sum()), "instances": int(per_image[:, c].sum()),
              "share": float(has[:, c].sum() / max(n, 1)), "images_drawn": int(times @ has[:, c]),
-             "instances_drawn": int(times @ per_image[:, c]), "share_drawn": float(times @ has[:, c] / max(len(draws), 1))}
-            for c in range(k)]
+             "instances_drawn": int(times @ per_image[:, c]),
+             "share_drawn": float(times @ has[:, c] / max(len(draws), 1))} for c in range(k)]
 
 
 def frequency_line(rows: list[dict]) -> str:
@@ -195,7 +196,8 @@ def frequency_line(rows: list[dict]) -> str:
 
 
 def log_class_frequencies(image_classes: Sequence[Sequence[int]], sampler: torch.utils.data.Sampler,
-                          names: Sequence[str], option: str, output_dir: str | None, is_main: bool = True) -> list[dict]:
+                          names: Sequence[str], option: str, output_dir: str | None,
+                          is_main: bool = True) -> list[dict]:
     """Log what one epoch (epoch 0) of `sampler` does to the class frequencies (`frequency_line`) under `option` (the
     flags that chose it), and write the whole table to `output_dir/class_frequencies.csv` (main process). Returns
     `class_frequencies`' rows."""

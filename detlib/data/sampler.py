@@ -9,14 +9,14 @@ same reason. Here:
 
 * group = 0 for landscape or square images (w >= h), 1 for portrait, from the json's sizes (no pixels read);
 * each epoch shuffles all indices with a generator seeded by (seed, epoch) (or takes the draws of a class-balanced
-  sampler, `detlib.data.balanced`, as they come), then deals them into per-group
-  buckets in that order and emits a bucket as a batch whenever it is full; the incomplete buckets left at the
-  end are emitted last, mixed, as full batches (and a last partial one unless `drop_last`);
+  sampler, `detlib.data.balanced`, as they come), then deals them into per-group buckets in that order and emits a
+  bucket as a batch whenever it is full; the incomplete buckets left at the end are emitted last, mixed, as full
+  batches (and a last partial one unless `drop_last`);
 * the number of batches is floor(draws / batch size) (ceil without `drop_last`) however the draws fall into the
   groups (`__len__`), so the schedule's steps per epoch do not change from epoch to epoch;
 * accelerate's `prepare` deals the batches round-robin to the processes (`BatchSamplerShard`) and calls
-  `sampler.set_epoch` (our `SeededShuffle`, or the balanced sampler), and `skip_first_batches` replays the same order, so a mid-epoch
-  resume sees exactly the batches of the uninterrupted run.
+  `sampler.set_epoch` (our `SeededShuffle`, or the balanced sampler), and `skip_first_batches` replays the same
+  order, so a mid-epoch resume sees exactly the batches of the uninterrupted run.
 
 Evaluation and prediction (`EvaluationBatchSampler`): each batch holds images of one padded input shape, so that no
 image is padded beyond its own shape and its detections are those of the image evaluated by itself (docs/evaluation.md,

@@ -97,7 +97,8 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         used = set(a["category_id"] for a in annotations_out)
         report.add("warning", "categories", split, "categories without any annotation (the model still has an output "
                    "for each)", [f"{cat['id']} {cat['name']!r}" for cat in categories if cat["id"] not in used])
-        holding = Counter(c for c, _ in {(a["category_id"], a["image_id"]) for a in annotations_out if not a["iscrowd"]})
+        boxed = {(a["category_id"], a["image_id"]) for a in annotations_out if not a["iscrowd"]}
+        holding = Counter(c for c, _ in boxed)  # images holding each category
         f_max = max(holding.values(), default=0) / max(len(images), 1)
         check_balance(report, split, {f"{cat['id']} {cat['name']!r}": holding[cat["id"]] for cat in categories},
                       f"train_retinanet.py --sampler repeat_factor --repeat_threshold T (T = {f_max:.2g}, the most "
