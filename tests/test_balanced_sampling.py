@@ -243,7 +243,8 @@ def test_train_retinanet_logs_the_class_frequencies_of_its_sampler(tmp_path, cap
                                "--val_images", images, "--val_annotations", annotations / "instances_val.json",
                                "--backbone", "resnet18", "--image_size", "64", "--fpn_channels", "32",
                                "--per_device_batch_size", "8", "--per_device_eval_batch_size", "8",
-                               "--num_workers", "0", "--max_steps", "2", "--eval_bootstrap", "0", "--num_log_images", "0",
+                               "--num_workers", "0", "--max_steps", "2", "--log_interval", "1", "--eval_bootstrap", "0",
+                               "--num_log_images", "0",
                                "--skip_image_check", "--sampler", "repeat_factor", "--repeat_threshold", "0.2",
                                "--output_dir", out, "--report_to", "none"], capsys)
     log = (out / "train.log").read_text()

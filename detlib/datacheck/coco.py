@@ -101,8 +101,8 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         holding = Counter(c for c, _ in boxed)  # images holding each category
         f_max = max(holding.values(), default=0) / max(len(images), 1)
         check_balance(report, split, {f"{cat['id']} {cat['name']!r}": holding[cat["id"]] for cat in categories},
-                      f"train_retinanet.py --sampler repeat_factor --repeat_threshold T (T = {f_max:.2g}, the most "
-                      "frequent class's fraction of the images, repeats every rarer class; docs/flags.md)")
+                      f"train_retinanet.py --sampler repeat_factor --repeat_threshold T (classes in fewer than a "
+                      f"fraction T of the images are repeated; the most frequent is in {f_max:.2g}; docs/flags.md)")
     if not images:
         report.add("error", "images", split, "no usable image is left", count=1)
 
