@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s)")
     g.add_argument("--repeat_threshold", type=float_range(0, 1, lo_open=True), default=0.1, metavar="T",
                    help="--sampler repeat_factor: classes in fewer than this fraction of the training images are "
-                        "repeated; one in a fraction f of them is then in about sqrt(T * f) of the draws "
+                        "repeated; the images of one in a fraction f of them are drawn sqrt(T / f) times as often "
                         "(default: %(default)s)")
     g.add_argument("--filter_empty", action=argparse.BooleanOptionalAction, default=True,
                    help="leave out training images with no usable box, as torchvision and detectron2 do (default: on)")

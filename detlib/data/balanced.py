@@ -5,8 +5,8 @@ Repeat factor sampling (Gupta et al., LVIS, 2019, appendix B.2; detectron2's `Re
 the fraction of training images that contain class c and T the threshold, r_c = max(1, sqrt(T / f_c)) and an image's
 r is the largest r_c of its classes (1 for an image without a box). An epoch draws image i floor(r_i) times and once
 more with probability r_i - floor(r_i), a new draw each epoch (stochastic rounding: the fractions are met over the
-epochs). A class with f_c < T is then in about sqrt(T * f_c) of the draws instead of f_c (less the co-occurring
-classes' own repeats); the others keep theirs.
+epochs). The images of a class with f_c < T are then drawn sqrt(T / f_c) times as often (or more, for those that hold
+a rarer class): about sqrt(T * f_c) * N draws an epoch instead of f_c * N; the epoch grows by the repeats.
 
 The epoch has a fixed length: the schedule counts steps per epoch and every process must get as many batches, so the
 number of draws may not change from epoch to epoch as independent roundings would make it. The extra draws are made by
