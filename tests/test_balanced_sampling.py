@@ -278,28 +278,3 @@ def test_class_balanced_sampler_makes_the_minority_predicted_on_a_10_to_1_subset
     assert not (tmp_path / "shuffle" / FREQUENCIES_FILE).exists()
     assert recall["class_balanced"] >= recall["shuffle"] + 0.2, recall
 
-
-@pytest.mark.slow  # in-process, two short trainings
-def test_class_balanced_run_resumed_mid_epoch_sees_the_same_draws(tmp_path, capsys):
-    import shutil
-
-    from helpers import make_tiny_folder
-
-    train = make_tiny_folder(tmp_path / "train", [12, 2])  # 6:1, 14 images: 3 steps of 4 an epoch
-    val = make_tiny_folder(tmp_path / "val", [2, 2], seed=1)
-    common = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "0", "--per_device_batch_size", "4",
-              "--log_interval", "1", "--train_dir", train, "--val_dir", val, "--epochs", "2", "--checkpoint_steps", "2",
-              "--checkpoint_total_limit", "0", "--sampler", "class_balanced", "--report_to", "none"]
-    full = tmp_path / "full"
-    run_ok("train_catsdogs", [*common, "--output_dir", full], capsys)
-    (mid,) = [p for p in (full / "checkpoints").iterdir()
-              if json.loads((p / "trainer_state.json").read_text())["global_step"] == 2]
-    assert json.loads((mid / "trainer_state.json").read_text())["step_in_epoch"] == 2  # inside epoch 1 (3 steps)
-    resumed = tmp_path / "resumed"
-    shutil.copytree(mid, resumed / "checkpoints" / mid.name)
-    run_ok("train_catsdogs", [*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], capsys)
-    by_step = {m["step"]: m for m in read_metrics(full) if "loss" in m}
-    res_train = [m for m in read_metrics(resumed) if "loss" in m]
-    assert [m["step"] for m in res_train] == [3, 4, 5, 6]
-    for m in res_train:  # the same images in the same batches: the same losses
-        assert m["loss"] == pytest.approx(by_step[m["step"]]["loss"], rel=1e-4)
