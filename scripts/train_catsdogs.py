@@ -45,7 +45,8 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLo
 from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
                                    classification_transform, log_wandb_extras, per_class_summary, per_class_table,
                                    write_predictions)
-from detlib.data import VERIFY_MODES, ImageFolderDataset, loader_settings, make_synthetic_image_folder, scan_image_folder
+from detlib.data import (VERIFY_MODES, ClassBalancedSampler, ImageFolderDataset, loader_settings, log_class_frequencies,
+                         make_synthetic_image_folder, scan_image_folder)
 from detlib.datacheck import check_folders_for_training
 from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
                            evaluate_only, float_range, format_given, int_at_least, parse_with_config, path,
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check at start: full decode (finds truncated files), header only, or none (default: %(default)s)")
     g.add_argument("--strict_data", action="store_true", help="data repairs (unreadable files left out, files in two "
                    "classes left out, ...) stop the run like errors")
+    g.add_argument("--sampler", default="shuffle", choices=["shuffle", "class_balanced"],
+                   help="training images per epoch: each once, shuffled; or class_balanced, as many draws of each "
+                        "class (the minority's images repeated), for classes far rarer than others (docs/catsdogs.md) "
+                        "(default: %(default)s)")
 
     g = groups["optimization"]
     g.add_argument("--lr", type=float_range(0), help="peak learning rate")
@@ -195,7 +200,14 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     train_ds = train_loader = None
     if "train" in scans:
         train_ds = ImageFolderDataset(scans["train"], classification_transform(args.image_size, train=True), train=True)
-        train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size, shuffle=True,
+        sampler = None
+        if args.sampler == "class_balanced":  # each class drawn equally often (detlib.data.balanced)
+            labels = [t for _, t in train_ds.samples]
+            sampler = ClassBalancedSampler(labels, args.seed)
+            log_class_frequencies([[t] for t in labels], sampler, train_ds.classes, "--sampler class_balanced",
+                                  args.output_dir, is_main)
+        train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size,
+                                                   shuffle=sampler is None, sampler=sampler,
                                                    drop_last=len(train_ds) >= args.per_device_batch_size, **common)
     return train_ds, val_ds, train_loader, val_loader
 
@@ -203,9 +215,9 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
 # Linear warm-up from 0 over --warmup_steps (default 5% of the steps), then cosine decay to 0, per optimizer step.
 WARMUP_FRACTION = 0.05
 # What a resume cannot change: the model and its classes, the optimizer with its settings (its state brings them back),
-# the samples per step and the data position (process count, batch, accumulation), fp16's GradScaler.
+# the samples per step and the data position (process count, batch, accumulation, the sampler), fp16's GradScaler.
 FIXED_ON_RESUME = ("model", "num_classes", "classes", "optimizer", "lr", "weight_decay", "momentum", "num_processes",
-                   "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision")
+                   "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision", "sampler")
 
 
 def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:

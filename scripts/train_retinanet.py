@@ -54,10 +54,10 @@ from accelerate.utils import broadcast_object_list
 from timm.optim import param_groups_weight_decay
 from timm.utils import ModelEmaV3
 
-from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, CocoDetection,
-                         EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, aspect_groups, build_transform,
-                         check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes, loader_settings,
-                         make_synthetic_coco, read_class_names)
+from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
+                         EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, RepeatFactorSampler,
+                         aspect_groups, build_transform, check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes,
+                         loader_settings, log_class_frequencies, make_synthetic_coco, read_class_names, repeat_factors)
 from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
                            evaluate_only, float_range, format_given, int_at_least, parse_with_config, path,
                            resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
@@ -114,10 +114,11 @@ RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5,
                 "per_device_eval_batch_size": 8, "log_interval": 20, "checkpoint_total_limit": None}  # None: DATA_DEFAULTS
 # What a resume cannot change: the model and its classes, the optimizer and schedule with their settings (their state
 # brings them back), the loss normaliser's state, the samples per step and the data position (process count, batch,
-# accumulation), fp16's GradScaler.
+# accumulation, the sampler that sets an epoch's draws), fp16's GradScaler.
 FIXED_ON_RESUME = ("backbone", "fpn_channels", "head_norm", "num_classes", "freeze_at", "backbone_bn", "optimizer", "lr",
                    "weight_decay", "wd_norm", "momentum", "lr_scheduler", "plateau_patience", "loss_normalizer",
-                   "num_processes", "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision")
+                   "num_processes", "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision",
+                   "sampler", "repeat_threshold")
 WARMUP_START = 0.001  # the warm-up's first LR factor: Detectron's 1/1000
 # What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
 RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_annotations", "data_val_images",
@@ -150,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,
                    help="training batches of only landscape or only portrait images (default: on)")
+    g.add_argument("--sampler", default="shuffle", choices=["shuffle", "repeat_factor"],
+                   help="training images per epoch: each once, shuffled; or repeat_factor, the LVIS rule: an image "
+                        "is drawn max(1, sqrt(T / f)) times per epoch (stochastic rounding), f the fraction of images "
+                        "holding its rarest class, for classes far rarer than others (docs/flags.md) (default: "
+                        "%(default)s)")
+    g.add_argument("--repeat_threshold", type=float_range(0, 1, lo_open=True), default=0.1, metavar="T",
+                   help="--sampler repeat_factor: classes in fewer than this fraction of the training images are "
+                        "repeated; the images of one in a fraction f of them are drawn sqrt(T / f) times as often "
+                        "(default: %(default)s)")
     g.add_argument("--filter_empty", action=argparse.BooleanOptionalAction, default=True,
                    help="leave out training images with no usable box, as torchvision and detectron2 do (default: on)")
     g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files' headers")
@@ -321,13 +331,21 @@ def build_dataloaders(args, paths: dict[str, str]):
     train_loader = None
     if train_ds is not None:
         drop_last = len(train_ds) >= args.per_device_batch_size
+        sampler = None
+        if args.sampler == "repeat_factor":  # images of rare classes drawn more often (detlib.data.balanced)
+            classes = [r["labels"][~r["iscrowd"]] for r in train_ds.records]
+            sampler = RepeatFactorSampler(repeat_factors(classes, args.repeat_threshold), args.seed)
+            log_class_frequencies(classes, sampler, train_ds.category_map.names, f"--sampler repeat_factor "
+                                  f"--repeat_threshold {args.repeat_threshold:g}", args.output_dir,
+                                  PartialState().is_main_process)
         if args.aspect_grouping:  # landscape and portrait images in separate batches: less padding
-            batches = GroupedBatchSampler(aspect_groups([r["size"] for r in train_ds.records]),
-                                          args.per_device_batch_size, seed=args.seed, drop_last=drop_last)
+            batches = GroupedBatchSampler(aspect_groups([r["size"] for r in train_ds.records]), args.per_device_batch_size,
+                                          seed=args.seed, drop_last=drop_last, sampler=sampler)
             train_loader = torch.utils.data.DataLoader(train_ds, batch_sampler=batches, **common)
         else:
-            train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size, shuffle=True,
-                                                       drop_last=drop_last, **common)
+            train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size,
+                                                       shuffle=sampler is None, sampler=sampler, drop_last=drop_last,
+                                                       **common)
     # batches of val images of one padded shape, each image on one process: an image's detections are those of the
     # image alone, so the 12 stats are the same on any process count and eval batch size (docs/evaluation.md)
     process = PartialState()

@@ -291,7 +291,7 @@ def test_case_b23_small_shm_falls_back_to_no_workers(tmp_path, monkeypatch, capl
     monkeypatch.setattr(shutil, "disk_usage", lambda path: DiskUsage(64 * 2**20, 60 * 2**20, 4 * 2**20))
     script = load_script()
     args = SimpleNamespace(output_dir=str(tmp_path / "out"), verify_images="full", image_size=224, num_workers=2,
-                           per_device_batch_size=64, per_device_eval_batch_size=64)
+                           per_device_batch_size=64, per_device_eval_batch_size=64, sampler="shuffle", seed=0)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)  # the request is not capped by this machine's cores
     with caplog.at_level(logging.WARNING):
         train_ds, val_ds, train_loader, val_loader = script.build_dataloaders(args, {"train_dir": str(root), "val_dir": str(root)})

@@ -3,10 +3,10 @@ aspect-ratio grouping, the ImageFolder data set, VOC / YOLO read as COCO, video 
 
 `images` (files to RGB, damaged files survived), `transforms` (augmentation, resizing, the input conventions),
 `coco` (the detection data set, the batch), `records` (compact per-image arrays), `sampler` (aspect grouping, the
-evaluation's batches of one padded shape), `imagefolder` (the classification data set), `loaders` (the DataLoader
-set-up: workers that end with their training process, the /dev/shm check), `formats` (VOC / YOLO, and the data check
-of a data folder in any format), `video` (PyAV frames), `builtin` (the synthetic sets both scripts train on without
-data).
+evaluation's batches of one padded shape), `balanced` (class-balanced sampling of a skewed training set),
+`imagefolder` (the classification data set), `loaders` (the DataLoader set-up: workers that end with their training
+process, the /dev/shm check), `formats` (VOC / YOLO, and the data check of a data folder in any format), `video` (PyAV
+frames), `builtin` (the synthetic sets both scripts train on without data).
 """
 
 from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS  # light: PIL only
@@ -16,6 +16,7 @@ AUGMENTATIONS = ("none", "flip", "flip_crop_translate")  # --augment's choices (
 VERIFY_MODES = ("full", "header", "none")  # how the ImageFolder files are checked (`imagefolder`)
 
 __getattr__, __all__ = lazy_exports(__name__, {
+    "balanced": ("ClassBalancedSampler", "RepeatFactorSampler", "log_class_frequencies", "repeat_factors"),
     "builtin": ("make_synthetic_coco", "make_synthetic_image_folder"),
     "coco": ("PAD_VALUE", "CocoDetection", "EvaluationCollate", "collate_detection", "evaluation_shapes"),
     "formats": ("FORMATS", "check_coco_for_training", "data_dir_paths", "read_class_names", "read_data_dir_splits"),

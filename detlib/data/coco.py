@@ -71,7 +71,8 @@ class CocoDetection(torch.utils.data.Dataset):
         filter_empty: leave out images with no usable (non-crowd) box, as torchvision's and detectron2's
             training sets do (`DATASETS.FILTER_EMPTY_ANNOTATIONS`); the count is logged. For training only:
             an evaluation must keep every image.
-    Item: dict with
+    Item (an index k >= len(self) is image k % len(self) drawn again, a copy augmented on its own:
+    `detlib.data.balanced.RepeatFactorSampler`): dict with
         image: [3, h, w] uint8 RGB, after the transform
         boxes: [N, 4] float32 xyxy pixels of the transformed image;  labels: [N] int64 in 0..K-1
         crowd_boxes: [C, 4] float32 xyxy pixels (empty when `include_crowd`)
@@ -195,7 +196,7 @@ class CocoDetection(torch.utils.data.Dataset):
         """Number of non-crowd boxes over the whole data set (0 means nothing to learn from)."""
         return int((~self.records.iscrowd).sum())
 
-    def _load(self, index: int) -> dict:
+    def _load(self, index: int, copy: int = 0) -> dict:
         rec = self.records[index]
         # Set in the worker that loads: DataLoader workers do not share the parent's later changes.
         Image.MAX_IMAGE_PIXELS = self.max_image_pixels
@@ -212,7 +213,7 @@ class CocoDetection(torch.utils.data.Dataset):
         sample = make_sample(image, torch.from_numpy(rec["boxes"]), torch.from_numpy(rec["labels"]),
                              torch.from_numpy(rec["iscrowd"]))
         if self.transform is not None:
-            with _sample_rng(self.seed, self.epoch, index):
+            with _sample_rng(self.seed, self.epoch, index + copy * len(self)):
                 sample = self.transform(sample)
         crowd = sample["iscrowd"]
         boxes = sample["boxes"].as_subclass(torch.Tensor)
@@ -227,7 +228,9 @@ class CocoDetection(torch.utils.data.Dataset):
         }
 
     def __getitem__(self, index: int) -> dict:
-        return load_skipping_unreadable(self._load, index, len(self), self.train, self._unreadable)
+        # a key past the last image is a repeated draw of image key % N (`RepeatFactorSampler`): its own augmentation
+        copy, index = divmod(index, len(self))
+        return load_skipping_unreadable(lambda i: self._load(i, copy), index, len(self), self.train, self._unreadable)
 
     def _unreadable(self, index: int, error: Exception) -> dict:
         logger.warning("skipping unreadable image: %s", error)

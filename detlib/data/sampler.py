@@ -8,14 +8,15 @@ torchvision's references (`GroupedBatchSampler`) and detectron2 (`AspectRatioGro
 same reason. Here:
 
 * group = 0 for landscape or square images (w >= h), 1 for portrait, from the json's sizes (no pixels read);
-* each epoch shuffles all indices with a generator seeded by (seed, epoch), then deals them into per-group
-  buckets in that order and emits a bucket as a batch whenever it is full; the incomplete buckets left at the
-  end are emitted last, mixed, as full batches (and a last partial one unless `drop_last`);
-* the number of batches is fixed by the group sizes alone (`__len__`), so the schedule's steps per epoch do not
-  change from epoch to epoch;
+* each epoch shuffles all indices with a generator seeded by (seed, epoch) (or takes the draws of a class-balanced
+  sampler, `detlib.data.balanced`, as they come), then deals them into per-group buckets in that order and emits a
+  bucket as a batch whenever it is full; the incomplete buckets left at the end are emitted last, mixed, as full
+  batches (and a last partial one unless `drop_last`);
+* the number of batches is floor(draws / batch size) (ceil without `drop_last`) however the draws fall into the
+  groups (`__len__`), so the schedule's steps per epoch do not change from epoch to epoch;
 * accelerate's `prepare` deals the batches round-robin to the processes (`BatchSamplerShard`) and calls
-  `sampler.set_epoch` (our `SeededShuffle`), and `skip_first_batches` replays the same order, so a mid-epoch
-  resume sees exactly the batches of the uninterrupted run.
+  `sampler.set_epoch` (our `SeededShuffle`, or the balanced sampler), and `skip_first_batches` replays the same
+  order, so a mid-epoch resume sees exactly the batches of the uninterrupted run.
 
 Evaluation and prediction (`EvaluationBatchSampler`): each batch holds images of one padded input shape, so that no
 image is padded beyond its own shape and its detections are those of the image evaluated by itself (docs/evaluation.md,
@@ -30,6 +31,12 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """The random stream of one epoch of a training sampler: a function of (seed, epoch) alone, so every process draws
+    the same epoch and a resumed run draws it again."""
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))  # distinct streams per (seed, epoch)
+
+
 class SeededShuffle(torch.utils.data.Sampler):
     """A permutation of range(n) that is a function of (seed, epoch) alone; `set_epoch` picks the epoch."""
 
@@ -40,8 +47,7 @@ class SeededShuffle(torch.utils.data.Sampler):
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)  # distinct streams per (seed, epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
+        return iter(torch.randperm(self.n, generator=epoch_generator(self.seed, self.epoch)).tolist())
 
     def __len__(self) -> int:
         return self.n
@@ -55,22 +61,25 @@ class GroupedBatchSampler(torch.utils.data.BatchSampler):
         batch_size: images per batch (per device).
         seed: seeds the per-epoch shuffle.
         drop_last: leave out the last incomplete batch.
+        sampler: the epoch's draws instead of a shuffle of every index once: a sampler with `set_epoch` and a length
+            that is the same every epoch (`detlib.data.balanced`); a draw k is data set index k % N.
     Raises:
         ValueError: for a batch size below 1 or no index at all.
     """
 
-    def __init__(self, group_ids: Sequence[int], batch_size: int, seed: int = 0, drop_last: bool = True):
+    def __init__(self, group_ids: Sequence[int], batch_size: int, seed: int = 0, drop_last: bool = True,
+                 sampler: torch.utils.data.Sampler | None = None):
         if batch_size < 1 or not len(group_ids):
             raise ValueError(f"need a batch size >= 1 and at least one index, got {batch_size} and {len(group_ids)}")
         self.group_ids = [int(g) for g in group_ids]
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
-        self.sampler = SeededShuffle(len(self.group_ids), seed)  # accelerate calls sampler.set_epoch
+        self.sampler = sampler or SeededShuffle(len(self.group_ids), seed)  # accelerate calls sampler.set_epoch
 
     def __iter__(self) -> Iterator[list[int]]:
         buckets: dict[int, list[int]] = {}
         for index in self.sampler:
-            bucket = buckets.setdefault(self.group_ids[index], [])
+            bucket = buckets.setdefault(self.group_ids[index % len(self.group_ids)], [])
             bucket.append(index)
             if len(bucket) == self.batch_size:
                 yield bucket[:]
@@ -82,12 +91,10 @@ class GroupedBatchSampler(torch.utils.data.BatchSampler):
                 yield batch
 
     def __len__(self) -> int:
-        counts: dict[int, int] = {}
-        for g in self.group_ids:
-            counts[g] = counts.get(g, 0) + 1
-        full = sum(c // self.batch_size for c in counts.values())
-        rest = sum(c % self.batch_size for c in counts.values())
-        return full + (rest // self.batch_size if self.drop_last else math.ceil(rest / self.batch_size))
+        # full batches per group plus the mixed leftovers' batches: floor (or ceil) of draws / batch size whatever the
+        # groups, so an epoch whose draws differ but not their number keeps its length
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
 
 def aspect_groups(sizes: Sequence[tuple[int, int]]) -> list[int]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .coco_annotations import check_annotations, check_categories
 from .coco_images import check_image_files, check_image_list
-from .report import DEFAULT_MAX_IMAGE_PIXELS, DataReport
+from .report import DEFAULT_MAX_IMAGE_PIXELS, DataReport, check_balance
 
 
 def load_json(path: str) -> dict:
@@ -97,6 +97,12 @@ def check_coco(annotations: str | dict, image_dir: str | None = None, *, split: 
         used = set(a["category_id"] for a in annotations_out)
         report.add("warning", "categories", split, "categories without any annotation (the model still has an output "
                    "for each)", [f"{cat['id']} {cat['name']!r}" for cat in categories if cat["id"] not in used])
+        boxed = {(a["category_id"], a["image_id"]) for a in annotations_out if not a["iscrowd"]}
+        holding = Counter(c for c, _ in boxed)  # images holding each category
+        f_max = max(holding.values(), default=0) / max(len(images), 1)
+        check_balance(report, split, {f"{cat['id']} {cat['name']!r}": holding[cat["id"]] for cat in categories},
+                      f"train_retinanet.py --sampler repeat_factor --repeat_threshold T (classes in fewer than a "
+                      f"fraction T of the images are repeated; the most frequent is in {f_max:.2g}; docs/flags.md)")
     if not images:
         report.add("error", "images", split, "no usable image is left", count=1)
 

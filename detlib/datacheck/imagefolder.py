@@ -5,6 +5,8 @@ what the scans found, across classes and across train / val:
 
 - class folders: train and val must have the same class names (else the label indices differ: error, listing
   only the differing names); a class without a usable image is an error in train, a warning in val;
+- strong class imbalance (`report.check_balance`: the largest class 10x the smallest or more): a warning naming
+  `--sampler class_balanced`;
 - a metric that cannot mean anything: train with one class (error: a classifier needs at least 2), val without
   a usable image (error: no accuracy), val with images of one class only (warning: always predicting it scores 1.0);
 - hidden entries (`.ipynb_checkpoints`, `.DS_Store`, `__MACOSX`) are never classes: listed as a warning;
@@ -28,7 +30,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..logtext import COUNT_ITEMS, class_counts
-from .report import DataReport, publish_report
+from .report import DataReport, check_balance, publish_report
 
 if TYPE_CHECKING:  # the scans are made by the data side (detlib.data.imagefolder), which imports this check
     from ..data.imagefolder import FolderScan
@@ -122,6 +124,8 @@ def check_folder_scans(scans: dict[str, FolderScan], report: DataReport | None =
             if len(scan.classes) < 2:  # softmax over one class: loss 0 and accuracy 1.0 whatever the weights
                 report.add("error", "categories", split, "a classifier needs at least 2 classes (one class folder "
                            "cannot be wrong: loss 0, accuracy 1.0, nothing learned)", scan.classes)
+            check_balance(report, split, dict(zip(scan.classes, counts)), "train_catsdogs.py --sampler class_balanced "
+                          "(each class drawn equally often; docs/catsdogs.md)")
         else:
             add("warning", "classes without a usable image (their recall is reported as 0)", empty)
             with_images = [c for c, n in zip(scan.classes, counts) if n]

@@ -39,6 +39,9 @@ DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 MAX_EXAMPLES = 5
 # Above this many images the header pass runs in worker processes with a progress bar.
 PARALLEL_MIN_IMAGES = 500
+# Strong class imbalance: the class in the most training images is in this many times the images of the rarest, or more
+# (classes without an image have a finding of their own). A model trained on it may never predict the rarest classes.
+IMBALANCE_RATIO = 10
 
 
 @dataclass
@@ -151,6 +154,21 @@ class DataCheckError(ValueError):
     def __init__(self, message: str, report: DataReport):
         super().__init__(message)
         self.report = report
+
+
+def check_balance(report: DataReport, split: str, images_per_class: dict[str, int], remedy: str) -> None:
+    """Warn in `report` when the class in the most images is in at least IMBALANCE_RATIO times the images of the rarest
+    (`images_per_class`: class -> images that hold it; classes without one are left out), naming the rare classes
+    (in at most 1 / IMBALANCE_RATIO of the most frequent's images) and `remedy`, the option that balances them."""
+    present = {c: n for c, n in images_per_class.items() if n > 0}
+    if len(present) < 2 or max(present.values()) < IMBALANCE_RATIO * min(present.values()):
+        return
+    most = max(present, key=present.get)
+    rare = sorted((n, c) for c, n in present.items() if n * IMBALANCE_RATIO <= present[most])
+    report.add("warning", "categories", split, f"strong class imbalance: {most} is in {present[most]} images, "
+               f"{present[most] / rare[0][0]:.0f}x the rarest class ({IMBALANCE_RATIO}x or more); the model may never "
+               f"predict the classes listed: train with {remedy}",
+               [f"{c} ({n} image{'s' * (n != 1)})" for n, c in rare])
 
 
 def _plain(v):
