@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train_scales", type=int_at_least(32), nargs="+", help="multi-scale training: each training image "
                    "is resized to one of these sizes (the shorter side with --max_size, e.g. 640 672 704 736 768 800 "
                    "with --max_size 1333 as detectron2's 1x); evaluation uses --image_size (default: none, --image_size only)")
-    g.add_argument("--augmentation", choices=AUGMENTATIONS, help="training augmentation (detlib.data.transforms): none, "
-                   "flip, or flip plus random crop and translation")
+    g.add_argument("--augmentation", choices=AUGMENTATIONS, help="training augmentation preset (detlib.data.transforms; "
+                   "docs/flags.md says when to use which): none, flip, flip plus random crop and translation, that plus "
+                   "colour jitter (photometric), or flip plus large-scale jitter to a square canvas (scale_jitter)")
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,
                    help="training batches of only landscape or only portrait images (default: on)")
