@@ -39,6 +39,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD  # classification_transform's normalisation
 from timm.utils import ModelEmaV3
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
@@ -51,8 +52,8 @@ from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLo
                            format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
                            parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
                            record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
-                           stop_together, summary_lines)
-from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
+                           stop_early, stop_together, summary_lines)
+from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card, write_train_batch
 from detlib.files import atomic_write
 from detlib.logtext import short_list
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
@@ -413,6 +414,9 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, gua
     steps_per_epoch = math.ceil(len(loader) / G)
     loader.set_epoch(state.epoch)
     for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
+        if i == state.global_step == 0 and accelerator.is_main_process:  # the run's first batch, as the model sees it
+            write_train_batch(args.output_dir, batch["image"], loader.dataset.classes, batch["label"],
+                              mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
         if i % G == 0:  # the first micro-batch of an accumulation window
             guard.snapshot(model)
             lrs, window_loss = [g["lr"] for g in optimizer.param_groups], 0.0  # the step's LRs; its micro-batches' loss
@@ -464,7 +468,7 @@ def main(argv=None):
                                    args.compile_mode)
     state, t_start = TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
-                 args.overwrite_output_dir, args.verbose):
+                 args.overwrite_output_dir, args.verbose, args.time_limit):
         for line in notes:
             logger.warning("%s", line)
         dirs, train_ds, val_ds, train_loader, val_loader = load_data(args, accelerator, synthetic)
@@ -547,7 +551,7 @@ def main(argv=None):
             if state.eval_pending:  # preempted in an evaluation: run it first
                 evaluate_epoch(state.eval_pending)
             for epoch in range(state.epoch, args.epochs):
-                if state.global_step >= total_steps:
+                if state.global_step >= total_steps or stop_early(state, args.early_stopping_patience, "val_accuracy"):
                     break
                 train_one_epoch(model, optimizer, scheduler, train_loader, accelerator, state, guard, window, metrics,
                                 args, total_steps, save, ema)
@@ -558,7 +562,8 @@ def main(argv=None):
                                 state.end_epoch(), optimizer.param_groups[0]["lr"], state.skipped_steps)
                 if (epoch + 1) % args.eval_interval == 0 or last:
                     evaluate_epoch(epoch + 1)
-                if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
+                if ((epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint
+                        or stop_early(state, args.early_stopping_patience, "val_accuracy")):  # a finished run's end
                     save()
         except Preempted as p:
             raise p.stop(state, save()) from None

@@ -63,11 +63,11 @@ from detlib.engine import (EMA_WEIGHTS, EXIT_DIVERGED, EXIT_PREEMPTED, MetricsLo
                            format_given, given_flags, improves_best, int_at_least, make_accelerator, run_length, log_plan,
                            parse_with_config, path, preempted, resolve_data_defaults, resume, resume_ema, run_argument_parser,
                            record_config, running, save_checkpoint, save_weights, show_data_defaults, start_trackers, stop,
-                           stop_together, summary_lines)
+                           stop_early, stop_together, summary_lines)
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
                                detections_to_coco, detector_card, evaluation_diagnostics, format_best_f1,
                                log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
-                               per_class_without_detections, write_card, write_score_thresholds)
+                               per_class_without_detections, write_card, write_score_thresholds, write_train_batch)
 from detlib.files import write_json
 from detlib.hub import check_push, local_weights, push_folder
 from detlib.labels import CategoryMap, describe_mapping, match_categories
@@ -670,6 +670,9 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
     steps_per_epoch, per_step = math.ceil(len(loader) / G), args.lr_scheduler != "plateau"
     loader.set_epoch(state.epoch)
     for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
+        if i == state.global_step == 0 and accelerator.is_main_process:  # the run's first batch, as the model sees it
+            write_train_batch(args.output_dir, batch["images"], loader.dataset.category_map.names, batch["labels"],
+                              batch["boxes"])
         if i % G == 0:  # the first micro-batch of an accumulation window
             guard.snapshot(model)
             lrs, window_loss = [g["lr"] for g in optimizer.param_groups], 0.0  # the step's LRs; its micro-batches' loss
@@ -733,7 +736,7 @@ def main(argv=None):
                                    args.compile_mode)
     state, t_start = TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
-                 args.overwrite_output_dir, args.verbose):
+                 args.overwrite_output_dir, args.verbose, args.time_limit):
         for line in notes:
             logger.warning("%s", line)
         if args.push_to_hub:  # token, network and repo checked now, not after the training
@@ -855,7 +858,7 @@ def main(argv=None):
             if state.eval_pending:  # preempted in an evaluation: run it first
                 evaluate_and_keep_best(state.eval_pending, state.global_step >= total_steps)
             for epoch in range(state.epoch, args.epochs):
-                if state.global_step >= total_steps:
+                if state.global_step >= total_steps or stop_early(state, args.early_stopping_patience, "AP"):
                     break
                 train_ds.set_epoch(epoch)  # the augmentation's stream (workers copy the data set each epoch)
                 train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, state, guard, window,
@@ -873,7 +876,8 @@ def main(argv=None):
                                         args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], epoch + 2)
                 if (epoch + 1) % args.eval_interval == 0 or last:
                     evaluate_and_keep_best(epoch + 1, last)
-                if (epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint:
+                if ((epoch + 1) % args.checkpoint_interval == 0 or last or step_checkpoint
+                        or stop_early(state, args.early_stopping_patience, "AP")):  # the end of a finished run
                     save()
         except Preempted as p:
             raise p.stop(state, save(), stop_note) from None

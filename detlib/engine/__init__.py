@@ -1,7 +1,7 @@
 """The run machinery both training scripts share, one concern a module: `flags` (the shared flags, `--config`),
 `run_folder` (the folder, its lock, how a run ends, the preemption signals), `checkpoints` (save, verify, resume,
-best/), `step` (the all-reduced decision to take a step) and `logs` (the Accelerator, the log, metrics.jsonl,
-trackers, the summary). The scripts hold the run's state and loop; these are the calls they make.
+best/), `step` (the all-reduced decision to take a step), `stopping` (early stopping, the time budget) and `logs`
+(the Accelerator, the log, metrics.jsonl, trackers, the summary). The scripts hold the run's state and loop; these are the calls they make.
 """
 
 import importlib
@@ -19,6 +19,7 @@ _EXPORTS = {
     "run_folder": ("EXIT_DIVERGED", "EXIT_PREEMPTED", "Preempted", "RunStop", "preempted", "running",
                    "stop", "stop_together", "wait_for_the_first_process"),
     "step": ("StepGuard", "run_length"),
+    "stopping": ("stop_early",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
