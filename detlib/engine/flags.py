@@ -57,7 +57,7 @@ def duration_seconds(text: str) -> int:
     """Seconds of a duration written [D-]HH:MM:SS (SLURM's --time form; HH may exceed 23). Raises ValueError."""
     days, _, clock = text.strip().rpartition("-")
     parts = clock.split(":")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts) or (days and not days.isdigit()):
+    if len(parts) != 3 or not all(p.isdigit() for p in parts) or ("-" in text and not days.isdigit()):
         raise ValueError(f"must be HH:MM:SS or D-HH:MM:SS, got {text}")
     h, m, s = map(int, parts)
     if m > 59 or s > 59:

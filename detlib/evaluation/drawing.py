@@ -314,7 +314,8 @@ def draw_batch(images: torch.Tensor, boxes: Sequence[torch.Tensor] | None, label
         if boxes is not None:
             tile = draw_detections(images[i], boxes[i], labels[i], colors[i], scale=s)
         else:
-            pil = Image.fromarray(images[i].permute(1, 2, 0).contiguous().numpy()).resize((W * s, H * s), Image.Resampling.NEAREST)
+            pil = Image.fromarray(images[i].permute(1, 2, 0).contiguous().numpy())
+            pil = pil.resize((W * s, H * s), Image.Resampling.NEAREST)
             font = _font(_style(max(pil.size))[1])
             _draw_label(ImageDraw.Draw(pil), (0, 0), labels[i][0], colors[i][0], font, max(1, font.size // 6))
             tile = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
