@@ -197,7 +197,7 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g.add_argument("--overwrite_output_dir", action="store_true", help="a new run in a folder of another, deleting it")
     g.add_argument("--time_limit", metavar="HH:MM:SS", type=time_limit, help="a time budget (a SLURM wall time, a spot "
                    "instance): stop at a step with a checkpoint while there is time to write it, exit 0, resume with "
-                   "--resume_from_checkpoint latest; counted from the start of the training process (default: none)")
+                   "--resume_from_checkpoint latest; counted from the start of the launcher (default: none)")
     g = groups["logging"]
     g.add_argument("--report_to", default=DEFAULT_REPORT_TO, choices=REPORT_TO, help="trackers: tensorboard "
                    "(OUTPUT_DIR/tensorboard), wandb (offline to OUTPUT_DIR/wandb without an account); metrics.jsonl "

@@ -9,12 +9,14 @@ preemption signals (`run_folder.preempted`), and ends the run the way a preempti
 resume), with exit 0 and status "time_limit". The run stops while the time left still holds the longest stretch
 seen between two polls (a step, or an epoch's end with its evaluation and checkpoint) plus the longest checkpoint
 save seen (FIRST_SAVE_S before the first): nothing can stop the run between two polls, and the stop's checkpoint
-must be written before the budget runs out. The budget counts from the start of the training process (psutil).
+must be written before the budget runs out. The budget counts from the start of the launch (`launch_start`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 
 from .flags import duration_seconds
@@ -64,11 +66,20 @@ class TimeLimit:
 _limit: list[TimeLimit] = []  # this process's budget, while `running` holds the run
 
 
-def start_time_limit(text: str | None) -> None:
-    """Start this process's budget of `text` ([D-]HH:MM:SS), counted from the process's start; None: clear it."""
+def launch_start() -> float:
+    """When the run started (seconds since the epoch): this process's start, or under a launcher (`accelerate launch`
+    sets ACCELERATE_MIXED_PRECISION, torchrun LOCAL_RANK) the launcher's, its parent."""
     import psutil
 
-    _limit[:] = [TimeLimit(text, psutil.Process().create_time())] if text else []
+    me = psutil.Process()
+    launched = "LOCAL_RANK" in os.environ or "ACCELERATE_MIXED_PRECISION" in os.environ
+    parent = me.parent() if launched else None
+    return min(me.create_time(), parent.create_time() if parent is not None else math.inf)
+
+
+def start_time_limit(text: str | None) -> None:
+    """Start this process's budget of `text` ([D-]HH:MM:SS), counted from `launch_start`; None: clear it."""
+    _limit[:] = [TimeLimit(text, launch_start())] if text else []
 
 
 def time_limit_up() -> bool | None:
@@ -85,6 +96,6 @@ def note_save(seconds: float) -> None:
 def time_limit_line(state, checkpoint: str, where: str) -> str:
     """The stop's line: where it stopped, the checkpoint, how to go on."""
     text, left = (_limit[0].text, _limit[0].left()) if _limit else ("", 0.0)
-    return (f"{TIME_LIMIT} {text}: stopped at step {state.global_step} ({where}) with {max(left, 0) / 60:.1f} min of "
-            f"the budget left: checkpoint {checkpoint} written; to continue, run the same command with "
+    return (f"{TIME_LIMIT} {text}: stopped at step {state.global_step} ({where}) with {max(left, 0):.0f} s of the "
+            f"budget left: checkpoint {checkpoint} written; to continue, run the same command with "
             "--resume_from_checkpoint latest")
