@@ -40,7 +40,14 @@ def samples(three_squares, augmentation: str, n: int = 60) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("augmentation", AUGMENTATIONS)
+PRESETS = ("none", "flip", "flip_crop_translate", "photometric", "scale_jitter")  # the choices of --augmentation
+
+
+def test_the_flag_offers_every_preset_tested_here():
+    assert AUGMENTATIONS == PRESETS
+
+
+@pytest.mark.parametrize("augmentation", PRESETS)
 def test_every_preset_keeps_boxes_inside_the_image_and_on_their_own_object(three_squares, augmentation):
     kept = 0
     for s in samples(three_squares, augmentation):

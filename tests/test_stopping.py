@@ -141,7 +141,8 @@ def test_time_limit_stops_with_a_checkpoint_and_exit_0_and_the_resume_finishes(t
     assert proc.returncode == 0, stderr[-3000:]
     record = status(out)
     assert record["status"] == "time_limit" and record["exit_code"] == 0, record
-    assert ended - started <= budget  # stopped, checkpoint written, before the budget ran out
+    # stopped, checkpoint written, before the budget ran out (2 s for the launcher's own end on a loaded machine)
+    assert ended - started <= budget + 2, ended - started
     assert record["global_step"] >= 3 and record["epoch"] < 200
     last_line = stderr.strip().splitlines()[-1]
     assert last_line.startswith("stopped: --time_limit 00:00:40: stopped at step") and \
