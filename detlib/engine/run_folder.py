@@ -264,7 +264,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
     log_run_setup(accelerator)
     processes = gather_object([(socket.gethostname(), os.getpid())]) if accelerator.num_processes > 1 else []
     signals = _install_signals()
-    start_time_limit(time_limit)
+    start_time_limit(None if evaluate_only else time_limit)  # an evaluation alone is not resumed
     code, message, stopped, lost, checkpoint, status = 1, "", None, None, None, None
     try:
         yield
