@@ -39,6 +39,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD  # classification_transform's normalisation
 from timm.utils import ModelEmaV3
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
@@ -52,7 +53,7 @@ from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerat
                            evaluate_only, float_range, format_given, int_at_least, parse_with_config, path,
                            resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
                            show_data_defaults, stop, stop_if_preempted, stop_together)
-from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card
+from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card, write_train_batch
 from detlib.labels import CategoryMap, model_classes_in_data
 from detlib.logtext import short_list
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
@@ -234,6 +235,9 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args
     model.train()
     G = args.gradient_accumulation_steps
     for i, batch in loop.batches(loader, model, optimizer):
+        if i == loop.state.global_step == 0 and accelerator.is_main_process:  # the run's first batch, as the model sees it
+            write_train_batch(args.output_dir, batch["image"], loader.dataset.classes, batch["label"],
+                              mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
         with accelerator.accumulate(model):
             logits = model(batch["image"])
             loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=args.label_smoothing)
@@ -407,7 +411,7 @@ def main(argv=None):
     saved, notes = check_flags(args, given, synthetic)
     accelerator, state, t_start = accelerator_for(args), TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
-                 args.overwrite_output_dir, args.verbose):
+                 args.overwrite_output_dir, args.verbose, args.time_limit):
         for line in notes:
             logger.warning("%s", line)
         dirs, train_ds, val_ds, train_loader, val_loader = load_data(args, accelerator, synthetic)

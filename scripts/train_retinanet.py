@@ -65,7 +65,7 @@ from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerat
 from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
                                detect_images, detector_card, evaluation_diagnostics, format_best_f1,
                                log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
-                               per_class_without_detections, write_card, write_score_thresholds)
+                               per_class_without_detections, write_card, write_score_thresholds, write_train_batch)
 from detlib.files import write_json
 from detlib.hub import check_push, local_weights, push_best
 from detlib.labels import CategoryMap, model_classes_in_data
@@ -539,6 +539,9 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
     model.train()
     G = args.gradient_accumulation_steps
     for i, batch in loop.batches(loader, model, optimizer):
+        if i == loop.state.global_step == 0 and accelerator.is_main_process:  # the run's first batch, as the model sees it
+            write_train_batch(args.output_dir, batch["images"], loader.dataset.category_map.names, batch["labels"],
+                              batch["boxes"])
         with accelerator.accumulate(model):
             images = batch["images"]
             if args.channels_last:
@@ -655,7 +658,7 @@ def main(argv=None):
         args.output_dir = os.path.join(args.output_dir, "evaluate_only")
     accelerator, state, t_start = accelerator_for(args), TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
-                 args.overwrite_output_dir, args.verbose):
+                 args.overwrite_output_dir, args.verbose, args.time_limit):
         for line in notes:
             logger.warning("%s", line)
         if args.push_to_hub:  # token, network and repo checked now, not after the training

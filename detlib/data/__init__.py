@@ -12,7 +12,7 @@ frames), `builtin` (the synthetic sets both scripts train on without data).
 from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS  # light: PIL only
 from ..lazy import lazy_exports
 
-AUGMENTATIONS = ("none", "flip", "flip_crop_translate")  # --augment's choices (`transforms`), here for --help
+AUGMENTATIONS = ("none", "flip", "flip_crop_translate", "photometric", "scale_jitter")  # --augment's choices (`transforms`), here for --help
 VERIFY_MODES = ("full", "header", "none")  # how the ImageFolder files are checked (`imagefolder`)
 
 __getattr__, __all__ = lazy_exports(__name__, {

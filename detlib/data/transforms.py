@@ -7,13 +7,19 @@ transforms, `SanitizeBoundingBoxes` drops boxes that became smaller than 1 px (a
 together with their labels and crowd flags, so an image can end with no box at all: that is a
 valid all-background sample.
 
-Augmentation levels (`--augmentation`):
+Augmentation presets (`--augmentation`), written once in `augmentation_steps` (change them there):
   none                 resize only
   flip                 horizontal flip (p = 0.5)
   flip_crop_translate  flip, a random crop keeping 60-100 % of each side (p = 0.5), and a random
                        translation of up to 10 % of each side (p = 0.5; the uncovered area filled with
                        `PAD_VALUE`, as the batch padding): the 600 px AdamW recipe's "-aug" (docs/recipes.md).
-Every level ends with a resize to `image_size` (aspect ratio kept; see `ResizeKeepAspect`).
+  photometric          flip_crop_translate, then colour jitter (ultralytics' HSV defaults: value and saturation
+                       x0.6-1.4 and x0.3-1.7, hue +-0.015 of the circle)
+  scale_jitter         flip, then large-scale jitter (Copy-Paste, Ghiasi et al. 2021; ViTDet): resized so that it
+                       fits a square canvas of the largest `image_size` times a random factor in [0.1, 2.0], then
+                       cropped or padded (`PAD_VALUE`, at a random place) to that canvas
+Every level ends with a resize to `image_size` (aspect ratio kept; see `ResizeKeepAspect`; a no-op on the
+scale_jitter canvas).
 """
 
 from __future__ import annotations
@@ -138,6 +144,25 @@ def padded_input_shape(h: int, w: int, size: int, max_size: int | None = None, m
     return (-(-nh // size_divisibility) * size_divisibility, -(-nw // size_divisibility) * size_divisibility)
 
 
+def augmentation_steps(augmentation: str, canvas: int) -> list:
+    """The transforms of preset `augmentation` (one of AUGMENTATIONS) before the final resize, on uint8 images with
+    xyxy BoundingBoxes; `canvas`: scale_jitter's square side in px. The one place the presets are written."""
+    flip = [v2.RandomHorizontalFlip(p=0.5)]
+    crop_translate = [RandomCropFraction(min_fraction=0.6, p=0.5),
+                      v2.RandomApply([v2.RandomAffine(degrees=0.0, translate=(0.1, 0.1), fill=list(PAD_VALUE))], p=0.5)]
+    presets = {
+        "none": [],
+        "flip": flip,
+        "flip_crop_translate": flip + crop_translate,
+        "photometric": flip + crop_translate + [v2.ColorJitter(brightness=0.4, saturation=0.7, hue=0.015)],
+        # ScaleJitter fits the image into canvas x factor (aspect kept); RandomCrop then cuts a canvas out of a
+        # larger one, or pads a smaller one on random sides
+        "scale_jitter": flip + [v2.ScaleJitter((canvas, canvas), scale_range=(0.1, 2.0)),
+                                v2.RandomCrop(canvas, pad_if_needed=True, fill=list(PAD_VALUE))],
+    }
+    return presets[augmentation]
+
+
 def build_transform(image_size: int | list[int], augmentation: str = "none", max_size: int | None = None,
                     resize_mode: str = "antialias") -> v2.Compose:
     """The sample transform for training (`augmentation` as above) or evaluation (`"none"`).
@@ -151,12 +176,8 @@ def build_transform(image_size: int | list[int], augmentation: str = "none", max
     """
     if augmentation not in AUGMENTATIONS:
         raise ValueError(f"augmentation must be one of {AUGMENTATIONS}, got {augmentation!r}")
-    steps = []
-    if augmentation in ("flip", "flip_crop_translate"):
-        steps.append(v2.RandomHorizontalFlip(p=0.5))
-    if augmentation == "flip_crop_translate":
-        steps.append(RandomCropFraction(min_fraction=0.6, p=0.5))
-        steps.append(v2.RandomApply([v2.RandomAffine(degrees=0.0, translate=(0.1, 0.1), fill=list(PAD_VALUE))], p=0.5))
+    canvas = max(image_size) if isinstance(image_size, (list, tuple)) else image_size
+    steps = augmentation_steps(augmentation, canvas)
     steps.append(ResizeKeepAspect(image_size, max_size, resize_mode))
     steps.append(v2.SanitizeBoundingBoxes(min_size=1.0, labels_getter=_box_fields))
     return v2.Compose(steps)

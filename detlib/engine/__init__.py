@@ -1,7 +1,7 @@
 """The run machinery both training scripts share, one concern a module: `flags` (the shared flags, `--config`),
 `run_folder` (the folder, its lock, how a run ends, the preemption signals), `checkpoints` (save, verify, resume,
-best/), `step` (the all-reduced decision to take a step) and `logs` (the Accelerator, the log, metrics.jsonl,
-trackers, the summary). The scripts hold the run's state and loop; these are the calls they make.
+best/), `step` (the all-reduced decision to take a step), `stopping` (early stopping, the time budget) and `logs`
+(the Accelerator, the log, metrics.jsonl, trackers, the summary). The scripts hold the run's state and loop; these are the calls they make.
 """
 
 from ..lazy import lazy_exports
@@ -20,4 +20,5 @@ __getattr__, __all__ = lazy_exports(__name__, {
                    "stop", "stop_together", "wait_for_the_first_process"),
     "step": ("StepGuard", "TrainLoop", "accelerator_for", "evaluate_only", "run_length",
              "stop_if_preempted"),
+    "stopping": ("stop_early",),
 })

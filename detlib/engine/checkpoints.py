@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import warnings
 import zipfile
 from dataclasses import asdict, dataclass, fields
@@ -31,6 +32,7 @@ from ..weights import (WEIGHT_FILES, WeightsFileError, finite_weights, load_stat
 from .flags import RUN_RECORD_KEYS
 from .logs import save_config
 from .run_folder import EXIT_DIVERGED, RunStop
+from .stopping import note_save
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class TrainState:
     eval_pending: the epoch number (from 1) of an evaluation that was running, 0 when none: one preempted is run
         first on resume.
     run_id: the tracker run id, so that a resumed run logs into the same wandb run.
+    evals_without_improvement: evaluations in a row since the best one (`improves_best`), for --early_stopping_patience.
+    stop_reason: why the run ends before its last epoch (`detlib.engine.stopping.stop_early`), "" otherwise.
     """
 
     epoch: int = 0
@@ -67,6 +71,8 @@ class TrainState:
     epoch_steps: int = 0
     eval_pending: int = 0
     run_id: str | None = None
+    evals_without_improvement: int = 0
+    stop_reason: str = ""
 
     def load(self, values: dict) -> None:
         self.__dict__.update({f.name: values[f.name] for f in fields(self) if f.name in values})
@@ -196,7 +202,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
         raise RunStop(f"the model holds non-finite weights at step {state.global_step}: not writing a checkpoint; "
                       f"the last good checkpoint is {(list_checkpoints(output_dir) or ['none'])[-1]}", EXIT_DIVERGED)
     name = f"epoch_{state.epoch:04d}" if state.step_in_epoch == 0 else f"step_{state.global_step:08d}"
-    final = os.path.join(output_dir, "checkpoints", name)
+    final, started = os.path.join(output_dir, "checkpoints", name), time.time()
     tmp, error = final + ".tmp", None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -228,6 +234,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+    note_save(time.time() - started)  # what a --time_limit stop keeps for its own checkpoint
     return final
 
 
@@ -375,9 +382,11 @@ def best_weights(evaluations: dict[str, dict], metric: str) -> str:
 
 def improves_best(accelerator, output_dir: str, metric: str, value: float, state: TrainState) -> bool:
     """Whether `value` beats every earlier evaluation of the run and the best/ on disk (a resume from an older
-    checkpoint never replaces best/ with a worse model); raises `state.best_metric` to it. Collective."""
+    checkpoint never replaces best/ with a worse model); raises `state.best_metric` to it and counts
+    `state.evals_without_improvement` (0 when better). Collective."""
     best = best_record(accelerator, output_dir, metric)
     better = math.isfinite(value) and value > state.best_metric and (best is None or value > float(best["value"]))
     if math.isfinite(value):
         state.best_metric = max(state.best_metric, value)
+    state.evals_without_improvement = 0 if better else state.evals_without_improvement + 1
     return better

@@ -53,6 +53,29 @@ def _checkpoint(text: str) -> str:
     return text if text == "latest" else path(text)
 
 
+def duration_seconds(text: str) -> int:
+    """Seconds of a duration written [D-]HH:MM:SS (SLURM's --time form; HH may exceed 23). Raises ValueError."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts) or ("-" in text and not days.isdigit()):
+        raise ValueError(f"must be HH:MM:SS or D-HH:MM:SS, got {text}")
+    h, m, s = map(int, parts)
+    if m > 59 or s > 59:
+        raise ValueError(f"minutes and seconds must be below 60, got {text}")
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
+
+
+def time_limit(text: str) -> str:
+    """argparse type of --time_limit: a positive `duration_seconds` text, kept as typed (config.yaml shows it so)."""
+    try:
+        seconds = duration_seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be longer than 0, got {text}")
+    return text.strip()
+
+
 def int_at_least(lo: int):
     """argparse type: an integer >= `lo`."""
     def parse(text: str) -> int:
@@ -180,6 +203,8 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g = groups["evaluation"]
     g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last")
     g.add_argument("--per_device_eval_batch_size", type=int_at_least(1), help="images per device and evaluation batch")
+    g.add_argument("--early_stopping_patience", metavar="N", type=int_at_least(0), default=0, help="end the run, as a "
+                   "finished one ends, after N evaluations in a row without a better best (AP, accuracy) (0: never)")
     g.add_argument("--evaluate_only", metavar="PATH", type=path, help="evaluate a run, best/, last/, a checkpoint or a weights "
                    "file and exit (results in OUTPUT_DIR/evaluate_only/; default: train)")
     g = groups["checkpointing"]
@@ -190,6 +215,9 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g.add_argument("--resume_from_checkpoint", metavar="latest|PATH", type=_checkpoint, help="latest: the newest intact checkpoint of "
                    "OUTPUT_DIR; or a checkpoint folder (default: a new run)")
     g.add_argument("--overwrite_output_dir", action="store_true", help="a new run in a folder of another, deleting it")
+    g.add_argument("--time_limit", metavar="HH:MM:SS", type=time_limit, help="a time budget (a SLURM wall time, a spot "
+                   "instance): stop at a step with a checkpoint while there is time to write it, exit 0, resume with "
+                   "--resume_from_checkpoint latest; counted from the start of the launcher (default: none)")
     g = groups["logging"]
     g.add_argument("--report_to", default=DEFAULT_REPORT_TO, choices=REPORT_TO, help="trackers: tensorboard "
                    "(OUTPUT_DIR/tensorboard), wandb (offline to OUTPUT_DIR/wandb without an account); metrics.jsonl "

@@ -1,8 +1,9 @@
 """The run folder and the run's processes: the start-up checks and the lock, how a run ends (`RunStop`, exit
 codes, run_status.json), and the signals that preempt it.
 
-Exit codes: 0 finished; 1 error; 2 bad flags; EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75,
-sysexits' "temporary failure, retry"): a checkpoint was written, resume with `--resume_from_checkpoint latest`.
+Exit codes: 0 finished (or stopped by --time_limit with a checkpoint: run_status "time_limit"); 1 error; 2 bad
+flags; EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary failure, retry"): a
+checkpoint was written, resume with `--resume_from_checkpoint latest`.
 Launchers report a worker's code each in their own way, so run_status.json records it too (slurm/ requeues on it).
 A stop is one line, last, from the first process (`error:`, or `stopped:` for a preemption or a refusal); the
 processes stop together and meet after it is out: one exiting first would have torchrun stop the first mid-line.
@@ -33,6 +34,7 @@ import psutil  # accelerate's dependency
 from ..data.loaders import PREEMPT_SIGNALS
 from ..files import write_json
 from .flags import first_process
+from .stopping import TIME_LIMIT, start_time_limit, time_limit_line, time_limit_up
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +55,10 @@ class RunStop(Exception):
     """End the run with its last line (`stopped:` for EXIT_PREEMPTED, else `error:`) and exit `code`: raised on every
     process together, `running` turns it into the line, run_status.json and the exit."""
 
-    def __init__(self, message: str, code: int = 1):
+    def __init__(self, message: str, code: int = 1, status: str | None = None):
         super().__init__(message)
-        self.code, self.word = code, "stopped" if code == EXIT_PREEMPTED else "error"
+        self.code, self.word = code, "stopped" if code in (0, EXIT_PREEMPTED) else "error"
+        self.status = status  # run_status.json's, when not the code's (EXIT_STATUS)
 
 
 class Preempted(Exception):
@@ -66,9 +69,12 @@ class Preempted(Exception):
         self.signal_name = signal_name
 
     def stop(self, state, checkpoint: str, note: str = "") -> RunStop:
-        """The stop once `checkpoint` (of `state`, the script's TrainState) is written: where, and how to go on."""
+        """The stop once `checkpoint` (of `state`, the script's TrainState) is written: where, and how to go on; a
+        --time_limit stop exits 0."""
         where = (f"in the evaluation after epoch {state.eval_pending}" if state.eval_pending else
                  f"in epoch {state.epoch + 1}")
+        if self.signal_name == TIME_LIMIT:
+            return RunStop(time_limit_line(state, checkpoint, where) + note, 0, status="time_limit")
         return RunStop(f"preempted by {self.signal_name} at step {state.global_step} ({where}): checkpoint {checkpoint} "
                        "written; to continue, run the same command with --resume_from_checkpoint latest (exit code "
                        f"{EXIT_PREEMPTED}){note}", EXIT_PREEMPTED)
@@ -219,28 +225,30 @@ def prepare_output_dir(out: str, evaluate_only: bool, resume: str | None, overwr
     return None, notes
 
 
-def write_run_status(output_dir: str, code: int, message: str = "", **counters) -> None:
-    """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed, "exit_code", "message", ...};
-    a run that stopped before its first step keeps the earlier run's record as "previous"."""
+def write_run_status(output_dir: str, code: int, message: str = "", status: str | None = None, **counters) -> None:
+    """`output_dir/run_status.json`: {"status": finished | preempted | diverged | failed (`code`'s) or `status`,
+    "exit_code", "message", ...}; a run that stopped before its first step keeps the earlier run's record as
+    "previous"."""
     path, previous = os.path.join(output_dir, "run_status.json"), None
     if not counters.get("global_step") and os.path.isfile(path):
         with contextlib.suppress(OSError, ValueError, AttributeError), open(path) as f:
             old = json.load(f)
             previous = old if old.get("global_step") else old.get("previous")
     with contextlib.suppress(OSError):
-        write_json({"status": EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters,
+        write_json({"status": status or EXIT_STATUS.get(code, "failed"), "exit_code": code, "message": message, **counters,
                     **({"previous": previous} if previous else {})}, path, indent=1)
 
 
 @contextlib.contextmanager
 def running(accelerator, output_dir: str, state, evaluate_only: bool = False, resume: str | None = None,
-            overwrite: bool = False, verbose: bool = False):
+            overwrite: bool = False, verbose: bool = False, time_limit: str | None = None):
     """The run in `output_dir`, from its start-up checks to its last line (every process enters it). On entry: the
     folder checks and the lock (`prepare_output_dir`), the log, the preemption signals. On exit, whatever ends the
-    block: run_status.json (`state`'s step and epoch), trackers closed, the process group
-    ended, signals and lock given back. A `RunStop` becomes its line (after the trackers' own end lines) and
+    block: run_status.json (`state`'s step and epoch; a finished run's message: its `stop_reason`), trackers closed,
+    the process group ended, signals and lock given back. A `RunStop` becomes its line (after the trackers' own end lines) and
     `SystemExit(code)`, as does a collective's failure because another process ended (`lost_process`; run_status.json
-    names the newest intact checkpoint); any other exception is recorded as failed and propagates with its traceback."""
+    names the newest intact checkpoint); any other exception is recorded as failed and propagates with its traceback.
+    `time_limit`: --time_limit's budget, polled by `preempted` (detlib.engine.stopping)."""
     from accelerate.utils import broadcast_object_list, gather_object
 
     from .logs import finish_trackers, log_run_setup, setup_logging
@@ -256,14 +264,15 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
     log_run_setup(accelerator)
     processes = gather_object([(socket.gethostname(), os.getpid())]) if accelerator.num_processes > 1 else []
     signals = _install_signals()
-    code, message, stopped, lost, checkpoint = 1, "", None, None, None
+    start_time_limit(None if evaluate_only else time_limit)  # an evaluation alone is not resumed
+    code, message, stopped, lost, checkpoint, status = 1, "", None, None, None, None
     try:
         yield
-        code = 0
+        code, message = 0, getattr(state, "stop_reason", "")
     except RunStop as e:
-        code, message, stopped = e.code, str(e), e
+        code, message, stopped, status = e.code, str(e), e, e.status
         if is_main:
-            logger.error("%s", message, extra={"console": False})
+            (logger.info if e.code == 0 else logger.error)("%s", message, extra={"console": False})
     except BaseException as e:
         if not (lost := lost_process(e, processes)):
             message = f"unhandled {type(e).__name__}: {e}"
@@ -279,7 +288,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
             logger.error("%s", message, extra={"console": False})
     finally:
         if is_main:
-            write_run_status(output_dir, code, message, global_step=state.global_step, epoch=state.epoch,
+            write_run_status(output_dir, code, message, status, global_step=state.global_step, epoch=state.epoch,
                              **({"checkpoint": checkpoint} if checkpoint else {}))
         try:
             finish_trackers(accelerator, output_dir)
@@ -290,6 +299,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
                     wait_for_the_first_process()
             accelerator.end_training()
         finally:
+            start_time_limit(None)
             for sig, handler in signals.items():  # after a stop, a second signal must not change its exit code
                 signal.signal(sig, signal.SIG_IGN if stopped is not None else handler)
             if is_main:
@@ -367,9 +377,14 @@ def _install_signals() -> dict:
 
 def preempted(accelerator) -> str | None:
     """Collective, at the same points on every rank: the first preemption signal's name when any process got one
-    (accelerate's trigger; "a signal to another process" where none came), else None."""
+    (accelerate's trigger; "a signal to another process" where none came); else TIME_LIMIT when --time_limit's
+    budget is up on any process; else None."""
     if _received:
         accelerator.set_trigger()
-    if not accelerator.check_trigger():
+    if accelerator.check_trigger():
+        return signal.Signals(_received[0]).name if _received else "a signal to another process"
+    if (up := time_limit_up()) is None:  # no budget, on every rank alike
         return None
-    return signal.Signals(_received[0]).name if _received else "a signal to another process"
+    import torch
+
+    return TIME_LIMIT if accelerator.reduce(torch.tensor(float(up), device=accelerator.device), "sum") > 0 else None

@@ -21,6 +21,7 @@ import torch
 from .checkpoints import (EMA_WEIGHTS, best_record, best_weights, divergence, improves_best, save_checkpoint,
                           save_weights)
 from .logs import TrainWindow, log_plan, make_accelerator, record_config, start_trackers, summary_lines
+from .stopping import stop_early
 from .run_folder import EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, preempted
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,8 @@ class TrainLoop:
         if self.state.eval_pending:
             self.evaluate(self.state.eval_pending, self.state.global_step >= self.total_steps)
         for epoch in range(self.state.epoch, self.args.epochs):
-            if self.state.global_step >= self.total_steps:
+            if (self.state.global_step >= self.total_steps
+                    or stop_early(self.state, self.args.early_stopping_patience, self.metric)):
                 return
             yield epoch
 
@@ -195,8 +197,8 @@ class TrainLoop:
         last = state.global_step >= self.total_steps or epoch + 1 == args.epochs
         if (epoch + 1) % args.eval_interval == 0 or last:
             self.evaluate(epoch + 1, last)
-        if ((epoch + 1) % args.checkpoint_interval == 0 or last
-                or args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0):
+        if ((epoch + 1) % args.checkpoint_interval == 0 or last or stop_early(state, args.early_stopping_patience, self.metric)
+                or args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0):  # an early stop: a finished run's end
             self.checkpoint()
 
     def evaluate(self, epoch: int, final: bool) -> None:

@@ -293,6 +293,37 @@ def draw_detections(image: torch.Tensor, boxes: torch.Tensor, labels: Sequence[s
     return torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
 
 
+def draw_batch(images: torch.Tensor, boxes: Sequence[torch.Tensor] | None, labels: Sequence[Sequence[str]],
+               colors: Sequence[Sequence[tuple[int, int, int]]]) -> torch.Tensor:
+    """A batch as one grid image, ceil(sqrt(B)) columns, 2 px of black between tiles: each image enlarged as predict
+    draws it (`drawing_scale`), with its boxes and their labels drawn as detections (`draw_detections`), or, with
+    `boxes` None, its one label (a classifier's) on a tag at its top left.
+
+    Args:
+        images: [B, 3, H, W] uint8 RGB, one size (a padded batch).
+        boxes: B tensors [N_i, 4] float xyxy pixels of the images, or None.
+        labels, colors: per image, a string and an RGB tuple per box (with `boxes` None: one each).
+    Returns:
+        [3, rows * (H * s + 2) - 2, columns * (W * s + 2) - 2] uint8, s = `drawing_scale(H, W)`.
+    """
+    B, _, H, W = images.shape
+    s, columns = drawing_scale(H, W), math.ceil(math.sqrt(B))
+    rows = math.ceil(B / columns)
+    grid = torch.zeros(3, rows * (H * s + 2) - 2, columns * (W * s + 2) - 2, dtype=torch.uint8)
+    for i in range(B):
+        if boxes is not None:
+            tile = draw_detections(images[i], boxes[i], labels[i], colors[i], scale=s)
+        else:
+            pil = Image.fromarray(images[i].permute(1, 2, 0).contiguous().numpy())
+            pil = pil.resize((W * s, H * s), Image.Resampling.NEAREST)
+            font = _font(_style(max(pil.size))[1])
+            _draw_label(ImageDraw.Draw(pil), (0, 0), labels[i][0], colors[i][0], font, max(1, font.size // 6))
+            tile = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
+        y, x = (i // columns) * (H * s + 2), (i % columns) * (W * s + 2)
+        grid[:, y:y + H * s, x:x + W * s] = tile
+    return grid
+
+
 def sample_layout(height: int, width: int) -> dict:
     """Where an image of height x width pixels lands in its drawn sample (`draw_sample`).
 
