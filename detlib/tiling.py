@@ -22,6 +22,8 @@ from typing import Callable
 
 # torch and detlib.data are imported inside the functions: the scripts' --help reads `add_tile_flags` alone
 
+TILE_OVERLAP = 0.2  # --tile_overlap's default, sahi's
+
 
 def tile_grid(width: int, height: int, tile: int, overlap: float) -> list[tuple[int, int, int, int]]:
     """The windows of a `width` x `height` px image: `tile` x `tile` px, neighbours overlapping by
@@ -188,7 +190,7 @@ def add_tile_flags(group) -> None:
                        "each image at its native resolution, each resized to the model's size, boxes merged across "
                        "windows: for objects that the whole image resized would shrink below what the model sees "
                        "(docs/predict_export.md; default: none, the whole image resized)")
-    group.add_argument("--tile_overlap", type=float_range(0, 1, hi_open=True), default=0.2,
+    group.add_argument("--tile_overlap", type=float_range(0, 1, hi_open=True), default=TILE_OVERLAP,
                        help="share of a tile that neighbouring tiles overlap (with --tile); make it cover the largest "
                        "object's size so each object is seen whole in some tile")
     group.add_argument("--tile_full", action="store_true", help="with --tile, also detect on the whole image "
@@ -200,4 +202,4 @@ def tile_flag_notes(args) -> list[str]:
     if args.tile:
         return []
     return [f"--{k} is not used: it sets the tiles of --tile, which is not given"
-            for k, default in (("tile_overlap", 0.2), ("tile_full", False)) if getattr(args, k) != default]
+            for k, default in (("tile_overlap", TILE_OVERLAP), ("tile_full", False)) if getattr(args, k) != default]
