@@ -72,6 +72,7 @@ from detlib.labels import CategoryMap, model_classes_in_data
 from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
                               anchor_generator_from_config, check_backbone, load_matching_weights, log_model_size,
                               reorder_class_outputs, retinanet_loss)
+from detlib.tiling import add_tile_flags, tiled_loader
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
                             read_model_config, require_model_keys, weights_path)
 
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05, help="lowest score kept in the evaluation")
     g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5, help="IoU of class-wise NMS")
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")
+    add_tile_flags(g)  # tiled evaluation (detlib.tiling): each val image cut at its native size, boxes merged
     g.add_argument("--coco_eval_backend", default="auto", choices=["auto", "hotcoco", "pycocotools", "faster"],
                    help="COCOeval implementation: hotcoco (the 12 stats equal pycocotools' to the bit, at 0.02 of its "
                         "time), pycocotools, faster-coco-eval; auto: the first installed of these")
@@ -353,6 +355,9 @@ def build_dataloaders(args, paths: dict[str, str]):
     common["collate_fn"] = EvaluationCollate()
     val_loader = torch.utils.data.DataLoader(val_ds, batch_sampler=EvaluationBatchSampler(
         shapes, args.per_device_eval_batch_size, process.num_processes, process.process_index), **common)
+    if args.tile:  # each val image whole on one process at its native size, its tiles in eval batches
+        val_loader = tiled_loader(val_ds, process.num_processes, process.process_index,
+                                  **{k: v for k, v in common.items() if k != "collate_fn"})
     return train_ds, val_ds, train_loader, val_loader
 
 
@@ -368,7 +373,7 @@ def not_used_flags(args) -> list[str]:
     """The flags whose values this run ignores (its scheduler's or optimizer's are others), for config.yaml."""
     unused = {"momentum": args.optimizer != "sgd", "plateau_patience": args.lr_scheduler != "plateau",
               "lr_steps": args.lr_scheduler != "multistep", "warmup_steps": args.lr_scheduler == "plateau"}
-    return [k for k, v in unused.items() if v]
+    return [k for k, v in unused.items() if v] + [k for k in ("tile_overlap", "tile_full") if not args.tile]
 
 
 def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, dict, list[str]]:
@@ -584,7 +589,9 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
     evaluator.per_image, evaluator.failed = detect_images(
         model, anchor_gen, loader, accelerator, category_map.to_category_ids(torch.arange(len(category_map))),
         args.score_thresh, args.nms_thresh, args.detections_per_image,
-        every_10_batches=lambda: stop_if_preempted(accelerator))
+        every_10_batches=lambda: stop_if_preempted(accelerator), tiles=(dict(  # --tile: native images, cut here
+            transform=build_transform(args.image_size, "none", args.max_size, args.resize_mode), tile=args.tile,
+            overlap=args.tile_overlap, batch_size=args.per_device_eval_batch_size, full=args.tile_full) if args.tile else None))
     result = [None]
     if accelerator.is_main_process:
         stats, summary = evaluator.evaluate()
