@@ -39,7 +39,7 @@ SHAPES_VERSION = 2  # 2: 128 px, objects 24-64 px, 2-5 per image, none hidden (1
 MIN_OBJECTS, MAX_OBJECTS = 2, 5  # shapes per image (fewer where no free place is found)
 SMALL_OBJECTS_VERSION = 1
 SMALL_OBJECTS_SIDES = (768, 1024, 1280)  # image sides in px
-SMALL_OBJECTS_AREA = 15_000  # px^2 of image per object on average
+SMALL_OBJECTS_AREA = 25_000  # px^2 of image per object on average: at most 98 objects an image, under COCO's 100 detections
 STRIPES_CLASSES = ("horizontal", "vertical")
 STRIPES_VERSION = 2
 
@@ -151,7 +151,7 @@ def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: 
 def make_small_objects_coco(root: str | None = None, num_train: int = 20, num_val: int = 8, min_object: int = 8,
                             max_object: int = 32, seed: int = 0) -> dict[str, str]:
     """Generate (or reuse) the built-in small-object set (`--builtin small_objects`; default root:
-    cache_root()/small_objects_v1): the shapes of the default set, `min_object` to `max_object` px, about 70 to a
+    cache_root()/small_objects_v1): the shapes of the default set, `min_object` to `max_object` px, about 42 to a
     1024 x 1024 image, on large images (sides of 768, 1024 or 1280 px, `_draw_small_objects_image`). Resized whole
     to a model's 128 px input they are 1-5 px wide: the set shows what tiling (`--train_tile`, `--tile`) is for.
 
