@@ -20,6 +20,10 @@ detlib/data/formats.py says how they are read):
     ... scripts/train_retinanet.py --data_dir VOCdevkit/VOC2012      # Annotations/, JPEGImages/, ImageSets/Main/{train,val}.txt
     ... scripts/train_retinanet.py --data_dir datasets/my_yolo_set   # data.yaml with names, train: and val:
 
+Small objects in large images: training on tiles cut at native resolution (docs/small_objects.md), here the built-in
+small-object set (8-32 px shapes on 768-1280 px images):
+    ... scripts/train_retinanet.py --builtin small_objects --train_tile 128
+
 2 CPU processes (gloo DDP), resume, evaluation only:
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_retinanet.py ...
     ... scripts/train_retinanet.py --output_dir outputs/r50_600 --resume_from_checkpoint latest
@@ -110,7 +114,8 @@ __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring
 # scratch than the paper's head (no norm); not a flag here: an --init_from / --evaluate_only model keeps its own.
 BUILTIN_HEAD_NORM = "gn"
 # What the built-in run with these defaults gives (docs/recipes.md run log), for its start line and its stop line.
-BUILTIN_RUN = "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
+BUILTIN_RUN = {"shapes": "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9",
+               "small_objects": "with --train_tile 128 and the defaults SMALL_RUN_PENDING"}
 # This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5,
                 "per_device_eval_batch_size": 8, "log_interval": 20, "checkpoint_total_limit": None}  # None: DATA_DEFAULTS
@@ -773,8 +778,8 @@ def main(argv=None):
             logger.info("no data given: training on the built-in synthetic %s data set (%s, %s heads, %d px, "
                         "fpn_channels %d, lr %g, %d epochs): %s; the model is only useful after the full run; pass "
                         "--data_dir for COCO", args.builtin, args.backbone, "GroupNorm" if settings["head_norm"] == "gn" else
-                        "no-norm", args.image_size, args.fpn_channels, args.lr, args.epochs, BUILTIN_RUN)
-            stop_note = (f"; the built-in run's model is only useful after all {args.epochs} epochs ({BUILTIN_RUN}): "
+                        "no-norm", args.image_size, args.fpn_channels, args.lr, args.epochs, BUILTIN_RUN[args.builtin])
+            stop_note = (f"; the built-in run's model is only useful after all {args.epochs} epochs ({BUILTIN_RUN[args.builtin]}): "
                          "stopped early it detects the shapes poorly")
 
         # ---- data
