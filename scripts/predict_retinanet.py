@@ -17,6 +17,11 @@ A labelled Pascal VOC or YOLO set (its val split by default; results carry its i
     python scripts/predict_retinanet.py --weights outputs/voc/best --source VOCdevkit/VOC2012 --data_format voc --output_dir out
     python scripts/predict_retinanet.py --weights outputs/yolo/best --source datasets/my_set/data.yaml --split val --output_dir out
 
+Small objects in large images (aerial, slides): tiles of 512 px cut at native resolution, each resized to the
+model's size, boxes merged across tiles (docs/predict_export.md, "Tiled prediction"); --tile_full adds the whole image:
+    python scripts/predict_retinanet.py --weights outputs/r50_600/best --source aerial/ --output_dir out --tile 512 \
+        --tile_overlap 0.2
+
 A video (PyAV: pip install av), frame by frame, as the same frames saved as images would be:
     python scripts/predict_retinanet.py --weights outputs/r50_600/best --source clip.mp4 --output_dir out --save_json_per_image
 
@@ -45,6 +50,7 @@ from collections import Counter
 
 import torch
 from accelerate.utils import gather_object
+from PIL import Image
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
 from detlib.data import (INSTALL_HINT, CocoDetection, EvaluationBatchSampler, EvaluationCollate, VideoWriter, av_available,
@@ -62,6 +68,7 @@ from detlib.inference import (earlier_outputs, input_shapes, list_media_files, l
                               run_prediction, start_prediction, write_skipped)
 from detlib.labels import describe_mapping, match_categories
 from detlib.retinanet import anchor_generator_from_config, decode_detections
+from detlib.tiling import add_tile_flags, collate_images, detect_tiled, tile_flag_notes, tiled_loader
 from detlib.weights import WeightsFileError, weights_path
 
 logger = logging.getLogger("predict_retinanet")
@@ -95,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "evaluation's), or best_f1: per class, the threshold that maximised F1 in the training run's evaluation "
                    "of these weights (score_thresholds.json beside them; classes without one take the pooled one)")
     g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5, help="IoU of class-wise NMS")
-    g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")
+    g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image (with "
+                   "--tile: per tile, and per image after the merge)")
+    add_tile_flags(g)
 
     g = groups["output"]
     g.add_argument("--draw_thresh", type=float_range(0, 1), help="lowest score drawn on OUT/images (default: 0.3; with "
@@ -225,7 +234,7 @@ def ignored_flags(args, coco_source: bool) -> list[str]:
                    "voc), and --source is not one")
     if args.no_images and args.draw_thresh is not None:
         out.append(f"--draw_thresh {args.draw_thresh} is not used: --no_images draws nothing")
-    return out
+    return out + tile_flag_notes(args)
 
 
 def predict_video(args, path: str, name: str, out_name: str, detect, transform, names: dict[int, str],
@@ -240,10 +249,10 @@ def predict_video(args, path: str, name: str, out_name: str, detect, transform, 
                                                      frames.fps)
     results, per_frame = [], []
     bar = tqdm(total=frames.declared, desc=f"video {name}", unit="frame", disable=quiet, leave=False)
-    stream, collate = iter(frames), EvaluationCollate()  # a video's frames share one shape
+    stream, collate = iter(frames), collate_images if args.tile else EvaluationCollate()  # frames share one shape
     try:
         while chunk := list(itertools.islice(stream, args.batch_size)):
-            batch = collate([detection_item(rgb, transform, i) for i, _, rgb in chunk])  # zip drops the fill
+            batch = collate([detection_item(rgb, None if args.tile else transform, i) for i, _, rgb in chunk])
             for (i, t, rgb), res in zip(chunk, detect(batch)):
                 for r in res:
                     r.update(file_name=name, frame=i, time=t)
@@ -371,32 +380,45 @@ def main(argv=None):
             logger.warning("%s", held)
     # the evaluation's batches: images of one padded input shape, this process's share (EvaluationBatchSampler), so
     # that an image's detections are those of the image alone, as in the training script's evaluation
-    resize_mode = config.get("resize_mode", "antialias")
-    shapes = (evaluation_shapes([r["size"] for r in ds.records], image_size, max_size, resize_mode)
-              if isinstance(ds, CocoDetection) else input_shapes(ds.paths, exif_applied, image_size, max_size, resize_mode))
-    batches = EvaluationBatchSampler(shapes, args.batch_size, accelerator.num_processes, accelerator.process_index)
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=EvaluationCollate(),
-                                         **worker_loader_kwargs(min(args.num_workers, os.cpu_count() or 1)))
-    logger.info("%d images%s from %s at %d px (max %s), %d process(es), batch size %d", len(ds),
+    resize_mode, workers = config.get("resize_mode", "antialias"), min(args.num_workers, os.cpu_count() or 1)
+    if args.tile:  # each image whole on one process, at its native size, its tiles in batches of --batch_size
+        Image.MAX_IMAGE_PIXELS = ds.max_image_pixels = None  # no decompression-bomb limit: tiling is for large images
+        loader = tiled_loader(ds, accelerator.num_processes, accelerator.process_index, **worker_loader_kwargs(workers))
+    else:
+        shapes = (evaluation_shapes([r["size"] for r in ds.records], image_size, max_size, resize_mode)
+                  if isinstance(ds, CocoDetection) else input_shapes(ds.paths, exif_applied, image_size, max_size,
+                                                                     resize_mode))
+        batches = EvaluationBatchSampler(shapes, args.batch_size, accelerator.num_processes, accelerator.process_index)
+        loader = torch.utils.data.DataLoader(ds, batch_sampler=batches, collate_fn=EvaluationCollate(),
+                                             **worker_loader_kwargs(workers))
+    logger.info("%d images%s from %s at %d px (max %s)%s, %d process(es), batch size %d", len(ds),
                 f" and {len(ds.videos)} videos" if ds.videos else "", args.source, image_size, max_size,
-                accelerator.num_processes, args.batch_size)
+                f" in tiles of {args.tile} px overlapping {args.tile_overlap:g}" + " and whole" * args.tile_full
+                if args.tile else "", accelerator.num_processes, args.batch_size)
 
     # ---- predict (the decoding of scripts/train_retinanet.py's evaluate)
     index_of = {iid: k for k, iid in enumerate(coco_ids)} if coco_ids is not None else None
     per_image: dict[int, list[dict]] = {}
     failed: list[int] = []
 
-    def detect(batch) -> list[list[dict] | None]:
-        """Per image of a collated batch, its COCO results (None: the image could not be read)."""
+    def decode(batch) -> list[dict]:
+        """Per image of a collated batch (`EvaluationCollate`), its detections: boxes, scores, labels."""
         images = batch["images"].to(accelerator.device)
         with accelerator.autocast():
             out = model(images)
         anchors, counts = anchor_gen(*images.shape[-2:], device=images.device)
-        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
+        return decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
                                  batch["scales"], score_thresh=decode_thresh, nms_thresh=args.nms_thresh,
-                                 max_detections=args.detections_per_image)
+                                 max_detections=args.detections_per_image).per_image(len(batch["image_ids"]))
+
+    def detect(batch) -> list[list[dict] | None]:
+        """Per image of a batch (collated, or with --tile native images: `collate_images`), its COCO results (None:
+        the image could not be read)."""
+        dets = ([detect_tiled(decode, image, ds.transform, args.tile, args.tile_overlap, args.batch_size,
+                              args.tile_full, args.detections_per_image) if valid else None
+                 for image, valid in zip(batch["images"], batch["valid"])] if args.tile else decode(batch))
         found = []
-        for i, d in enumerate(dets.per_image(len(batch["image_ids"]))):
+        for i, d in enumerate(dets):
             if not bool(batch["valid"][i]):
                 found.append(None)
                 continue
