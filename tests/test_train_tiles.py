@@ -4,6 +4,7 @@ and a run on small_objects resumed mid-epoch that continues exactly."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import textwrap
 
@@ -30,6 +31,15 @@ def test_tile_grid_ends_at_the_image_edge():
     assert training_tile_grid(200, 10, 100, overlap=0).tolist() == [[0, 0, 100, 10], [100, 0, 200, 10]]
     with pytest.raises(ValueError):
         training_tile_grid(100, 100, 64, overlap=1.0)
+
+
+def test_training_tiles_are_the_windows_of_tiled_prediction():
+    from detlib.tiling import tile_grid
+
+    for width, height, tile, overlap in itertools.product((1, 50, 128, 129, 300, 1280), (64, 128, 1000), (6, 128, 640),
+                                                          (0.0, 0.2, 0.25, 0.5, 0.9)):
+        assert training_tile_grid(width, height, tile, overlap).tolist() == [list(w) for w in tile_grid(
+            width, height, tile, overlap)], (width, height, tile, overlap)
 
 
 def test_tile_boxes_worked_out_by_hand():

@@ -46,18 +46,19 @@ TRAIN_TILE_OVERLAP = 0.25
 def training_tile_grid(width: int, height: int, tile: int, overlap: float = TRAIN_TILE_OVERLAP) -> np.ndarray:
     """The tile windows of a `width` x `height` px image: [T, 4] int64 xyxy px, row-major (y, then x).
 
-    Tiles are `tile` px squares starting every round(tile * (1 - overlap)) px; the last row and column end at the
+    Tiles are `tile` px squares starting every tile - int(tile * overlap) px; the last row and column end at the
     image edge (so they may overlap their neighbour more); an image side shorter than `tile` is covered by one window
-    of that side's length.
+    of that side's length. The grid of tiled prediction (`detlib.tiling.tile_grid`, which sits above `data` and cannot
+    be imported here; tests/test_train_tiles.py checks that both cut the same windows) and of sahi's slicing.
     Raises:
         ValueError: a tile below 1 px or an overlap outside [0, 1).
     """
     if tile < 1 or not 0 <= overlap < 1:
         raise ValueError(f"need a tile of at least 1 px and an overlap in [0, 1), got {tile} and {overlap}")
-    step = max(1, round(tile * (1 - overlap)))
+    step = tile - int(tile * overlap)
 
     def starts(side: int) -> list[int]:
-        return sorted({*range(0, max(1, side - tile), step), max(0, side - tile)})
+        return list(range(0, side - tile, step)) + [max(0, side - tile)]
 
     return np.asarray([(x, y, min(x + tile, width), min(y + tile, height))
                        for y in starts(height) for x in starts(width)], dtype=np.int64).reshape(-1, 4)
