@@ -20,11 +20,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
-from .boxes import box_area
-from .data.coco import EvaluationCollate
-from .data.transforms import make_sample
+# torch and detlib.data are imported inside the functions: the scripts' --help reads `add_tile_flags` alone
 
 
 def tile_grid(width: int, height: int, tile: int, overlap: float) -> list[tuple[int, int, int, int]]:
@@ -65,6 +61,10 @@ def merge_detections(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Te
     Returns:
         {"boxes" [M, 4], "scores" [M], "labels" [M]}, M <= N, by decreasing score (equal scores: input order).
     """
+    import torch
+
+    from .boxes import box_area
+
     order = torch.sort(scores, descending=True, stable=True).indices
     boxes, scores, labels = boxes[order], scores[order], labels[order]
     area = box_area(boxes)
@@ -84,6 +84,10 @@ def merge_detections(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Te
 
 def _window_item(crop: torch.Tensor, transform, index: int) -> dict:
     """A window [3, h, w] uint8 as an evaluation item (`DetectionImageFiles`' layout), resized by `transform`."""
+    import torch
+
+    from .data.transforms import make_sample
+
     empty = torch.zeros((0, 4))
     sample = make_sample(crop, empty, torch.zeros((0,), dtype=torch.int64), torch.zeros((0,), dtype=torch.bool))
     if transform is not None:
@@ -118,6 +122,10 @@ def detect_tiled(detect: Detect, image: torch.Tensor, transform, tile: int, over
     Raises:
         ValueError: `image` is not [3, H, W] uint8, or a bad grid (`tile_grid`).
     """
+    import torch
+
+    from .data.coco import EvaluationCollate
+
     if image.dim() != 3 or image.shape[0] != 3 or image.dtype != torch.uint8:
         raise ValueError(f"detect_tiled needs a [3, H, W] uint8 image, got {tuple(image.shape)} {image.dtype}")
     height, width = image.shape[-2:]
@@ -140,6 +148,8 @@ def detect_tiled(detect: Detect, image: torch.Tensor, transform, tile: int, over
 def collate_images(samples: list[dict]) -> dict:
     """The batch of a tiled loader: {"images": the [3, H, W] uint8 images at their native sizes (a list: no padding,
     no stacking), "image_ids": [B] int64, "valid": [B] bool}; {} for no sample (a process's filler batch)."""
+    import torch
+
     if not samples:
         return {}
     return {"images": [s["image"] for s in samples], "image_ids": torch.tensor([s["image_id"] for s in samples]),
@@ -159,6 +169,8 @@ def tiled_loader(dataset, num_processes: int = 1, process_index: int = 0, **load
         loader_kwargs: the DataLoader's other arguments (workers).
     """
     import copy
+
+    import torch
 
     from .data.sampler import EvaluationBatchSampler
 

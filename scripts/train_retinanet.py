@@ -78,6 +78,7 @@ from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
                               anchor_generator_from_config, check_backbone, decode_detections, load_matching_weights,
                               reorder_class_outputs, retinanet_loss)
+from detlib.tiling import add_tile_flags, detect_tiled, tiled_loader
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
                             read_model_config, require_model_keys, weights_path)
 
@@ -239,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05, help="lowest score kept in the evaluation")
     g.add_argument("--nms_thresh", type=float_range(0, 1, lo_open=True), default=0.5, help="IoU of class-wise NMS")
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="detections kept per image")
+    add_tile_flags(g)  # tiled evaluation (detlib.tiling): each val image cut at its native size, boxes merged
     g.add_argument("--coco_eval_backend", default="auto", choices=["auto", "hotcoco", "pycocotools", "faster"],
                    help="COCOeval implementation: hotcoco (the 12 stats equal pycocotools' to the bit, at 0.02 of its "
                         "time), pycocotools, faster-coco-eval; auto: the first installed of these")
@@ -376,6 +378,9 @@ def build_dataloaders(args, paths: dict[str, str]):
     common["collate_fn"] = EvaluationCollate()
     val_loader = torch.utils.data.DataLoader(val_ds, batch_sampler=EvaluationBatchSampler(
         shapes, args.per_device_eval_batch_size, process.num_processes, process.process_index), **common)
+    if args.tile:  # each val image whole on one process at its native size, its tiles in eval batches
+        val_loader = tiled_loader(val_ds, process.num_processes, process.process_index,
+                                  **{k: v for k, v in common.items() if k != "collate_fn"})
     return train_ds, val_ds, train_loader, val_loader
 
 
@@ -412,7 +417,7 @@ def not_used_flags(args) -> list[str]:
     """The flags whose values this run ignores (its scheduler's or optimizer's are others), for config.yaml."""
     unused = {"momentum": args.optimizer != "sgd", "plateau_patience": args.lr_scheduler != "plateau",
               "lr_steps": args.lr_scheduler != "multistep", "warmup_steps": args.lr_scheduler == "plateau"}
-    return [k for k, v in unused.items() if v]
+    return [k for k, v in unused.items() if v] + [k for k in ("tile_overlap", "tile_full") if not args.tile]
 
 
 def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, dict, list[str]]:
@@ -612,18 +617,25 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
             torch.distributed.broadcast(buffer, src=0)
     model.eval()
     evaluator.reset()
+    window_transform = build_transform(args.image_size, "none", args.max_size, args.resize_mode)  # with --tile
+
+    def decode(batch) -> list[dict]:  # a collated batch's detections per image, in its images' pixels
+        batch = send_to_device(batch, accelerator.device, non_blocking=True)
+        out = model(batch["images"])
+        anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
+        return decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
+                                 batch["scales"], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
+                                 max_detections=args.detections_per_image).per_image(len(batch["image_ids"]))
+
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
         if i % 10 == 0 and (name := preempted(accelerator)):  # every process has as many batches (some empty)
             raise Preempted(name)
         if not batch:
             continue
-        batch = send_to_device(batch, accelerator.device, non_blocking=True)
-        out = model(batch["images"])
-        anchors, counts = anchor_gen(*batch["images"].shape[-2:], device=batch["images"].device)
-        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
-                                 batch["scales"], score_thresh=args.score_thresh, nms_thresh=args.nms_thresh,
-                                 max_detections=args.detections_per_image)
-        for j, d in enumerate(dets.per_image(len(batch["image_ids"]))):
+        dets = ([detect_tiled(decode, image, window_transform, args.tile, args.tile_overlap,
+                              args.per_device_eval_batch_size, args.tile_full, args.detections_per_image)
+                 for image in batch["images"]] if args.tile else decode(batch))
+        for j, d in enumerate(dets):
             image_id = int(batch["image_ids"][j])
             if not bool(batch["valid"][j]):
                 evaluator.add_failed(image_id)
