@@ -116,7 +116,7 @@ __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring
 BUILTIN_HEAD_NORM = "gn"
 # What the built-in run with these defaults gives (docs/recipes.md run log), for its start line and its stop line.
 BUILTIN_RUN = {"shapes": "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9",
-               "small_objects": "with --train_tile 128 and the defaults SMALL_RUN_PENDING"}
+               "small_objects": "with --train_tile 128 --tile 128 --epochs 3 about 5 min on 2 CPU cores to tiled val AP50 0.11 (docs/small_objects.md)"}
 # This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5,
                 "per_device_eval_batch_size": 8, "log_interval": 20, "checkpoint_total_limit": None}  # None: DATA_DEFAULTS
