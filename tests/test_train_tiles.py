@@ -187,6 +187,15 @@ def test_tile_flags_refused_together_in_one_line(tmp_path, capsys):
     assert code == 2 and "--empty_tile_rate" in err
 
 
+def test_small_objects_run_gets_its_own_default_folder():
+    from helpers import load_script
+
+    script = load_script("train_retinanet")
+    assert script.parse_args(["--builtin", "small_objects"]).output_dir == "outputs/retinanet_small_objects"
+    assert script.parse_args(["--builtin", "small_objects", "--output_dir", "o"]).output_dir.endswith("o")
+    assert script.parse_args([]).output_dir is None  # shapes: the data defaults' outputs/retinanet_builtin
+
+
 TILES_PROBE = textwrap.dedent('''
     import importlib.util, json, os, sys
     spec = importlib.util.spec_from_file_location("train_retinanet", sys.argv[1])
