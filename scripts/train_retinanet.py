@@ -20,6 +20,10 @@ detlib/data/formats.py says how they are read):
     ... scripts/train_retinanet.py --data_dir VOCdevkit/VOC2012      # Annotations/, JPEGImages/, ImageSets/Main/{train,val}.txt
     ... scripts/train_retinanet.py --data_dir datasets/my_yolo_set   # data.yaml with names, train: and val:
 
+Small objects in large images: training on tiles cut at native resolution (docs/small_objects.md), here the built-in
+small-object set (8-32 px shapes on 768-1280 px images):
+    ... scripts/train_retinanet.py --builtin small_objects --train_tile 128
+
 2 CPU processes (gloo DDP), resume, evaluation only:
     OMP_NUM_THREADS=1 accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_retinanet.py ...
     ... scripts/train_retinanet.py --output_dir outputs/r50_600 --resume_from_checkpoint latest
@@ -57,7 +61,8 @@ from timm.utils import ModelEmaV3
 from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
                          EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, RepeatFactorSampler,
                          aspect_groups, build_transform, check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes,
-                         loader_settings, log_class_frequencies, make_synthetic_coco, read_class_names, repeat_factors)
+                         loader_settings, log_class_frequencies, make_small_objects_coco, make_synthetic_coco, read_class_names, repeat_factors,
+                         TrainingTiles)
 from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
                            evaluate_only, float_range, format_given, int_at_least, parse_with_config, path,
                            resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
@@ -109,7 +114,8 @@ __doc__ += data_defaults_table(DATA_DEFAULTS)  # the one table, in the docstring
 # scratch than the paper's head (no norm); not a flag here: an --init_from / --evaluate_only model keeps its own.
 BUILTIN_HEAD_NORM = "gn"
 # What the built-in run with these defaults gives (docs/recipes.md run log), for its start line and its stop line.
-BUILTIN_RUN = "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9"
+BUILTIN_RUN = {"shapes": "with the defaults about 3.5 min on 2 CPU cores, about 1 min on a GPU, to val AP50 above 0.9",
+               "small_objects": "with --train_tile 128 --tile 128 --epochs 3 about 5 min on 2 CPU cores to tiled val AP50 0.11 (docs/small_objects.md)"}
 # This script's defaults of the run machinery's flags (detlib.engine.flags).
 RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5,
                 "per_device_eval_batch_size": 8, "log_interval": 20, "checkpoint_total_limit": None}  # None: DATA_DEFAULTS
@@ -119,7 +125,11 @@ RUN_DEFAULTS = {"project": "detlib-retinanet", "eval_interval": 5,
 FIXED_ON_RESUME = ("backbone", "fpn_channels", "head_norm", "num_classes", "freeze_at", "backbone_bn", "optimizer", "lr",
                    "weight_decay", "wd_norm", "momentum", "lr_scheduler", "plateau_patience", "loss_normalizer",
                    "num_processes", "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision",
-                   "sampler", "repeat_threshold")
+                   "sampler", "repeat_threshold", "anchor_sizes", "builtin", "train_tile", "tile_min_visible", "empty_tile_rate")
+# The built-in sets (detlib.data.builtin) and the anchors of the small-object one: its 8-32 px objects would get one
+# low-IoU match each from the 32-512 px defaults.
+BUILTIN_SETS = {"shapes": make_synthetic_coco, "small_objects": make_small_objects_coco}
+SMALL_OBJECT_ANCHORS = [8, 16, 32, 64, 128]
 WARMUP_START = 0.001  # the warm-up's first LR factor: Detectron's 1/1000
 # What main writes to config.yaml beside the flags; --config reads them as a record and does not apply them.
 RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_annotations", "data_val_images",
@@ -149,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "with --max_size 1333 as detectron2's 1x); evaluation uses --image_size (default: none, --image_size only)")
     g.add_argument("--augmentation", choices=AUGMENTATIONS, help="training augmentation (detlib.data.transforms): none, "
                    "flip, or flip plus random crop and translation")
+    g.add_argument("--builtin", default="shapes", choices=BUILTIN_SETS, help="the built-in set trained on without data "
+                   "flags: shapes (128 px images) or small_objects (8-32 px objects on 768-1280 px images; anchors of "
+                   "8-128 px; train it with --train_tile) (default: %(default)s)")
+    g.add_argument("--train_tile", type=int_at_least(32), metavar="SIZE", help="train on SIZE x SIZE tiles cut from the "
+                   "training images at native resolution (not resized; --image_size is the whole-image evaluation's "
+                   "size), for objects too small to survive the resize (default: none, whole images)")
+    g.add_argument("--tile_min_visible", type=float_range(0, 1, lo_open=True), default=0.5, metavar="FRAC",
+                   help="--train_tile: a box with at least this share of its area inside a tile is a target there, "
+                   "clipped; one with less is ignored, not taught as background (default: %(default)s)")
+    g.add_argument("--empty_tile_rate", type=float_range(0, 1), default=0.1, metavar="R", help="--train_tile: the "
+                   "share of the tiles without a target that each epoch holds (default: %(default)s)")
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,
                    help="training batches of only landscape or only portrait images (default: on)")
@@ -194,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto = frozen when pretrained weights are loaded, trained when training from scratch "
                         "(default: %(default)s)")
     g.add_argument("--fpn_channels", type=int_at_least(1), help="FPN and head width")
+    g.add_argument("--anchor_sizes", type=float_range(0, lo_open=True), nargs=5, metavar="PX", help="base anchor "
+                   "size of P3..P7 in px, times 2^0, 2^(1/3), 2^(2/3) (default: 32 64 128 256 512; 8 16 32 64 128 on "
+                   "--builtin small_objects; or the --init_from model's)")
     g.add_argument("--head_norm", choices=HEAD_NORMS, help="norm of the heads' hidden convs: none (the paper) or gn, "
                    "GroupNorm(32) after each conv, which then has no bias (torchvision's v2 RetinaNet; needs "
                    "--fpn_channels divisible by 32) (default: none; gn on the built-in data; or the --init_from / "
@@ -250,6 +274,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The flags of `argv` (default: sys.argv[1:]) over those of --config; data-dependent ones stay None (main)."""
     p = build_parser()
     args = parse_with_config(p, argv, RECORD_KEYS)
+    if args.builtin != "shapes" and args.output_dir is None and not (args.data_dir or args.train_images or args.val_images):
+        args.output_dir = f"outputs/retinanet_{args.builtin}"  # not the shapes run's folder
+    if args.train_tile and args.train_scales:
+        p.error("--train_scales resizes the training images; --train_tile trains at their native resolution: give one")
+    if args.train_tile and args.sampler == "repeat_factor":  # its repeat factors are per image, the items are tiles
+        p.error("--sampler repeat_factor draws images; with --train_tile the items are tiles: not together yet")
     if args.max_size is not None and args.image_size is not None and args.max_size < args.image_size:
         p.error(f"--max_size {args.max_size} is smaller than --image_size {args.image_size} (the shorter side)")
     return args
@@ -275,7 +305,7 @@ def resolve_data(args) -> dict[str, str]:
             raise ValueError("give all four of --train_images --train_annotations --val_images --val_annotations "
                              "(or --data_dir)")
         return dict(zip(["train_images", "train_annotations", "val_images", "val_annotations"], explicit))
-    return make_synthetic_coco()
+    return BUILTIN_SETS[args.builtin]()
 
 
 def build_dataloaders(args, paths: dict[str, str]):
@@ -301,6 +331,9 @@ def build_dataloaders(args, paths: dict[str, str]):
         if train_ds.num_target_boxes() == 0:
             raise ValueError(f"{paths['train_annotations']}: no usable (non-crowd, non-degenerate) box in the whole "
                              "training set; nothing to learn from (use --include_crowd to train on crowd boxes)")
+        if args.train_tile:  # the items are the tiles of the images, at native resolution
+            train_ds = TrainingTiles(train_ds, args.train_tile, args.tile_min_visible, args.empty_tile_rate,
+                                     args.augmentation, args.resize_mode)
     # The model's classes: train's (val's categories were checked against them: same id, same name; val may list
     # only those it uses), or those of the evaluated checkpoint.
     category_map = train_ds.category_map if train_ds is not None else None
@@ -321,7 +354,7 @@ def build_dataloaders(args, paths: dict[str, str]):
     val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size, args.resize_mode),
                            include_crowd=args.include_crowd, train=False, max_image_pixels=args.max_image_pixels or None,
                            category_map=category_map)
-    side = max(args.train_scales or [args.image_size])
+    side = args.train_tile or max(args.train_scales or [args.image_size])
     bytes_per_batch = (3 * side * (args.max_size or side) * args.per_device_batch_size
                        * (4 if args.resize_mode == "torchvision" else 1))  # float32 images in torchvision's resize
     # Workers are not persistent: each epoch's workers get a fresh copy of the data set with its epoch set
@@ -363,8 +396,12 @@ def build_dataloaders(args, paths: dict[str, str]):
 
 def card_dataset(args, paths: dict, synthetic: bool) -> dict:
     """The data set as the model card names it: --data_dir's folder name, else the val json's name."""
-    name = ("detlib synthetic shapes" if synthetic else os.path.basename(os.path.abspath(args.data_dir)) if args.data_dir
-            else os.path.splitext(os.path.basename(paths["val_annotations"]))[0])
+    if synthetic:
+        name = f"detlib synthetic {args.builtin.replace('_', ' ')}"
+    elif args.data_dir:
+        name = os.path.basename(os.path.abspath(args.data_dir))
+    else:
+        name = os.path.splitext(os.path.basename(paths["val_annotations"]))[0]
     return {"name": name, "format": args.data_format, "train": paths.get("train_annotations"),
             "val": paths.get("val_annotations")}
 
@@ -422,6 +459,8 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
             ("compile", "runs the weights uncompiled, as every evaluation does"),
             ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema")) if getattr(args, k)]
     settings["head_norm"] = args.head_norm or settings["head_norm"]  # given: over the saved model's
+    if not args.evaluate_only and (args.anchor_sizes or (synthetic and args.builtin == "small_objects" and not source)):
+        settings["anchor_sizes"] = args.anchor_sizes or SMALL_OBJECT_ANCHORS  # given: over the --init_from model's
     largest = args.max_size or max([args.image_size, *(args.train_scales or [])])  # training and evaluation
     if settings["head_norm"] == "gn" and args.fpn_channels % 32:
         stop(f"--head_norm gn needs --fpn_channels divisible by 32 (GroupNorm's 32 groups), got {args.fpn_channels}")
@@ -675,11 +714,11 @@ def main(argv=None):
                         args.push_to_hub)
         stop_note = ""
         if synthetic and not args.evaluate_only:
-            logger.info("no data given: training on the built-in synthetic shapes data set (%s, %s heads, %d px, "
+            logger.info("no data given: training on the built-in synthetic %s data set (%s, %s heads, %d px, "
                         "fpn_channels %d, lr %g, %d epochs): %s; the model is only useful after the full run; pass "
-                        "--data_dir for COCO", args.backbone, "GroupNorm" if settings["head_norm"] == "gn" else
-                        "no-norm", args.image_size, args.fpn_channels, args.lr, args.epochs, BUILTIN_RUN)
-            stop_note = (f"; the built-in run's model is only useful after all {args.epochs} epochs ({BUILTIN_RUN}): "
+                        "--data_dir for COCO", args.builtin, args.backbone, "GroupNorm" if settings["head_norm"] == "gn" else
+                        "no-norm", args.image_size, args.fpn_channels, args.lr, args.epochs, BUILTIN_RUN[args.builtin])
+            stop_note = (f"; the built-in run's model is only useful after all {args.epochs} epochs ({BUILTIN_RUN[args.builtin]}): "
                          "stopped early it detects the shapes poorly")
 
         # ---- data

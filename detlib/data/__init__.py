@@ -6,7 +6,8 @@ aspect-ratio grouping, the ImageFolder data set, VOC / YOLO read as COCO, video 
 evaluation's batches of one padded shape), `balanced` (class-balanced sampling of a skewed training set),
 `imagefolder` (the classification data set), `loaders` (the DataLoader set-up: workers that end with their training
 process, the /dev/shm check), `formats` (VOC / YOLO, and the data check of a data folder in any format), `video` (PyAV
-frames), `builtin` (the synthetic sets both scripts train on without data).
+frames), `builtin` (the synthetic sets both scripts train on without data), `train_tiles` (the tiles of a training
+set as its items: --train_tile).
 """
 
 from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS  # light: PIL only
@@ -17,13 +18,14 @@ VERIFY_MODES = ("full", "header", "none")  # how the ImageFolder files are check
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "balanced": ("ClassBalancedSampler", "RepeatFactorSampler", "log_class_frequencies", "repeat_factors"),
-    "builtin": ("make_synthetic_coco", "make_synthetic_image_folder"),
+    "builtin": ("make_small_objects_coco", "make_synthetic_coco", "make_synthetic_image_folder"),
     "coco": ("PAD_VALUE", "CocoDetection", "EvaluationCollate", "collate_detection", "evaluation_shapes"),
     "formats": ("FORMATS", "check_coco_for_training", "data_dir_paths", "read_class_names", "read_data_dir_splits"),
     "imagefolder": ("ImageFolderDataset", "scan_image_folder"),
     "loaders": ("loader_settings", "worker_loader_kwargs"),
     "images": ("IMAGE_ERRORS", "load_rgb"),
     "sampler": ("EvaluationBatchSampler", "GroupedBatchSampler", "aspect_groups"),
+    "train_tiles": ("TrainingTiles",),
     "transforms": ("INPUT_DIVISIBILITY", "build_transform"),
     "video": ("INSTALL_HINT", "VideoWriter", "av_available", "video_frames", "video_info"),
 })

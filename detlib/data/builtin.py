@@ -7,6 +7,9 @@ as distractors). Written as JPEG files plus COCO-format json, the same path a re
     root/images/{train,val}_000000.jpg
     root/annotations/instances_{train,val}.json
 
+`make_small_objects_coco` (`--builtin small_objects`): the same shapes, 8-32 px, on images of 768-1280 px a side,
+for training and evaluating on tiles (detlib.data.train_tiles).
+
 Classification (`make_synthetic_image_folder`, used by train_catsdogs.py): a 2-class ImageFolder,
 horizontal vs vertical stripes:
 
@@ -34,6 +37,9 @@ logger = logging.getLogger(__name__)
 SHAPES_CATEGORIES = [{"id": 1, "name": "circle"}, {"id": 2, "name": "square"}, {"id": 3, "name": "triangle"}]
 SHAPES_VERSION = 2  # 2: 128 px, objects 24-64 px, 2-5 per image, none hidden (1: 160 px, 20-64 px, 1-4)
 MIN_OBJECTS, MAX_OBJECTS = 2, 5  # shapes per image (fewer where no free place is found)
+SMALL_OBJECTS_VERSION = 1
+SMALL_OBJECTS_SIDES = (768, 1024, 1280)  # image sides in px
+SMALL_OBJECTS_AREA = 25_000  # px^2 of image per object on average: at most 98 objects an image, under COCO's 100 detections
 STRIPES_CLASSES = ("horizontal", "vertical")
 STRIPES_VERSION = 2
 
@@ -46,11 +52,27 @@ def cache_root() -> str:
     return os.path.abspath(os.environ.get("DETLIB_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "detlib")))
 
 
-def _background(rng: np.random.RandomState, size: int) -> np.ndarray:
+def _background(rng: np.random.RandomState, size: int, width: int | None = None) -> np.ndarray:
+    """A `size` (height) x `width` (default: `size`) colour gradient plus noise, [H, W, 3] uint8."""
+    h, w = size, width or size
     c0, c1 = rng.randint(0, 256, 3), rng.randint(0, 256, 3)
-    t = np.linspace(0, 1, size)[None, :, None] if rng.rand() < 0.5 else np.linspace(0, 1, size)[:, None, None]
-    img = c0 * (1 - t) + c1 * t + rng.normal(0, 18, (size, size, 3))
+    t = np.linspace(0, 1, w)[None, :, None] if rng.rand() < 0.5 else np.linspace(0, 1, h)[:, None, None]
+    img = c0 * (1 - t) + c1 * t + rng.normal(0, 18, (h, w, 3))
     return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, rng: np.random.RandomState, x: int, y: int, s: int) -> int:
+    """Draw a random class's shape (0 circle, 1 square, 2 triangle) filling the box (x, y, x + s, y + s) in a random
+    colour; returns the class."""
+    cls = int(rng.randint(0, 3))
+    colour = tuple(int(v) for v in rng.randint(0, 256, 3))
+    if cls == 0:
+        draw.ellipse([x, y, x + s - 1, y + s - 1], fill=colour)
+    elif cls == 1:
+        draw.rectangle([x, y, x + s - 1, y + s - 1], fill=colour)
+    else:
+        draw.polygon([(x + s / 2, y), (x, y + s - 1), (x + s - 1, y + s - 1)], fill=colour)
+    return cls
 
 
 def _draw_image(rng: np.random.RandomState, size: int, min_obj: int, max_obj: int):
@@ -71,15 +93,27 @@ def _draw_image(rng: np.random.RandomState, size: int, min_obj: int, max_obj: in
         else:
             continue
         placed.append((x, y, x + s, y + s))
-        cls = int(rng.randint(0, 3))
-        colour = tuple(int(v) for v in rng.randint(0, 256, 3))
-        if cls == 0:
-            draw.ellipse([x, y, x + s - 1, y + s - 1], fill=colour)
-        elif cls == 1:
-            draw.rectangle([x, y, x + s - 1, y + s - 1], fill=colour)
-        else:
-            draw.polygon([(x + s / 2, y), (x, y + s - 1), (x + s - 1, y + s - 1)], fill=colour)
-        anns.append((cls, [float(x), float(y), float(s), float(s)]))
+        anns.append((_draw_shape(draw, rng, x, y, s), [float(x), float(y), float(s), float(s)]))
+    return img, anns
+
+
+def _draw_small_objects_image(rng: np.random.RandomState, min_obj: int, max_obj: int):
+    """A large image (sides of 768, 1024 or 1280 px) with one small shape per SMALL_OBJECTS_AREA px^2 on average
+    (sides `min_obj`..`max_obj` px, apart as in `_draw_image`) and 0-15 thin distractor lines."""
+    h, w = (int(rng.choice(SMALL_OBJECTS_SIDES)) for _ in range(2))
+    img = Image.fromarray(_background(rng, h, w))
+    draw = ImageDraw.Draw(img)
+    for _ in range(rng.randint(0, 16)):
+        pts = [(int(rng.randint(0, w)), int(rng.randint(0, h))) for _ in range(2)]
+        draw.line(pts, fill=tuple(int(v) for v in rng.randint(0, 256, 3)), width=int(rng.randint(1, 3)))
+    anns, placed = [], []
+    for _ in range(rng.randint(h * w // (2 * SMALL_OBJECTS_AREA), 3 * h * w // (2 * SMALL_OBJECTS_AREA))):
+        s = int(rng.randint(min_obj, max_obj + 1))
+        x, y = int(rng.randint(0, w - s)), int(rng.randint(0, h - s))
+        if any(_overlap((x, y, x + s, y + s), p) >= 0.3 for p in placed):
+            continue
+        placed.append((x, y, x + s, y + s))
+        anns.append((_draw_shape(draw, rng, x, y, s), [float(x), float(y), float(s), float(s)]))
     return img, anns
 
 
@@ -107,33 +141,70 @@ def make_synthetic_coco(root: str | None = None, num_train: int = 600, num_val: 
     paths = {"train_images": os.path.join(root, "images"), "val_images": os.path.join(root, "images"),
              "train_annotations": os.path.join(root, "annotations", "instances_train.json"),
              "val_annotations": os.path.join(root, "annotations", "instances_val.json")}
-    marker = os.path.join(root, "generator.json")
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            if json.load(f) == params and all(os.path.exists(p) for p in paths.values()):
-                return paths
+    if _cached(root, params, paths):
+        return paths
     logger.info("generating the built-in synthetic shapes data set in %s", root)
+    return _write_coco_set(root, params, paths, {"train": (num_train, seed), "val": (num_val, seed + 1)},
+                           lambda rng: _draw_image(rng, image_size, min_object, max_object), "detlib synthetic shapes")
+
+
+def make_small_objects_coco(root: str | None = None, num_train: int = 20, num_val: int = 8, min_object: int = 8,
+                            max_object: int = 32, seed: int = 0) -> dict[str, str]:
+    """Generate (or reuse) the built-in small-object set (`--builtin small_objects`; default root:
+    cache_root()/small_objects_v1): the shapes of the default set, `min_object` to `max_object` px, about 42 to a
+    1024 x 1024 image, on large images (sides of 768, 1024 or 1280 px, `_draw_small_objects_image`). Resized whole
+    to a model's 128 px input they are 1-5 px wide: the set shows what tiling (`--train_tile`, `--tile`) is for.
+
+    Returns:
+        {"train_images", "train_annotations", "val_images", "val_annotations"}: paths in the COCO layout.
+    """
+    root = root or os.path.join(cache_root(), f"small_objects_v{SMALL_OBJECTS_VERSION}")
+    params = {"version": SMALL_OBJECTS_VERSION, "num_train": num_train, "num_val": num_val, "min_object": min_object,
+              "max_object": max_object, "seed": seed}
+    paths = {"train_images": os.path.join(root, "images"), "val_images": os.path.join(root, "images"),
+             "train_annotations": os.path.join(root, "annotations", "instances_train.json"),
+             "val_annotations": os.path.join(root, "annotations", "instances_val.json")}
+    if _cached(root, params, paths):
+        return paths
+    logger.info("generating the built-in small-object data set in %s", root)
+    return _write_coco_set(root, params, paths, {"train": (num_train, seed), "val": (num_val, seed + 1)},
+                           lambda rng: _draw_small_objects_image(rng, min_object, max_object), "detlib small objects")
+
+
+def _cached(root: str, params: dict, paths: dict[str, str]) -> bool:
+    """Whether root/generator.json says `params` made the set and its `paths` are all there."""
+    marker = os.path.join(root, "generator.json")
+    if not os.path.isfile(marker):
+        return False
+    with open(marker) as f:
+        return json.load(f) == params and all(os.path.exists(p) for p in paths.values())
+
+
+def _write_coco_set(root: str, params: dict, paths: dict[str, str], splits: dict[str, tuple[int, int]], draw,
+                    description: str) -> dict[str, str]:
+    """Draw `splits` ({split: (count, seed)}) with `draw(rng) -> (PIL image, [(class, xywh)])` as JPEG files and
+    COCO jsons at `paths`, then write `params` as root/generator.json (the cache's marker). Returns `paths`."""
     with cache_writes(root, "built-in data's cache", CACHE_REMEDY):
         os.makedirs(paths["train_images"], exist_ok=True)
         os.makedirs(os.path.dirname(paths["train_annotations"]), exist_ok=True)
         ann_id = 1
-        for split, count, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):
+        for split, (count, split_seed) in splits.items():
             rng = np.random.RandomState(split_seed)
             images, annotations = [], []
             for i in range(count):
-                img, anns = _draw_image(rng, image_size, min_object, max_object)
+                img, anns = draw(rng)
                 name = f"{split}_{i:06d}.jpg"
                 img.save(os.path.join(paths[f"{split}_images"], name), quality=90)
                 image_id = i + 1 + (0 if split == "train" else 1_000_000)
-                images.append({"id": image_id, "file_name": name, "width": image_size, "height": image_size})
+                images.append({"id": image_id, "file_name": name, "width": img.width, "height": img.height})
                 for cls, bbox in anns:
                     annotations.append({"id": ann_id, "image_id": image_id, "category_id": SHAPES_CATEGORIES[cls]["id"],
                                         "bbox": bbox, "area": bbox[2] * bbox[3], "iscrowd": 0})
                     ann_id += 1
-            data = {"info": {"description": "detlib synthetic shapes", "version": SHAPES_VERSION}, "licenses": [],
+            data = {"info": {"description": description, "version": params["version"]}, "licenses": [],
                     "images": images, "annotations": annotations, "categories": SHAPES_CATEGORIES}
             write_json(data, paths[f"{split}_annotations"])
-        with open(marker, "w") as f:
+        with open(os.path.join(root, "generator.json"), "w") as f:
             json.dump(params, f)
     return paths
 

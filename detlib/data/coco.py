@@ -196,7 +196,9 @@ class CocoDetection(torch.utils.data.Dataset):
         """Number of non-crowd boxes over the whole data set (0 means nothing to learn from)."""
         return int((~self.records.iscrowd).sum())
 
-    def _load(self, index: int, copy: int = 0) -> dict:
+    def read(self, index: int) -> dict:
+        """Image `index` and its boxes as the json gives them, untransformed: a transform sample (`make_sample`:
+        image [3, H, W] uint8, boxes [N, 4] xyxy pixels, labels [N], iscrowd [N]). Raises `IMAGE_ERRORS`."""
         rec = self.records[index]
         # Set in the worker that loads: DataLoader workers do not share the parent's later changes.
         Image.MAX_IMAGE_PIXELS = self.max_image_pixels
@@ -210,22 +212,15 @@ class CocoDetection(torch.utils.data.Dataset):
             logger.warning("image %s is %dx%d but the json says %dx%d; resized to the json's size",
                            rec["path"], image.shape[-1], image.shape[-2], rec["size"][1], rec["size"][0])
             image = F.resize(image, list(rec["size"]), antialias=True)
-        sample = make_sample(image, torch.from_numpy(rec["boxes"]), torch.from_numpy(rec["labels"]),
-                             torch.from_numpy(rec["iscrowd"]))
+        return make_sample(image, torch.from_numpy(rec["boxes"]), torch.from_numpy(rec["labels"]),
+                           torch.from_numpy(rec["iscrowd"]))
+
+    def _load(self, index: int, copy: int = 0) -> dict:
+        sample = self.read(index)
         if self.transform is not None:
-            with _sample_rng(self.seed, self.epoch, index + copy * len(self)):
+            with sample_rng(self.seed, self.epoch, index + copy * len(self)):
                 sample = self.transform(sample)
-        crowd = sample["iscrowd"]
-        boxes = sample["boxes"].as_subclass(torch.Tensor)
-        return {
-            "image": sample["image"].as_subclass(torch.Tensor),
-            "boxes": boxes[~crowd].reshape(-1, 4).float(),
-            "labels": sample["labels"][~crowd].reshape(-1),
-            "crowd_boxes": boxes[crowd].reshape(-1, 4).float(),
-            "image_id": rec["id"],
-            "scale": sample.get("scale", (1.0, 1.0)),
-            "valid": True,
-        }
+        return sample_item(sample, self.records[index]["id"])
 
     def __getitem__(self, index: int) -> dict:
         # a key past the last image is a repeated draw of image key % N (`RepeatFactorSampler`): its own augmentation
@@ -235,6 +230,21 @@ class CocoDetection(torch.utils.data.Dataset):
     def _unreadable(self, index: int, error: Exception) -> dict:
         logger.warning("skipping unreadable image: %s", error)
         return unreadable_item(self.records[index]["id"])
+
+
+def sample_item(sample: dict, image_id: int) -> dict:
+    """The data set item (see `CocoDetection`) of a transformed sample: crowd boxes apart from the targets."""
+    crowd = sample["iscrowd"]
+    boxes = sample["boxes"].as_subclass(torch.Tensor)
+    return {
+        "image": sample["image"].as_subclass(torch.Tensor),
+        "boxes": boxes[~crowd].reshape(-1, 4).float(),
+        "labels": sample["labels"][~crowd].reshape(-1),
+        "crowd_boxes": boxes[crowd].reshape(-1, 4).float(),
+        "image_id": image_id,
+        "scale": sample.get("scale", (1.0, 1.0)),
+        "valid": True,
+    }
 
 
 def unreadable_item(image_id: int) -> dict:
@@ -279,7 +289,7 @@ def _log_left_out(source: str, min_box_size: float, dropped: list, unknown_categ
 
 
 @contextlib.contextmanager
-def _sample_rng(seed: int | None, epoch: int, index: int):
+def sample_rng(seed: int | None, epoch: int, index: int):
     """Seed torch's and Python's RNG for one sample's transform, restoring the outer state afterwards."""
     if seed is None:
         yield
