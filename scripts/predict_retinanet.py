@@ -60,7 +60,8 @@ from detlib.files import write_json
 from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
                               outputs_written, prediction_error, prediction_parser, predict_videos, retinanet_input_size,
                               run_prediction, start_prediction, write_skipped)
-from detlib.labels import describe_mapping, match_categories
+from detlib.deploy import ExportRunner, is_exported_model
+from detlib.labels import CategoryMap, describe_mapping, match_categories
 from detlib.retinanet import anchor_generator_from_config, decode_detections
 from detlib.weights import WeightsFileError, weights_path
 
@@ -307,8 +308,14 @@ def main(argv=None):
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
 
     # ---- model (rebuilt from model_config.json, class names included)
+    runner = None  # an export_retinanet.py file (FILE.onnx, FILE.xml ...): its runtime runs it, FILE.json describes it
     try:
-        model, config, category_map = load_retinanet(args.weights)
+        if is_exported_model(args.weights):
+            runner = ExportRunner(args.weights, nms_thresh=args.nms_thresh, max_detections=args.detections_per_image)
+            model, config = None, runner.meta
+            category_map = CategoryMap(config["category_ids"], config["category_names"])
+        else:
+            model, config, category_map = load_retinanet(args.weights)
         image_size, max_size = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         raise prediction_error(e) from None
@@ -319,7 +326,8 @@ def main(argv=None):
     if accelerator.is_main_process:
         for line in filter(None, notes):
             logger.warning("%s", line)
-    model.to(accelerator.device)
+    if runner is None:
+        model.to(accelerator.device)
     anchor_gen = anchor_generator_from_config(config)  # a converted model's anchor convention, else ours
     names = dict(zip(category_map.category_ids, category_map.names))
     try:
@@ -330,6 +338,10 @@ def main(argv=None):
     # F1 was measured with it): decode just below the lowest, then each class keeps its scores >= its threshold
     decode_thresh = float(thresholds.min()) if args.score_thresh != "best_f1" else float(
         torch.nextafter(thresholds.min(), torch.tensor(-1.0)))
+    if runner is not None:
+        runner.score_thresh = decode_thresh
+        if line := runner.differs(decode_thresh, args.nms_thresh, args.detections_per_image):
+            logger.warning("%s", line)
     if args.draw_thresh is None:
         args.draw_thresh = 0.0 if args.score_thresh == "best_f1" else 0.3
 
@@ -388,15 +400,18 @@ def main(argv=None):
 
     def detect(batch) -> list[list[dict] | None]:
         """Per image of a collated batch, its COCO results (None: the image could not be read)."""
-        images = batch["images"].to(accelerator.device)
-        with accelerator.autocast():
-            out = model(images)
-        anchors, counts = anchor_gen(*images.shape[-2:], device=images.device)
-        dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
-                                 batch["scales"], score_thresh=decode_thresh, nms_thresh=args.nms_thresh,
-                                 max_detections=args.detections_per_image)
+        if runner is not None:
+            dets = runner(batch)
+        else:
+            images = batch["images"].to(accelerator.device)
+            with accelerator.autocast():
+                out = model(images)
+            anchors, counts = anchor_gen(*images.shape[-2:], device=images.device)
+            dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
+                                     batch["scales"], score_thresh=decode_thresh, nms_thresh=args.nms_thresh,
+                                     max_detections=args.detections_per_image).per_image(len(batch["image_ids"]))
         found = []
-        for i, d in enumerate(dets.per_image(len(batch["image_ids"]))):
+        for i, d in enumerate(dets):
             if not bool(batch["valid"][i]):
                 found.append(None)
                 continue
