@@ -41,6 +41,7 @@ from detlib.engine import HelpFormatter, float_range, int_at_least, setup_consol
 from detlib.inference import list_image_files, load_retinanet, retinanet_input_size
 from detlib.retinanet import (AnchorGenerator, ExportableRetinaNet, canvas_size, compare_detections, decode_detections,
                               head_candidates, prepare_input)
+from detlib.retinanet.export import dynamic_image_shapes
 from detlib.weights import run_config_of, weights_path
 
 logger = logging.getLogger("export_retinanet")
@@ -249,8 +250,11 @@ def main(argv=None):
         if not args.verbose:  # the exporters' notes on traced shapes and deprecations are not actionable here
             warnings.simplefilter("ignore")
         if "onnx" in wanted:
-            torch.onnx.export(wrapped, example, args.output, input_names=inputs, output_names=outputs,
-                              opset_version=args.opset, dynamo=True, verbose=False,
+            # decoding outside: any batch and padded size, so a runner feeds the evaluation's batches as they are
+            outside = args.decode == "outside"
+            torch.onnx.export(wrapped, (example[0].repeat(2, 1, 1, 1),) if outside else example, args.output,
+                              input_names=inputs, output_names=outputs, opset_version=args.opset, dynamo=True,
+                              dynamic_shapes=(dynamic_image_shapes(),) if outside else None, verbose=False,
                               external_data=False)  # one self-contained file (models under 2 GB)
             files["onnx"] = args.output
             import onnx

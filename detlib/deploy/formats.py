@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 DEPLOY_FORMATS = ("openvino", "onnx_int8", "openvino_int8")
 QUANTISED = ("onnx_int8", "openvino_int8")
@@ -76,7 +77,8 @@ def write_formats(onnx_path: str, formats, calibration: list[dict], float_head: 
         if "openvino_int8" in formats:
             import nncf
 
-            ignored = nncf.IgnoredScope(names=head, validate=False) if head else None
+            # OpenVINO names an ONNX node's op after it, a Conv with its bias split off as "NAME/WithoutBiases"
+            ignored = nncf.IgnoredScope(patterns=[f"^{re.escape(n)}(/.*)?$" for n in head], validate=False) if head else None
             quantised = nncf.quantize(ov_model, nncf.Dataset(calibration, lambda x: x),
                                       subset_size=len(calibration), **({"ignored_scope": ignored} if ignored else {}))
             ov.save_model(quantised, paths["openvino_int8"], compress_to_fp16=False)

@@ -2,15 +2,19 @@
 batch of images, the way the evaluation and `scripts/predict_retinanet.py` call the PyTorch model plus its decoding.
 
 A runner takes the evaluation's collated batch (`detlib.data.EvaluationCollate`) and returns each image's
-detections. The exported graph takes one image on a fixed square canvas (`detlib.retinanet.export`): each image
-of the batch, already padded at the bottom / right with `PAD_VALUE`, is padded on to the canvas and run alone, so
-its detections never depend on its batch. With the decoding outside the graph, the raw head outputs are decoded by
-`decode_detections` with the caller's thresholds; with the decoding inside, the graph's own (FILE.json) apply.
+detections. A graph without the decoding (`--decode outside`) takes the batch as it is (any batch and padded size)
+and its raw head outputs are decoded by `decode_detections` with the caller's thresholds: PyTorch's detections to
+float rounding. A graph with the decoding inside takes one image on its fixed square canvas
+(`detlib.retinanet.export`): each image, already padded at the bottom / right with `PAD_VALUE`, is padded on to the
+canvas and run alone, with the graph's own thresholds (FILE.json); where the evaluation pads an image to less than
+the canvas (an image of another aspect ratio), the extra padding changes the features near its border and so can
+change its detections (logged once; the AP check measures it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import numpy as np
@@ -19,6 +23,8 @@ import torch
 from ..data.transforms import PAD_VALUE
 from ..retinanet.anchors import AnchorGenerator
 from ..retinanet.decode import decode_detections
+
+logger = logging.getLogger(__name__)
 
 # FILE.onnx, FILE.xml and the variants `write_formats` names FILE.fp16.xml, FILE.int8.onnx, FILE.int8.xml all read FILE.json
 EXPORTED_EXTENSIONS = (".onnx", ".xml")
@@ -87,7 +93,7 @@ class ExportRunner:
         self.score_thresh = self.meta["score_thresh"] if score_thresh is None else score_thresh
         self.nms_thresh = self.meta["nms_thresh"] if nms_thresh is None else nms_thresh
         self.max_detections = self.meta["detections_per_image"] if max_detections is None else max_detections
-        self.anchors, self.counts = AnchorGenerator()(self.canvas, self.canvas)
+        self.warned = False
         self.session = open_session(path, threads)
 
     def differs(self, score_thresh: float, nms_thresh: float, max_detections: int) -> str | None:
@@ -118,22 +124,30 @@ class ExportRunner:
         Raises:
             ValueError: an image larger than the canvas (another --image_size than the export's).
         """
-        images, found = batch["images"], []
+        images = batch["images"]
+        if not self.decode_inside:  # the graph takes the batch as it is (`dynamic_image_shapes`): PyTorch's inputs
+            cls_logits, box_deltas = (torch.from_numpy(np.asarray(o)).float() for o in self.session([images.float().numpy()]))
+            anchors, counts = AnchorGenerator()(*images.shape[-2:])
+            return decode_detections(cls_logits, box_deltas, anchors, counts, batch["image_sizes"], batch["scales"],
+                                     score_thresh=self.score_thresh, nms_thresh=self.nms_thresh,
+                                     max_detections=self.max_detections).per_image(images.shape[0])
         if max(images.shape[-2:]) > self.canvas:
             raise ValueError(f"input {tuple(images.shape[-2:])} does not fit the {self.canvas}x{self.canvas} canvas of "
                              f"{self.path}: predict at the export's size ({self.meta['image_size']})")
+        if tuple(images.shape[-2:]) != (self.canvas, self.canvas) and not self.warned:
+            self.warned = True  # once: each such image is padded further than PyTorch pads it
+            logger.warning("%s decodes inside its graph, on a %dx%d canvas: an image padded to %dx%d by the evaluation "
+                           "is padded on to the canvas, which changes the features near its bottom / right border, so "
+                           "its detections can differ from PyTorch's; an export with --decode outside runs each batch "
+                           "as PyTorch does", self.path, self.canvas, self.canvas, *images.shape[-2:])
+        found = []
         for i in range(images.shape[0]):
             x = torch.tensor(PAD_VALUE, dtype=torch.float32).view(1, 3, 1, 1).repeat(1, 1, self.canvas, self.canvas)
             x[0, :, : images.shape[2], : images.shape[3]] = images[i].float()
             size, scale = batch["image_sizes"][i].float(), batch["scales"][i].float()
-            out = [torch.from_numpy(np.asarray(o)) for o in self.raw({"images": x, "image_size": size, "scale": scale})]
-            if self.decode_inside:
-                found.append({"boxes": out[0].float(), "scores": out[1].float(), "labels": out[2].long()})
-                continue
-            d = decode_detections(out[0].float(), out[1].float(), self.anchors, self.counts, size[None], scale[None],
-                                  score_thresh=self.score_thresh, nms_thresh=self.nms_thresh,
-                                  max_detections=self.max_detections)
-            found.append(d.per_image(1)[0])
+            boxes, scores, labels = (torch.from_numpy(np.asarray(o)) for o in self.raw({"images": x, "image_size": size,
+                                                                                         "scale": scale}))
+            found.append({"boxes": boxes.float(), "scores": scores.float(), "labels": labels.long()})
         return found
 
 
