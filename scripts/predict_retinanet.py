@@ -20,6 +20,9 @@ A labelled Pascal VOC or YOLO set (its val split by default; results carry its i
 A video (PyAV: pip install av), frame by frame, as the same frames saved as images would be:
     python scripts/predict_retinanet.py --weights outputs/r50_600/best --source clip.mp4 --output_dir out --save_json_per_image
 
+An exported model (scripts/export_retinanet.py: ONNX Runtime for .onnx, OpenVINO for .xml; FILE.json beside it):
+    python scripts/predict_retinanet.py --weights outputs/r50_600/export/retinanet.int8.xml --source photos/ --output_dir out
+
 Several processes (each takes its share of the batches; results merged, no image twice):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/predict_retinanet.py --weights ... --source ...
 

@@ -139,36 +139,70 @@ def test_float_head_keeps_the_heads_last_convolutions_float(weights, labelled, t
     assert float_head_convs(tmp_path / "f") == (0, 0)
 
 
-@pytest.mark.parametrize("decode", ["inside", "outside"])
-def test_predict_runs_exported_files_as_the_pytorch_weights(weights, labelled, tmp_path, capfd, decode):  # noqa: F811
+def predictions(weights_file, args: list, out) -> tuple[list[dict], str]:
+    """predict_retinanet.py's predictions.json and console for these weights (PyTorch's or an exported file)."""
+    fresh_root_logging()
+    console = run_ok("predict_retinanet", ["--weights", weights_file, *args, "--output_dir", out, "--no_images", "--cpu"])
+    return json.loads((out / "predictions.json").read_text()), console
+
+
+def assert_same_predictions(ref: list[dict], got: list[dict]) -> int:
+    """Every image's (file_name, image_id) detections paired within the parity tolerance; returns how many."""
+    keys = {(r.get("file_name"), r["image_id"]) for r in ref}
+    assert {(r.get("file_name"), r["image_id"]) for r in got} <= keys
+    for key in keys:
+        d = compare_detections(*(as_arrays([r for r in rows if (r.get("file_name"), r["image_id"]) == key])
+                                 for rows in (ref, got)), box_atol=0.01, score_atol=1e-5)
+        assert d["num_unexplained"] == 0 and d["num_paired"] == d["num_detections"][0], (key, d)
+    return len(ref)
+
+
+def test_predict_runs_decode_outside_exports_as_the_pytorch_weights_on_every_source(weights, labelled, tmp_path, capfd):  # noqa: F811
     pytest.importorskip("av", reason="PyAV is not installed (the video extra)")
     from test_video import write_video
 
     out = tmp_path / "m.onnx"
-    code, console = export(weights, out, labelled, capfd, "--format", "openvino", "--decode", decode)
+    code, console = export(weights, out, labelled, capfd, "--format", "openvino", "--decode", "outside")
     assert code == 0, console[-3000:]
-    folder = tmp_path / "photos"  # images of other aspect ratios than the square canvas, and a video
+    folder = tmp_path / "photos"  # real photos of several aspect ratios, and a video (96 x 64 frames)
     folder.mkdir()
     for f in sorted((COCO_SUBSET / "images").iterdir())[:3]:
         (folder / f.name).write_bytes(f.read_bytes())
     write_video(folder / "clip.mp4", frames=3)
-    sources = {"folder": ["--source", folder], "coco": ["--source", labelled[0], "--images", labelled[1]]}
+    sources = {"folder": ["--source", folder, "--batch_size", "2"],
+               "coco": ["--source", labelled[0], "--images", labelled[1]]}
     for source, args in sources.items():
-        results = {}
-        for model in (weights, out, tmp_path / "m.xml"):
-            fresh_root_logging()
-            run_ok("predict_retinanet", ["--weights", model, *args, "--output_dir", tmp_path / f"p{len(results)}{source}",
-                                         "--no_images", "--cpu", "--score_thresh", "0.05"])
-            results[model] = json.loads((tmp_path / f"p{len(results)}{source}" / "predictions.json").read_text())
-        ref, *runtimes = results.values()
-        keys = {(r.get("file_name"), r["image_id"]) for r in ref}
-        assert len(ref) > 50 and (source == "coco" or any(k[0] == "clip.mp4" for k in keys))
-        for got in runtimes:
-            assert {(r.get("file_name"), r["image_id"]) for r in got} <= keys
-            for key in keys:
-                d = compare_detections(*(as_arrays([r for r in rows if (r.get("file_name"), r["image_id"]) == key])
-                                         for rows in (ref, got)), box_atol=0.01, score_atol=1e-5)
-                assert d["num_unexplained"] == 0 and d["num_paired"] == d["num_detections"][0], (source, key, d)
+        ref, _ = predictions(weights, args, tmp_path / f"pt_{source}")
+        assert len(ref) > 50 and (source == "coco" or any(r.get("file_name") == "clip.mp4" for r in ref))
+        for model in (out, tmp_path / "m.xml", tmp_path / "m.fp16.xml"):
+            got, _ = predictions(model, args, tmp_path / f"{model.name}_{source}")
+            if model.name != "m.fp16.xml":
+                assert_same_predictions(ref, got)
+            else:  # fp16 weights: the same images and about as many detections
+                assert {r["image_id"] for r in got} == {r["image_id"] for r in ref} and abs(len(got) - len(ref)) < 0.1 * len(ref)
+
+
+def test_predict_runs_decode_inside_exports_and_says_where_the_canvas_changes_them(weights, labelled, tmp_path, capfd):  # noqa: F811
+    from PIL import Image
+
+    out = tmp_path / "m.onnx"
+    code, console = export(weights, out, labelled, capfd, "--format", "openvino")
+    assert code == 0, console[-3000:]
+    square, other = tmp_path / "square", tmp_path / "other"
+    square.mkdir()
+    other.mkdir()
+    for f in sorted((COCO_SUBSET / "images").iterdir())[:3]:  # square crops: padded to the canvas as the export's input
+        im = Image.open(f).convert("RGB")
+        side = min(im.size)
+        im.crop((0, 0, side, side)).save(square / (f.stem + ".png"))
+        im.save(other / (f.stem + ".png"))
+    args = ["--source", square]
+    ref, _ = predictions(weights, args, tmp_path / "pt")
+    for model in (out, tmp_path / "m.xml"):
+        got, console = predictions(model, args, tmp_path / model.name)
+        assert assert_same_predictions(ref, got) > 50 and "decodes inside its graph" not in console
+    _, console = predictions(out, ["--source", other], tmp_path / "other_out")
+    assert console.count("decodes inside its graph, on a 128x128 canvas") == 1
 
 
 def as_arrays(rows: list[dict]) -> tuple:

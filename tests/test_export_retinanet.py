@@ -77,10 +77,10 @@ def _export(weights, out, capfd, *extra) -> str:
 def test_onnx_and_torch_export_parity_decoding_inside(weights, tmp_path, capfd):
     out = tmp_path / "retinanet.onnx"
     console = _export(weights, out, capfd, "--format", "both")
-    # a quiet console: our lines only (the ONNX exporter's ~80 INFO lines need --verbose), the verdict last
+    # a quiet console: our lines only (the ONNX exporter's ~80 INFO lines need --verbose), the verdict, then the AP
     lines = [ln for ln in console.splitlines() if ln.strip()]
     assert lines and all(" export_retinanet: " in ln for ln in lines), lines
-    assert "parity on 3 images: pass" in lines[-1]
+    assert "parity on 3 images: pass" in lines[-2] and "AP on 30 images of instances_val.json: onnx: AP" in lines[-1]
     parity = json.loads((tmp_path / "retinanet.parity.json").read_text())
     assert parity["pass"] and parity["tolerance"] == {"box_px": 0.01, "score": 1e-5}
     assert [r["format"] for r in parity["images"]] == ["onnx", "pt2"] * 3
@@ -124,4 +124,12 @@ def test_onnx_parity_decoding_outside(weights, tmp_path, capfd):
     assert all(r["max_abs_cls_logits"] <= 1e-3 and r["max_abs_box_deltas"] <= 1e-3 for r in parity["images"])
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()] == ["cls_logits", "box_deltas"]
-    assert session.get_outputs()[0].shape == [1, sum(h * w for h, w in AnchorGenerator().grid_sizes(128, 128)) * 9, 80]
+    # any batch and padded size (multiples of 32): the graph runs the evaluation's batches as they are
+    model = build_retinanet_from_config(json.loads((tmp_path / "raw.json").read_text()))
+    load_model_weights(model, str(weights))
+    x = torch.rand(2, 3, 96, 128) * 255
+    cls_logits, box_deltas = session.run(None, {"images": x.numpy()})
+    assert cls_logits.shape == (2, sum(h * w for h, w in AnchorGenerator().grid_sizes(96, 128)) * 9, 80)
+    with torch.no_grad():
+        ref = model.eval()(x)
+    assert np.abs(cls_logits - ref["cls_logits"].numpy()).max() < 1e-3 and np.abs(box_deltas - ref["box_deltas"].numpy()).max() < 1e-3
