@@ -9,7 +9,14 @@ Raw head outputs only (decode outside, e.g. with detlib.retinanet.decode.decode_
 Parity images from elsewhere (a folder, a glob, a file, or a COCO json with its image folder):
     python scripts/export_retinanet.py --weights RUN --output model.onnx --check_source val.json --check_images val2017/
 
-The graph takes one image padded to a square canvas (the training size rounded up to a multiple of 32); see
+OpenVINO (fp32, fp16) and INT8 (ONNX Runtime static quantisation, NNCF), calibrated on 32 val images (pip install -e
+'.[export,deploy]'); each export's COCO AP on the labelled check set is written beside PyTorch's (FILE.ap.json), and
+one that falls more than --max_ap_drop (1 AP point) below it exits 1 with both numbers and what to try:
+    python scripts/export_retinanet.py --weights outputs/r50_600/best --output export/retinanet.onnx \
+        --format openvino onnx_int8 openvino_int8 --calibration_images 64
+
+The graph takes one image padded to a square canvas (the training size rounded up to a multiple of 32; with
+--decode outside the ONNX graph takes any batch and padded size); see
 detlib/retinanet/export.py for its inputs and outputs, and docs/predict_export.md for running it with onnxruntime. Beside
 FILE.onnx it writes FILE.json (canvas, sizes, class ids and names, thresholds, input / output names) and
 FILE.parity.json (the check's numbers). The check fails loudly (exit 1) when an image's detections differ

@@ -14,6 +14,7 @@ features but not rounded themselves (what to try when the AP drops).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 
@@ -67,6 +68,18 @@ def write_formats(onnx_path: str, formats, calibration: list[dict], float_head: 
     """
     paths = output_paths(onnx_path, formats)
     head = head_nodes(onnx_path) if float_head and set(formats) & set(QUANTISED) else []
+    # the libraries' notes (ONNX Runtime's "consider pre-processing", NNCF's progress bars, torch's CUDA_HOME line
+    # as nncf imports it) say nothing to act on here; their errors still show
+    logging.disable(logging.WARNING)
+    try:
+        write_each(onnx_path, formats, paths, calibration, head)
+    finally:
+        logging.disable(logging.NOTSET)
+    return paths
+
+
+def write_each(onnx_path: str, formats, paths: dict, calibration: list[dict], head: list[str]) -> None:
+    """`write_formats`'s work: each format converted (and quantised) from `onnx_path` to its path."""
     if "openvino" in formats or "openvino_int8" in formats:
         import openvino as ov
 
@@ -77,6 +90,7 @@ def write_formats(onnx_path: str, formats, calibration: list[dict], float_head: 
         if "openvino_int8" in formats:
             import nncf
 
+            nncf.set_log_level(logging.ERROR)
             # OpenVINO names an ONNX node's op after it, a Conv with its bias split off as "NAME/WithoutBiases"
             ignored = nncf.IgnoredScope(patterns=[f"^{re.escape(n)}(/.*)?$" for n in head], validate=False) if head else None
             quantised = nncf.quantize(ov_model, nncf.Dataset(calibration, lambda x: x),
@@ -84,7 +98,6 @@ def write_formats(onnx_path: str, formats, calibration: list[dict], float_head: 
             ov.save_model(quantised, paths["openvino_int8"], compress_to_fp16=False)
     if "onnx_int8" in formats:
         quantise_onnx(onnx_path, paths["onnx_int8"], calibration, head)
-    return paths
 
 
 def quantise_onnx(onnx_path: str, out_path: str, calibration: list[dict], exclude: list[str]) -> None:
