@@ -44,6 +44,13 @@ def ap_of_runners(runners: dict, annotations: str, image_dir: str, image_size: i
     return out
 
 
+# what to try when an export's AP drops, by the kind of format (its name's last part)
+ADVICE = {"int8": "try more --calibration_images, --float_head (the heads' last convolutions in float), or a float format",
+          "fp16": "its weights rounded to fp16 cost that much: deploy the fp32 IR (FILE.xml)",
+          "fp32": "a float graph on another canvas than the evaluation's input: with the decoding inside, images of "
+                  "another aspect ratio than the canvas are padded further; export with --decode outside"}
+
+
 def ap_verdict(ap: dict[str, dict], max_ap_drop: float, reference: str = "pytorch") -> tuple[list[str], list[str]]:
     """(one line per export: its AP beside the reference's; the lines of the exports whose AP fell more than
     `max_ap_drop` points below it, each with what to try)."""
@@ -56,6 +63,6 @@ def ap_verdict(ap: dict[str, dict], max_ap_drop: float, reference: str = "pytorc
         line = f"{name}: AP {r['AP']:.2f} (AP50 {r['AP50']:.2f}) vs PyTorch {ref:.2f} ({-drop:+.2f})"
         lines.append(line)
         if drop > max_ap_drop:
-            failed.append(f"{line}: a drop of {drop:.2f} AP points, more than --max_ap_drop {max_ap_drop:g}; try more "
-                          "--calibration_images, --float_head (the heads' last convolutions in float), or a float format")
+            failed.append(f"{line}: a drop of {drop:.2f} AP points, more than --max_ap_drop {max_ap_drop:g}; "
+                          + ADVICE.get(name.split("_")[-1], ADVICE["fp32"]))
     return lines, failed
