@@ -100,11 +100,13 @@ class ExportRunner:
         """One line saying which of these a graph that decodes inside cannot honour (its own are built in), or None."""
         if not self.decode_inside:
             return None
-        m = self.meta
-        off = ([f"score threshold {score_thresh:g} (it keeps scores above {m['score_thresh']:g})"] * (score_thresh < m["score_thresh"])
-               + [f"NMS IoU {nms_thresh:g} (its own: {m['nms_thresh']:g})"] * (nms_thresh != m["nms_thresh"])
-               + [f"{max_detections} detections per image (its own: {m['detections_per_image']})"]
-               * (max_detections != m["detections_per_image"]))
+        m, off = self.meta, []
+        if score_thresh < m["score_thresh"]:
+            off.append(f"score threshold {score_thresh:g} (it keeps scores above {m['score_thresh']:g})")
+        if nms_thresh != m["nms_thresh"]:
+            off.append(f"NMS IoU {nms_thresh:g} (its own: {m['nms_thresh']:g})")
+        if max_detections != m["detections_per_image"]:
+            off.append(f"{max_detections} detections per image (its own: {m['detections_per_image']})")
         return (f"{self.path} decodes inside its graph and cannot apply the {', '.join(off)}; export it again with "
                 "those values, or with --decode outside") if off else None
 
