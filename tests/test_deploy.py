@@ -220,3 +220,17 @@ def test_missing_runtime_is_one_line(weights, tmp_path, capfd, monkeypatch):  # 
         "error: --format openvino_int8 needs nncf (not installed): pip install -e '.[export,deploy]' (or -r "
         "requirements-dev.txt); --format pt2 needs nothing more"]
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_metadata_path_and_what_a_graph_decoding_inside_cannot_apply():
+    from detlib.deploy.runner import ExportRunner, metadata_path
+
+    assert [metadata_path(f"d/m{s}") for s in (".onnx", ".xml", ".fp16.xml", ".int8.onnx", ".int8.xml")] == ["d/m.json"] * 5
+    r = ExportRunner.__new__(ExportRunner)  # the thresholds only, no runtime
+    r.path, r.decode_inside, r.meta = "m.onnx", True, {"score_thresh": 0.05, "nms_thresh": 0.5, "detections_per_image": 100}
+    assert r.differs(0.05, 0.5, 100) is None and r.differs(0.3, 0.5, 100) is None  # a higher threshold: predict filters
+    assert r.differs(0.01, 0.6, 100) == (
+        "m.onnx decodes inside its graph and cannot apply the score threshold 0.01 (it keeps scores above 0.05), NMS IoU "
+        "0.6 (its own: 0.5); export it again with those values, or with --decode outside")
+    r.decode_inside = False  # decoded by detlib with predict's own values
+    assert r.differs(0.01, 0.6, 5) is None
