@@ -196,7 +196,7 @@ def test_predict_runs_decode_inside_exports_and_says_where_the_canvas_changes_th
     args = ["--source", square]
     ref, _ = predictions(weights, args, tmp_path / "pt")
     for model in (out, tmp_path / "m.xml"):
-        got, console = predictions(model, args, tmp_path / model.name)
+        got, console = predictions(model, args, tmp_path / f"out_{model.name}")
         assert assert_same_predictions(ref, got) > 50 and "decodes inside its graph" not in console
     _, console = predictions(out, ["--source", other], tmp_path / "other_out")
     assert console.count("decodes inside its graph, on a 128x128 canvas") == 1
