@@ -222,6 +222,35 @@ def missing_onnx_packages() -> list[str]:
     return [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
 
 
+def hold_to_ap(args, files: dict, reference, image_size: int, max_size: int | None, category_ids: list[int]):
+    """FILE.ap.json: the COCO AP of each model file (not the .pt2) beside PyTorch's on the check set when it is a
+    COCO json; exit 1 when one fell more than --max_ap_drop below it. Returns the APs (None: no labelled set)."""
+    source, image_dir = check_source(args)
+    stem = os.path.splitext(args.output)[0]
+    if not (source and source.lower().endswith(".json") and os.path.isfile(source)):
+        if set(args.format) & set(QUANTISED):
+            logger.error("no AP check: the check source %s is not a COCO json with labels, and an INT8 model is only "
+                         "written as a success once its AP is measured: give --check_source val.json", source)
+            sys.exit(1)
+        logger.warning("no AP check: the check source %s has no labels (a COCO json has)", source)
+        return None
+    runners = {"pytorch": reference, **{k: ExportRunner(p) for k, p in files.items() if k != "pt2"}}
+    ap = ap_of_runners(runners, source, image_dir or os.path.dirname(source), image_size, max_size, category_ids)
+    lines, failed = ap_verdict(ap, args.max_ap_drop)
+    with open(stem + ".ap.json", "w") as f:
+        json.dump({"source": source, "max_ap_drop": args.max_ap_drop, "ap": ap, "pass": not failed,
+                   "calibration_images": args.calibration_images if set(args.format) & set(QUANTISED) else None,
+                   "float_head": args.float_head}, f, indent=1)
+    for line in lines:
+        logger.info("AP on %d images of %s: %s", ap["pytorch"]["num_images"], os.path.basename(source), line)
+    if failed:
+        for line in failed:
+            logger.error("AP check failed: %s", line)
+        logger.error("the exported files are written but did not pass (%s.ap.json)", stem)
+        sys.exit(1)
+    return ap
+
+
 @torch.no_grad()
 def main(argv=None):
     args = parse_args(argv)
@@ -348,35 +377,6 @@ def main(argv=None):
     ap = hold_to_ap(args, files, TorchRunner(model, AnchorGenerator(), args.score_thresh, args.nms_thresh,
                                              args.detections_per_image), image_size, max_size, category_map.category_ids)
     return {"files": files, "parity": report, "ap": ap}
-
-
-def hold_to_ap(args, files: dict, reference, image_size: int, max_size: int | None, category_ids: list[int]):
-    """FILE.ap.json: the COCO AP of each model file (not the .pt2) beside PyTorch's on the check set when it is a
-    COCO json; exit 1 when one fell more than --max_ap_drop below it. Returns the APs (None: no labelled set)."""
-    source, image_dir = check_source(args)
-    stem = os.path.splitext(args.output)[0]
-    if not (source and source.lower().endswith(".json") and os.path.isfile(source)):
-        if set(args.format) & set(QUANTISED):
-            logger.error("no AP check: the check source %s is not a COCO json with labels, and an INT8 model is only "
-                         "written as a success once its AP is measured: give --check_source val.json", source)
-            sys.exit(1)
-        logger.warning("no AP check: the check source %s has no labels (a COCO json has)", source)
-        return None
-    runners = {"pytorch": reference, **{k: ExportRunner(p) for k, p in files.items() if k != "pt2"}}
-    ap = ap_of_runners(runners, source, image_dir or os.path.dirname(source), image_size, max_size, category_ids)
-    lines, failed = ap_verdict(ap, args.max_ap_drop)
-    with open(stem + ".ap.json", "w") as f:
-        json.dump({"source": source, "max_ap_drop": args.max_ap_drop, "ap": ap, "pass": not failed,
-                   "calibration_images": args.calibration_images if set(args.format) & set(QUANTISED) else None,
-                   "float_head": args.float_head}, f, indent=1)
-    for line in lines:
-        logger.info("AP on %d images of %s: %s", ap["pytorch"]["num_images"], os.path.basename(source), line)
-    if failed:
-        for line in failed:
-            logger.error("AP check failed: %s", line)
-        logger.error("the exported files are written but did not pass (%s.ap.json)", stem)
-        sys.exit(1)
-    return ap
 
 
 if __name__ == "__main__":
