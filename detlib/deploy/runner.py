@@ -47,7 +47,13 @@ def metadata_path(model_path: str) -> str:
 
 def open_session(path: str, threads: int | None = None):
     """A callable `inputs: list[np.ndarray] -> list[np.ndarray]` over the runtime the file's extension names.
-    threads: the runtime's intra-op threads (None: its default, every core)."""
+    threads: the runtime's intra-op threads (None: its default, every core).
+    Raises RuntimeError (one line) when the runtime is not installed."""
+    import importlib.util
+
+    runtime, extra = ("onnxruntime", "export") if path.lower().endswith(".onnx") else ("openvino", "deploy")
+    if importlib.util.find_spec(runtime) is None:
+        raise RuntimeError(f"running {path} needs {runtime} (not installed): pip install -e '.[{extra}]'")
     if path.lower().endswith(".onnx"):
         import onnxruntime as ort
 
