@@ -15,7 +15,7 @@ import pytest
 
 from conftest import COCO_SUBSET, needs_coco_subset
 from helpers import fresh_root_logging, run_main, run_ok
-from tiny_retinanet import subset_json
+from tiny_retinanet import spread_retinanet, subset_json
 
 pytestmark = [needs_coco_subset, pytest.mark.slow]
 for _runtime in ("onnxruntime", "openvino", "nncf"):
@@ -26,11 +26,16 @@ from detlib.data.coco import collate_detection  # noqa: E402
 from detlib.deploy import TorchRunner  # noqa: E402
 from detlib.inference import load_retinanet  # noqa: E402
 from detlib.retinanet import AnchorGenerator, compare_detections  # noqa: E402
-from test_export_retinanet import weights  # noqa: E402,F401  the module fixture: the tiny He-initialised model
 
 
 @pytest.fixture(scope="module")
-def labelled(weights, tmp_path_factory):  # noqa: F811
+def weights(tmp_path_factory):
+    """A tiny RetinaNet whose scores spread like a trained model's (`tiny_retinanet.spread_retinanet`)."""
+    return spread_retinanet(tmp_path_factory.mktemp("weights"))
+
+
+@pytest.fixture(scope="module")
+def labelled(weights, tmp_path_factory):
     """(COCO json of 6 val images labelled with PyTorch's detections >= 0.3, its image folder)."""
     root = tmp_path_factory.mktemp("labelled")
     src = subset_json(root / "val6.json", "val", 6)
@@ -50,7 +55,7 @@ def labelled(weights, tmp_path_factory):  # noqa: F811
     return src, COCO_SUBSET / "images"
 
 
-def export(weights, out, labelled, capfd, *extra) -> tuple[int, str]:  # noqa: F811
+def export(weights, out, labelled, capfd, *extra) -> tuple[int, str]:
     fresh_root_logging()
     code, stdout, stderr = run_main("export_retinanet", ["--weights", weights, "--output", out, "--check_source",
                                                          labelled[0], "--check_images", labelled[1], *extra], capfd)
@@ -58,7 +63,7 @@ def export(weights, out, labelled, capfd, *extra) -> tuple[int, str]:  # noqa: F
 
 
 @pytest.fixture(scope="module")
-def exported(weights, labelled, tmp_path_factory):  # noqa: F811
+def exported(weights, labelled, tmp_path_factory):
     """Every format, decoding outside (the graph runs the evaluation's batches as they are), INT8 calibrated on 4
     images: (FILE.onnx, the console)."""
     out = tmp_path_factory.mktemp("export") / "retinanet.onnx"
@@ -93,7 +98,7 @@ def test_every_format_written_parity_and_ap_checked(exported):
             assert f"{name}: AP {ap[name]['AP']:.2f}" in console and f"vs PyTorch {ap['pytorch']['AP']:.2f}" in console
 
 
-def test_ap_drop_beyond_max_ap_drop_exits_1_with_both_numbers_and_what_to_try(weights, labelled, tmp_path, capfd):  # noqa: F811
+def test_ap_drop_beyond_max_ap_drop_exits_1_with_both_numbers_and_what_to_try(weights, labelled, tmp_path, capfd):
     # the default --max_ap_drop 1: the fp32 graph passes, the INT8 one calibrated on 1 image does not
     code, console = export(weights, tmp_path / "m.onnx", labelled, capfd, "--format", "onnx_int8",
                            "--calibration_images", "1", "--decode", "outside")
@@ -109,7 +114,7 @@ def test_ap_drop_beyond_max_ap_drop_exits_1_with_both_numbers_and_what_to_try(we
     assert "Traceback" not in console
 
 
-def test_float_head_keeps_the_heads_last_convolutions_float(weights, labelled, tmp_path, capfd):  # noqa: F811
+def test_float_head_keeps_the_heads_last_convolutions_float(weights, labelled, tmp_path, capfd):
     import onnx
     import openvino as ov
 
@@ -154,9 +159,11 @@ def assert_same_predictions(ref: list[dict], got: list[dict]) -> int:
     return len(ref)
 
 
-def test_predict_runs_decode_outside_exports_as_the_pytorch_weights_on_every_source(weights, labelled, tmp_path, capfd):  # noqa: F811
+def test_predict_runs_decode_outside_exports_as_the_pytorch_weights_on_every_source(weights, labelled, tmp_path, capfd):
     pytest.importorskip("av", reason="PyAV is not installed (the video extra)")
-    from test_video import write_video
+    from PIL import Image
+
+    from detlib.data.video import VideoWriter
 
     out = tmp_path / "m.onnx"
     code, console = export(weights, out, labelled, capfd, "--format", "openvino", "--decode", "outside", "--max_ap_drop", "100")
@@ -165,7 +172,10 @@ def test_predict_runs_decode_outside_exports_as_the_pytorch_weights_on_every_sou
     folder.mkdir()
     for f in sorted((COCO_SUBSET / "images").iterdir())[:3]:
         (folder / f.name).write_bytes(f.read_bytes())
-    write_video(folder / "clip.mp4", frames=3)
+    photo = np.asarray(Image.open(COCO_SUBSET / "images" / "000000000790.jpg").convert("RGB").resize((160, 106)))
+    with VideoWriter(str(folder / "clip.mp4"), 5) as w:  # 3 frames of 96 x 64, panning
+        for i in range(3):
+            w.write(photo[20:84, 4 * i: 4 * i + 96])
     sources = {"folder": ["--source", folder, "--batch_size", "2"],
                "coco": ["--source", labelled[0], "--images", labelled[1]]}
     for source, args in sources.items():
@@ -179,7 +189,7 @@ def test_predict_runs_decode_outside_exports_as_the_pytorch_weights_on_every_sou
                 assert {r["image_id"] for r in got} == {r["image_id"] for r in ref} and abs(len(got) - len(ref)) < 0.1 * len(ref)
 
 
-def test_predict_runs_decode_inside_exports_and_says_where_the_canvas_changes_them(weights, labelled, tmp_path, capfd):  # noqa: F811
+def test_predict_runs_decode_inside_exports_and_says_where_the_canvas_changes_them(weights, labelled, tmp_path, capfd):
     from PIL import Image
 
     out = tmp_path / "m.onnx"
@@ -207,7 +217,7 @@ def as_arrays(rows: list[dict]) -> tuple:
     return boxes, np.array([r["score"] for r in rows]), np.array([r["category_id"] for r in rows])
 
 
-def test_missing_runtime_is_one_line(weights, tmp_path, capfd, monkeypatch):  # noqa: F811
+def test_missing_runtime_is_one_line(weights, tmp_path, capfd, monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
