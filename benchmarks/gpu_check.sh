@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run of at most 8 minutes on one H200 (each step's limit below comes out of a
-# 465 s budget; the GPU's own start-up comes on top), then one markdown table that README and
+# The GPU check: one prepared run of at most 9 minutes on one H200 (each step's limit below comes out of a
+# 525 s budget; the GPU's own start-up comes on top), then one markdown table that README and
 # docs/benchmarks.md take as it is.
 #
 #   bash benchmarks/gpu_check.sh            # one CUDA GPU
@@ -15,6 +15,8 @@
 # 3. train_retinanet.py on the built-in data with --mixed_precision bf16 --compile --model_ema: the scripts' new
 #    flags on CUDA (train_run/).
 # 4. benchmarks/gpu_report.py: the table (gpu_table.md).
+# 5. benchmarks/tensorrt_row.py: TensorRT engines (fp16, INT8) built by trtexec from the ONNX export, beside PyTorch
+#    eager fp16 (tensorrt.md); one "TensorRT row skipped: ..." line where there is no GPU or no trtexec.
 # Results under $OUT if set (the device runner brings $OUT back), else /tmp/detlib_gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,22 +36,22 @@ limit() { local left=$((BUDGET - (SECONDS - START))); (( left < $1 )) && echo $(
 
 # seconds: the whole check, then each step's own limit (a CPU's bf16 / fp16 kernels are slow: longer with --quick)
 if [[ -n "$QUICK" ]]; then
-    BUDGET=900; T_THROUGHPUT=400; T_OVERFIT=120; T_RUN=150
+    BUDGET=900; T_THROUGHPUT=400; T_OVERFIT=120; T_RUN=150; T_TRT=60
     CONFIG=cpu.yaml; OVERFIT="--steps 2 --eval_every 2 --image_size 64"; SEEDS="fp32"
     RUN="--max_steps 2 --image_size 64 --num_workers 0 --mixed_precision no --compile_backend eager"
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 else
-    BUDGET=465; T_THROUGHPUT=260; T_OVERFIT=35; T_RUN=95
+    BUDGET=525; T_THROUGHPUT=260; T_OVERFIT=35; T_RUN=95; T_TRT=60
     CONFIG=1gpu.yaml; OVERFIT="--steps 200 --eval_every 100"; SEEDS="fp32 fp32_seed1"
     RUN="--max_steps 60 --log_interval 20 --mixed_precision bf16"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"
 fi
 
-echo "== 1/4 throughput: detlib vs torchvision, R50-FPN  (limit $(limit $T_THROUGHPUT) s)"
+echo "== 1/5 throughput: detlib vs torchvision, R50-FPN  (limit $(limit $T_THROUGHPUT) s)"
 timeout "$(limit $T_THROUGHPUT)" python benchmarks/gpu_throughput.py $QUICK --deadline_s $(( $(limit $T_THROUGHPUT) - 10 )) \
     --out "$RESULTS/gpu_results.json" || echo "gpu_throughput.py stopped (exit $?); what it measured is in gpu_results.json"
 
-echo "== 2/4 overfit 8 images, fp32 and bf16  ($((SECONDS - START)) s so far)"
+echo "== 2/5 overfit 8 images, fp32 and bf16  ($((SECONDS - START)) s so far)"
 for run in $SEEDS bf16; do
     case $run in
         fp32) args="--mixed_precision no --seed 0" ;;
@@ -63,13 +65,17 @@ for run in $SEEDS bf16; do
     (( rc == 0 )) || echo "overfit $run: exit $rc (1: AP50 under its 0.8 goal; 124: time limit); see overfit_$run.out"
 done
 
-echo "== 3/4 train_retinanet.py, built-in data, --compile --model_ema  ($((SECONDS - START)) s so far)"
+echo "== 3/5 train_retinanet.py, built-in data, --compile --model_ema  ($((SECONDS - START)) s so far)"
 rm -rf "$RESULTS/train_run"
 timeout "$(limit $T_RUN)" accelerate launch --config_file accelerate_configs/$CONFIG scripts/train_retinanet.py \
     $RUN --compile --model_ema 0.999 --epochs 1 --report_to none --num_log_images 0 --output_dir "$RESULTS/train_run" \
     > "$RESULTS/train_run.out" 2>&1 || echo "train_retinanet.py stopped (exit $?); see train_run.out"
 tail -n 4 "$RESULTS/train_run.out"
 
-echo "== 4/4 the table  ($((SECONDS - START)) s so far)"
+echo "== 4/5 the table  ($((SECONDS - START)) s so far)"
 python benchmarks/gpu_report.py "$RESULTS" | tee "$RESULTS/gpu_table.md"
+
+echo "== 5/5 TensorRT from the ONNX export, fp16 and INT8  ($((SECONDS - START)) s so far)"
+timeout "$(limit $T_TRT)" python benchmarks/tensorrt_row.py --out "$RESULTS/tensorrt.md" \
+    || echo "tensorrt_row.py stopped (exit $?)"
 echo "== done in $((SECONDS - START)) s; results in $RESULTS (gpu_table.md)"

@@ -9,7 +9,14 @@ Raw head outputs only (decode outside, e.g. with detlib.retinanet.decode.decode_
 Parity images from elsewhere (a folder, a glob, a file, or a COCO json with its image folder):
     python scripts/export_retinanet.py --weights RUN --output model.onnx --check_source val.json --check_images val2017/
 
-The graph takes one image padded to a square canvas (the training size rounded up to a multiple of 32); see
+OpenVINO (fp32, fp16) and INT8 (ONNX Runtime static quantisation, NNCF), calibrated on 32 val images (pip install -e
+'.[export,deploy]'); each export's COCO AP on the labelled check set is written beside PyTorch's (FILE.ap.json), and
+one that falls more than --max_ap_drop (1 AP point) below it exits 1 with both numbers and what to try:
+    python scripts/export_retinanet.py --weights outputs/r50_600/best --output export/retinanet.onnx \
+        --format openvino onnx_int8 openvino_int8 --calibration_images 64
+
+The graph takes one image padded to a square canvas (the training size rounded up to a multiple of 32; with
+--decode outside the ONNX graph takes any batch and padded size); see
 detlib/retinanet/export.py for its inputs and outputs, and docs/predict_export.md for running it with onnxruntime. Beside
 FILE.onnx it writes FILE.json (canvas, sizes, class ids and names, thresholds, input / output names) and
 FILE.parity.json (the check's numbers). The check fails loudly (exit 1) when an image's detections differ
@@ -31,12 +38,21 @@ import sys
 import warnings
 
 import numpy as np
+import torch
 
-from detlib.engine import HelpFormatter, float_range, int_at_least, stop
+from detlib.data import IMAGE_ERRORS, PAD_VALUE, load_rgb
+from detlib.deploy import (DEPLOY_FORMATS, QUANTISED, ExportRunner, TorchRunner, ap_of_runners, ap_verdict,
+                           missing_packages, write_formats)
+from detlib.deploy.formats import output_paths as deploy_paths
+from detlib.engine import HelpFormatter, float_range, int_at_least, setup_console_logging, stop
 from detlib.inference import list_image_files, load_retinanet, retinanet_input_size
-from detlib.lazy import no_grad
+from detlib.retinanet import (AnchorGenerator, ExportableRetinaNet, canvas_size, compare_detections, decode_detections,
+                              head_candidates, prepare_input)
+from detlib.retinanet.export import dynamic_image_shapes
+from detlib.weights import weights_path
 
 logger = logging.getLogger("export_retinanet")
+FORMATS = ("onnx", "pt2", "both", *DEPLOY_FORMATS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: model_config.json's)")
     g = p.add_argument_group("export")
     g.add_argument("--output", required=True, help="FILE.onnx (a .pt2 program goes beside it with --format pt2/both)")
-    g.add_argument("--format", default="onnx", choices=["onnx", "pt2", "both"],
-                   help="onnx: FILE.onnx; pt2: a torch.export program FILE.pt2; both")
+    g.add_argument("--format", nargs="+", default=["onnx"], choices=FORMATS, metavar="FORMAT",
+                   help="one or more of: onnx: FILE.onnx; pt2: a torch.export program FILE.pt2; both: onnx and pt2; "
+                   "openvino: the OpenVINO IR FILE.xml (fp32) and FILE.fp16.xml; onnx_int8: FILE.int8.onnx (ONNX "
+                   "Runtime static quantisation); openvino_int8: FILE.int8.xml (NNCF); each of the last three writes "
+                   "FILE.onnx too (their source)")
     g.add_argument("--decode", default="inside", choices=["inside", "outside"],
                    help="inside: the graph returns boxes / scores / labels; outside: the raw head outputs")
     g.add_argument("--opset", type=int_at_least(7), default=18, help="ONNX opset version (the exporter may keep its own: said in one line)")
@@ -60,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="IoU of the graph's class-wise NMS (decode inside)")
     g.add_argument("--detections_per_image", type=int_at_least(1), default=100,
                    help="detections the graph returns at most (decode inside)")
+    g = p.add_argument_group("quantisation and AP check")
+    g.add_argument("--calibration_images", type=int_at_least(1), default=32,
+                   help="images of the check source (the run's val set) the INT8 formats calibrate their ranges on")
+    g.add_argument("--float_head", action="store_true", help="INT8 formats: keep the heads' last convolutions in float")
+    g.add_argument("--max_ap_drop", type=float, default=1.0, help="largest drop of an export's COCO AP below PyTorch's, "
+                   "in AP points on the labelled check set (more: exit 1)")
     g = p.add_argument_group("parity check")
     g.add_argument("--check_source", help="images for the check (default: the run's val set, from its config.yaml)")
     g.add_argument("--check_images", help="image folder of a COCO-json --check_source (default: the json's folder)")
@@ -88,18 +113,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def output_files(args) -> dict[str, str]:
-    """{kind: path} of every file the export writes: FILE.onnx as --output, FILE.pt2, FILE.json, FILE.parity.json."""
+    """{kind: path} of every file the export writes: FILE.onnx as --output, FILE.pt2, the deployment formats'
+    (`detlib.deploy.formats.output_paths`), FILE.json, FILE.parity.json, FILE.ap.json."""
     stem = os.path.splitext(args.output)[0]
-    files = {"onnx": args.output} if args.format in ("onnx", "both") else {}
-    if args.format in ("pt2", "both"):
+    formats = set(args.format)
+    files = {"onnx": args.output} if formats & {"onnx", "both", *DEPLOY_FORMATS} else {}
+    if formats & {"pt2", "both"}:
         files["pt2"] = stem + ".pt2"
-    return {**files, "metadata": stem + ".json", "parity": stem + ".parity.json"}
+    files.update(deploy_paths(args.output, formats))
+    return {**files, "metadata": stem + ".json", "parity": stem + ".parity.json", "ap": stem + ".ap.json"}
 
 
 def ignored_flags(args, defaults: dict) -> list[str]:
     """One line per flag given that this export does not use (said, not silently dropped)."""
     changed = {k for k, v in defaults.items() if getattr(args, k, v) != v}
-    unused = {"opset": args.format == "pt2" and "--format pt2 writes no ONNX graph",
+    quantised = set(args.format) & set(QUANTISED)
+    unused = {"opset": args.format == ["pt2"] and "--format pt2 writes no ONNX graph",
+              "calibration_images": not quantised and "no INT8 format (onnx_int8, openvino_int8) asked for",
+              "float_head": not quantised and "no INT8 format (onnx_int8, openvino_int8) asked for",
               "logit_atol": args.decode == "inside" and "--decode inside compares detections (--box_atol, --score_atol)",
               "box_atol": args.decode == "outside" and "--decode outside compares the raw head outputs (--logit_atol)",
               "score_atol": args.decode == "outside" and "--decode outside compares the raw head outputs (--logit_atol)"}
@@ -131,18 +162,19 @@ def run_config(weights: str) -> dict:
     return {}
 
 
-def check_image_paths(args) -> list[str]:
-    """The first --num_check_images readable images of the check source (sorted by name / image id)."""
-    from detlib.data import IMAGE_ERRORS, load_rgb
+def check_source(args) -> tuple[str | None, str | None]:
+    """(the check images' source, the image folder of a COCO json source): --check_source, else the run's val set."""
+    if args.check_source:
+        return args.check_source, args.check_images
+    cfg = run_config(args.weights)
+    return cfg.get("data_val_annotations"), cfg.get("data_val_images")
 
-    source, image_dir = args.check_source, args.check_images
-    if args.num_check_images == 0:
+
+def check_image_paths(args, count: int) -> list[str]:
+    """The first `count` readable images of the check source (sorted by name / image id)."""
+    source, image_dir = check_source(args)
+    if count == 0 or not source:
         return []
-    if not source:
-        cfg = run_config(args.weights)
-        source, image_dir = cfg.get("data_val_annotations"), cfg.get("data_val_images")
-        if not source:
-            return []
     if source.lower().endswith(".json") and os.path.isfile(source):
         with open(source) as f:
             images = sorted(json.load(f)["images"], key=lambda im: im["id"])
@@ -156,7 +188,7 @@ def check_image_paths(args) -> list[str]:
         except IMAGE_ERRORS:
             continue
         readable.append(p)
-        if len(readable) == args.num_check_images:
+        if len(readable) == count:
             break
     return readable
 
@@ -164,8 +196,6 @@ def check_image_paths(args) -> list[str]:
 def compare(ref: tuple, got: tuple, args, candidates=None) -> dict:
     """Differences between the PyTorch reference and an export on one image (see `compare_detections`), with
     `num_compared`: the detections (decode inside) or head output values (outside) the verdict rests on."""
-    from detlib.retinanet import compare_detections
-
     if args.decode == "outside":  # raw head outputs
         ref, got = [np.asarray(r) for r in ref], [np.asarray(g) for g in got]
         return {"max_abs_cls_logits": float(np.abs(ref[0] - got[0]).max()), "max_abs_box_deltas": float(np.abs(ref[1] - got[1]).max()),
@@ -214,24 +244,43 @@ def missing_onnx_packages() -> list[str]:
     return [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
 
 
+def hold_to_ap(args, files: dict, reference, image_size: int, max_size: int | None, category_ids: list[int]):
+    """FILE.ap.json: the COCO AP of each model file (not the .pt2) beside PyTorch's on the check set when it is a
+    COCO json; exit 1 when one fell more than --max_ap_drop below it. Returns the APs (None: no labelled set)."""
+    source, image_dir = check_source(args)
+    stem = os.path.splitext(args.output)[0]
+    if not (source and source.lower().endswith(".json") and os.path.isfile(source)):
+        if set(args.format) & set(QUANTISED):
+            logger.error("no AP check: the check source %s is not a COCO json with labels, and an INT8 model is only "
+                         "written as a success once its AP is measured: give --check_source val.json", source)
+            sys.exit(1)
+        logger.warning("no AP check: the check source %s has no labels (a COCO json has)", source)
+        return None
+    runners = {"pytorch": reference, **{k: ExportRunner(p) for k, p in files.items() if k != "pt2"}}
+    ap = ap_of_runners(runners, source, image_dir or os.path.dirname(source), image_size, max_size, category_ids)
+    lines, failed = ap_verdict(ap, args.max_ap_drop)
+    with open(stem + ".ap.json", "w") as f:
+        json.dump({"source": source, "max_ap_drop": args.max_ap_drop, "ap": ap, "pass": not failed,
+                   "calibration_images": args.calibration_images if set(args.format) & set(QUANTISED) else None,
+                   "float_head": args.float_head}, f, indent=1)
+    for line in lines:
+        logger.info("AP on %d images of %s: %s", ap["pytorch"]["num_images"], os.path.basename(source), line)
+    if failed:
+        for line in failed:
+            logger.error("AP check failed: %s", line)
+        logger.error("the exported files are written but did not pass (%s.ap.json)", stem)
+        sys.exit(1)
+    return ap
+
+
+@torch.no_grad()
 def main(argv=None):
-    return export(parse_args(argv))  # --help and a bad flag answer before torch is imported
-
-
-@no_grad
-def export(args):
-    import torch
-
-    from detlib.data import PAD_VALUE, load_rgb
-    from detlib.engine import setup_console_logging
-    from detlib.retinanet import (AnchorGenerator, ExportableRetinaNet, canvas_size, decode_detections, head_candidates,
-                                  prepare_input)
-    from detlib.weights import weights_path
-
+    args = parse_args(argv)
     setup_console_logging(args.verbose)
-    if args.format in ("onnx", "both") and (missing := missing_onnx_packages()):
-        stop(f"--format {args.format} needs {', '.join(missing)} (not installed): pip install -e '.[export]' (or -r "
-             "requirements-dev.txt); --format pt2 needs nothing more", 1)
+    wanted = output_files(args)
+    if "onnx" in wanted and (missing := missing_onnx_packages() + missing_packages(args.format)):
+        stop(f"--format {' '.join(args.format)} needs {', '.join(missing)} (not installed): pip install -e "
+             "'.[export,deploy]' (or -r requirements-dev.txt); --format pt2 needs nothing more", 1)
     try:
         model, config, category_map = load_retinanet(args.weights)
         image_size, max_size = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
@@ -259,9 +308,12 @@ def export(args):
     with warnings.catch_warnings():
         if not args.verbose:  # the exporters' notes on traced shapes and deprecations are not actionable here
             warnings.simplefilter("ignore")
-        if args.format in ("onnx", "both"):
-            torch.onnx.export(wrapped, example, args.output, input_names=inputs, output_names=outputs,
-                              opset_version=args.opset, dynamo=True, verbose=False,
+        if "onnx" in wanted:
+            # decoding outside: any batch and padded size, so a runner feeds the evaluation's batches as they are
+            outside = args.decode == "outside"
+            torch.onnx.export(wrapped, (example[0].repeat(2, 1, 1, 1),) if outside else example, args.output,
+                              input_names=inputs, output_names=outputs, opset_version=args.opset, dynamo=True,
+                              dynamic_shapes=(dynamic_image_shapes(),) if outside else None, verbose=False,
                               external_data=False)  # one self-contained file (models under 2 GB)
             files["onnx"] = args.output
             import onnx
@@ -272,7 +324,7 @@ def export(args):
                 logger.warning("--opset %d could not be honoured: the exporter wrote opset %s (its version conversion "
                                "does not reach %d; the graph works with runtimes that support %s)", args.opset, written,
                                args.opset, written)
-        if args.format in ("pt2", "both"):
+        if "pt2" in wanted:
             program = torch.export.export(wrapped, example)
             torch.export.save(program, stem + ".pt2")
             files["pt2"] = stem + ".pt2"
@@ -284,10 +336,17 @@ def export(args):
             "detections_per_image": args.detections_per_image, "weights": weights_path(args.weights)}
     with open(stem + ".json", "w") as f:
         json.dump(meta, f, indent=1)
+    if deploy := [f for f in args.format if f in DEPLOY_FORMATS]:  # from FILE.onnx; INT8 calibrated on real images
+        calibration = [{k: v.numpy() for k, v in prepare_input(torch.from_numpy(np.asarray(load_rgb(p)[0]).copy()).permute(
+            2, 0, 1), image_size, max_size, canvas).items() if k in inputs} for p in check_image_paths(args, args.calibration_images)]
+        if not calibration and set(deploy) & set(QUANTISED):
+            stop("the INT8 formats calibrate on real images: give --check_source (no val set in the run's "
+                 "config.yaml)", 1)
+        files.update(write_formats(args.output, deploy, calibration, args.float_head))
     logger.info("wrote %s (canvas %dx%d, decoding %s) and %s.json", ", ".join(files.values()), canvas, canvas, args.decode, stem)
 
     # ---- parity: PyTorch (detlib's own decoding) against each export, on real images
-    paths = check_image_paths(args)
+    paths = check_image_paths(args, args.num_check_images)
     if not paths:
         logger.warning("no parity check: %s", "--num_check_images 0" if args.num_check_images == 0 else
                        "no --check_source and no val set in the run's config.yaml")
@@ -301,6 +360,8 @@ def export(args):
     if "pt2" in files:
         loaded = torch.export.load(files["pt2"]).module()
         runners["pt2"] = lambda x: [t.numpy() for t in loaded(*(x[k] for k in inputs))]
+    if "openvino" in files:
+        runners["openvino"] = ExportRunner(files["openvino"]).raw
     anchors, counts = AnchorGenerator()(canvas, canvas)
     report = []
     for path in paths:
@@ -334,7 +395,11 @@ def export(args):
         logger.error("parity: no verdict: %s (the exported files are written; %s.parity.json)", line, stem)
         sys.exit(1)
     logger.info("parity on %d images: pass: %s", len(paths), line)
-    return {"files": files, "parity": report}
+
+    # ---- AP: every exported model file evaluated on the labelled check set beside PyTorch
+    ap = hold_to_ap(args, files, TorchRunner(model, AnchorGenerator(), args.score_thresh, args.nms_thresh,
+                                             args.detections_per_image), image_size, max_size, category_map.category_ids)
+    return {"files": files, "parity": report, "ap": ap}
 
 
 if __name__ == "__main__":

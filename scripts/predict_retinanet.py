@@ -25,6 +25,9 @@ model's size, boxes merged across tiles (docs/predict_export.md, "Tiled predicti
 A video (PyAV: pip install av), frame by frame, as the same frames saved as images would be:
     python scripts/predict_retinanet.py --weights outputs/r50_600/best --source clip.mp4 --output_dir out --save_json_per_image
 
+An exported model (scripts/export_retinanet.py: ONNX Runtime for .onnx, OpenVINO for .xml; FILE.json beside it):
+    python scripts/predict_retinanet.py --weights outputs/r50_600/export/retinanet.int8.xml --source photos/ --output_dir out
+
 Several processes (each takes its share of the batches; results merged, no image twice):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/predict_retinanet.py --weights ... --source ...
 
@@ -66,7 +69,8 @@ from detlib.files import write_json
 from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
                               outputs_written, prediction_parser, predict_videos, retinanet_input_size,
                               run_prediction, start_prediction, write_skipped)
-from detlib.labels import model_classes_in_data
+from detlib.deploy import ExportRunner, is_exported_model
+from detlib.labels import CategoryMap, model_classes_in_data
 from detlib.retinanet import anchor_generator_from_config
 from detlib.tiling import add_tile_flags, collate_images, tile_flag_notes, tiled_loader
 from detlib.weights import WeightsFileError, weights_path
@@ -316,8 +320,14 @@ def main(argv=None):
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
 
     # ---- model (rebuilt from model_config.json, class names included)
+    runner = None  # an export_retinanet.py file (FILE.onnx, FILE.xml ...): its runtime runs it, FILE.json describes it
     try:
-        model, config, category_map = load_retinanet(args.weights)
+        if is_exported_model(args.weights):
+            runner = ExportRunner(args.weights, nms_thresh=args.nms_thresh, max_detections=args.detections_per_image)
+            model, config = None, runner.meta
+            category_map = CategoryMap(config["category_ids"], config["category_names"])
+        else:
+            model, config, category_map = load_retinanet(args.weights)
         image_size, max_size = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         stop(str(e), 1)
@@ -328,7 +338,8 @@ def main(argv=None):
     if accelerator.is_main_process:
         for line in filter(None, notes):
             logger.warning("%s", line)
-    model.to(accelerator.device)
+    if runner is None:
+        model.to(accelerator.device)
     anchor_gen = anchor_generator_from_config(config)  # a converted model's anchor convention, else ours
     names = dict(zip(category_map.category_ids, category_map.names))
     try:
@@ -339,6 +350,10 @@ def main(argv=None):
     # F1 was measured with it): decode just below the lowest, then each class keeps its scores >= its threshold
     decode_thresh = float(thresholds.min()) if args.score_thresh != "best_f1" else float(
         torch.nextafter(thresholds.min(), torch.tensor(-1.0)))
+    if runner is not None:
+        runner.score_thresh = decode_thresh
+        if line := runner.differs(decode_thresh, args.nms_thresh, args.detections_per_image):
+            logger.warning("%s", line)
     if args.draw_thresh is None:
         args.draw_thresh = 0.0 if args.score_thresh == "best_f1" else 0.3
 
@@ -409,6 +424,8 @@ def main(argv=None):
         write_image_outputs(args, ds_path(ds, k), image_id, rel_names[k], res, exif_applied, names, size,
                             out_name=out_names[k])
 
+    if runner is not None:  # an exported model: its runtime runs and decodes each collated batch
+        model, anchor_gen = runner, None
     found, failed = detect_images(model, anchor_gen, loader, accelerator, *settings, autocast=True,
                                   on_image=write_image, desc="predict", tiles=tiles)
 

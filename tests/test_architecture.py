@@ -23,7 +23,7 @@ LAYERS = [
     ("retinanet", "classification"),  # the models
     ("evaluation",),  # COCO evaluation, per-class numbers, plots, drawn samples, model cards
     ("engine",),  # the run: folder and its lock, flags, checkpoints, resume, the step guard, logs and trackers
-    ("inference",),  # what the predict scripts share
+    ("inference", "deploy"),  # what the predict scripts share; the exported models' runtimes and their AP check
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

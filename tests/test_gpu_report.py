@@ -40,3 +40,23 @@ def test_gpu_report_table_from_partial_results(tmp_path):
     assert "bf16 - fp32 = -0.010" in fit and "equal within noise (noise 0.030)" in fit
     assert "Skipped past the deadline: compiled 800x1333 bf16." in text
     assert report.table(str(tmp_path / "nothing")).count("- (not run)") >= 6  # an empty folder: all dashes
+
+
+def test_tensorrt_row_is_skipped_in_one_line_without_a_gpu(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0:
+        pytest.skip("a GPU is here: the row runs")
+    repo = REPO
+    r = subprocess.run([sys.executable, "benchmarks/tensorrt_row.py", "--out", str(tmp_path / "tensorrt.md")], cwd=repo,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout.splitlines() == ["TensorRT row skipped: no CUDA GPU (nvidia-smi finds none)"]
+    assert not (tmp_path / "tensorrt.md").exists()
+    # gpu_check.sh's step 5 runs it, within the check's budget
+    script = (repo / "benchmarks" / "gpu_check.sh").read_text()
+    assert 'timeout "$(limit $T_TRT)" python benchmarks/tensorrt_row.py --out "$RESULTS/tensorrt.md"' in script

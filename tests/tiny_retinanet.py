@@ -11,6 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from detlib.data.images import load_rgb
+from detlib.retinanet.export import prepare_input
+from detlib.retinanet.model import build_retinanet_from_config
+
 from conftest import COCO_SUBSET
 from helpers import run_ok
 
@@ -39,3 +47,38 @@ def train_tiny(root: Path) -> dict[str, Path]:
                                          f"--val_images={images}", f"--val_annotations={val}", "--output_dir", run,
                                          "--eval_interval", "10", "--per_device_eval_batch_size", "2", *TINY])
     return {"run": run, "val_json": val, "images": images}
+
+
+def spread_retinanet(root: Path) -> Path:
+    """A tiny RetinaNet saved as the training script saves it (model.safetensors + model_config.json).
+
+    Untrained, its scores would all sit at the prior (0.01) within float rounding, and which of thousands of
+    tied candidates survives top-k and NMS would be decided by rounding in any runtime. So the FPN and heads
+    get He initialisation, the BatchNorm statistics are measured on 16 real images, and the scores spread over
+    0.2-1 like a trained model's: the check then compares real decisions.
+    """
+    folder = root / "best"
+    folder.mkdir()
+    cats = json.loads((COCO_SUBSET / "annotations" / "instances_val.json").read_text())["categories"]
+    config = {"num_classes": len(cats), "backbone": "resnet18", "fpn_channels": 16, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "image_size": 128, "max_size": None,
+              "category_ids": [c["id"] for c in cats], "category_names": [c["name"] for c in cats]}
+    torch.manual_seed(0)
+    model = build_retinanet_from_config(config)
+    for m in [*model.fpn.modules(), *model.cls_head.modules(), *model.box_head.modules()]:
+        if isinstance(m, torch.nn.Conv2d):
+            torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+    with torch.no_grad():
+        model.cls_head.out.weight.mul_(0.3)
+        model.box_head.out.weight.mul_(0.3)
+        model.cls_head.out.bias.fill_(-3.0)
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.reset_running_stats()
+                m.momentum = None  # a plain average over the calibration batch
+        files = sorted((COCO_SUBSET / "images").iterdir())[-16:]
+        batch = torch.cat([prepare_input(torch.from_numpy(np.asarray(load_rgb(f)[0]).copy()).permute(2, 0, 1), 128, None, 128)["images"]
+                           for f in files])
+        model.train()(batch)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "model_config.json").write_text(json.dumps(config))
+    return folder

@@ -21,7 +21,10 @@ def decode_batch(model, anchor_gen, batch: dict, score_thresh: float, nms_thresh
                  autocast=None) -> list[dict[str, torch.Tensor]]:
     """The model and its decoding on one collated batch (`images` [B, 3, H, W] on the model's device, `image_sizes`,
     `scales`, `image_ids`): per image {"boxes" [n, 4] float32 xyxy pixels of the image before the transform,
-    "scores" [n], "labels" [n] int64}. `autocast`: a context manager around the forward (`accelerator.autocast()`)."""
+    "scores" [n], "labels" [n] int64}. `autocast`: a context manager around the forward (`accelerator.autocast()`).
+    With `anchor_gen` None, `model` is an exported model's runner (`detlib.deploy.ExportRunner`), which decodes itself."""
+    if anchor_gen is None:
+        return model(batch)
     images = batch["images"]
     with autocast if autocast is not None else contextlib.nullcontext():
         out = model(images)

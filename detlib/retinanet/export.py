@@ -13,6 +13,8 @@ Outputs (decoding inside): boxes [N, 4] float32 xyxy pixels of the original imag
 decreasing score, labels [N] int64 contiguous 0..K-1 (category id = model_config's category_ids[label]).
 With the decoding outside, the graph takes `images` only and returns the raw head outputs cls_logits
 [1, A, K] and box_deltas [1, A, 4]; `detlib.retinanet.decode.decode_detections` (or a port of it) finishes the job.
+Its ONNX file takes any batch and any padded size (`dynamic_image_shapes`: images [B, 3, H, W], H and W multiples of
+32, outputs [B, A(H, W), K] and [B, A(H, W), 4]), so it runs on the evaluation's batches without a canvas.
 
 The decoding is `detlib.retinanet.decode.decode_detections` for a batch of one, written without the host-side
 `.tolist()` loop so a graph can hold it: per-level top-k, decode, clip, threshold, class-wise NMS
@@ -89,6 +91,17 @@ class ExportableRetinaNet(nn.Module):
         offsets = labels.to(boxes.dtype) * (boxes.max() + 1)
         order = nms(boxes + offsets[:, None], scores, self.nms_thresh)[: self.max_detections]
         return boxes[order], scores[order], labels[order]
+
+
+def dynamic_image_shapes(max_side: int = 4096) -> dict:
+    """torch.export's `dynamic_shapes` of the `images` input of a graph without the decoding: any batch size, any
+    height and width that are multiples of 32 up to `max_side`, so that the graph runs on the evaluation's batches as
+    they are (no canvas). Export with an example of batch 2: torch.export fixes a size of 1 as a constant."""
+    from torch.export import Dim
+
+    side = max_side // INPUT_DIVISIBILITY
+    return {0: Dim("batch", min=1, max=1024), 2: INPUT_DIVISIBILITY * Dim("h32", min=1, max=side),
+            3: INPUT_DIVISIBILITY * Dim("w32", min=1, max=side)}
 
 
 def prepare_input(image: torch.Tensor, image_size: int, max_size: int | None, canvas: int) -> dict[str, torch.Tensor]:
