@@ -25,7 +25,7 @@ from detlib.engine import HelpFormatter, float_range, int_at_least
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--annotations", required=True, help="the ground truth (COCO json)")
     p.add_argument("--predictions", required=True, help="the detections (COCO results json)")
     p.add_argument("--out", help="write the evaluation as one JSON object here (default: none)")

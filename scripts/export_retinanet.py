@@ -56,7 +56,7 @@ FORMATS = ("onnx", "pt2", "both", *DEPLOY_FORMATS)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     g = p.add_argument_group("model")
     g.add_argument("--weights", required=True, help="a run folder, best/, last/, a checkpoint folder or a model.safetensors")
     g.add_argument("--image_size", type=int_at_least(32), help="resize size (default: the training size from "

@@ -126,7 +126,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
         self.flags: dict[str, argparse.Action] = {}
         self.reading_config = None  # the --config file whose values are being parsed: its errors name it
-        super().__init__(*args, **kwargs)
+        # no abbreviations: with --tile and --tile_min_visible, `--tile 128` was read as the other one
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
         escape_unencodable()
 
     def add_argument(self, *args, **kwargs) -> argparse.Action:
