@@ -38,17 +38,11 @@ import sys
 import warnings
 
 import numpy as np
-import torch
 
-from detlib.data import IMAGE_ERRORS, PAD_VALUE, load_rgb
-from detlib.deploy import (DEPLOY_FORMATS, QUANTISED, ExportRunner, TorchRunner, ap_of_runners, ap_verdict,
-                           missing_packages, write_formats)
-from detlib.deploy.formats import output_paths as deploy_paths
-from detlib.engine import HelpFormatter, float_range, int_at_least, setup_console_logging, stop
+from detlib.deploy import DEPLOY_FORMATS
+from detlib.engine import HelpFormatter, float_range, int_at_least, stop
 from detlib.inference import list_image_files, load_retinanet, retinanet_input_size
-from detlib.retinanet import (AnchorGenerator, ExportableRetinaNet, canvas_size, compare_detections, decode_detections,
-                              head_candidates, prepare_input)
-from detlib.retinanet.export import dynamic_image_shapes
+from detlib.lazy import no_grad
 from detlib.weights import weights_path
 
 logger = logging.getLogger("export_retinanet")
@@ -115,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def output_files(args) -> dict[str, str]:
     """{kind: path} of every file the export writes: FILE.onnx as --output, FILE.pt2, the deployment formats'
     (`detlib.deploy.formats.output_paths`), FILE.json, FILE.parity.json, FILE.ap.json."""
+    from detlib.deploy import DEPLOY_FORMATS
+    from detlib.deploy.formats import output_paths as deploy_paths
+
     stem = os.path.splitext(args.output)[0]
     formats = set(args.format)
     files = {"onnx": args.output} if formats & {"onnx", "both", *DEPLOY_FORMATS} else {}
@@ -126,6 +123,8 @@ def output_files(args) -> dict[str, str]:
 
 def ignored_flags(args, defaults: dict) -> list[str]:
     """One line per flag given that this export does not use (said, not silently dropped)."""
+    from detlib.deploy import QUANTISED
+
     changed = {k for k, v in defaults.items() if getattr(args, k, v) != v}
     quantised = set(args.format) & set(QUANTISED)
     unused = {"opset": args.format == ["pt2"] and "--format pt2 writes no ONNX graph",
@@ -172,6 +171,8 @@ def check_source(args) -> tuple[str | None, str | None]:
 
 def check_image_paths(args, count: int) -> list[str]:
     """The first `count` readable images of the check source (sorted by name / image id)."""
+    from detlib.data import IMAGE_ERRORS, load_rgb
+
     source, image_dir = check_source(args)
     if count == 0 or not source:
         return []
@@ -196,6 +197,8 @@ def check_image_paths(args, count: int) -> list[str]:
 def compare(ref: tuple, got: tuple, args, candidates=None) -> dict:
     """Differences between the PyTorch reference and an export on one image (see `compare_detections`), with
     `num_compared`: the detections (decode inside) or head output values (outside) the verdict rests on."""
+    from detlib.retinanet import compare_detections
+
     if args.decode == "outside":  # raw head outputs
         ref, got = [np.asarray(r) for r in ref], [np.asarray(g) for g in got]
         return {"max_abs_cls_logits": float(np.abs(ref[0] - got[0]).max()), "max_abs_box_deltas": float(np.abs(ref[1] - got[1]).max()),
@@ -247,6 +250,8 @@ def missing_onnx_packages() -> list[str]:
 def hold_to_ap(args, files: dict, reference, image_size: int, max_size: int | None, category_ids: list[int]):
     """FILE.ap.json: the COCO AP of each model file (not the .pt2) beside PyTorch's on the check set when it is a
     COCO json; exit 1 when one fell more than --max_ap_drop below it. Returns the APs (None: no labelled set)."""
+    from detlib.deploy import ExportRunner, QUANTISED, ap_of_runners, ap_verdict
+
     source, image_dir = check_source(args)
     stem = os.path.splitext(args.output)[0]
     if not (source and source.lower().endswith(".json") and os.path.isfile(source)):
@@ -273,9 +278,21 @@ def hold_to_ap(args, files: dict, reference, image_size: int, max_size: int | No
     return ap
 
 
-@torch.no_grad()
 def main(argv=None):
-    args = parse_args(argv)
+    return export(parse_args(argv))  # --help and a bad flag are answered before torch is imported
+
+
+@no_grad
+def export(args):
+    import torch
+
+    from detlib.data import PAD_VALUE, load_rgb
+    from detlib.deploy import DEPLOY_FORMATS, ExportRunner, QUANTISED, TorchRunner, missing_packages, write_formats
+    from detlib.engine import setup_console_logging
+    from detlib.retinanet import (AnchorGenerator, ExportableRetinaNet, canvas_size, decode_detections,
+                                  head_candidates, prepare_input)
+    from detlib.retinanet.export import dynamic_image_shapes
+
     setup_console_logging(args.verbose)
     wanted = output_files(args)
     if "onnx" in wanted and (missing := missing_onnx_packages() + missing_packages(args.format)):

@@ -51,28 +51,20 @@ import logging
 import os
 from collections import Counter
 
-import torch
-from accelerate.utils import gather_object
 from PIL import Image
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.data import (INSTALL_HINT, CocoDetection, EvaluationBatchSampler, EvaluationCollate, VideoWriter, av_available,
-                         build_transform, data_dir_paths, evaluation_shapes, read_data_dir_splits, video_frames,
+from detlib.data import (INSTALL_HINT, VideoWriter, av_available, data_dir_paths, read_data_dir_splits, video_frames,
                          worker_loader_kwargs)
 from detlib.data.formats import read_class_names
-from detlib.data.images import DetectionImageFiles, detection_item
 from detlib.datacheck import DataReport, check_coco
 from detlib.engine import float_range, int_at_least, stop
-from detlib.evaluation import (boxes_from_coco, class_color, detect, detect_images, draw_detections, drawing_scale,
-                               read_score_thresholds, save_image, upright_image_and_boxes)
 from detlib.files import write_json
 from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
                               outputs_written, prediction_parser, predict_videos, retinanet_input_size,
                               run_prediction, start_prediction, write_skipped)
-from detlib.deploy import ExportRunner, is_exported_model
-from detlib.labels import CategoryMap, model_classes_in_data
-from detlib.retinanet import anchor_generator_from_config
 from detlib.tiling import add_tile_flags, collate_images, tile_flag_notes, tiled_loader
+from detlib.lazy import no_grad
 from detlib.weights import WeightsFileError, weights_path
 
 logger = logging.getLogger("predict_retinanet")
@@ -134,6 +126,10 @@ def class_thresholds(args, category_map) -> torch.Tensor:
     """[K] float32: the lowest score kept for each of the model's classes (label order): --score_thresh, or with
     best_f1 the thresholds of score_thresholds.json beside the weights (the pooled one for classes without their
     own). Raises FileNotFoundError / WeightsFileError (one line) when best_f1 has no file to read."""
+    import torch
+
+    from detlib.evaluation import read_score_thresholds
+
     if args.score_thresh != "best_f1":
         return torch.full((len(category_map),), float(args.score_thresh))
     per_class, pooled, path = read_score_thresholds(args.weights)
@@ -147,6 +143,9 @@ def class_thresholds(args, category_map) -> torch.Tensor:
 def build_dataset(args, transform):
     """(data set, names relative to the source root, COCO image ids or None, EXIF turn on (a labelled source: by the
     data's rule, docs/data_check.md), skipped files)."""
+    from detlib.data import CocoDetection
+    from detlib.data.images import DetectionImageFiles
+
     if args.data_format or (args.source.lower().endswith((".yaml", ".yml")) and os.path.isfile(args.source)):
         dataset, image_dir = labelled_split(args)
         ds = CocoDetection(image_dir, dataset, transform, train=False)
@@ -248,6 +247,12 @@ def predict_video(args, path: str, name: str, out_name: str, detect, transform, 
     Returns (the COCO results of every frame, each with `file_name`, `frame` (from 0), `time` (seconds) and
     `image_id` = the frame index; None, or why the file was not read to its end: `VideoFrames.problem()`).
     Raises ValueError when the file yields no frame (then nothing is written for it)."""
+    import torch
+
+    from detlib.data import EvaluationCollate
+    from detlib.data.images import detection_item
+    from detlib.evaluation import boxes_from_coco, class_color, detect, draw_detections
+
     frames = video_frames(path)
     writer = None if args.no_images else VideoWriter(os.path.join(args.output_dir, "videos", out_name + ".mp4"),
                                                      frames.fps)
@@ -292,6 +297,8 @@ def per_image_detection(r: dict, names: dict[int, str]) -> dict:
 
 
 def ds_path(ds, index: int) -> str:
+    from detlib.data import CocoDetection
+
     return ds.records[index]["path"] if isinstance(ds, CocoDetection) else ds.paths[index]
 
 
@@ -300,6 +307,9 @@ def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dic
     """OUT/images/<out_name>.jpg (detections >= --draw_thresh on the upright image) and, with --save_json_per_image,
     OUT/json/<out_name>.json; written by the process that predicted the image. `out_name`: the input's own in
     `output_names` (default: `name` without its extension)."""
+    from detlib.evaluation import (boxes_from_coco, class_color, draw_detections, drawing_scale, save_image,
+                                   upright_image_and_boxes)
+
     stem = out_name or os.path.splitext(name)[0]
     if not args.no_images:
         shown = [r for r in res if r["score"] >= args.draw_thresh]
@@ -314,9 +324,21 @@ def write_image_outputs(args, path: str, image_id: int, name: str, res: list[dic
                    os.path.join(args.output_dir, "json", stem + ".json"), indent=1)
 
 
-@torch.no_grad()
 def main(argv=None):
-    args = parse_args(argv)
+    return predict(parse_args(argv))  # --help and a bad flag are answered before torch is imported
+
+
+@no_grad
+def predict(args):
+    import torch
+    from accelerate.utils import gather_object
+
+    from detlib.data import CocoDetection, EvaluationBatchSampler, EvaluationCollate, build_transform, evaluation_shapes
+    from detlib.deploy import ExportRunner, is_exported_model
+    from detlib.evaluation import detect, detect_images
+    from detlib.labels import CategoryMap, model_classes_in_data
+    from detlib.retinanet import anchor_generator_from_config
+
     accelerator = start_prediction(args)  # CPU or GPU, any number of processes; OUTPUT_DIR/predict.log
 
     # ---- model (rebuilt from model_config.json, class names included)

@@ -37,24 +37,14 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD  # classification_transform's normalisation
-from timm.utils import ModelEmaV3
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.classification import (PER_CLASS_SCALARS, build_classifier, check_classifier, classification_metrics,
-                                   classification_transform, log_wandb_extras, per_class_summary, per_class_table,
-                                   write_predictions)
-from detlib.data import (VERIFY_MODES, ClassBalancedSampler, ImageFolderDataset, loader_settings, log_class_frequencies,
-                         make_synthetic_image_folder, scan_image_folder)
+from detlib.data import VERIFY_MODES, loader_settings, make_synthetic_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
-                           evaluate_only, float_range, format_given, int_at_least, parse_with_config, path,
-                           resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
-                           show_data_defaults, stop, stop_if_preempted, stop_together)
-from detlib.evaluation import classifier_card, command_line, log_classification_extras, write_card, write_train_batch
-from detlib.labels import CategoryMap, model_classes_in_data
+from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least, parse_with_config,
+                           path, resolve_data_defaults, run_argument_parser, running, show_data_defaults, stop,
+                           stop_together)
+from detlib.lazy import no_grad
 from detlib.logtext import short_list
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
 
@@ -129,6 +119,8 @@ def check_flags(args, given: set[str], synthetic: bool) -> tuple[dict | None, li
     model its model_config.json describes, at its size unless --image_size is given (a file without them stops in one
     line naming the flag). Returns (the saved model config or None, notes: one line each for
     what was missing and for flags this run cannot honour)."""
+    from detlib.classification import check_classifier
+
     saved, notes = resolve_evaluated_model(args, given) if args.evaluate_only else (None, [])
     try:
         check_classifier(args.model, args.image_size)
@@ -178,6 +170,11 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     left out and reported; the decode result is cached in `output_dir/image_check_cache.json`.
     Returns (train_ds or None, val_ds, train_loader or None, val_loader).
     """
+    import torch
+
+    from detlib.classification import classification_transform
+    from detlib.data import ClassBalancedSampler, ImageFolderDataset, log_class_frequencies, scan_image_folder
+
     from accelerate import PartialState
 
     is_main = PartialState().is_main_process
@@ -232,6 +229,11 @@ def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
 def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args) -> None:
     """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
     bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
+    import torch.nn.functional as F
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    from detlib.evaluation import write_train_batch
+
     model.train()
     G = args.gradient_accumulation_steps
     for i, batch in loop.batches(loader, model, optimizer):
@@ -257,7 +259,7 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args
             break
 
 
-@torch.no_grad()
+@no_grad
 def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False) -> tuple[dict, dict]:
     """Evaluate the val shard of every process and gather the per-image results (collective).
 
@@ -268,6 +270,12 @@ def evaluate(model, loader, accelerator, classes: list[str], poll: bool = False)
     PER_CLASS_SCALARS classes, val_precision_<class>, val_recall_<class> and val_confusion_matrix.
     `poll`: check for preemption every 10 batches (raises Preempted).
     """
+    import torch
+    import torch.nn.functional as F
+
+    from detlib.classification import PER_CLASS_SCALARS, classification_metrics
+    from detlib.engine import stop_if_preempted
+
     model.eval()
     parts = []
     for i, batch in enumerate(tqdm(loader, desc="eval", disable=not accelerator.is_local_main_process, leave=False)):
@@ -301,6 +309,10 @@ def evaluate_and_log(models: dict, val_loader, val_ds, accelerator, metrics, sta
     plots/epoch_NNNN/ (also to the trackers), the wandb extras and one log line of bounded length at any number of
     classes. `epoch` counts from 1 (None evaluating only, with the `weights` file scored). Collective. Returns
     {prefix: stats}."""
+    from detlib.classification import (classification_metrics, log_wandb_extras, per_class_summary, per_class_table,
+                                       write_predictions)
+    from detlib.evaluation import log_classification_extras
+
     stats, preds = {}, None
     for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: their predictions are kept
         stats[prefix], preds = evaluate(model, val_loader, accelerator, val_ds.classes, poll=True)
@@ -329,6 +341,10 @@ def match_classifier_classes(model, weights: str, classes: list[str], by_name: b
     (`detlib.labels.model_classes_in_data`, output i the id of class i). The same names load as they are; otherwise
     the run stops in one line naming both sides, or with `by_name` each output row moves to the class of its name (a
     class the weights lack keeps a zero row)."""
+    import torch
+
+    from detlib.labels import CategoryMap, model_classes_in_data
+
     try:
         theirs = (read_model_config(weights) or {}).get("classes")
         if not theirs or len(theirs) != len(classes):
@@ -368,6 +384,8 @@ def load_data(args, accelerator, synthetic: bool) -> tuple:
 def build_model(args, classes: list[str], saved: dict | None):
     """The classifier: --evaluate_only's weights loaded strictly (its classes the val folder's), or --weights /
     --pretrained. Returns (model, the weights file evaluated or None); raises RunStop in one line."""
+    from detlib.classification import build_classifier
+
     check_classes(saved, classes, args)
     try:
         model = build_classifier(args.model, len(classes), pretrained=args.pretrained and not args.evaluate_only,
@@ -385,6 +403,8 @@ def build_model(args, classes: list[str], saved: dict | None):
 def write_model_files(model_config: dict, card: dict, folder: str, name: str, evaluation: dict | None) -> None:
     """Beside the weights in `folder` (`output_dir/name/`, main process): the model card of what the run knows of them
     (`card`: its data set and command; `evaluation`: of exactly these weights, or None)."""
+    from detlib.evaluation import classifier_card, write_card
+
     write_card(classifier_card(model_config, evaluation=evaluation, weights_name=name, where=folder, **card), folder)
 
 
@@ -402,7 +422,14 @@ def check_classes(saved: dict | None, classes: list[str], args) -> None:
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = parse_args(argv)  # --help and a bad flag are answered before the imports below
+    import torch
+    from timm.utils import ModelEmaV3
+
+    from detlib.engine import (MetricsLog, TrainLoop, TrainState, accelerator_for, evaluate_only, resume, resume_ema,
+                               run_length)
+    from detlib.evaluation import command_line
+
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     given = args.given  # what the user chose (flags or --config)
     synthetic = not (args.train_dir or args.val_dir)

@@ -53,31 +53,17 @@ import os
 import sys
 import time
 
-import torch
-from accelerate.utils import broadcast_object_list
-from timm.optim import param_groups_weight_decay
-from timm.utils import ModelEmaV3
 
-from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, INPUT_DIVISIBILITY, CocoDetection,
-                         EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler, RepeatFactorSampler,
-                         aspect_groups, build_transform, check_coco_for_training, collate_detection, data_dir_paths, evaluation_shapes,
-                         loader_settings, log_class_frequencies, make_small_objects_coco, make_synthetic_coco, read_class_names, repeat_factors,
-                         TrainingTiles)
-from detlib.engine import (MetricsLog, RunStop, TrainLoop, TrainState, accelerator_for, data_defaults_table,
-                           evaluate_only, float_range, format_given, int_at_least, parse_with_config, path,
-                           resolve_data_defaults, resume, resume_ema, run_argument_parser, run_length, running,
-                           show_data_defaults, stop, stop_if_preempted, stop_together)
-from detlib.evaluation import (STAT_NAMES, CocoEvaluator, area_ranges_from_edges, best_f1_thresholds, command_line,
-                               detect_images, detector_card, evaluation_diagnostics, format_best_f1,
-                               log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
-                               per_class_without_detections, write_card, write_score_thresholds, write_train_batch)
+from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, check_coco_for_training, data_dir_paths,
+                         loader_settings, make_small_objects_coco, make_synthetic_coco, read_class_names)
+from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least, parse_with_config,
+                           path, resolve_data_defaults, run_argument_parser, running, show_data_defaults, stop,
+                           stop_together)
 from detlib.files import write_json
 from detlib.hub import check_push, local_weights, push_best
-from detlib.labels import CategoryMap, model_classes_in_data
-from detlib.retinanet import (ANCHOR_CONFIG_KEYS, BOX_LOSSES, HEAD_NORMS, EmaLossNormalizer, RetinaNet,
-                              anchor_generator_from_config, check_backbone, load_matching_weights, log_model_size,
-                              reorder_class_outputs, retinanet_loss)
+from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
 from detlib.tiling import add_tile_flags, tiled_loader
+from detlib.lazy import no_grad
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
                             read_model_config, require_model_keys, weights_path)
 
@@ -312,6 +298,13 @@ def build_dataloaders(args, paths: dict[str, str]):
     """The training and validation data sets and loaders (unprepared), on the json files as the data check
     repaired them (it stops the run on errors; report in output_dir/data_report.json). The val loader holds this
     process's batches already (`EvaluationBatchSampler`): it is not to be passed to `accelerator.prepare`."""
+    import torch
+
+    from detlib.data import (CocoDetection, EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler,
+                             RepeatFactorSampler, TrainingTiles, aspect_groups, build_transform, collate_detection,
+                             evaluation_shapes, log_class_frequencies, repeat_factors)
+    from detlib.labels import CategoryMap, model_classes_in_data
+
     from accelerate import PartialState
 
     train_json, val_json = check_coco_for_training(paths, args.output_dir, check_images=not args.skip_image_check,
@@ -419,6 +412,9 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
     unless --image_size is given; an old file without them: the run's config.yaml, else the defaults, said).
     Returns (that model config or None, the settings every checkpoint of this run records, notes: a line each).
     Stops in one line on flags or files that cannot work."""
+    from detlib.evaluation import area_ranges_from_edges
+    from detlib.retinanet import ANCHOR_CONFIG_KEYS, check_backbone
+
     flag, source = ("--evaluate_only", args.evaluate_only) if args.evaluate_only else ("--init_from", args.init_from)
     try:  # a Hub repo id is fetched now (from the cache when offline), before any work
         local_weights(source) if source else None
@@ -491,6 +487,9 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
     tensor of --init_from's that fits (a class output of another class count re-initialised; the same classes under
     other ids matched by name with --categories_by_name). Returns (model, anchor generator, the weights file
     evaluated or None). Raises RunStop (one line) on weights that do not fit."""
+    from detlib.labels import CategoryMap, model_classes_in_data
+    from detlib.retinanet import RetinaNet, anchor_generator_from_config, load_matching_weights, reorder_class_outputs
+
     pretrained = bool(args.backbone_weights or args.pretrained_backbone or args.init_from)
     if args.freeze_at is None:
         args.freeze_at = 2 if pretrained and not args.evaluate_only else 0
@@ -565,6 +564,8 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
     """ReduceLROnPlateau (stepped per epoch on its mean loss, no warm-up; its state is checkpointed) or a per-step
     LambdaLR (`lr_factor`), a function of the step alone: built after a resume at `done_steps`, it gives that step the
     LR of this run's schedule. Not given to `accelerator.prepare`, which would step it once per process per call."""
+    import torch
+
     if args.lr_scheduler == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
                                                           patience=args.plateau_patience)
@@ -580,6 +581,11 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
 def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, loop, args, normalizer=None) -> None:
     """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
     bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
+    import torch
+
+    from detlib.evaluation import write_train_batch
+    from detlib.retinanet import retinanet_loss
+
     model.train()
     G = args.gradient_accumulation_steps
     for i, batch in loop.batches(loader, model, optimizer):
@@ -612,7 +618,7 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
             break
 
 
-@torch.no_grad()
+@no_grad
 def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args, title: str = "") -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval and log its 12 stats
     under `title` (which weights, which epoch); returns them on every process (collective). Checks for preemption
@@ -620,6 +626,13 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
     # The bare model: DDP's forward can be collective, and the processes run unequal numbers of batches. Its buffers
     # are made rank 0's, as DDP's forward would make them (and as a checkpoint holds them): BatchNorm statistics that
     # each process updated on its own batches would otherwise differ between the processes' shares.
+    import torch
+    from accelerate.utils import broadcast_object_list
+
+    from detlib.data import build_transform
+    from detlib.engine import stop_if_preempted
+    from detlib.evaluation import detect_images
+
     model = accelerator.unwrap_model(model)
     if accelerator.num_processes > 1:
         for buffer in model.buffers():
@@ -650,6 +663,10 @@ def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, ac
     predictions_val.json, plots/ and samples/ (also to the trackers), with label_errors.json at the `final`
     evaluation. `epoch` counts from 1 (None: evaluating only). Collective. Returns {prefix: its evaluation: epoch,
     step, the stats, per_class, best_f1}."""
+    from detlib.evaluation import (STAT_NAMES, best_f1_thresholds, evaluation_diagnostics, format_best_f1,
+                                   log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
+                                   per_class_without_detections)
+
     evaluations = {}
     for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: the evaluator keeps theirs
         title = (f"evaluation of {weights}" if weights else f"epoch {epoch}") + ", EMA weights" * bool(prefix)
@@ -683,6 +700,8 @@ def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, ac
 def write_model_files(args, model_config: dict, card: dict, folder: str, name: str, evaluation: dict | None) -> None:
     """Beside the weights in `folder` (`output_dir/name/`, main process): the best-F1 score thresholds of `evaluation`
     (of exactly these weights, or None) and the model card (`card`: its dataset and command)."""
+    from detlib.evaluation import detector_card, write_card, write_score_thresholds
+
     if evaluation and evaluation.get("best_f1"):
         write_score_thresholds(folder, evaluation["best_f1"], evaluation)
     where = args.push_to_hub if args.push_to_hub and name == "best" else folder
@@ -690,7 +709,16 @@ def write_model_files(args, model_config: dict, card: dict, folder: str, name: s
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = parse_args(argv)  # --help and a bad flag are answered before the imports below
+    import torch
+    from timm.optim import param_groups_weight_decay
+    from timm.utils import ModelEmaV3
+
+    from detlib.engine import (MetricsLog, TrainLoop, TrainState, accelerator_for, evaluate_only, resume, resume_ema,
+                               run_length)
+    from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, command_line
+    from detlib.retinanet import EmaLossNormalizer, log_model_size
+
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     given = args.given  # what the user chose (flags or --config)
     synthetic = not (args.data_dir or args.train_images or args.val_images)

@@ -8,9 +8,10 @@ exported file as one object called on a batch of images, and PyTorch's own as th
 The runtimes (onnxruntime, openvino, nncf) are the `deploy` extra, imported inside the functions that need them.
 """
 
-from .ap_check import ap_of_runners, ap_verdict
-from .formats import DEPLOY_FORMATS, QUANTISED, missing_packages, write_formats
-from .runner import ExportRunner, TorchRunner, is_exported_model, metadata_path
+from ..lazy import lazy_exports
 
-__all__ = ["ap_of_runners", "ap_verdict", "DEPLOY_FORMATS", "QUANTISED", "missing_packages", "write_formats",
-           "ExportRunner", "TorchRunner", "is_exported_model", "metadata_path"]
+__getattr__, __all__ = lazy_exports(__name__, {
+    "ap_check": ("ap_of_runners", "ap_verdict"),
+    "formats": ("DEPLOY_FORMATS", "QUANTISED", "missing_packages", "write_formats"),
+    "runner": ("ExportRunner", "TorchRunner", "is_exported_model", "metadata_path"),
+})
