@@ -173,17 +173,25 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["builtin", "r50"], default="builtin")
-    p.add_argument("--weights", help="--model builtin: the trained run (best/)")
-    p.add_argument("--ap_json", help="--model builtin: export_retinanet.py's FILE.ap.json of these weights")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+def build_parser() -> argparse.ArgumentParser:
+    from detlib.engine.flags import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--model", choices=["builtin", "r50"], default="builtin", help="the built-in run's model, or a "
+                   "randomly initialised ResNet-50 RetinaNet at 640 px (latency only)")
+    p.add_argument("--weights", help="--model builtin: the trained run (best/) (default: none, needed with builtin)")
+    p.add_argument("--ap_json", help="--model builtin: export_retinanet.py's FILE.ap.json of these weights (default: "
+                   "no AP column)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes measured")
     p.add_argument("--threads", type=int, help="threads of every runtime (default: every core)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--calibration_batches", type=int, default=2)
-    p.add_argument("--out", help="results json: this run's rows are merged into it")
-    p.add_argument("--table", help="print the markdown table of a results json and stop")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is kept)")
+    p.add_argument("--calibration_batches", type=int, default=2, help="INT8 calibration batches")
+    p.add_argument("--out", help="results json: this run's rows are merged into it (default: print only)")
+    p.add_argument("--table", help="print the markdown table of a results json and stop (default: measure)")
+    return p
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.table:
         print(table(args.table))

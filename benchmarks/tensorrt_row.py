@@ -41,9 +41,15 @@ def trtexec_ms(onnx_path: str, precision: str) -> float:
     return float(re.search(r"GPU Compute Time: .*?median = ([0-9.]+) ms", out).group(1))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from detlib.engine.flags import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", help="markdown file for the rows (default: print only)")
+    return p
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     if why := skip_reason():
         print(f"TensorRT row skipped: {why}")

@@ -121,11 +121,18 @@ def coco_stats(gt: dict, d: dict, category_ids: list[int]) -> dict:
     return {"AP": mean(precision[..., 0]), "AP50": mean(precision[0, ..., 0]), "APs": mean(precision[..., 1])}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from detlib.engine.flags import HelpFormatter
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--weights", required=True, help="the built-in model's weights (a run's best/)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_tiling.json"),
+                   help="the results json")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    return p
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", required=True)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results_tiling.json"))
-    p.add_argument("--threads", type=int, default=2)
+    p = build_parser()
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, config, category_map = load_retinanet(args.weights)

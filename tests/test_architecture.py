@@ -20,7 +20,7 @@ LAYERS = [
     ("boxes", "labels", "logtext", "files", "lazy", "weights", "hub", "backbones"),  # shared conventions and files
     ("datacheck",),  # the report and the checks of COCO json and ImageFolder trees
     ("data",),  # images, transforms, data sets, VOC/YOLO, the built-in sets
-    ("retinanet", "classification"),  # the models
+    ("retinanet", "classification", "tiling"),  # the models; tiles of an image and the merge of their detections
     ("evaluation",),  # COCO evaluation, per-class numbers, plots, drawn samples, model cards
     ("engine",),  # the run: folder and its lock, flags, checkpoints, resume, the step guard, logs and trackers
     ("inference", "deploy"),  # what the predict scripts share; the exported models' runtimes and their AP check

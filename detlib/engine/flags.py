@@ -390,3 +390,18 @@ def _command_line(action: argparse.Action, value) -> list[str]:
     if isinstance(value, list) and (action.nargs in ("+", "*") or isinstance(action.nargs, int)):
         return [flag, *map(str, value)]
     return [f"{flag}={value}"]
+
+
+def add_tile_flags(group) -> None:
+    """--tile, --tile_overlap, --tile_full on an argparse group (the predict and training scripts')."""
+    from ..tiling import TILE_OVERLAP
+
+    group.add_argument("--tile", type=int_at_least(16), help="detect on overlapping TILE x TILE px windows cut from "
+                       "each image at its native resolution, each resized to the model's size, boxes merged across "
+                       "windows: for objects that the whole image resized would shrink below what the model sees "
+                       "(docs/predict_export.md; default: none, the whole image resized)")
+    group.add_argument("--tile_overlap", type=float_range(0, 1, hi_open=True), default=TILE_OVERLAP,
+                       help="share of a tile that neighbouring tiles overlap (with --tile); make it cover the largest "
+                       "object's size so each object is seen whole in some tile")
+    group.add_argument("--tile_full", action="store_true", help="with --tile, also detect on the whole image "
+                       "resized and merge its boxes in: large objects that no tile holds whole")
