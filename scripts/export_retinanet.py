@@ -296,8 +296,9 @@ def export(args):
     setup_console_logging(args.verbose)
     wanted = output_files(args)
     if "onnx" in wanted and (missing := missing_onnx_packages() + missing_packages(args.format)):
+        extras = "export,deploy" if set(args.format) & set(DEPLOY_FORMATS) else "export"
         stop(f"--format {' '.join(args.format)} needs {', '.join(missing)} (not installed): pip install -e "
-             "'.[export,deploy]' (or -r requirements-dev.txt); --format pt2 needs nothing more", 1)
+             f"'.[{extras}]' (or -r requirements-dev.txt); --format pt2 needs nothing more", 1)
     try:
         model, config, category_map = load_retinanet(args.weights)
         image_size, max_size = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
