@@ -251,7 +251,7 @@ def predict_video(args, path: str, name: str, out_name: str, detect, transform, 
 
     from detlib.data import EvaluationCollate
     from detlib.data.images import detection_item
-    from detlib.evaluation import boxes_from_coco, class_color, detect, draw_detections
+    from detlib.evaluation import boxes_from_coco, class_color, draw_detections
 
     frames = video_frames(path)
     writer = None if args.no_images else VideoWriter(os.path.join(args.output_dir, "videos", out_name + ".mp4"),
@@ -454,7 +454,7 @@ def predict(args):
     # ---- videos, each on one process (video v on process v % n), frame by frame in batches of --batch_size
     def detect_frames(batch) -> list[list[dict]]:
         batch = {**batch, "device": accelerator.device} if tiles else {**batch, "images": batch["images"].to(accelerator.device)}
-        return detect(model, anchor_gen, batch, *settings, accelerator.autocast(), tiles)
+        return detect(model, anchor_gen, batch, *settings, accelerator.autocast, tiles)
 
     per_video, failed_videos = predict_videos(
         [path for path, _ in ds.videos], lambda v: predict_video(args, *ds.videos[v], video_out_names[v], detect_frames,

@@ -14,7 +14,7 @@ from helpers import load_script, make_tiny_folder, run_main
 
 
 @needs_coco_subset
-def test_case_e20_best_f1_with_no_true_detection_says_so_and_the_card_does_not_recommend_it(tmp_path):
+def test_case_e20_best_f1_with_no_true_detection_says_so_and_the_card_does_not_recommend_it(tmp_path, capsys):
     """An evaluation whose detections never hit (every detection of a class the image lacks): best_f1_thresholds
     finds no threshold; predict's --score_thresh best_f1 says so in one line (it was: "score_thresholds.json is
     damaged ... TypeError ... NoneType") and the model card recommends neither best_f1 nor the file."""
@@ -45,8 +45,8 @@ def test_case_e20_best_f1_with_no_true_detection_says_so_and_the_card_does_not_r
         load_script("predict_retinanet").main(["--weights", str(weights), "--source", str(COCO_SUBSET / "images" / images[0]["file_name"]),
                                                "--output_dir", str(tmp_path / "pred"), "--score_thresh", "best_f1",
                                                "--num_workers", "0"])
-    message = str(stop.value)
-    assert message.startswith(f"error: --score_thresh best_f1: no threshold was found in {weights}/score_thresholds.json: "
+    message = capsys.readouterr().err.strip().splitlines()[-1]  # engine.stop: the line on stderr, exit 1
+    assert stop.value.code == 1 and message.startswith(f"error: --score_thresh best_f1: no threshold was found in {weights}/score_thresholds.json: "
                               "the evaluation of these weights had no true detection"), message
     assert "give --score_thresh a number" in message and "TypeError" not in message and "damaged" not in message
     card = str(detector_card(config, evaluation=evaluation, dataset={"name": "subset"}, command="train", weights_name="best",

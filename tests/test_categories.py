@@ -90,7 +90,8 @@ FLAGS = ["--num_workers", "0", "--score_thresh", "0.0", "--no_images", "--detect
 def test_predict_refuses_a_json_whose_ids_name_other_classes(shapes_model, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         predict(["--weights", shapes_model, *coco_source(tmp_path, COCO_FIRST), *FLAGS, "--output_dir", tmp_path / "out"])
-    assert "'triangle'" in str(e.value) and "'car'" in str(e.value) and "--categories_by_name" in str(e.value)
+    err = capsys.readouterr().err  # engine.stop: the line on stderr, exit 1
+    assert e.value.code == 1 and "'triangle'" in err and "'car'" in err and "--categories_by_name" in err
     assert not (tmp_path / "out" / "predictions.json").exists()
 
 

@@ -109,7 +109,7 @@ def test_each_evaluation_reports_the_best_f1_threshold_per_class(tiny_run):
 
 
 @pytest.mark.slow
-def test_predict_with_score_thresh_best_f1_keeps_each_class_above_its_threshold(tiny_run, tmp_path):
+def test_predict_with_score_thresh_best_f1_keeps_each_class_above_its_threshold(tiny_run, tmp_path, capsys):
     weights = tmp_path / "weights"
     shutil.copytree(tiny_run / "last", weights)
     thresholds = json.loads((weights / "score_thresholds.json").read_text())
@@ -137,8 +137,11 @@ def test_predict_with_score_thresh_best_f1_keeps_each_class_above_its_threshold(
         assert kept == expected and 0 < len(kept) < len(every)
     # no thresholds beside the weights: one line naming the file
     (weights / "score_thresholds.json").unlink()
-    with pytest.raises(SystemExit, match="--score_thresh best_f1: no score_thresholds.json beside the weights"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # engine.stop: the line on stderr, exit 1
         predict.main([*common, "--score_thresh", "best_f1", "--output_dir", str(tmp_path / "none")])
+    assert e.value.code == 1
+    assert "--score_thresh best_f1: no score_thresholds.json beside the weights" in capsys.readouterr().err
 
 
 # ---- model cards

@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -92,12 +94,16 @@ def test_files_neither_image_nor_video_are_named_unsupported_not_unreadable(dete
     assert skipped[1:] == [f"{src / 'd.mp4'} (unreadable video)"]
     assert {r["file_name"] for r in results} == {"a.jpg", "b.mp4"}
     # a single file of no type we read: one line, never "unreadable"
-    with pytest.raises(SystemExit, match=r"nothing to predict: .*c.txt \(unsupported file type .txt"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # engine.stop: the line on stderr, exit 1
         predict.main([*common, "--source", str(src / "c.txt"), "--output_dir", str(tmp_path / "out2")])
+    assert e.value.code == 1 and re.search(r"nothing to predict: .*c.txt \(unsupported file type .txt",
+                                           capsys.readouterr().err)
     # without PyAV: a video source says what to install
     predict.av_available = lambda: False
-    with pytest.raises(SystemExit, match=r"reading videos needs PyAV: pip install av"):
+    with pytest.raises(SystemExit) as e:
         predict.main([*common, "--source", str(src / "b.mp4"), "--output_dir", str(tmp_path / "out3")])
+    assert e.value.code == 1 and "reading videos needs PyAV: pip install av" in capsys.readouterr().err
 
 
 @needs_coco_subset

@@ -21,12 +21,13 @@ def decode_batch(model, anchor_gen, batch: dict, score_thresh: float, nms_thresh
                  autocast=None) -> list[dict[str, torch.Tensor]]:
     """The model and its decoding on one collated batch (`images` [B, 3, H, W] on the model's device, `image_sizes`,
     `scales`, `image_ids`): per image {"boxes" [n, 4] float32 xyxy pixels of the image before the transform,
-    "scores" [n], "labels" [n] int64}. `autocast`: a context manager around the forward (`accelerator.autocast()`).
+    "scores" [n], "labels" [n] int64}. `autocast`: what makes the context manager around the forward
+    (`accelerator.autocast`; called per forward: tiles make several).
     With `anchor_gen` None, `model` is an exported model's runner (`detlib.deploy.ExportRunner`), which decodes itself."""
     if anchor_gen is None:
         return model(batch)
     images = batch["images"]
-    with autocast if autocast is not None else contextlib.nullcontext():
+    with autocast() if autocast is not None else contextlib.nullcontext():
         out = model(images)
     anchors, counts = anchor_gen(*images.shape[-2:], device=images.device)
     return decode_detections(out["cls_logits"], out["box_deltas"], anchors, counts, batch["image_sizes"],
@@ -87,7 +88,7 @@ def detect_images(model, anchor_gen, loader, accelerator, to_ids: torch.Tensor, 
         batch = {**batch, "device": accelerator.device} if tiles else send_to_device(batch, accelerator.device,
                                                                                       non_blocking=True)
         found = detect(model, anchor_gen, batch, to_ids, score_thresh, nms_thresh, max_detections, min_scores,
-                       accelerator.autocast() if autocast else None, tiles)
+                       accelerator.autocast if autocast else None, tiles)
         for image_id, res in zip(batch["image_ids"].tolist(), found):
             if image_id in per_image or image_id in failed:  # a copy that fills the batch (EvaluationCollate)
                 continue
