@@ -137,6 +137,7 @@ def test_time_limit_stops_with_a_checkpoint_and_exit_0_and_the_resume_finishes(t
     proc = start_script("train_catsdogs.py", common + ["--epochs", "200", "--time_limit", f"00:00:{budget}"],
                         stderr=subprocess.PIPE)
     stdout, stderr = proc.communicate(timeout=300)
+    assert (out / "run_status.json").exists(), stderr[-3000:]
     ended = (out / "run_status.json").stat().st_mtime
     assert proc.returncode == 0, stderr[-3000:]
     record = status(out)
