@@ -36,15 +36,9 @@ def tile_grid(width: int, height: int, tile: int, overlap: float) -> list[tuple[
     Raises:
         ValueError: `tile` < 1, `overlap` outside [0, 1), or an empty image.
     """
-    if tile < 1 or not 0 <= overlap < 1 or width < 1 or height < 1:
-        raise ValueError(f"need tile >= 1, 0 <= overlap < 1 and a non-empty image, got tile {tile}, overlap "
-                         f"{overlap}, image {width}x{height}")
-    step = tile - int(tile * overlap)
+    from .data.train_tiles import training_tile_grid  # the one grid rule, training's and prediction's
 
-    def starts(length: int) -> list[int]:
-        return list(range(0, length - tile, step)) + [max(0, length - tile)]
-
-    return [(x, y, min(x + tile, width), min(y + tile, height)) for y in starts(height) for x in starts(width)]
+    return [tuple(int(v) for v in window) for window in training_tile_grid(width, height, tile, overlap)]
 
 
 def merge_detections(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor,

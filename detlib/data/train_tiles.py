@@ -48,13 +48,14 @@ def training_tile_grid(width: int, height: int, tile: int, overlap: float = TRAI
 
     Tiles are `tile` px squares starting every tile - int(tile * overlap) px; the last row and column end at the
     image edge (so they may overlap their neighbour more); an image side shorter than `tile` is covered by one window
-    of that side's length. The grid of tiled prediction (`detlib.tiling.tile_grid`, which sits above `data` and cannot
-    be imported here; tests/test_train_tiles.py checks that both cut the same windows) and of sahi's slicing.
+    of that side's length. The one grid rule: tiled prediction's `detlib.tiling.tile_grid` is this grid, and sahi's
+    slicing cuts the same windows.
     Raises:
-        ValueError: a tile below 1 px or an overlap outside [0, 1).
+        ValueError: a tile below 1 px, an overlap outside [0, 1), or an empty image.
     """
-    if tile < 1 or not 0 <= overlap < 1:
-        raise ValueError(f"need a tile of at least 1 px and an overlap in [0, 1), got {tile} and {overlap}")
+    if tile < 1 or not 0 <= overlap < 1 or width < 1 or height < 1:
+        raise ValueError(f"need tile >= 1, 0 <= overlap < 1 and a non-empty image, got tile {tile}, overlap "
+                         f"{overlap}, image {width}x{height}")
     step = tile - int(tile * overlap)
 
     def starts(side: int) -> list[int]:
