@@ -197,16 +197,19 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.per_device_eval_batch_size, shuffle=False, **common)
     train_ds = train_loader = None
     if "train" in scans:
-        train_ds = ImageFolderDataset(scans["train"], classification_transform(args.image_size, train=True), train=True)
+        train_ds = ImageFolderDataset(scans["train"], classification_transform(args.image_size, train=True), train=True,
+                                      seed=args.seed)
         sampler = None
         if args.sampler == "class_balanced":  # each class drawn equally often (detlib.data.balanced)
             labels = [t for _, t in train_ds.samples]
             sampler = ClassBalancedSampler(labels, args.seed)
             log_class_frequencies([[t] for t in labels], sampler, train_ds.classes, "--sampler class_balanced",
                                   args.output_dir, is_main)
+        # workers not persistent: each epoch's copy the data set with its epoch set (ImageFolderDataset.set_epoch)
         train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size,
                                                    shuffle=sampler is None, sampler=sampler,
-                                                   drop_last=len(train_ds) >= args.per_device_batch_size, **common)
+                                                   drop_last=len(train_ds) >= args.per_device_batch_size,
+                                                   **{**common, "persistent_workers": False})
     return train_ds, val_ds, train_loader, val_loader
 
 

@@ -820,7 +820,6 @@ def main(argv=None):
         # ---- train
         with loop.checkpoint_on_preemption(stop_note):
             for epoch in loop.epochs():
-                train_ds.set_epoch(epoch)  # the augmentation's stream (workers copy the data set each epoch)
                 train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, loop, args, normalizer)
                 lr, mean_loss = optimizer.param_groups[0]["lr"], loop.end_epoch(epoch, optimizer)
                 if plateau and mean_loss is not None:

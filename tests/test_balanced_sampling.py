@@ -9,13 +9,17 @@ import csv
 import json
 import math
 import os
+import re
+import signal
+import time
 from collections import Counter
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 
-from conftest import COCO_SUBSET, REPO, SHARED_DATA, needs_coco_subset, read_metrics, write_coco
-from helpers import forked_ok, load_script, run_ok
+from conftest import COCO_SUBSET, REPO, SHARED_DATA, needs_coco_subset, read_metrics, start_script, write_coco
+from helpers import forked_ok, load_script, make_tiny_folder, run_ok
 from detlib.data.balanced import (FREQUENCIES_FILE, ClassBalancedSampler, RepeatFactorSampler, class_frequencies,
                                   repeat_factors)
 from detlib.data.sampler import GroupedBatchSampler
@@ -81,12 +85,15 @@ def test_class_balanced_epochs_draw_each_class_equally():
     orders = []
     for epoch in range(20):
         draws = epoch_draws(sampler, epoch)
-        per_class = np.bincount(np.array(labels)[draws], minlength=3)
+        images = np.array(draws) % 26
+        per_class = np.bincount(np.array(labels)[images], minlength=3)
         assert len(draws) == 26 and sorted(per_class) == [8, 9, 9]  # 26 // 3 each, 26 % 3 classes one more
-        per_image = np.bincount(draws, minlength=26)
+        per_image = np.bincount(images, minlength=26)
         for c, members in ((0, range(0, 20)), (1, range(20, 25)), (2, range(25, 26))):
             quota = per_class[c] / len(members)
             assert set(per_image[list(members)]) <= {math.floor(quota), math.ceil(quota)}  # evenly through a class
+        # image i's k-th draw is the key i + k * 26: each repeat has a key, and so an augmentation, of its own
+        assert sorted(draws) == sorted(i + k * 26 for i in range(26) for k in range(per_image[i]))
         orders.append(draws)
     assert orders[0] != orders[1] and epoch_draws(sampler, 1) == orders[1]
     assert len({tuple(sorted(set(o) & set(range(20)))) for o in orders}) > 1  # the majority's subset changes
@@ -278,3 +285,34 @@ def test_class_balanced_sampler_makes_the_minority_predicted_on_a_10_to_1_subset
     assert not (tmp_path / "shuffle" / FREQUENCIES_FILE).exists()
     assert recall["class_balanced"] >= recall["shuffle"] + 0.2, recall
 
+
+
+# ---- a mid-epoch resume replays the epoch exactly: its draws and each draw's augmentation
+
+@pytest.mark.slow  # a launch killed after its first step checkpoint, then two in-process runs
+@pytest.mark.parametrize("sampler", ["shuffle", "class_balanced"])
+def test_catsdogs_killed_mid_epoch_resumes_to_the_uninterrupted_run(tmp_path, capsys, sampler):
+    """kill -9 after a --checkpoint_steps checkpoint, with DataLoader workers: the resumed run trains on the images and
+    random crops / flips the uninterrupted run trained on (the same losses step by step, the same weights)."""
+    data = make_tiny_folder(tmp_path / "data", [12, 4])  # 16 images, 8 steps an epoch
+    common = ["--train_dir", data, "--val_dir", data, "--model", "test_resnet", "--image_size", "32", "--num_workers",
+              "2", "--per_device_batch_size", "2", "--epochs", "3", "--checkpoint_steps", "3", "--log_interval", "1",
+              "--verify_images", "none", "--report_to", "none", "--sampler", sampler]
+    full, part = tmp_path / "full", tmp_path / "part"
+    proc = start_script("train_catsdogs.py", common + ["--output_dir", part])
+    deadline = time.time() + 120
+    while not list((part / "checkpoints").glob("step_*[0-9]")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)  # launcher, trainer and its workers at once: nothing can save
+    assert proc.wait() != 0, proc.stdout.read()[-3000:]
+    run_ok("train_catsdogs", common + ["--output_dir", full], capsys)
+    resumed = run_ok("train_catsdogs", common + ["--output_dir", part, "--resume_from_checkpoint", "latest"], capsys)
+    start = int(re.search(r"global step (\d+)", resumed).group(1))
+    assert start % 8, f"resumed at step {start}: an epoch's end, not mid-epoch"
+    by_step = {m["step"]: m for m in read_metrics(part) if "loss" in m}  # the resumed run's values (later lines win)
+    after = [m for m in read_metrics(full) if "loss" in m and m["step"] > start]
+    assert len(after) == 24 - start
+    for m in after:
+        assert by_step[m["step"]]["loss"] == pytest.approx(m["loss"], rel=1e-5, abs=1e-6), m["step"]
+    a, b = (load_file(str(out / "last" / "model.safetensors")) for out in (full, part))
+    assert max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point()) <= 1e-6

@@ -4,7 +4,8 @@ aspect-ratio grouping, the ImageFolder data set, VOC / YOLO read as COCO, video 
 `images` (files to RGB, damaged files survived), `transforms` (augmentation, resizing, the input conventions),
 `coco` (the detection data set, the batch), `records` (compact per-image arrays), `sampler` (aspect grouping, the
 evaluation's batches of one padded shape), `balanced` (class-balanced sampling of a skewed training set),
-`imagefolder` (the classification data set), `loaders` (the DataLoader set-up: workers that end with their training
+`imagefolder` (the classification data set), `seeds` (a training sample's random draws, a function of (seed, epoch,
+key)), `loaders` (the DataLoader set-up: workers that end with their training
 process, the /dev/shm check), `formats` (VOC / YOLO, and the data check of a data folder in any format), `video` (PyAV
 frames), `builtin` (the synthetic sets both scripts train on without data), `train_tiles` (the tiles of a training
 set as its items: --train_tile).

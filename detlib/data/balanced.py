@@ -22,7 +22,9 @@ its own augmentation (`CocoDetection`).
 Class-balanced sampling (classification): an epoch of N draws (the training set's size) gives each of the K classes
 floor(N / K) of them (N mod K classes, drawn each epoch, one more); a class's draws walk through a shuffle of its
 images, again with a new shuffle when they run out, so each image of a class is drawn floor or ceil of (its class's
-draws / its images) times: the minority's images repeat, the majority's are a different subset each epoch.
+draws / its images) times: the minority's images repeat, the majority's are a different subset each epoch. The k-th
+pass through a class's images draws the keys i + k * N, so each repeat of an image has its own augmentation
+(`ImageFolderDataset`).
 
 Both are functions of (seed, epoch) alone (`detlib.data.sampler.epoch_generator`): every process draws the same epoch,
 accelerate deals its batches to the processes, and a mid-epoch resume replays it (`skip_first_batches`), as for the
@@ -119,7 +121,8 @@ class RepeatFactorSampler(torch.utils.data.Sampler):
 
 
 class ClassBalancedSampler(torch.utils.data.Sampler):
-    """An epoch of N indices (N images), floor(N / K) or one more of each of the K classes (module docstring), shuffled.
+    """An epoch of N keys (N images; image i's k-th draw is i + k * N), floor(N / K) or one more of each of the K classes
+    (module docstring), shuffled.
 
     Args:
         labels: [N] the class of each image; the classes are the distinct labels.
@@ -146,7 +149,8 @@ class ClassBalancedSampler(torch.utils.data.Sampler):
         draws = []
         for members, q in zip(self.members, quota):
             passes = -(-q // len(members))  # walks through shuffles of the class's images
-            walk = np.concatenate([members[torch.randperm(len(members), generator=g).numpy()] for _ in range(passes)])
+            walk = np.concatenate([members[torch.randperm(len(members), generator=g).numpy()] + p * self.n
+                                   for p in range(passes)])
             draws.append(walk[:q])
         draws = np.concatenate(draws)
         return iter(draws[torch.randperm(len(draws), generator=g).numpy()].tolist())

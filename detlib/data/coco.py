@@ -22,11 +22,9 @@ with `valid=False` so the evaluator leaves it out of AP and says so (never a sil
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-import random
 from typing import Callable
 
 import numpy as np
@@ -39,13 +37,11 @@ from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS
 from ..labels import PAD_LABEL, CategoryMap
 from .images import load_rgb, load_skipping_unreadable
 from .records import CompactRecords
+from .seeds import sample_rng
 from .transforms import IMAGENET_MEAN, INPUT_DIVISIBILITY, PAD_VALUE, make_sample, padded_input_shape
 
 logger = logging.getLogger(__name__)
 
-# A sample's augmentation seed is ((seed * P1 + epoch) * P2 + index): two primes above any epoch or index
-# count, so distinct (seed, epoch, index) give distinct seeds and neighbouring samples unrelated streams.
-SEED_PRIME_EPOCH, SEED_PRIME_INDEX = 1_000_003, 1_000_000_007
 # Annotation ids and image paths named in a log line (the rest is counted).
 LOGGED_IDS, LOGGED_PATHS = 10, 5
 
@@ -63,9 +59,8 @@ class CocoDetection(torch.utils.data.Dataset):
         train: on a decode failure, substitute the next image (training) instead of returning an invalid
             sample (evaluation); training also drops the json dict (`dataset` None) once the records are built.
         category_map: use this mapping instead of building one from the file (val must share train's).
-        seed: when given, the random augmentation of a sample is a function of (seed, epoch, index) alone
-            (see `set_epoch`), so it does not depend on the number of workers or processes, and a run
-            resumed mid-epoch sees exactly the augmentations the uninterrupted run saw.
+        seed: when given, the random augmentation of a sample is a function of (seed, epoch, key) alone
+            (`detlib.data.seeds.sample_rng`; the epoch: `set_epoch`).
         max_image_pixels: PIL's decompression-bomb limit while loading (the data check refuses larger images
             at start; `--max_image_pixels` raises both); None: no limit.
         filter_empty: leave out images with no usable (non-crowd) box, as torchvision's and detectron2's
@@ -286,23 +281,6 @@ def _log_left_out(source: str, min_box_size: float, dropped: list, unknown_categ
     if missing:
         logger.warning("%s: left out %d images whose file is missing or empty, e.g. %s",
                        source, len(missing), missing[:LOGGED_PATHS])
-
-
-@contextlib.contextmanager
-def sample_rng(seed: int | None, epoch: int, index: int):
-    """Seed torch's and Python's RNG for one sample's transform, restoring the outer state afterwards."""
-    if seed is None:
-        yield
-        return
-    state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        s = (seed * SEED_PRIME_EPOCH + epoch) * SEED_PRIME_INDEX + index
-        torch.manual_seed(s % (2**63))
-        random.seed(s)
-        try:
-            yield
-        finally:
-            random.setstate(state)
 
 
 def _pad_boxes(items: list[torch.Tensor], fill: float) -> torch.Tensor:

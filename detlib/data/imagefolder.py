@@ -32,6 +32,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from ..files import file_key, read_json_cache, write_json
 from ..logtext import LIST_ITEMS, short_list
 from .images import check_image_file, load_rgb, load_skipping_unreadable
+from .seeds import sample_rng
 from . import VERIFY_MODES  # the package's, where --help reads it
 
 logger = logging.getLogger(__name__)
@@ -197,41 +198,50 @@ def scan_image_folder(root: str, class_to_idx: dict[str, int] | None = None, ver
     return scan
 
 
-
 class ImageFolderDataset(torch.utils.data.Dataset):
     """The usable images of a `FolderScan`, as RGB tensors.
 
     Item: {"image": float32 [3, S, S] (after `transform`; uint8 [3, H, W] without one),
            "label": int, the class index, "index": int, the position in `samples`}.
+    A key past the last image is a repeated draw of image key % N (`ClassBalancedSampler`), with its own augmentation.
+    With `seed`, a sample's random transform is a function of (seed, epoch, key) alone (`sample_rng`; the epoch:
+    `set_epoch`), so a run resumed mid-epoch sees the crops and flips the uninterrupted run saw.
     A file that fails to decode although the scan passed it (changed on disk, or `verify="none"`) is logged;
     in training the next image is used instead, in evaluation a black image keeps the sample count exact.
     """
 
-    def __init__(self, scan: FolderScan, transform=None, train: bool = True):
+    def __init__(self, scan: FolderScan, transform=None, train: bool = True, seed: int | None = None):
         self.samples = scan.samples
         self.classes = scan.classes
         self.class_to_idx = scan.class_to_idx
         self.transform = transform
-        self.train = train
+        self.train, self.seed, self.epoch = train, seed, 0
         if not self.samples:
             raise ValueError(f"no usable image in {scan.root}")
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def _load(self, index: int) -> dict:
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's augmentation stream (with `seed`). DataLoader workers must be re-created
+        each epoch to see it (`persistent_workers=False`)."""
+        self.epoch = int(epoch)
+
+    def _load(self, index: int, copy: int = 0) -> dict:
         path, label = self.samples[index]
         img, truncated = load_rgb(path)
         if truncated:
             logger.warning("image %s is truncated; its missing part is decoded as grey", path)
         if self.transform is not None:
-            image = self.transform(img)
+            with sample_rng(self.seed, self.epoch, index + copy * len(self)):
+                image = self.transform(img)
         else:
             image = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
         return {"image": image, "label": label, "index": index}
 
-    def __getitem__(self, index: int) -> dict:
-        return load_skipping_unreadable(self._load, index, len(self), self.train, self._unreadable)
+    def __getitem__(self, key: int) -> dict:
+        copy, index = divmod(key, len(self))
+        return load_skipping_unreadable(lambda i: self._load(i, copy), index, len(self), self.train, self._unreadable)
 
     def _unreadable(self, index: int, error: Exception) -> dict:
         logger.warning("unreadable image, evaluated as a black image: %s", error)

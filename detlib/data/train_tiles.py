@@ -31,9 +31,10 @@ import logging
 import numpy as np
 import torch
 
-from .coco import CocoDetection, sample_item, sample_rng
+from .coco import CocoDetection, sample_item
 from .images import load_skipping_unreadable
 from .records import CompactRecords
+from .seeds import sample_rng
 from .transforms import PAD_VALUE, build_transform, make_sample
 
 logger = logging.getLogger(__name__)

@@ -141,10 +141,13 @@ class TrainLoop:
     def batches(self, loader, model, optimizer):
         """(index, batch) of the epoch from the state's position (a mid-epoch resume skips the batches trained), timed
         for the train line; at each accumulation window's first batch the step's LRs are kept and the model's buffers
-        snapshotted (a skipped step puts them back)."""
+        snapshotted (a skipped step puts them back). The epoch goes to the sampler and to the data set (its
+        augmentation stream, `detlib.data.seeds`; accelerate's `set_epoch` skips a data set whose sampler has one)."""
         G = self.args.gradient_accumulation_steps
         done = self.state.step_in_epoch * G
         loader.set_epoch(self.state.epoch)
+        if hasattr(loader.dataset, "set_epoch"):
+            loader.dataset.set_epoch(self.state.epoch)
         for i, batch in enumerate(self.window.timed(self.acc.skip_first_batches(loader, done) if done else loader), done):
             if i % G == 0:
                 self.guard.snapshot(model)

@@ -20,7 +20,7 @@ n = len(setup["factors"])
 loaders = {  # the data sets give back the keys they are asked for
     "repeat_factor": torch.utils.data.DataLoader(range(n * 8), batch_sampler=GroupedBatchSampler(
         setup["groups"], setup["batch_size"], drop_last=True, sampler=repeat)),
-    "class_balanced": torch.utils.data.DataLoader(range(len(setup["labels"])), batch_size=setup["batch_size"],
+    "class_balanced": torch.utils.data.DataLoader(range(len(setup["labels"]) ** 2), batch_size=setup["batch_size"],
                                                   sampler=balanced, drop_last=True),
 }
 seen = {}
