@@ -96,6 +96,7 @@ def test_catsdogs_early_stopping_ends_like_a_finished_run_and_draws_the_first_ba
     assert status(out)["status"] == "finished" and "early stopping" in status(out)["message"]
     assert status(out)["epoch"] == stop and (out / "best" / "model.safetensors").is_file()
     assert (out / "last" / "model.safetensors").is_file() and "summary:" in stdout
+    assert (out / "checkpoints" / f"epoch_{stop:04d}" / "trainer_state.json").is_file()  # the end's checkpoint
     # the first batch: 4 images of 32 px, each drawn 16x (drawing_scale) in a 2 x 2 grid, its class on a tag
     grid = np.asarray(Image.open(out / "samples" / "train_batch.jpg").convert("RGB")).astype(int)
     tile = 32 * drawing_scale(32, 32)
@@ -121,6 +122,11 @@ def test_retinanet_early_stopping_count_survives_a_resume(tmp_path, capsys):
     assert len(values) == 3 == expected_stop(values, 2)  # one more evaluation, not two: the count was resumed
     assert status(out)["status"] == "finished" and "early stopping: no better AP" in status(out)["message"]
     assert status(out)["epoch"] == 3 and (out / "last" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "epoch_0003" / "trainer_state.json").is_file()
+    # its last evaluation is the final one a finished run has: the label errors, in the line and label_errors.json
+    final = [m for m in read_metrics(out) if "AP" in m][-1]
+    assert final["epoch"] == 3 and set(final["label_errors"]) == {"wrong_class", "badly_placed", "missing_box"}
+    assert json.loads((out / "label_errors.json").read_text())["counts"] == final["label_errors"]
     again = run_main("train_retinanet", flags + ["--epochs", "8", "--resume_from_checkpoint", "latest"], capsys)
     assert again[0] == 0 and len(evaluations(out, "AP")) == 3 and status(out)["epoch"] == 3  # stopped stays stopped
 

@@ -205,8 +205,11 @@ class TrainLoop:
             self.checkpoint()
 
     def evaluate(self, epoch: int, final: bool) -> None:
-        """Evaluate the weights after `epoch` (from 1); best/ takes them when they beat every earlier evaluation."""
+        """Evaluate the weights after `epoch` (from 1); best/ takes them when they beat every earlier evaluation.
+        `final`: the run's last evaluation (the script writes its final outputs, e.g. label_errors.json); so is one
+        that ends the run by --early_stopping_patience unless it brings a better best, known only after it."""
         state, ema = self.state, self.ema
+        final = final or 0 < self.args.early_stopping_patience <= state.evals_without_improvement + 1
         state.eval_pending = epoch  # a preemption's checkpoint says the evaluation is to be run
         stats = self.evaluate_fn({"": self.bare if self.args.compile else self.model,
                                   **({"ema_": ema.module} if ema else {})}, epoch, final)
