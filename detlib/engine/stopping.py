@@ -1,8 +1,8 @@
 """Ending a run before its last epoch, other than by a signal: early stopping and the time budget.
 
 `--early_stopping_patience N`: `stop_early` is asked after each epoch's evaluation; the run ends as a finished run
-ends (best/, last/, the summary, run_status.json "finished" with the reason) after N evaluations in a row without a
-better best. The count is `TrainState.evals_without_improvement` (`improves_best` keeps it), so it survives a resume.
+ends (best/, last/, the summary, run_status.json "finished" with the reason, its last evaluation run as the final one:
+`TrainLoop.evaluate`) after N evaluations in a row without a better best. The count is `TrainState.evals_without_improvement` (`improves_best` keeps it), so it survives a resume.
 
 `--time_limit HH:MM:SS`: the budget is polled at every step boundary (and every 10 evaluation batches) with the
 preemption signals (`run_folder.preempted`), and ends the run the way a preemption does (a checkpoint, the line to
