@@ -210,20 +210,13 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     return train_ds, val_ds, train_loader, val_loader
 
 
-# Linear warm-up from 0 over --warmup_steps (default 5% of the steps), then cosine decay to 0, per optimizer step.
+# Linear warm-up from 0 over --warmup_steps (default 5% of the steps), then cosine decay to 0, per optimizer step
+# (detlib.schedules).
 WARMUP_FRACTION = 0.05
 # What a resume cannot change: the model and its classes, the optimizer with its settings (its state brings them back),
 # the samples per step and the data position (process count, batch, accumulation, the sampler), fp16's GradScaler.
 FIXED_ON_RESUME = ("model", "num_classes", "classes", "optimizer", "lr", "weight_decay", "momentum", "num_processes",
                    "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision", "sampler")
-
-
-def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
-    """The LR factor of optimizer step `step` (0-based): linear from 0 to 1 over `warmup_steps`, then a half cosine
-    to 0 at `total_steps`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
 
 
 def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args) -> None:
@@ -429,6 +422,7 @@ def main(argv=None):
     from detlib.engine import (MetricsLog, TrainLoop, TrainState, accelerator_for, evaluate_only, resume, resume_ema,
                                run_length)
     from detlib.evaluation import command_line
+    from detlib.schedules import step_scheduler
 
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     given = args.given  # what the user chose (flags or --config)
@@ -477,8 +471,7 @@ def main(argv=None):
                                FIXED_ON_RESUME, "--weights", RECORD_KEYS))
         # a function of the step (built at the resumed one), stepped per optimizer step; not prepared: a prepared
         # scheduler steps once per process on every call
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup),
-                                                      last_epoch=state.global_step - 1)
+        scheduler = step_scheduler(optimizer, "cosine", total_steps, warmup, done_steps=state.global_step)
         loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
                          given_line, metrics, optimizer.param_groups[0]["lr"], metric="val_accuracy", evaluate=evaluate,
                          write_files=functools.partial(write_model_files, model_config, card))

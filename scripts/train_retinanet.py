@@ -546,36 +546,19 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
     return model, anchor_gen, None
 
 
-def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, milestones=()) -> float:
-    """The LR factor of optimizer step `step` (0-based) of the per-step schedules: a linear warm-up from WARMUP_START
-    over `warmup_steps` (Goyal et al. 2017, section 2.2: step s takes WARMUP_START + (1 - WARMUP_START) * (s + 1) /
-    warmup_steps, so that step warmup_steps - 1 is the first at the full LR), then multistep (x0.1 at each of
-    `milestones`, in steps), cosine (a half cosine to 0 at `total_steps`) or constant. A run shorter than its warm-up
-    never reaches the base LR."""
-    warm = WARMUP_START + (1 - WARMUP_START) * (step + 1) / warmup_steps if step < warmup_steps else 1.0
-    if kind == "multistep":
-        return warm * 0.1 ** sum(step >= m for m in milestones)
-    if kind == "cosine":
-        return warm * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))))
-    return warm
-
-
 def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, done_steps: int = 0):
     """ReduceLROnPlateau (stepped per epoch on its mean loss, no warm-up; its state is checkpointed) or a per-step
-    LambdaLR (`lr_factor`), a function of the step alone: built after a resume at `done_steps`, it gives that step the
-    LR of this run's schedule. Not given to `accelerator.prepare`, which would step it once per process per call."""
+    LambdaLR (`detlib.schedules.step_scheduler`), a function of the step alone: built after a resume at `done_steps`,
+    it gives that step the LR of this run's schedule."""
     import torch
+
+    from detlib.schedules import step_scheduler
 
     if args.lr_scheduler == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
                                                           patience=args.plateau_patience)
-    if args.warmup_steps >= total_steps:
-        logger.warning("--warmup_steps %d is not shorter than the run's %d optimizer steps: the LR never reaches its "
-                       "base value; lower --warmup_steps", args.warmup_steps, total_steps)
-    milestones = [e * steps_per_epoch for e in args.lr_steps]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.lr_scheduler, total_steps,
-                                                                            args.warmup_steps, milestones),
-                                             last_epoch=done_steps - 1)
+    return step_scheduler(optimizer, args.lr_scheduler, total_steps, args.warmup_steps,
+                          [e * steps_per_epoch for e in args.lr_steps], WARMUP_START, done_steps)
 
 
 def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, loop, args, normalizer=None) -> None:
