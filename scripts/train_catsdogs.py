@@ -39,7 +39,7 @@ import time
 
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.data import VERIFY_MODES, loader_settings, make_synthetic_image_folder
+from detlib.data import VERIFY_MODES, add_sampler_flags, loader_settings, make_synthetic_image_folder
 from detlib.datacheck import check_folders_for_training
 from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least, parse_with_config,
                            path, resolve_data_defaults, run_argument_parser, running, show_data_defaults, stop,
@@ -91,10 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check at start: full decode (finds truncated files), header only, or none (default: %(default)s)")
     g.add_argument("--strict_data", action="store_true", help="data repairs (unreadable files left out, files in two "
                    "classes left out, ...) stop the run like errors")
-    g.add_argument("--sampler", default="shuffle", choices=["shuffle", "class_balanced"],
-                   help="training images per epoch: each once, shuffled; or class_balanced, as many draws of each "
-                        "class (the minority's images repeated), for classes far rarer than others (docs/catsdogs.md) "
-                        "(default: %(default)s)")
+    add_sampler_flags(g, "class_balanced")  # --sampler (detlib.data.balanced)
 
     g = groups["optimization"]
     g.add_argument("--lr", type=float_range(0), help="peak learning rate")
@@ -173,7 +170,7 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     import torch
 
     from detlib.classification import classification_transform
-    from detlib.data import ClassBalancedSampler, ImageFolderDataset, log_class_frequencies, scan_image_folder
+    from detlib.data import ImageFolderDataset, scan_image_folder, training_sampler
 
     from accelerate import PartialState
 
@@ -198,12 +195,9 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     train_ds = train_loader = None
     if "train" in scans:
         train_ds = ImageFolderDataset(scans["train"], classification_transform(args.image_size, train=True), train=True)
-        sampler = None
-        if args.sampler == "class_balanced":  # each class drawn equally often (detlib.data.balanced)
-            labels = [t for _, t in train_ds.samples]
-            sampler = ClassBalancedSampler(labels, args.seed)
-            log_class_frequencies([[t] for t in labels], sampler, train_ds.classes, "--sampler class_balanced",
-                                  args.output_dir, is_main)
+        # --sampler class_balanced: each class drawn equally often (None: shuffled by the loader)
+        sampler = training_sampler(args.sampler, [[t] for _, t in train_ds.samples], train_ds.classes, args.seed,
+                                   args.output_dir, is_main)
         train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size,
                                                    shuffle=sampler is None, sampler=sampler,
                                                    drop_last=len(train_ds) >= args.per_device_batch_size, **common)

@@ -54,8 +54,9 @@ import sys
 import time
 
 
-from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, check_coco_for_training, data_dir_paths,
-                         loader_settings, make_small_objects_coco, make_synthetic_coco, read_class_names)
+from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, add_sampler_flags, add_train_tile_flags,
+                         check_coco_for_training, data_dir_paths, loader_settings, make_small_objects_coco,
+                         make_synthetic_coco, read_class_names, train_tile_conflict)
 from detlib.engine import (RunStop, add_tile_flags, data_defaults_table, float_range, format_given, int_at_least,
                            parse_with_config, path, resolve_data_defaults, run_argument_parser, running,
                            show_data_defaults, stop, stop_together)
@@ -148,26 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--builtin", default="shapes", choices=BUILTIN_SETS, help="the built-in set trained on without data "
                    "flags: shapes (128 px images) or small_objects (8-32 px objects on 768-1280 px images; anchors of "
                    "8-128 px; train it with --train_tile) (default: %(default)s)")
-    g.add_argument("--train_tile", type=int_at_least(32), metavar="SIZE", help="train on SIZE x SIZE tiles cut from the "
-                   "training images at native resolution (not resized; --image_size is the whole-image evaluation's "
-                   "size), for objects too small to survive the resize (default: none, whole images)")
-    g.add_argument("--tile_min_visible", type=float_range(0, 1, lo_open=True), default=0.5, metavar="FRAC",
-                   help="--train_tile: a box with at least this share of its area inside a tile is a target there, "
-                   "clipped; one with less is ignored, not taught as background (default: %(default)s)")
-    g.add_argument("--empty_tile_rate", type=float_range(0, 1), default=0.1, metavar="R", help="--train_tile: the "
-                   "share of the tiles without a target that each epoch holds (default: %(default)s)")
+    add_train_tile_flags(g)  # --train_tile SIZE and its tiles' rules (detlib.data.train_tiles)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,
                    help="training batches of only landscape or only portrait images (default: on)")
-    g.add_argument("--sampler", default="shuffle", choices=["shuffle", "repeat_factor"],
-                   help="training images per epoch: each once, shuffled; or repeat_factor, the LVIS rule: an image "
-                        "is drawn max(1, sqrt(T / f)) times per epoch (stochastic rounding), f the fraction of images "
-                        "holding its rarest class, for classes far rarer than others (docs/flags.md) (default: "
-                        "%(default)s)")
-    g.add_argument("--repeat_threshold", type=float_range(0, 1, lo_open=True), default=0.1, metavar="T",
-                   help="--sampler repeat_factor: classes in fewer than this fraction of the training images are "
-                        "repeated; the images of one in a fraction f of them are drawn sqrt(T / f) times as often "
-                        "(default: %(default)s)")
+    add_sampler_flags(g, "repeat_factor")  # --sampler, --repeat_threshold (detlib.data.balanced)
     g.add_argument("--filter_empty", action=argparse.BooleanOptionalAction, default=True,
                    help="leave out training images with no usable box, as torchvision and detectron2 do (default: on)")
     g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files' headers")
@@ -262,10 +248,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parse_with_config(p, argv, RECORD_KEYS)
     if args.builtin != "shapes" and args.output_dir is None and not (args.data_dir or args.train_images or args.val_images):
         args.output_dir = f"outputs/retinanet_{args.builtin}"  # not the shapes run's folder
-    if args.train_tile and args.train_scales:
-        p.error("--train_scales resizes the training images; --train_tile trains at their native resolution: give one")
-    if args.train_tile and args.sampler == "repeat_factor":  # its repeat factors are per image, the items are tiles
-        p.error("--sampler repeat_factor draws images; with --train_tile the items are tiles: not together yet")
+    if train_tile_conflict(args):
+        p.error(train_tile_conflict(args))
     if args.max_size is not None and args.image_size is not None and args.max_size < args.image_size:
         p.error(f"--max_size {args.max_size} is smaller than --image_size {args.image_size} (the shorter side)")
     return args
@@ -301,8 +285,8 @@ def build_dataloaders(args, paths: dict[str, str]):
     import torch
 
     from detlib.data import (CocoDetection, EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler,
-                             RepeatFactorSampler, TrainingTiles, aspect_groups, build_transform, collate_detection,
-                             evaluation_shapes, log_class_frequencies, repeat_factors)
+                             TrainingTiles, aspect_groups, build_transform, collate_detection, evaluation_shapes,
+                             training_sampler)
     from detlib.labels import CategoryMap, model_classes_in_data
 
     from accelerate import PartialState
@@ -359,13 +343,10 @@ def build_dataloaders(args, paths: dict[str, str]):
     train_loader = None
     if train_ds is not None:
         drop_last = len(train_ds) >= args.per_device_batch_size
-        sampler = None
-        if args.sampler == "repeat_factor":  # images of rare classes drawn more often (detlib.data.balanced)
-            classes = [r["labels"][~r["iscrowd"]] for r in train_ds.records]
-            sampler = RepeatFactorSampler(repeat_factors(classes, args.repeat_threshold), args.seed)
-            log_class_frequencies(classes, sampler, train_ds.category_map.names, f"--sampler repeat_factor "
-                                  f"--repeat_threshold {args.repeat_threshold:g}", args.output_dir,
-                                  PartialState().is_main_process)
+        # --sampler repeat_factor: images of rare classes drawn more often (None: shuffled by the loader)
+        sampler = training_sampler(args.sampler, [r["labels"][~r["iscrowd"]] for r in train_ds.records],
+                                   train_ds.category_map.names, args.seed, args.output_dir,
+                                   PartialState().is_main_process, args.repeat_threshold)
         if args.aspect_grouping:  # landscape and portrait images in separate batches: less padding
             batches = GroupedBatchSampler(aspect_groups([r["size"] for r in train_ds.records]), args.per_device_batch_size,
                                           seed=args.seed, drop_last=drop_last, sampler=sampler)
