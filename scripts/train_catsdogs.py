@@ -41,9 +41,9 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLo
 
 from detlib.data import VERIFY_MODES, add_sampler_flags, loader_settings, make_synthetic_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least, parse_with_config,
-                           path, resolve_data_defaults, run_argument_parser, running, show_data_defaults, stop,
-                           stop_together)
+from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least, not_used_evaluating,
+                           parse_with_config, path, resolve_data_defaults, run_argument_parser, running,
+                           show_data_defaults, stop, stop_together)
 from detlib.lazy import no_grad
 from detlib.logtext import short_list
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
@@ -151,11 +151,7 @@ def resolve_evaluated_model(args, given: set[str]) -> tuple[dict, list[str]]:
     args.model = saved.get("model", args.model)
     if "image_size" not in given:
         args.image_size = saved["image_size"]
-    notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in (
-        ("weights", "loads the weights it names"), ("pretrained", "loads the weights it names"),
-        ("resume_from_checkpoint", "trains nothing"),
-        ("compile", "runs the weights uncompiled, as every evaluation does"),
-        ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema")) if getattr(args, k)]
+    notes += not_used_evaluating(args, ("weights", "pretrained"))
     return saved, notes
 
 

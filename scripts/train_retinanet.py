@@ -58,8 +58,8 @@ from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, add_s
                          check_coco_for_training, data_dir_paths, loader_settings, make_small_objects_coco,
                          make_synthetic_coco, read_class_names, train_tile_conflict)
 from detlib.engine import (RunStop, add_tile_flags, data_defaults_table, float_range, format_given, int_at_least,
-                           parse_with_config, path, resolve_data_defaults, run_argument_parser, running,
-                           show_data_defaults, stop, stop_together)
+                           not_used_evaluating, parse_with_config, path, resolve_data_defaults, run_argument_parser,
+                           running, show_data_defaults, stop, stop_together)
 from detlib.files import write_json
 from detlib.hub import check_push, local_weights, push_best
 from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
@@ -430,11 +430,7 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
         notes.append(f"no model_config.json beside {weights_path(source)}: the model is built from the flags and "
                      f"defaults ({args.backbone}, fpn_channels {args.fpn_channels}, {args.image_size} px)")
     if args.evaluate_only:
-        notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in (
-            ("backbone_weights", "loads the weights it names"), ("pretrained_backbone", "loads the weights it names"),
-            ("init_from", "loads the weights it names"), ("resume_from_checkpoint", "trains nothing"),
-            ("compile", "runs the weights uncompiled, as every evaluation does"),
-            ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema")) if getattr(args, k)]
+        notes += not_used_evaluating(args, ("backbone_weights", "pretrained_backbone", "init_from"))
     settings["head_norm"] = args.head_norm or settings["head_norm"]  # given: over the saved model's
     if not args.evaluate_only and (args.anchor_sizes or (synthetic and args.builtin == "small_objects" and not source)):
         settings["anchor_sizes"] = args.anchor_sizes or SMALL_OBJECT_ANCHORS  # given: over the --init_from model's

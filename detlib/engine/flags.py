@@ -405,3 +405,12 @@ def add_tile_flags(group) -> None:
                        "object's size so each object is seen whole in some tile")
     group.add_argument("--tile_full", action="store_true", help="with --tile, also detect on the whole image "
                        "resized and merge its boxes in: large objects that no tile holds whole")
+
+
+def not_used_evaluating(args, weights_flags: tuple[str, ...]) -> list[str]:
+    """--evaluate_only: a line for each flag given that an evaluation does not use; `weights_flags`: the script's
+    flags that load weights (the evaluated ones replace them)."""
+    why = {**dict.fromkeys(weights_flags, "loads the weights it names"), "resume_from_checkpoint": "trains nothing",
+           "compile": "runs the weights uncompiled, as every evaluation does",
+           "model_ema": "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema"}
+    return [f"--{k} is not used: --evaluate_only {why[k]}" for k in why if getattr(args, k)]
