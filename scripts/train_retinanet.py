@@ -287,7 +287,7 @@ def build_dataloaders(args, paths: dict[str, str]):
     from detlib.data import (CocoDetection, EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler,
                              TrainingTiles, aspect_groups, build_transform, collate_detection, evaluation_shapes,
                              training_sampler)
-    from detlib.labels import CategoryMap, model_classes_in_data
+    from detlib.labels import evaluated_classes
 
     from accelerate import PartialState
 
@@ -315,19 +315,9 @@ def build_dataloaders(args, paths: dict[str, str]):
     # only those it uses), or those of the evaluated checkpoint.
     category_map = train_ds.category_map if train_ds is not None else None
     saved = read_model_config(args.evaluate_only) if args.evaluate_only else None
-    if category_map is None and saved and saved.get("category_ids"):
-        category_map = CategoryMap(saved["category_ids"], saved.get("category_names"))
-        if saved.get("category_names"):  # the json's ids must mean the model's classes (or be matched by name); a
-            # class the json lacks is evaluated under an id the json does not use
-            data = CategoryMap(*zip(*[(c["id"], c.get("name", c["id"])) for c in val_json["categories"]]))
-            ids, _ = model_classes_in_data(category_map, data, args.categories_by_name, args.evaluate_only,
-                                           paths["val_annotations"])
-            spare = iter(range(max(data.category_ids) + 1, max(data.category_ids) + 1 + len(ids)))
-            category_map = CategoryMap([next(spare) if i is None else i for i in ids], category_map.names, sort=False)
-        unknown = sorted({a["category_id"] for a in val_json["annotations"]} - set(category_map.category_ids))
-        if unknown:
-            raise ValueError(f"{paths['val_annotations']}: category ids {unknown} have val boxes but are not classes of "
-                             f"the model in {args.evaluate_only}")
+    if category_map is None and saved and saved.get("category_ids"):  # the json's ids must mean the model's classes
+        category_map = evaluated_classes(saved, val_json, args.categories_by_name, args.evaluate_only,
+                                         paths["val_annotations"])
     val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size, args.resize_mode),
                            include_crowd=args.include_crowd, train=False, max_image_pixels=args.max_image_pixels or None,
                            category_map=category_map)
@@ -465,7 +455,8 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
     other ids matched by name with --categories_by_name). Returns (model, anchor generator, the weights file
     evaluated or None). Raises RunStop (one line) on weights that do not fit."""
     from detlib.labels import CategoryMap, model_classes_in_data
-    from detlib.retinanet import RetinaNet, anchor_generator_from_config, load_matching_weights, reorder_class_outputs
+    from detlib.retinanet import (RetinaNet, anchor_generator_from_config, load_matching_weights, loaded_weights_line,
+                                  reorder_class_outputs)
 
     pretrained = bool(args.backbone_weights or args.pretrained_backbone or args.init_from)
     if args.freeze_at is None:
@@ -510,16 +501,7 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
             raise RunStop(f"--init_from: {e}") from None
         if args.categories_by_name:
             reorder_class_outputs(model, source_class)
-    named = [k for k in loaded["skipped"] if not k.endswith("num_batches_tracked")]  # a frozen BatchNorm has none
-    logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s%s); not in the file, kept as "
-                "initialised: %d%s", init_file, len(loaded["loaded"]),
-                (f"the classification output {loaded['reinitialised']} ({len(category_map)} classes; prior bias)"
-                 if loaded["reinitialised"] else "nothing"), len(loaded["skipped"]),
-                ", ".join(named[:8]) + (" ..." if len(named) > 8 else ""),
-                f"{', ' if named else ''}{len(loaded['skipped']) - len(named)} BatchNorm num_batches_tracked"
-                if len(named) < len(loaded["skipped"]) else "", len(loaded["not_in_file"]),
-                f" ({', '.join(loaded['not_in_file'][:8])}{' ...' if len(loaded['not_in_file']) > 8 else ''})"
-                if loaded["not_in_file"] else "")
+    logger.info("--init_from %s: %s", init_file, loaded_weights_line(loaded, len(category_map)))
     return model, anchor_gen, None
 
 

@@ -18,7 +18,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "export": ("ExportableRetinaNet", "canvas_size", "compare_detections", "head_candidates", "prepare_input"),
     "loss": ("EmaLossNormalizer", "retinanet_loss"),
     "model": ("RetinaNet", "build_retinanet_from_config", "check_backbone", "load_matching_weights",
-              "log_model_size", "reorder_class_outputs"),
+              "loaded_weights_line", "log_model_size", "reorder_class_outputs"),
     "torchvision_weights": ("convert_torchvision_retinanet", "torchvision_coco_categories", "torchvision_model_config",
                             "torchvision_version"),
 })

@@ -392,6 +392,22 @@ def load_matching_weights(model: RetinaNet, state_dict: dict, prior_prob: float 
     return report
 
 
+def loaded_weights_line(report: dict[str, list[str]], num_classes: int) -> str:
+    """`load_matching_weights`' report as one log line: what was loaded, re-initialised, skipped (the first 8 names;
+    BatchNorm's num_batches_tracked counted apart: a frozen BatchNorm has none) and kept as initialised."""
+    skipped = report["skipped"]
+    named = [k for k in skipped if not k.endswith("num_batches_tracked")]
+    missing = report["not_in_file"]
+    return (f"loaded {len(report['loaded'])} tensors; re-initialised "
+            + (f"the classification output {report['reinitialised']} ({num_classes} classes; prior bias)"
+               if report["reinitialised"] else "nothing")
+            + f"; skipped {len(skipped)} ({', '.join(named[:8])}{' ...' if len(named) > 8 else ''}"
+            + (f"{', ' if named else ''}{len(skipped) - len(named)} BatchNorm num_batches_tracked"
+               if len(named) < len(skipped) else "")
+            + f"); not in the file, kept as initialised: {len(missing)}"
+            + (f" ({', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''})" if missing else ""))
+
+
 def log_model_size(model: nn.Module, backbone: str, side: int, is_main: bool = True) -> None:
     """The parameter counts and (`is_main`) the forward cost of one image of the largest input, `side` pixels (rounded
     up to INPUT_DIVISIBILITY) square."""
