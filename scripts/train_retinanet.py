@@ -54,9 +54,9 @@ import sys
 import time
 
 
-from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, add_sampler_flags, add_train_tile_flags,
-                         check_coco_for_training, data_dir_paths, loader_settings, make_small_objects_coco,
-                         make_synthetic_coco, read_class_names, train_tile_conflict)
+from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, add_format_flags, add_sampler_flags,
+                         add_train_tile_flags, check_coco_for_training, data_dir_paths, loader_settings,
+                         make_small_objects_coco, make_synthetic_coco, read_class_names, train_tile_conflict)
 from detlib.engine import (RunStop, add_tile_flags, data_defaults_table, float_range, format_given, int_at_least,
                            not_used_evaluating, parse_with_config, path, resolve_data_defaults, run_argument_parser,
                            running, show_data_defaults, stop, stop_together)
@@ -126,13 +126,7 @@ RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_an
 def build_parser() -> argparse.ArgumentParser:
     p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["data"]
-    g.add_argument("--data_dir", type=path, help="data set root: COCO (DIR/annotations/instances_{set}.json, images in DIR/{set} "
-                   "or DIR/images/{set}), Pascal VOC (DIR/Annotations/, DIR/JPEGImages/, DIR/ImageSets/Main/{set}.txt) "
-                   "or YOLO (DIR/data.yaml) (default: none; without data flags, the built-in synthetic set)")
-    g.add_argument("--data_format", choices=FORMATS, help="the layout of --data_dir (default: detected from its folders)")
-    g.add_argument("--train_set", help="training split: COCO's {set}, VOC's list name, YOLO's yaml key (default: "
-                   "train2017 for COCO, train for VOC and YOLO)")
-    g.add_argument("--val_set", help="validation split (default: val2017 for COCO, val for VOC and YOLO)")
+    add_format_flags(g)  # --data_dir of a COCO, VOC or YOLO set and its splits (detlib.data.formats)
     g.add_argument("--train_images", type=path, help="image folder of any COCO-format training set (default: none)")
     g.add_argument("--train_annotations", type=path, help="COCO json of the training set (default: none)")
     g.add_argument("--val_images", type=path, help="image folder of the validation set (default: none)")
@@ -162,9 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "for genuine large images (0: no limit)")
     g.add_argument("--strict_data", action="store_true", help="data repairs (parsed strings, renumbered ids, dropped "
                    "boxes, ...) stop the run like errors")
-    g.add_argument("--class_names", type=path, help="Pascal VOC: the classes, in label order: a file of one name a line, or names "
-                   "separated by commas; objects of other names are dropped and named (default: every name the xml "
-                   "files use, spellings that differ only in case, spaces, _ or - merged)")
 
     g = groups["model"]
     g.add_argument("--backbone", help="timm model name")
