@@ -46,6 +46,7 @@ from detlib.engine import (RunStop, data_defaults_table, float_range, format_giv
                            show_data_defaults, stop, stop_together)
 from detlib.lazy import no_grad
 from detlib.logtext import short_list
+from detlib.schedules import step_scheduler
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
 
 logger = logging.getLogger("train_catsdogs")
@@ -183,9 +184,7 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
 
     # Batches leave the workers as float32 (4 bytes per value) through /dev/shm.
     bytes_per_batch = 4 * 3 * args.image_size ** 2 * max(args.per_device_batch_size, args.per_device_eval_batch_size)
-    common, msg = loader_settings(args.num_workers, bytes_per_batch, persistent=True)
-    if msg:
-        logger.warning(msg)
+    common = loader_settings(args.num_workers, bytes_per_batch, persistent=True)
     val_ds = ImageFolderDataset(scans["val"], classification_transform(args.image_size, train=False), train=False)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.per_device_eval_batch_size, shuffle=False, **common)
     train_ds = train_loader = None
@@ -412,7 +411,6 @@ def main(argv=None):
     from detlib.engine import (MetricsLog, TrainLoop, TrainState, accelerator_for, evaluate_only, resume, resume_ema,
                                run_length)
     from detlib.evaluation import command_line
-    from detlib.schedules import step_scheduler
 
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     given = args.given  # what the user chose (flags or --config)

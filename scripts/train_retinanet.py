@@ -53,7 +53,6 @@ import os
 import sys
 import time
 
-
 from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, add_format_flags, add_sampler_flags,
                          add_train_tile_flags, check_coco_for_training, data_dir_paths, loader_settings,
                          make_small_objects_coco, make_synthetic_coco, read_class_names, train_tile_conflict)
@@ -61,8 +60,9 @@ from detlib.engine import (RunStop, add_tile_flags, data_defaults_table, float_r
                            not_used_evaluating, parse_with_config, path, resolve_data_defaults, run_argument_parser,
                            running, show_data_defaults, stop, stop_together)
 from detlib.files import write_json
-from detlib.hub import check_push, local_weights, push_best
+from detlib.hub import add_hub_flags, check_push, local_weights, push_best
 from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
+from detlib.schedules import step_scheduler
 from detlib.tiling import tiled_loader
 from detlib.lazy import no_grad
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
@@ -224,11 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num_log_images", type=int_at_least(0), default=16,
                    help="val images drawn with their detections at every evaluation, the same ones each time, under "
                         "OUTPUT_DIR/samples/ and to the trackers (default: %(default)s)")
-    g = groups["checkpointing"]
-    g.add_argument("--push_to_hub", metavar="REPO_ID", help="at the end, upload best/ (weights, model card, score "
-                   "thresholds) to this Hugging Face Hub model repo (owner/name; created when missing); the token "
-                   "and the network are checked at start (default: none, no upload)")
-    g.add_argument("--hub_private", action="store_true", help="--push_to_hub creates the repo private")
+    add_hub_flags(groups["checkpointing"])  # --push_to_hub of best/ at the end (detlib.hub)
     show_data_defaults(p, DATA_DEFAULTS)
     return p
 
@@ -317,9 +313,7 @@ def build_dataloaders(args, paths: dict[str, str]):
                        * (4 if args.resize_mode == "torchvision" else 1))  # float32 images in torchvision's resize
     # Workers are not persistent: each epoch's workers get a fresh copy of the data set with its epoch set
     # (the augmentation stream, see CocoDetection.set_epoch).
-    common, msg = loader_settings(args.num_workers, bytes_per_batch)
-    if msg:
-        logger.warning(msg)
+    common = loader_settings(args.num_workers, bytes_per_batch)
     common["collate_fn"] = collate_detection
     train_loader = None
     if train_ds is not None:
@@ -349,18 +343,6 @@ def build_dataloaders(args, paths: dict[str, str]):
     return train_ds, val_ds, train_loader, val_loader
 
 
-def card_dataset(args, paths: dict, synthetic: bool) -> dict:
-    """The data set as the model card names it: --data_dir's folder name, else the val json's name."""
-    if synthetic:
-        name = f"detlib synthetic {args.builtin.replace('_', ' ')}"
-    elif args.data_dir:
-        name = os.path.basename(os.path.abspath(args.data_dir))
-    else:
-        name = os.path.splitext(os.path.basename(paths["val_annotations"]))[0]
-    return {"name": name, "format": args.data_format, "train": paths.get("train_annotations"),
-            "val": paths.get("val_annotations")}
-
-
 def not_used_flags(args) -> list[str]:
     """The flags whose values this run ignores (its scheduler's or optimizer's are others), for config.yaml."""
     unused = {"momentum": args.optimizer != "sgd", "plateau_patience": args.lr_scheduler != "plateau",
@@ -375,7 +357,7 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
     Returns (that model config or None, the settings every checkpoint of this run records, notes: a line each).
     Stops in one line on flags or files that cannot work."""
     from detlib.evaluation import area_ranges_from_edges
-    from detlib.retinanet import ANCHOR_CONFIG_KEYS, check_backbone
+    from detlib.retinanet import ANCHOR_CONFIG_KEYS, check_backbone, check_head_norm
 
     flag, source = ("--evaluate_only", args.evaluate_only) if args.evaluate_only else ("--init_from", args.init_from)
     try:  # a Hub repo id is fetched now (from the cache when offline), before any work
@@ -415,18 +397,13 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
     settings["head_norm"] = args.head_norm or settings["head_norm"]  # given: over the saved model's
     if not args.evaluate_only and (args.anchor_sizes or (synthetic and args.builtin == "small_objects" and not source)):
         settings["anchor_sizes"] = args.anchor_sizes or SMALL_OBJECT_ANCHORS  # given: over the --init_from model's
-    largest = args.max_size or max([args.image_size, *(args.train_scales or [])])  # training and evaluation
-    if settings["head_norm"] == "gn" and args.fpn_channels % 32:
-        stop(f"--head_norm gn needs --fpn_channels divisible by 32 (GroupNorm's 32 groups), got {args.fpn_channels}")
-    if settings["head_norm"] == "gn" and args.fpn_channels == 32 and largest <= 128:
-        # one channel per group on P7's single cell (stride 128): GroupNorm's output there is its bias whatever the
-        # image, and torch refuses a batch of one image
-        stop(f"--head_norm gn with --fpn_channels 32 (one channel per group) at inputs of at most {largest} px, where "
-             "P7 is 1x1: GroupNorm would normalise single values; use --fpn_channels 64 or more, a larger --image_size, "
-             "or --head_norm none")
+    sizes = (args.max_size,) if args.max_size else (args.image_size, *(args.train_scales or ()))  # the longest sides
+    try:  # of training's and evaluation's inputs
+        check_head_norm(settings["head_norm"], args.fpn_channels, max(sizes))
+    except ValueError as e:
+        stop(str(e))
     try:
-        check_backbone(args.backbone, image_sizes=(args.max_size,) if args.max_size else
-                       (args.image_size, *(args.train_scales or ())))
+        check_backbone(args.backbone, image_sizes=sizes)
     except ValueError as e:
         stop(f"--backbone: {e}" if "backbone" in given and not args.evaluate_only else
              f"backbone {args.backbone!r} (from {source or 'the default'}): {e}")
@@ -501,8 +478,6 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
     LambdaLR (`detlib.schedules.step_scheduler`), a function of the step alone: built after a resume at `done_steps`,
     it gives that step the LR of this run's schedule."""
     import torch
-
-    from detlib.schedules import step_scheduler
 
     if args.lr_scheduler == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
@@ -649,7 +624,7 @@ def main(argv=None):
 
     from detlib.engine import (MetricsLog, TrainLoop, TrainState, accelerator_for, evaluate_only, resume, resume_ema,
                                run_length)
-    from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, command_line
+    from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, card_dataset, command_line
     from detlib.retinanet import EmaLossNormalizer, log_model_size
 
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
@@ -709,7 +684,8 @@ def main(argv=None):
         config = {**vars(args), "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
                   "synthetic_data": synthetic, "num_classes": len(category_map),
                   **{f"data_{k}": v for k, v in paths.items()}, "not_used": not_used_flags(args)}
-        card = {"dataset": card_dataset(args, paths, synthetic), "command": command_line("train_retinanet.py", argv)}
+        card = {"dataset": card_dataset(paths, args.data_format, args.data_dir, synthetic and args.builtin),
+                "command": command_line("train_retinanet.py", argv)}
         metrics = MetricsLog(accelerator, args.output_dir)
         evaluator = CocoEvaluator(val_ds.dataset, args.coco_eval_backend,
                                   area_ranges=area_ranges_from_edges(args.area_ranges) if args.area_ranges else None)
