@@ -185,7 +185,7 @@ def detect_format(root: str) -> str:
 
 def add_format_flags(group) -> None:
     """--data_dir, --data_format, --train_set, --val_set and --class_names on an argparse group."""
-    from ..engine.flags import path
+    from ..argtypes import path
 
     group.add_argument("--data_dir", type=path, help="data set root: COCO (DIR/annotations/instances_{set}.json, images "
                        "in DIR/{set} or DIR/images/{set}), Pascal VOC (DIR/Annotations/, DIR/JPEGImages/, "

@@ -18,7 +18,7 @@ BALANCED_SAMPLERS = {
 def add_sampler_flags(group, balanced: str) -> None:
     """--sampler {shuffle, `balanced`} on an argparse group, `balanced` a key of BALANCED_SAMPLERS; with
     repeat_factor also its --repeat_threshold."""
-    from ..engine.flags import float_range
+    from ..argtypes import float_range
 
     group.add_argument("--sampler", default="shuffle", choices=["shuffle", balanced], help="training images per "
                        f"epoch: each once, shuffled; or {balanced}, {BALANCED_SAMPLERS[balanced]} (default: %(default)s)")
@@ -31,7 +31,7 @@ def add_sampler_flags(group, balanced: str) -> None:
 
 def add_train_tile_flags(group) -> None:
     """--train_tile, --tile_min_visible, --empty_tile_rate on an argparse group (`train_tiles.TrainingTiles`)."""
-    from ..engine.flags import float_range, int_at_least
+    from ..argtypes import float_range, int_at_least
 
     group.add_argument("--train_tile", type=int_at_least(32), metavar="SIZE", help="train on SIZE x SIZE tiles cut "
                        "from the training images at native resolution (not resized; --image_size is the whole-image "

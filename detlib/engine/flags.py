@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import os
 import shlex
 import sys
 
 import yaml
+
+from ..argtypes import float_range, int_at_least, path
 
 # .run_folder is imported where used: it imports torch, and --help needs none of it
 
@@ -41,12 +42,6 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # An evaluation-only run writes into OUTPUT_DIR/evaluate_only and records that folder as output_dir.
 EVALUATE_ONLY_SUBDIR = "evaluate_only"
-
-
-def path(text: str) -> str:
-    """argparse type of a flag naming a file or folder: an existing one as an absolute path (read from the folder the
-    command runs in); anything else as typed (a Hub repo id, a list of names, a path that a later check names)."""
-    return os.path.abspath(text) if os.path.exists(text) else text
 
 
 def _checkpoint(text: str) -> str:
@@ -74,31 +69,6 @@ def time_limit(text: str) -> str:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"must be longer than 0, got {text}")
     return text.strip()
-
-
-def int_at_least(lo: int):
-    """argparse type: an integer >= `lo`."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text}")
-        return value
-    parse.__name__ = f"integer >= {lo}"
-    return parse
-
-
-def float_range(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False):
-    """argparse type: a finite number in [lo, hi] (the ends left out with `lo_open` / `hi_open`)."""
-    def parse(text: str) -> float:
-        value = float(text)
-        if (not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo)
-                or (hi_open and value == hi)):
-            raise argparse.ArgumentTypeError(f"must be a number {'>' if lo_open else '>='} {lo}"
-                                             + (f" and {'<' if hi_open else '<='} {hi}" if hi != math.inf else "")
-                                             + f", got {text}")
-        return value
-    parse.__name__ = "number"
-    return parse
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
