@@ -139,6 +139,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
     """(a parser with `--config` and the shared flags, its groups by name for the script's own flags); `defaults`:
     the script's defaults of the shared flags. Parse with `parse_with_config`."""
+    from .stopping import add_stopping_flags
+
     p = ArgumentParser(description=description, formatter_class=HelpFormatter, usage="%(prog)s [flags]")
     p.add_argument("--config", metavar="FILE.yaml", type=path, help="flag: value lines as defaults, the command line over them; a "
                    "run's OUTPUT_DIR/config.yaml re-runs it (default: none)")
@@ -174,8 +176,6 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g = groups["evaluation"]
     g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last")
     g.add_argument("--per_device_eval_batch_size", type=int_at_least(1), help="images per device and evaluation batch")
-    g.add_argument("--early_stopping_patience", metavar="N", type=int_at_least(0), default=0, help="end the run, as a "
-                   "finished one ends, after N evaluations in a row without a better best (AP, accuracy) (0: never)")
     g.add_argument("--evaluate_only", metavar="PATH", type=path, help="evaluate a run, best/, last/, a checkpoint or a weights "
                    "file and exit (results in OUTPUT_DIR/evaluate_only/; default: train)")
     g = groups["checkpointing"]
@@ -186,9 +186,7 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g.add_argument("--resume_from_checkpoint", metavar="latest|PATH", type=_checkpoint, help="latest: the newest intact checkpoint of "
                    "OUTPUT_DIR; or a checkpoint folder (default: a new run)")
     g.add_argument("--overwrite_output_dir", action="store_true", help="a new run in a folder of another, deleting it")
-    g.add_argument("--time_limit", metavar="HH:MM:SS", type=time_limit, help="a time budget (a SLURM wall time, a spot "
-                   "instance): stop at a step with a checkpoint while there is time to write it, exit 0, resume with "
-                   "--resume_from_checkpoint latest; counted from the start of the launcher (default: none)")
+    add_stopping_flags(groups["evaluation"], g)  # --early_stopping_patience, --time_limit (.stopping)
     g = groups["logging"]
     g.add_argument("--report_to", default=DEFAULT_REPORT_TO, choices=REPORT_TO, help="trackers: tensorboard "
                    "(OUTPUT_DIR/tensorboard), wandb (offline to OUTPUT_DIR/wandb without an account); metrics.jsonl "
