@@ -465,7 +465,7 @@ def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_p
 
     data = make_detection_set(tmp_path / "d", 4, n_val=2)
     out = tmp_path / "run"
-    text = forked_ok("train_retinanet.py", data + TINY[:-2] + [  # a process of its own (wandb's), forked
+    text = forked_ok("train_retinanet.py", data + TINY[:-2] + NO_WORKERS + [  # a process of its own (wandb's), forked
         "--epochs", "2", "--eval_interval", "1", "--score_thresh", "0.0", "--num_log_images", "2", "--log_interval", "10",
         "--report_to", "all", "--output_dir", str(out)], num_processes=1, env={"WANDB_MODE": "offline"})
     m = read_metrics(out)
