@@ -140,6 +140,14 @@ def check_push(repo_id: str, private: bool = False) -> str | None:
     return None
 
 
+def add_hub_flags(group) -> None:
+    """--push_to_hub and --hub_private on an argparse group (`check_push` at start, `push_best` at the end)."""
+    group.add_argument("--push_to_hub", metavar="REPO_ID", help="at the end, upload best/ (weights, model card, score "
+                       "thresholds) to this Hugging Face Hub model repo (owner/name; created when missing); the token "
+                       "and the network are checked at start (default: none, no upload)")
+    group.add_argument("--hub_private", action="store_true", help="--push_to_hub creates the repo private")
+
+
 def push_folder(folder: str, repo_id: str, private: bool = False, message: str | None = None) -> str:
     """Upload a weights folder (its model card, README.md, included) to the Hub model repo `repo_id` (created
     when missing). Returns the repo's URL. Raises RuntimeError (one line) when the upload fails."""

@@ -136,3 +136,21 @@ def model_classes_in_data(model: CategoryMap, data: CategoryMap, by_name: bool =
         logger.info("%s: %s", flag, line)
     ids = [mapping[c] for c in model.category_ids]
     return ids, [ids.index(c) if c in ids else None for c in data.category_ids]
+
+
+def evaluated_classes(saved: dict, coco: dict, by_name: bool, model_source: str, data_source: str) -> CategoryMap:
+    """The classes of a model evaluated on a COCO json: those of its model_config.json (`saved`: "category_ids" and
+    optional "category_names"), under the ids the json (`coco`) gives them (`model_classes_in_data`: by id, or by name
+    with `by_name`); a class the json lacks is evaluated under an id the json does not use. Raises ValueError (one line)
+    on classes that do not match and on val boxes of a category that is no class of the model."""
+    classes = CategoryMap(saved["category_ids"], saved.get("category_names"))
+    if saved.get("category_names"):
+        data = CategoryMap(*zip(*[(c["id"], c.get("name", c["id"])) for c in coco["categories"]]))
+        ids, _ = model_classes_in_data(classes, data, by_name, model_source, data_source)
+        spare = iter(range(max(data.category_ids) + 1, max(data.category_ids) + 1 + len(ids)))
+        classes = CategoryMap([next(spare) if i is None else i for i in ids], classes.names, sort=False)
+    unknown = sorted({a["category_id"] for a in coco["annotations"]} - set(classes.category_ids))
+    if unknown:
+        raise ValueError(f"{data_source}: category ids {unknown} have val boxes but are not classes of the model in "
+                         f"{model_source}")
+    return classes

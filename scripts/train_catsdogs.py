@@ -39,13 +39,14 @@ import time
 
 from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLoader as it is made (workers twice)
 
-from detlib.data import VERIFY_MODES, loader_settings, make_synthetic_image_folder
+from detlib.data import VERIFY_MODES, add_sampler_flags, loader_settings, make_synthetic_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least, parse_with_config,
-                           path, resolve_data_defaults, run_argument_parser, running, show_data_defaults, stop,
-                           stop_together)
+from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least, not_used_evaluating,
+                           parse_with_config, path, resolve_data_defaults, run_argument_parser, running,
+                           show_data_defaults, stop, stop_together)
 from detlib.lazy import no_grad
 from detlib.logtext import short_list
+from detlib.schedules import step_scheduler
 from detlib.weights import WeightsFileError, load_model_weights, read_model_config, require_model_keys, weights_path
 
 logger = logging.getLogger("train_catsdogs")
@@ -91,10 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check at start: full decode (finds truncated files), header only, or none (default: %(default)s)")
     g.add_argument("--strict_data", action="store_true", help="data repairs (unreadable files left out, files in two "
                    "classes left out, ...) stop the run like errors")
-    g.add_argument("--sampler", default="shuffle", choices=["shuffle", "class_balanced"],
-                   help="training images per epoch: each once, shuffled; or class_balanced, as many draws of each "
-                        "class (the minority's images repeated), for classes far rarer than others (docs/catsdogs.md) "
-                        "(default: %(default)s)")
+    add_sampler_flags(g, "class_balanced")  # --sampler (detlib.data.balanced)
 
     g = groups["optimization"]
     g.add_argument("--lr", type=float_range(0), help="peak learning rate")
@@ -154,11 +152,7 @@ def resolve_evaluated_model(args, given: set[str]) -> tuple[dict, list[str]]:
     args.model = saved.get("model", args.model)
     if "image_size" not in given:
         args.image_size = saved["image_size"]
-    notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in (
-        ("weights", "loads the weights it names"), ("pretrained", "loads the weights it names"),
-        ("resume_from_checkpoint", "trains nothing"),
-        ("compile", "runs the weights uncompiled, as every evaluation does"),
-        ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema")) if getattr(args, k)]
+    notes += not_used_evaluating(args, ("weights", "pretrained"))
     return saved, notes
 
 
@@ -173,7 +167,7 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     import torch
 
     from detlib.classification import classification_transform
-    from detlib.data import ClassBalancedSampler, ImageFolderDataset, log_class_frequencies, scan_image_folder
+    from detlib.data import ImageFolderDataset, scan_image_folder, training_sampler
 
     from accelerate import PartialState
 
@@ -190,21 +184,14 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
 
     # Batches leave the workers as float32 (4 bytes per value) through /dev/shm.
     bytes_per_batch = 4 * 3 * args.image_size ** 2 * max(args.per_device_batch_size, args.per_device_eval_batch_size)
-    common, msg = loader_settings(args.num_workers, bytes_per_batch, persistent=True)
-    if msg:
-        logger.warning(msg)
+    common = loader_settings(args.num_workers, bytes_per_batch, persistent=True)
     val_ds = ImageFolderDataset(scans["val"], classification_transform(args.image_size, train=False), train=False)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.per_device_eval_batch_size, shuffle=False, **common)
     train_ds = train_loader = None
     if "train" in scans:
-        train_ds = ImageFolderDataset(scans["train"], classification_transform(args.image_size, train=True), train=True,
-                                      seed=args.seed)
-        sampler = None
-        if args.sampler == "class_balanced":  # each class drawn equally often (detlib.data.balanced)
-            labels = [t for _, t in train_ds.samples]
-            sampler = ClassBalancedSampler(labels, args.seed)
-            log_class_frequencies([[t] for t in labels], sampler, train_ds.classes, "--sampler class_balanced",
-                                  args.output_dir, is_main)
+        train_ds = ImageFolderDataset(scans["train"], classification_transform(args.image_size, train=True), seed=args.seed)
+        sampler = training_sampler(args.sampler, [[t] for _, t in train_ds.samples], train_ds.classes, args.seed,
+                                   args.output_dir, is_main)  # class_balanced: each class drawn equally often
         # workers not persistent: each epoch's copy the data set with its epoch set (ImageFolderDataset.set_epoch)
         train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.per_device_batch_size,
                                                    shuffle=sampler is None, sampler=sampler,
@@ -213,20 +200,13 @@ def build_dataloaders(args, dirs: dict[str, str | None]):
     return train_ds, val_ds, train_loader, val_loader
 
 
-# Linear warm-up from 0 over --warmup_steps (default 5% of the steps), then cosine decay to 0, per optimizer step.
+# Linear warm-up from 0 over --warmup_steps (default 5% of the steps), then cosine decay to 0, per optimizer step
+# (detlib.schedules).
 WARMUP_FRACTION = 0.05
 # What a resume cannot change: the model and its classes, the optimizer with its settings (its state brings them back),
 # the samples per step and the data position (process count, batch, accumulation, the sampler), fp16's GradScaler.
 FIXED_ON_RESUME = ("model", "num_classes", "classes", "optimizer", "lr", "weight_decay", "momentum", "num_processes",
                    "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision", "sampler")
-
-
-def warmup_cosine(step: int, total_steps: int, warmup_steps: int) -> float:
-    """The LR factor of optimizer step `step` (0-based): linear from 0 to 1 over `warmup_steps`, then a half cosine
-    to 0 at `total_steps`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))))
 
 
 def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args) -> None:
@@ -480,8 +460,7 @@ def main(argv=None):
                                FIXED_ON_RESUME, "--weights", RECORD_KEYS))
         # a function of the step (built at the resumed one), stepped per optimizer step; not prepared: a prepared
         # scheduler steps once per process on every call
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, total_steps, warmup),
-                                                      last_epoch=state.global_step - 1)
+        scheduler = step_scheduler(optimizer, "cosine", total_steps, warmup, done_steps=state.global_step)
         loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
                          given_line, metrics, optimizer.param_groups[0]["lr"], metric="val_accuracy", evaluate=evaluate,
                          write_files=functools.partial(write_model_files, model_config, card))

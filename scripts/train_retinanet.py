@@ -53,15 +53,16 @@ import os
 import sys
 import time
 
-
-from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, FORMATS, check_coco_for_training, data_dir_paths,
-                         loader_settings, make_small_objects_coco, make_synthetic_coco, read_class_names)
+from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, add_format_flags, add_sampler_flags,
+                         add_train_tile_flags, check_coco_for_training, data_dir_paths, loader_settings,
+                         make_small_objects_coco, make_synthetic_coco, read_class_names, train_tile_conflict)
 from detlib.engine import (RunStop, add_tile_flags, data_defaults_table, float_range, format_given, int_at_least,
-                           parse_with_config, path, resolve_data_defaults, run_argument_parser, running,
-                           show_data_defaults, stop, stop_together)
+                           not_used_evaluating, parse_with_config, path, resolve_data_defaults, run_argument_parser,
+                           running, show_data_defaults, stop, stop_together)
 from detlib.files import write_json
-from detlib.hub import check_push, local_weights, push_best
+from detlib.hub import add_hub_flags, check_push, local_weights, push_best
 from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
+from detlib.schedules import step_scheduler
 from detlib.tiling import tiled_loader
 from detlib.lazy import no_grad
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
@@ -125,13 +126,7 @@ RECORD_KEYS = ("num_classes", "resize_mode", "data_train_images", "data_train_an
 def build_parser() -> argparse.ArgumentParser:
     p, groups = run_argument_parser(__doc__, **RUN_DEFAULTS)  # --config, epochs, batch, checkpoints, logging
     g = groups["data"]
-    g.add_argument("--data_dir", type=path, help="data set root: COCO (DIR/annotations/instances_{set}.json, images in DIR/{set} "
-                   "or DIR/images/{set}), Pascal VOC (DIR/Annotations/, DIR/JPEGImages/, DIR/ImageSets/Main/{set}.txt) "
-                   "or YOLO (DIR/data.yaml) (default: none; without data flags, the built-in synthetic set)")
-    g.add_argument("--data_format", choices=FORMATS, help="the layout of --data_dir (default: detected from its folders)")
-    g.add_argument("--train_set", help="training split: COCO's {set}, VOC's list name, YOLO's yaml key (default: "
-                   "train2017 for COCO, train for VOC and YOLO)")
-    g.add_argument("--val_set", help="validation split (default: val2017 for COCO, val for VOC and YOLO)")
+    add_format_flags(g)  # --data_dir of a COCO, VOC or YOLO set and its splits (detlib.data.formats)
     g.add_argument("--train_images", type=path, help="image folder of any COCO-format training set (default: none)")
     g.add_argument("--train_annotations", type=path, help="COCO json of the training set (default: none)")
     g.add_argument("--val_images", type=path, help="image folder of the validation set (default: none)")
@@ -148,26 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--builtin", default="shapes", choices=BUILTIN_SETS, help="the built-in set trained on without data "
                    "flags: shapes (128 px images) or small_objects (8-32 px objects on 768-1280 px images; anchors of "
                    "8-128 px; train it with --train_tile) (default: %(default)s)")
-    g.add_argument("--train_tile", type=int_at_least(32), metavar="SIZE", help="train on SIZE x SIZE tiles cut from the "
-                   "training images at native resolution (not resized; --image_size is the whole-image evaluation's "
-                   "size), for objects too small to survive the resize (default: none, whole images)")
-    g.add_argument("--tile_min_visible", type=float_range(0, 1, lo_open=True), default=0.5, metavar="FRAC",
-                   help="--train_tile: a box with at least this share of its area inside a tile is a target there, "
-                   "clipped; one with less is ignored, not taught as background (default: %(default)s)")
-    g.add_argument("--empty_tile_rate", type=float_range(0, 1), default=0.1, metavar="R", help="--train_tile: the "
-                   "share of the tiles without a target that each epoch holds (default: %(default)s)")
+    add_train_tile_flags(g)  # --train_tile SIZE and its tiles' rules (detlib.data.train_tiles)
     g.add_argument("--include_crowd", action="store_true", help="train on iscrowd boxes instead of ignoring their anchors")
     g.add_argument("--aspect_grouping", action=argparse.BooleanOptionalAction, default=True,
                    help="training batches of only landscape or only portrait images (default: on)")
-    g.add_argument("--sampler", default="shuffle", choices=["shuffle", "repeat_factor"],
-                   help="training images per epoch: each once, shuffled; or repeat_factor, the LVIS rule: an image "
-                        "is drawn max(1, sqrt(T / f)) times per epoch (stochastic rounding), f the fraction of images "
-                        "holding its rarest class, for classes far rarer than others (docs/flags.md) (default: "
-                        "%(default)s)")
-    g.add_argument("--repeat_threshold", type=float_range(0, 1, lo_open=True), default=0.1, metavar="T",
-                   help="--sampler repeat_factor: classes in fewer than this fraction of the training images are "
-                        "repeated; the images of one in a fraction f of them are drawn sqrt(T / f) times as often "
-                        "(default: %(default)s)")
+    add_sampler_flags(g, "repeat_factor")  # --sampler, --repeat_threshold (detlib.data.balanced)
     g.add_argument("--filter_empty", action=argparse.BooleanOptionalAction, default=True,
                    help="leave out training images with no usable box, as torchvision and detectron2 do (default: on)")
     g.add_argument("--skip_image_check", action="store_true", help="check the json only, not the image files' headers")
@@ -176,9 +156,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "for genuine large images (0: no limit)")
     g.add_argument("--strict_data", action="store_true", help="data repairs (parsed strings, renumbered ids, dropped "
                    "boxes, ...) stop the run like errors")
-    g.add_argument("--class_names", type=path, help="Pascal VOC: the classes, in label order: a file of one name a line, or names "
-                   "separated by commas; objects of other names are dropped and named (default: every name the xml "
-                   "files use, spellings that differ only in case, spaces, _ or - merged)")
 
     g = groups["model"]
     g.add_argument("--backbone", help="timm model name")
@@ -247,11 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num_log_images", type=int_at_least(0), default=16,
                    help="val images drawn with their detections at every evaluation, the same ones each time, under "
                         "OUTPUT_DIR/samples/ and to the trackers (default: %(default)s)")
-    g = groups["checkpointing"]
-    g.add_argument("--push_to_hub", metavar="REPO_ID", help="at the end, upload best/ (weights, model card, score "
-                   "thresholds) to this Hugging Face Hub model repo (owner/name; created when missing); the token "
-                   "and the network are checked at start (default: none, no upload)")
-    g.add_argument("--hub_private", action="store_true", help="--push_to_hub creates the repo private")
+    add_hub_flags(groups["checkpointing"])  # --push_to_hub of best/ at the end (detlib.hub)
     show_data_defaults(p, DATA_DEFAULTS)
     return p
 
@@ -262,10 +235,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parse_with_config(p, argv, RECORD_KEYS)
     if args.builtin != "shapes" and args.output_dir is None and not (args.data_dir or args.train_images or args.val_images):
         args.output_dir = f"outputs/retinanet_{args.builtin}"  # not the shapes run's folder
-    if args.train_tile and args.train_scales:
-        p.error("--train_scales resizes the training images; --train_tile trains at their native resolution: give one")
-    if args.train_tile and args.sampler == "repeat_factor":  # its repeat factors are per image, the items are tiles
-        p.error("--sampler repeat_factor draws images; with --train_tile the items are tiles: not together yet")
+    if train_tile_conflict(args):
+        p.error(train_tile_conflict(args))
     if args.max_size is not None and args.image_size is not None and args.max_size < args.image_size:
         p.error(f"--max_size {args.max_size} is smaller than --image_size {args.image_size} (the shorter side)")
     return args
@@ -301,9 +272,9 @@ def build_dataloaders(args, paths: dict[str, str]):
     import torch
 
     from detlib.data import (CocoDetection, EvaluationBatchSampler, EvaluationCollate, GroupedBatchSampler,
-                             RepeatFactorSampler, TrainingTiles, aspect_groups, build_transform, collate_detection,
-                             evaluation_shapes, log_class_frequencies, repeat_factors)
-    from detlib.labels import CategoryMap, model_classes_in_data
+                             TrainingTiles, aspect_groups, build_transform, collate_detection, evaluation_shapes,
+                             training_sampler)
+    from detlib.labels import evaluated_classes
 
     from accelerate import PartialState
 
@@ -331,19 +302,9 @@ def build_dataloaders(args, paths: dict[str, str]):
     # only those it uses), or those of the evaluated checkpoint.
     category_map = train_ds.category_map if train_ds is not None else None
     saved = read_model_config(args.evaluate_only) if args.evaluate_only else None
-    if category_map is None and saved and saved.get("category_ids"):
-        category_map = CategoryMap(saved["category_ids"], saved.get("category_names"))
-        if saved.get("category_names"):  # the json's ids must mean the model's classes (or be matched by name); a
-            # class the json lacks is evaluated under an id the json does not use
-            data = CategoryMap(*zip(*[(c["id"], c.get("name", c["id"])) for c in val_json["categories"]]))
-            ids, _ = model_classes_in_data(category_map, data, args.categories_by_name, args.evaluate_only,
-                                           paths["val_annotations"])
-            spare = iter(range(max(data.category_ids) + 1, max(data.category_ids) + 1 + len(ids)))
-            category_map = CategoryMap([next(spare) if i is None else i for i in ids], category_map.names, sort=False)
-        unknown = sorted({a["category_id"] for a in val_json["annotations"]} - set(category_map.category_ids))
-        if unknown:
-            raise ValueError(f"{paths['val_annotations']}: category ids {unknown} have val boxes but are not classes of "
-                             f"the model in {args.evaluate_only}")
+    if category_map is None and saved and saved.get("category_ids"):  # the json's ids must mean the model's classes
+        category_map = evaluated_classes(saved, val_json, args.categories_by_name, args.evaluate_only,
+                                         paths["val_annotations"])
     val_ds = CocoDetection(paths["val_images"], val_json, build_transform(args.image_size, "none", args.max_size, args.resize_mode),
                            include_crowd=args.include_crowd, train=False, max_image_pixels=args.max_image_pixels or None,
                            category_map=category_map)
@@ -352,20 +313,15 @@ def build_dataloaders(args, paths: dict[str, str]):
                        * (4 if args.resize_mode == "torchvision" else 1))  # float32 images in torchvision's resize
     # Workers are not persistent: each epoch's workers get a fresh copy of the data set with its epoch set
     # (the augmentation stream, see CocoDetection.set_epoch).
-    common, msg = loader_settings(args.num_workers, bytes_per_batch)
-    if msg:
-        logger.warning(msg)
+    common = loader_settings(args.num_workers, bytes_per_batch)
     common["collate_fn"] = collate_detection
     train_loader = None
     if train_ds is not None:
         drop_last = len(train_ds) >= args.per_device_batch_size
-        sampler = None
-        if args.sampler == "repeat_factor":  # images of rare classes drawn more often (detlib.data.balanced)
-            classes = [r["labels"][~r["iscrowd"]] for r in train_ds.records]
-            sampler = RepeatFactorSampler(repeat_factors(classes, args.repeat_threshold), args.seed)
-            log_class_frequencies(classes, sampler, train_ds.category_map.names, f"--sampler repeat_factor "
-                                  f"--repeat_threshold {args.repeat_threshold:g}", args.output_dir,
-                                  PartialState().is_main_process)
+        # --sampler repeat_factor: images of rare classes drawn more often (None: shuffled by the loader)
+        sampler = training_sampler(args.sampler, [r["labels"][~r["iscrowd"]] for r in train_ds.records],
+                                   train_ds.category_map.names, args.seed, args.output_dir,
+                                   PartialState().is_main_process, args.repeat_threshold)
         if args.aspect_grouping:  # landscape and portrait images in separate batches: less padding
             batches = GroupedBatchSampler(aspect_groups([r["size"] for r in train_ds.records]), args.per_device_batch_size,
                                           seed=args.seed, drop_last=drop_last, sampler=sampler)
@@ -387,18 +343,6 @@ def build_dataloaders(args, paths: dict[str, str]):
     return train_ds, val_ds, train_loader, val_loader
 
 
-def card_dataset(args, paths: dict, synthetic: bool) -> dict:
-    """The data set as the model card names it: --data_dir's folder name, else the val json's name."""
-    if synthetic:
-        name = f"detlib synthetic {args.builtin.replace('_', ' ')}"
-    elif args.data_dir:
-        name = os.path.basename(os.path.abspath(args.data_dir))
-    else:
-        name = os.path.splitext(os.path.basename(paths["val_annotations"]))[0]
-    return {"name": name, "format": args.data_format, "train": paths.get("train_annotations"),
-            "val": paths.get("val_annotations")}
-
-
 def not_used_flags(args) -> list[str]:
     """The flags whose values this run ignores (its scheduler's or optimizer's are others), for config.yaml."""
     unused = {"momentum": args.optimizer != "sgd", "plateau_patience": args.lr_scheduler != "plateau",
@@ -413,7 +357,7 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
     Returns (that model config or None, the settings every checkpoint of this run records, notes: a line each).
     Stops in one line on flags or files that cannot work."""
     from detlib.evaluation import area_ranges_from_edges
-    from detlib.retinanet import ANCHOR_CONFIG_KEYS, check_backbone
+    from detlib.retinanet import ANCHOR_CONFIG_KEYS, check_backbone, check_head_norm
 
     flag, source = ("--evaluate_only", args.evaluate_only) if args.evaluate_only else ("--init_from", args.init_from)
     try:  # a Hub repo id is fetched now (from the cache when offline), before any work
@@ -449,26 +393,17 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
         notes.append(f"no model_config.json beside {weights_path(source)}: the model is built from the flags and "
                      f"defaults ({args.backbone}, fpn_channels {args.fpn_channels}, {args.image_size} px)")
     if args.evaluate_only:
-        notes += [f"--{k} is not used: --evaluate_only {why}" for k, why in (
-            ("backbone_weights", "loads the weights it names"), ("pretrained_backbone", "loads the weights it names"),
-            ("init_from", "loads the weights it names"), ("resume_from_checkpoint", "trains nothing"),
-            ("compile", "runs the weights uncompiled, as every evaluation does"),
-            ("model_ema", "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema")) if getattr(args, k)]
+        notes += not_used_evaluating(args, ("backbone_weights", "pretrained_backbone", "init_from"))
     settings["head_norm"] = args.head_norm or settings["head_norm"]  # given: over the saved model's
     if not args.evaluate_only and (args.anchor_sizes or (synthetic and args.builtin == "small_objects" and not source)):
         settings["anchor_sizes"] = args.anchor_sizes or SMALL_OBJECT_ANCHORS  # given: over the --init_from model's
-    largest = args.max_size or max([args.image_size, *(args.train_scales or [])])  # training and evaluation
-    if settings["head_norm"] == "gn" and args.fpn_channels % 32:
-        stop(f"--head_norm gn needs --fpn_channels divisible by 32 (GroupNorm's 32 groups), got {args.fpn_channels}")
-    if settings["head_norm"] == "gn" and args.fpn_channels == 32 and largest <= 128:
-        # one channel per group on P7's single cell (stride 128): GroupNorm's output there is its bias whatever the
-        # image, and torch refuses a batch of one image
-        stop(f"--head_norm gn with --fpn_channels 32 (one channel per group) at inputs of at most {largest} px, where "
-             "P7 is 1x1: GroupNorm would normalise single values; use --fpn_channels 64 or more, a larger --image_size, "
-             "or --head_norm none")
+    sizes = (args.max_size,) if args.max_size else (args.image_size, *(args.train_scales or ()))  # the longest sides
+    try:  # of training's and evaluation's inputs
+        check_head_norm(settings["head_norm"], args.fpn_channels, max(sizes))
+    except ValueError as e:
+        stop(str(e))
     try:
-        check_backbone(args.backbone, image_sizes=(args.max_size,) if args.max_size else
-                       (args.image_size, *(args.train_scales or ())))
+        check_backbone(args.backbone, image_sizes=sizes)
     except ValueError as e:
         stop(f"--backbone: {e}" if "backbone" in given and not args.evaluate_only else
              f"backbone {args.backbone!r} (from {source or 'the default'}): {e}")
@@ -488,7 +423,8 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
     other ids matched by name with --categories_by_name). Returns (model, anchor generator, the weights file
     evaluated or None). Raises RunStop (one line) on weights that do not fit."""
     from detlib.labels import CategoryMap, model_classes_in_data
-    from detlib.retinanet import RetinaNet, anchor_generator_from_config, load_matching_weights, reorder_class_outputs
+    from detlib.retinanet import (RetinaNet, anchor_generator_from_config, load_matching_weights, loaded_weights_line,
+                                  reorder_class_outputs)
 
     pretrained = bool(args.backbone_weights or args.pretrained_backbone or args.init_from)
     if args.freeze_at is None:
@@ -533,49 +469,21 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
             raise RunStop(f"--init_from: {e}") from None
         if args.categories_by_name:
             reorder_class_outputs(model, source_class)
-    named = [k for k in loaded["skipped"] if not k.endswith("num_batches_tracked")]  # a frozen BatchNorm has none
-    logger.info("--init_from %s: loaded %d tensors; re-initialised %s; skipped %d (%s%s); not in the file, kept as "
-                "initialised: %d%s", init_file, len(loaded["loaded"]),
-                (f"the classification output {loaded['reinitialised']} ({len(category_map)} classes; prior bias)"
-                 if loaded["reinitialised"] else "nothing"), len(loaded["skipped"]),
-                ", ".join(named[:8]) + (" ..." if len(named) > 8 else ""),
-                f"{', ' if named else ''}{len(loaded['skipped']) - len(named)} BatchNorm num_batches_tracked"
-                if len(named) < len(loaded["skipped"]) else "", len(loaded["not_in_file"]),
-                f" ({', '.join(loaded['not_in_file'][:8])}{' ...' if len(loaded['not_in_file']) > 8 else ''})"
-                if loaded["not_in_file"] else "")
+    logger.info("--init_from %s: %s", init_file, loaded_weights_line(loaded, len(category_map)))
     return model, anchor_gen, None
-
-
-def lr_factor(step: int, kind: str, total_steps: int, warmup_steps: int = 0, milestones=()) -> float:
-    """The LR factor of optimizer step `step` (0-based) of the per-step schedules: a linear warm-up from WARMUP_START
-    over `warmup_steps` (Goyal et al. 2017, section 2.2: step s takes WARMUP_START + (1 - WARMUP_START) * (s + 1) /
-    warmup_steps, so that step warmup_steps - 1 is the first at the full LR), then multistep (x0.1 at each of
-    `milestones`, in steps), cosine (a half cosine to 0 at `total_steps`) or constant. A run shorter than its warm-up
-    never reaches the base LR."""
-    warm = WARMUP_START + (1 - WARMUP_START) * (step + 1) / warmup_steps if step < warmup_steps else 1.0
-    if kind == "multistep":
-        return warm * 0.1 ** sum(step >= m for m in milestones)
-    if kind == "cosine":
-        return warm * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))))
-    return warm
 
 
 def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, done_steps: int = 0):
     """ReduceLROnPlateau (stepped per epoch on its mean loss, no warm-up; its state is checkpointed) or a per-step
-    LambdaLR (`lr_factor`), a function of the step alone: built after a resume at `done_steps`, it gives that step the
-    LR of this run's schedule. Not given to `accelerator.prepare`, which would step it once per process per call."""
+    LambdaLR (`detlib.schedules.step_scheduler`), a function of the step alone: built after a resume at `done_steps`,
+    it gives that step the LR of this run's schedule."""
     import torch
 
     if args.lr_scheduler == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=0.1,
                                                           patience=args.plateau_patience)
-    if args.warmup_steps >= total_steps:
-        logger.warning("--warmup_steps %d is not shorter than the run's %d optimizer steps: the LR never reaches its "
-                       "base value; lower --warmup_steps", args.warmup_steps, total_steps)
-    milestones = [e * steps_per_epoch for e in args.lr_steps]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.lr_scheduler, total_steps,
-                                                                            args.warmup_steps, milestones),
-                                             last_epoch=done_steps - 1)
+    return step_scheduler(optimizer, args.lr_scheduler, total_steps, args.warmup_steps,
+                          [e * steps_per_epoch for e in args.lr_steps], WARMUP_START, done_steps)
 
 
 def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, loop, args, normalizer=None) -> None:
@@ -716,7 +624,7 @@ def main(argv=None):
 
     from detlib.engine import (MetricsLog, TrainLoop, TrainState, accelerator_for, evaluate_only, resume, resume_ema,
                                run_length)
-    from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, command_line
+    from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, card_dataset, command_line
     from detlib.retinanet import EmaLossNormalizer, log_model_size
 
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
@@ -776,7 +684,8 @@ def main(argv=None):
         config = {**vars(args), "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
                   "synthetic_data": synthetic, "num_classes": len(category_map),
                   **{f"data_{k}": v for k, v in paths.items()}, "not_used": not_used_flags(args)}
-        card = {"dataset": card_dataset(args, paths, synthetic), "command": command_line("train_retinanet.py", argv)}
+        card = {"dataset": card_dataset(paths, args.data_format, args.data_dir, synthetic and args.builtin),
+                "command": command_line("train_retinanet.py", argv)}
         metrics = MetricsLog(accelerator, args.output_dir)
         evaluator = CocoEvaluator(val_ds.dataset, args.coco_eval_backend,
                                   area_ranges=area_ranges_from_edges(args.area_ranges) if args.area_ranges else None)

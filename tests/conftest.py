@@ -184,3 +184,30 @@ def level_cuts(cls_logits, counts, topk: int, score_thresh: float) -> list[float
         if s.numel() > topk:
             cuts.append(float(s.topk(topk).values[-1]))
     return cuts
+
+
+# ---- the exit paths' tiny data (tests/test_exit_paths.py, tests/test_exit_paths_without_signals.py)
+
+@pytest.fixture(scope="module")
+def cats_data(tmp_path_factory) -> list[str]:
+    from helpers import make_tiny_folder
+
+    root = tmp_path_factory.mktemp("cats")
+    train = make_tiny_folder(root / "train", [16, 16])
+    val = make_tiny_folder(root / "val", [24, 24], seed=1)
+    return ["--train_dir", str(train), "--val_dir", str(val)]
+
+
+@pytest.fixture(scope="module")
+def detection_data(tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("det")
+    images, anns = [], []
+    for i in range(40):
+        write_image(root / "img" / f"{i}.png", 64, 64, seed=i)
+        images.append({"id": i + 1, "file_name": f"{i}.png", "width": 64, "height": 64})
+        anns.append({"image_id": i + 1, "category_id": 1 + i % 2, "bbox": [4 + i % 9, 6, 30, 24 + i % 5]})
+    cats = [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}]
+    write_coco(root / "train.json", images[:16], anns[:16], cats)
+    write_coco(root / "val.json", images[16:], anns[16:], cats)
+    return ["--train_images", str(root / "img"), "--train_annotations", str(root / "train.json"),
+            "--val_images", str(root / "img"), "--val_annotations", str(root / "val.json")]

@@ -370,6 +370,27 @@ class Launch:
         return sorted(p for p, (_, pg, state) in table.items() if state != "Z" and (pg in groups or p in self.seen))
 
 
+# ---- the exit paths' launches (tests/test_exit_paths.py, tests/test_exit_paths_without_signals.py; their data:
+# conftest's `cats_data` and `detection_data`)
+
+EXIT_WORKERS = ["--num_workers", "2"]  # the default is 4, capped at the core count: 2 on this machine, and in CI
+EXIT_CATS = ["--model", "test_resnet", "--image_size", "32", "--log_interval", "1", "--report_to", "none", *EXIT_WORKERS]
+EXIT_DETECT = ["--backbone", "resnet18", "--image_size", "64", "--fpn_channels", "16", "--per_device_batch_size", "2",
+               "--per_device_eval_batch_size", "1", "--log_interval", "1", "--report_to", "none", *EXIT_WORKERS]
+
+
+def run_status(out: Path) -> dict:
+    return json.loads((out / "run_status.json").read_text())
+
+
+def processes(config: str) -> int:
+    return 2 if config == "cpu_2proc.yaml" else 1
+
+
+def data_and_flags(script: str, cats_data, detection_data) -> tuple[list[str], list[str]]:
+    return (cats_data, EXIT_CATS) if script == "train_catsdogs.py" else (detection_data, EXIT_DETECT)
+
+
 # ---- several processes forked from a clean process
 
 Forked = namedtuple("Forked", "codes texts")

@@ -17,10 +17,11 @@ import detlib
 
 PACKAGE = pathlib.Path(detlib.__file__).parent
 LAYERS = [
-    ("boxes", "labels", "logtext", "files", "lazy", "weights", "hub", "backbones"),  # shared conventions and files
+    ("boxes", "labels", "logtext", "files", "lazy", "weights", "hub", "backbones", "argtypes"),  # shared conventions and files
     ("datacheck",),  # the report and the checks of COCO json and ImageFolder trees
     ("data",),  # images, transforms, data sets, VOC/YOLO, the built-in sets
-    ("retinanet", "classification", "tiling"),  # the models; tiles of an image and the merge of their detections
+    ("retinanet", "classification", "tiling", "schedules"),  # the models; tiles of an image and the merge of their
+    # detections; the LR schedules
     ("evaluation",),  # COCO evaluation, per-class numbers, plots, drawn samples, model cards
     ("engine",),  # the run: folder and its lock, flags, checkpoints, resume, the step guard, logs and trackers
     ("inference", "deploy"),  # what the predict scripts share; the exported models' runtimes and their AP check

@@ -4,6 +4,7 @@ few real families."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -67,6 +68,7 @@ def expected_frozen(family: str, name: str) -> set[str]:
     return {"+": finer | marked, "-": finer - marked, "=": marked}[how]
 
 
+@functools.lru_cache(maxsize=None)  # asked of every family by the registry test, then again by each family's test
 def hierarchical(name: str) -> bool:
     return all(r in meta_features(name).feature_info.reduction() for r in BACKBONE_REDUCTIONS)
 

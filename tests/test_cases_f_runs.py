@@ -227,34 +227,34 @@ def test_case_f21_a_builtin_data_cache_that_cannot_be_written_is_one_line_naming
     assert make(num_train=2, num_val=1) == made  # there: read, nothing written
 
 
-@pytest.mark.slow  # three launches that stop at start
 @pytest.mark.parametrize("script,flags,line", [
-    ("train_catsdogs.py", [], "the built-in data's cache cannot be written at /sys/nohome/.cache/detlib/synthetic_"
-                              "imagefolder_v2 (Operation not permitted); set DETLIB_CACHE"),
-    ("train_retinanet.py", [], "the built-in data's cache cannot be written at /sys/nohome/.cache/detlib/synthetic_"
-                               "shapes_v2 (Operation not permitted); set DETLIB_CACHE"),
-    ("train_catsdogs.py", ["--report_to", "wandb"], "--report_to wandb: the data folder of wandb cannot be written at "
-                                                     "/sys/nohome/.local/share/wandb (Operation not permitted); set "
-                                                     "WANDB_DATA_DIR")], ids=["catsdogs", "retinanet", "wandb"])
-def test_case_f21_an_unwritable_home_stops_a_run_in_one_line_naming_the_cache(script, flags, line, tmp_path):
+    ("train_catsdogs", [], "the built-in data's cache cannot be written at /sys/nohome/.cache/detlib/synthetic_"
+                           "imagefolder_v2 (Operation not permitted); set DETLIB_CACHE"),
+    ("train_retinanet", [], "the built-in data's cache cannot be written at /sys/nohome/.cache/detlib/synthetic_"
+                            "shapes_v2 (Operation not permitted); set DETLIB_CACHE"),
+    ("train_catsdogs", ["--report_to", "wandb"], "--report_to wandb: the data folder of wandb cannot be written at "
+                                                  "/sys/nohome/.local/share/wandb (Operation not permitted); set "
+                                                  "WANDB_DATA_DIR")], ids=["catsdogs", "retinanet", "wandb"])
+def test_case_f21_an_unwritable_home_stops_a_run_in_one_line_naming_the_cache(script, flags, line, tmp_path,
+                                                                              monkeypatch, capsys):
     """HOME where nothing can be made (/sys/nohome: "Operation not permitted", as a read-only or foreign home): the
     built-in data's cache, or wandb's folders with --report_to wandb (DETLIB_CACHE set), stop the run before its
-    work in one line (it was a traceback through detlib/data/builtin.py, and wandb's at the first evaluation)."""
-    import subprocess
-    import sys
-
-    from conftest import REPO, launch_env, traceback_through_our_code
+    work in one line (it was a traceback through detlib/data/builtin.py, and wandb's at the first evaluation).
+    In-process: both folders are read from the environment when the run starts, and main() stops as a launch does."""
+    from conftest import traceback_through_our_code
     from helpers import error_lines
 
-    env = launch_env({"HOME": "/sys/nohome", "DETLIB_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline"})
-    if not flags:  # the built-in data's cache in HOME
-        del env["DETLIB_CACHE"]
-    small = ["--model", "test_resnet", "--image_size", "32"] if script == "train_catsdogs.py" else []
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *small, *flags, "--max_steps", "1",
-                           "--num_workers", "0", "--output_dir", str(tmp_path / "run")], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=env)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 1 and not traceback_through_our_code(text), text[-3000:]
+    monkeypatch.setenv("HOME", "/sys/nohome")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("DETLIB_CACHE", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "XDG_CACHE_HOME", "XDG_DATA_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    if flags:  # the built-in data's cache elsewhere: wandb's folders in HOME are what stops the run
+        monkeypatch.setenv("DETLIB_CACHE", str(tmp_path / "cache"))
+    small = ["--model", "test_resnet", "--image_size", "32"] if script == "train_catsdogs" else []
+    code, out, err = run_main(script, [*small, *flags, "--max_steps", "1", "--num_workers", "0", "--output_dir",
+                                       tmp_path / "run"], capsys)
+    text = out + err
+    assert code == 1 and not traceback_through_our_code(text), text[-3000:]
     assert len(error_lines(text)) == 1 and error_lines(text)[0].startswith(f"error: {line}"), text[-3000:]
     assert json.loads((tmp_path / "run" / "run_status.json").read_text())["status"] == "failed"
 

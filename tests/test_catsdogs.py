@@ -267,9 +267,11 @@ def test_classification_metrics_by_hand():
 
 
 def test_warmup_cosine_schedule_by_hand():
+    from detlib.schedules import lr_factor, step_scheduler
+
     script = load_script()
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: script.warmup_cosine(s, 6, 2))
+    sched = step_scheduler(opt, "cosine", 6, 2)
     lrs = []
     for _ in range(6):
         lrs.append(opt.param_groups[0]["lr"])
@@ -278,7 +280,7 @@ def test_warmup_cosine_schedule_by_hand():
     c = lambda p: 0.5 * (1 + math.cos(math.pi * p))  # noqa: E731
     assert lrs == pytest.approx([0.5, 1.0, c(0), c(1 / 4), c(2 / 4), c(3 / 4)])
     assert script.WARMUP_FRACTION == 0.05  # the run resolves it once: 5 steps of a 100-step run
-    assert script.warmup_cosine(0, 100, round(script.WARMUP_FRACTION * 100)) == pytest.approx(1 / 5)
+    assert lr_factor(0, "cosine", 100, round(script.WARMUP_FRACTION * 100)) == pytest.approx(1 / 5)
 
 
 # ---- /dev/shm (B23)

@@ -2,6 +2,9 @@
 (DataLoader workers on: the cats/dogs loaders keep theirs alive between epochs, RetinaNet's do not), 1 and 2
 processes, under a timeout that makes a hang a failure.
 
+The ends without a signal (an epoch's end, --max_steps, --evaluate_only, divergence, errors at start and mid-run)
+are tests/test_exit_paths_without_signals.py's: a file each, so that the suite's two workers share them.
+
 Each launch checks the exit code, `run_status.json`, and that no process of the run is left: every process seen
 under the launcher (training processes, DataLoader workers) and every process group they were in is gone within
 seconds of the launcher's exit. The seconds from the last output to the end of the last process are printed
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,92 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch_env, traceback_through_our_code, write_coco, write_image
-from helpers import Launch, error_lines, process_table
+from conftest import launch_env, traceback_through_our_code
+from helpers import EXIT_WORKERS as WORKERS
+from helpers import Launch, data_and_flags, process_table, processes, run_status as status
 
 pytestmark = pytest.mark.slow
-
-WORKERS = ["--num_workers", "2"]  # the default is 4, capped at the core count: 2 on this machine, and in CI
-CATS = ["--model", "test_resnet", "--image_size", "32", "--log_interval", "1", "--report_to", "none", *WORKERS]
-DETECT = ["--backbone", "resnet18", "--image_size", "64", "--fpn_channels", "16", "--per_device_batch_size", "2",
-          "--per_device_eval_batch_size", "1", "--log_interval", "1", "--report_to", "none", *WORKERS]
-
-
-def status(out: Path) -> dict:
-    return json.loads((out / "run_status.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def cats_data(tmp_path_factory) -> list[str]:
-    from helpers import make_tiny_folder
-
-    root = tmp_path_factory.mktemp("cats")
-    train = make_tiny_folder(root / "train", [16, 16])
-    val = make_tiny_folder(root / "val", [24, 24], seed=1)
-    return ["--train_dir", str(train), "--val_dir", str(val)]
-
-
-@pytest.fixture(scope="module")
-def detection_data(tmp_path_factory) -> list[str]:
-    root = tmp_path_factory.mktemp("det")
-    images, anns = [], []
-    for i in range(40):
-        write_image(root / "img" / f"{i}.png", 64, 64, seed=i)
-        images.append({"id": i + 1, "file_name": f"{i}.png", "width": 64, "height": 64})
-        anns.append({"image_id": i + 1, "category_id": 1 + i % 2, "bbox": [4 + i % 9, 6, 30, 24 + i % 5]})
-    cats = [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}]
-    write_coco(root / "train.json", images[:16], anns[:16], cats)
-    write_coco(root / "val.json", images[16:], anns[16:], cats)
-    return ["--train_images", str(root / "img"), "--train_annotations", str(root / "train.json"),
-            "--val_images", str(root / "img"), "--val_annotations", str(root / "val.json")]
-
-
-def processes(config: str) -> int:
-    return 2 if config == "cpu_2proc.yaml" else 1
-
-
-def data_and_flags(script: str, cats_data, detection_data) -> tuple[list[str], list[str]]:
-    return (cats_data, CATS) if script == "train_catsdogs.py" else (detection_data, DETECT)
-
-
-# ---- the ends of a run: an epoch's end and --max_steps, --evaluate_only, then predict on what it wrote
-
-@pytest.mark.parametrize("script,config", [("train_catsdogs.py", "cpu.yaml"), ("train_catsdogs.py", "cpu_2proc.yaml"),
-                                           ("train_retinanet.py", "cpu.yaml"), ("train_retinanet.py", "cpu_2proc.yaml")])
-def test_normal_end_max_steps_and_evaluate_only_return_to_the_shell(script, config, cats_data, detection_data, tmp_path):
-    """One training launch ends an epoch (evaluation, checkpoint; the cats/dogs workers stay alive for the next
-    epoch) and then stops at --max_steps one step into the next (its workers abandoned mid-epoch). On 2 processes,
-    an --evaluate_only launch of what it wrote; on 1 process, the predict script on it (and, for RetinaNet, its
-    error at start, launched on 2 processes: both predict scripts end through `detlib.inference.run_prediction`)."""
-    data, flags = data_and_flags(script, cats_data, detection_data)
-    batch = 8 if script == "train_catsdogs.py" else 2  # 32 and 16 training images: 4 and 8 steps on 1 process
-    steps_per_epoch = (32 if script == "train_catsdogs.py" else 16) // (batch * processes(config))
-    out = tmp_path / "run"
-    flags = flags + ["--per_device_eval_batch_size", "4"]  # the evaluation's end matters here, not its length
-    run = Launch(script, data + flags + ["--per_device_batch_size", batch, "--epochs", "2",
-                                         "--max_steps", steps_per_epoch + 1, "--output_dir", out], config)
-    code, _ = run.finish(f"{script} {config} an epoch, then --max_steps mid-epoch")
-    assert code == 0 and status(out)["status"] == "finished", run.text[-3000:]
-    assert status(out)["global_step"] == steps_per_epoch + 1, status(out)
-    assert (out / "checkpoints" / "epoch_0001").is_dir() and (out / "best" / "model.safetensors").is_file()
-    if config == "cpu_2proc.yaml":
-        run = Launch(script, data + flags + ["--evaluate_only", out / "best", "--output_dir", tmp_path / "eval"], config)
-        code, _ = run.finish(f"{script} {config} --evaluate_only")
-        assert code == 0 and (tmp_path / "eval" / "evaluate_only" / "metrics.jsonl").is_file(), run.text[-3000:]
-        return
-    predict = script.replace("train_", "predict_")
-    source = data[data.index("--val_dir") + 1] if "--val_dir" in data else data[data.index("--val_images") + 1]
-    run = Launch(predict, ["--weights", out / "best", "--source", source, *WORKERS, "--output_dir", tmp_path / "pred"])
-    code, _ = run.finish(f"{predict} normal end")
-    assert code == 0, run.text[-3000:]
-    if script == "train_retinanet.py":  # on 2 processes: the line once, and no `stopped:` line for the second
-        # process, which waits for the first and is then stopped by the launcher
-        run = Launch(predict, ["--weights", tmp_path / "missing", "--source", source, *WORKERS, "--output_dir",
-                               tmp_path / "p2"], "cpu_2proc.yaml")
-        code, _ = run.finish(f"{predict} cpu_2proc.yaml error at start")
-        assert code != 0 and not traceback_through_our_code(run.text), run.text[-3000:]
-        assert len(error_lines(run.text)) == 1 and "stopped:" not in run.text, run.text[-3000:]
-
 
 @pytest.mark.parametrize("script", ["predict_catsdogs.py", "predict_retinanet.py"])
 def test_ctrl_c_to_a_prediction(script, tmp_path):
@@ -206,73 +127,6 @@ def test_kill9_of_the_launcher(script, config, cats_data, detection_data, tmp_pa
     _, gone = run.finish(f"{script} {config} kill -9 of the launcher")
     assert status(out)["status"] == "preempted" and "preempted by SIGTERM" in (out / "train.log").read_text()
     assert gone < 10  # no process waits for a first one that no launcher will stop (it did, 10 s)
-
-
-def test_divergence_stop(cats_data, detection_data, tmp_path):
-    """The divergence stop is the run machinery's (`Run.end_step`), the same for both scripts: launched once, on 2
-    processes with the cats/dogs loaders' persistent workers; RetinaNet's is tests/test_run_launch.py's C11."""
-    script = "train_catsdogs.py"
-    data, flags = data_and_flags(script, cats_data, detection_data)
-    out = tmp_path / "run"
-    run = Launch(script, data + flags + ["--epochs", "3", "--optimizer", "sgd", "--lr", "1e30", "--max_grad_norm", "0", "--per_device_batch_size", "2",
-                                         "--max_nonfinite_steps", "2", "--output_dir", out], "cpu_2proc.yaml")
-    code, _ = run.finish(f"{script} divergence")
-    assert status(out)["status"] == "diverged" and code != 0, run.text[-3000:]
-
-
-@pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
-def test_errors_at_start_and_mid_run(script, cats_data, detection_data, tmp_path):
-    """An error at start (the run machinery's refusal of a folder that holds another run: launched for cats/dogs on
-    2 processes; RetinaNet's start-up errors on 2 processes are tests/test_run_launch.py's C10) and an error mid-run
-    (the checkpoint folder became a file), for both scripts."""
-    data, flags = data_and_flags(script, cats_data, detection_data)
-    if script == "train_catsdogs.py":
-        out = tmp_path / "run"
-        (out / "checkpoints").mkdir(parents=True)  # an error at start: the folder holds another run
-        (out / "checkpoints" / "epoch_0001").mkdir()
-        run = Launch(script, data + flags + ["--epochs", "1", "--output_dir", out], "cpu_2proc.yaml")
-        code, _ = run.finish(f"{script} error at start (a folder of another run)")
-        assert code != 0 and "holds another run" in run.text and not traceback_through_our_code(run.text)
-    mid = tmp_path / "mid"
-    run = Launch(script, data + flags + ["--epochs", "50", "--per_device_batch_size", "2", "--checkpoint_steps", "6",
-                                         "--output_dir", mid], "cpu.yaml")
-    run.wait_for_step(mid, 2)
-    for _ in range(50):  # an error mid-run: the checkpoint folder is now a file (the run may recreate it meanwhile)
-        shutil.rmtree(mid / "checkpoints", ignore_errors=True)
-        try:
-            (mid / "checkpoints").write_text("not a folder")
-            break
-        except IsADirectoryError:
-            time.sleep(0.1)
-    code, _ = run.finish(f"{script} error mid-run (checkpoint save fails)")
-    assert code != 0 and status(mid)["status"] == "failed", run.text[-3000:]
-
-
-@pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
-def test_a_data_check_error_on_2_processes_is_one_line(script, cats_data, detection_data, tmp_path):
-    """The data check stops every process (a train class without images; a val json without boxes): one error line
-    and exit 1, as on 1 process. The main process used to exit inside `main_process_first`, so the other one's barrier
-    failed ('Connection closed by peer') with a traceback through the script."""
-    data, flags = data_and_flags(script, cats_data, detection_data)
-    if script == "train_catsdogs.py":
-        train = tmp_path / "train"
-        shutil.copytree(data[1], train)
-        shutil.rmtree(train / "vertical")
-        (train / "vertical").mkdir()
-        data = ["--train_dir", str(train), *data[2:]]
-        expected = "classes without a usable image (a class needs training images) [1]; e.g. vertical"
-    else:
-        val = json.loads(Path(data[data.index("--val_annotations") + 1]).read_text())
-        write_coco(tmp_path / "val.json", val["images"], [], val["categories"])
-        data = [*data[:data.index("--val_annotations")], "--val_annotations", str(tmp_path / "val.json")]
-        expected = "AP is undefined"
-    out = tmp_path / "run"
-    run = Launch(script, data + flags + ["--epochs", "1", "--output_dir", out], "cpu_2proc.yaml")
-    code, _ = run.finish(f"{script} 2 processes, a data check error")
-    assert code == 1 and not traceback_through_our_code(run.text), run.text[-3000:]
-    errors = [ln for ln in run.text.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "the data check found 1 kinds of error" in errors[0] and expected in run.text
-    assert "Connection closed by peer" not in run.text and status(out)["status"] == "failed"
 
 
 def test_worker_ends_with_its_training_process_and_survives_a_stray_sigterm(tmp_path):

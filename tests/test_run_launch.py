@@ -303,13 +303,15 @@ def test_case_c08_resume_on_another_process_count_or_batch_is_refused_and_anothe
     the cosine schedule spanning the new length."""
     data = make_detection_set(tmp_path / "d", 8)
     out = tmp_path / "run"
-    common = data + TINY + ["--lr_scheduler", "cosine", "--warmup_steps", "0", "--lr", "1e-3", "--output_dir", str(out)]
+    # no DataLoader workers: the refusal reads the checkpoint's geometry, not how its batches were loaded
+    common = data + TINY + NO_WORKERS + ["--lr_scheduler", "cosine", "--warmup_steps", "0", "--lr", "1e-3",
+                                         "--output_dir", str(out)]
     forked_ok("train_retinanet.py", common + ["--epochs", "2"])  # 2 processes, forked
     assert [t["step"] for t in trains(out)] == [1, 2, 3, 4]  # 8 images / (2 processes x 2) = 2 steps per epoch
     latest = out / "checkpoints" / "epoch_0002"
     for extra, said in (([], "--num_processes 2 -> 1"), (["--per_device_batch_size", "1"], "--per_device_batch_size 2 -> 1")):
-        code, _, err = run_main("train_retinanet", common + NO_WORKERS + ["--epochs", "3", "--resume_from_checkpoint",
-                                                                          "latest"] + extra, capsys)
+        code, _, err = run_main("train_retinanet", common + ["--epochs", "3", "--resume_from_checkpoint", "latest"]
+                                + extra, capsys)
         (line,) = error_lines(err)
         assert code == 1 and line.startswith(f"error: cannot resume from {latest}: it does not fit this run: ") and said in line
         assert "resume with its values" in line and not traceback_through_our_code(err)
@@ -463,7 +465,7 @@ def test_training_health_and_evaluation_extras_reach_tensorboard_and_wandb(tmp_p
 
     data = make_detection_set(tmp_path / "d", 4, n_val=2)
     out = tmp_path / "run"
-    text = forked_ok("train_retinanet.py", data + TINY[:-2] + [  # a process of its own (wandb's), forked
+    text = forked_ok("train_retinanet.py", data + TINY[:-2] + NO_WORKERS + [  # a process of its own (wandb's), forked
         "--epochs", "2", "--eval_interval", "1", "--score_thresh", "0.0", "--num_log_images", "2", "--log_interval", "10",
         "--report_to", "all", "--output_dir", str(out)], num_processes=1, env={"WANDB_MODE": "offline"})
     m = read_metrics(out)

@@ -8,7 +8,7 @@ evaluation's batches of one padded shape), `balanced` (class-balanced sampling o
 key)), `loaders` (the DataLoader set-up: workers that end with their training
 process, the /dev/shm check), `formats` (VOC / YOLO, and the data check of a data folder in any format), `video` (PyAV
 frames), `builtin` (the synthetic sets both scripts train on without data), `train_tiles` (the tiles of a training
-set as its items: --train_tile).
+set as its items: --train_tile), `options` (the flags of the samplers and of --train_tile, light for --help).
 """
 
 from ..datacheck.report import DEFAULT_MAX_IMAGE_PIXELS  # light: PIL only
@@ -18,13 +18,16 @@ AUGMENTATIONS = ("none", "flip", "flip_crop_translate", "photometric", "scale_ji
 VERIFY_MODES = ("full", "header", "none")  # how the ImageFolder files are checked (`imagefolder`)
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "balanced": ("ClassBalancedSampler", "RepeatFactorSampler", "log_class_frequencies", "repeat_factors"),
+    "balanced": ("ClassBalancedSampler", "RepeatFactorSampler", "log_class_frequencies", "repeat_factors",
+                 "training_sampler"),
     "builtin": ("make_small_objects_coco", "make_synthetic_coco", "make_synthetic_image_folder"),
     "coco": ("PAD_VALUE", "CocoDetection", "EvaluationCollate", "collate_detection", "evaluation_shapes"),
-    "formats": ("FORMATS", "check_coco_for_training", "data_dir_paths", "read_class_names", "read_data_dir_splits"),
+    "formats": ("FORMATS", "add_format_flags", "check_coco_for_training", "data_dir_paths", "read_class_names",
+                "read_data_dir_splits"),
     "imagefolder": ("ImageFolderDataset", "scan_image_folder"),
     "loaders": ("loader_settings", "worker_loader_kwargs"),
     "images": ("IMAGE_ERRORS", "load_rgb"),
+    "options": ("add_sampler_flags", "add_train_tile_flags", "train_tile_conflict"),
     "sampler": ("EvaluationBatchSampler", "GroupedBatchSampler", "aspect_groups"),
     "train_tiles": ("TrainingTiles",),
     "transforms": ("INPUT_DIVISIBILITY", "build_transform"),

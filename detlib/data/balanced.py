@@ -219,3 +219,19 @@ def log_class_frequencies(image_classes: Sequence[Sequence[int]], sampler: torch
     logger.info("%s: an epoch draws %d images (%d without it); %s%s", option, len(draws), len(image_classes),
                 frequency_line(rows), f"; per class: {path}" if path else "")
     return rows
+
+
+def training_sampler(kind: str, image_classes: Sequence[Sequence[int]], names: Sequence[str], seed: int,
+                     output_dir: str | None, is_main: bool = True, repeat_threshold: float = 0.1):
+    """--sampler `kind`'s sampler of a training set whose image i holds the classes `image_classes[i]` (0-based,
+    named `names`): None for shuffle (the loader shuffles), a RepeatFactorSampler at `repeat_threshold` or a
+    ClassBalancedSampler of the images' first class, its class frequencies logged (`log_class_frequencies`)."""
+    if kind == "shuffle":
+        return None
+    if kind == "repeat_factor":
+        sampler = RepeatFactorSampler(repeat_factors(image_classes, repeat_threshold), seed)
+        option = f"--sampler repeat_factor --repeat_threshold {repeat_threshold:g}"
+    else:
+        sampler, option = ClassBalancedSampler([c[0] for c in image_classes], seed), f"--sampler {kind}"
+    log_class_frequencies(image_classes, sampler, names, option, output_dir, is_main)
+    return sampler

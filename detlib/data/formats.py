@@ -183,6 +183,24 @@ def detect_format(root: str) -> str:
                             f"VOC (Annotations/, JPEGImages/, ImageSets/Main/) or YOLO (data.yaml){hint}")
 
 
+def add_format_flags(group) -> None:
+    """--data_dir, --data_format, --train_set, --val_set and --class_names on an argparse group."""
+    from ..argtypes import path
+
+    group.add_argument("--data_dir", type=path, help="data set root: COCO (DIR/annotations/instances_{set}.json, images "
+                       "in DIR/{set} or DIR/images/{set}), Pascal VOC (DIR/Annotations/, DIR/JPEGImages/, "
+                       "DIR/ImageSets/Main/{set}.txt) or YOLO (DIR/data.yaml) (default: none; without data flags, the "
+                       "built-in synthetic set)")
+    group.add_argument("--data_format", choices=FORMATS, help="the layout of --data_dir (default: detected from its "
+                       "folders)")
+    group.add_argument("--train_set", help="training split: COCO's {set}, VOC's list name, YOLO's yaml key (default: "
+                       "train2017 for COCO, train for VOC and YOLO)")
+    group.add_argument("--val_set", help="validation split (default: val2017 for COCO, val for VOC and YOLO)")
+    group.add_argument("--class_names", type=path, help="Pascal VOC: the classes, in label order: a file of one name a "
+                       "line, or names separated by commas; objects of other names are dropped and named (default: "
+                       "every name the xml files use, spellings that differ only in case, spaces, _ or - merged)")
+
+
 def data_dir_paths(root: str, fmt: str | None, train_set: str | None, val_set: str | None,
                    need_train: bool = True) -> dict[str, str | None]:
     """The data of a `--data_dir ROOT`: its format and, per split, the image folder and the annotation source.

@@ -124,14 +124,18 @@ def check_shared_memory(num_workers: int, bytes_per_batch: int, prefetch_factor:
     return 0, msg
 
 
-def loader_settings(num_workers: int, bytes_per_batch: int, persistent: bool = False) -> tuple[dict, str | None]:
+def loader_settings(num_workers: int, bytes_per_batch: int, persistent: bool = False) -> dict:
     """The DataLoader arguments of a training script's loaders: `num_workers` capped at the CPU count and at what
-    /dev/shm holds (`check_shared_memory`), the workers of `worker_loader_kwargs`, pinned memory on CUDA, and
-    persistent workers when `persistent` (and there are any). Returns (kwargs, a one-line warning or None)."""
+    /dev/shm holds (`check_shared_memory`, its one-line warning logged), the workers of `worker_loader_kwargs`,
+    pinned memory on CUDA, and persistent workers when `persistent` (and there are any)."""
+    import logging
+
     import torch
 
     workers, message = check_shared_memory(min(num_workers, os.cpu_count() or 1), bytes_per_batch)
+    if message:
+        logging.getLogger(__name__).warning("%s", message)
     kwargs = dict(pin_memory=torch.cuda.is_available(), **worker_loader_kwargs(workers))
     if persistent and workers > 0:
         kwargs["persistent_workers"] = True
-    return kwargs, message
+    return kwargs

@@ -13,7 +13,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
                     "list_checkpoints", "min_over_processes", "resume", "resume_ema", "save_checkpoint", "save_weights"),
     "flags": ("ArgumentParser", "HelpFormatter", "add_tile_flags", "data_defaults_table", "first_process", "float_range",
               "format_given", "int_at_least", "parse_with_config", "path", "resolve_data_defaults", "run_argument_parser",
-              "show_data_defaults"),
+              "show_data_defaults", "not_used_evaluating"),
     "logs": ("MetricsLog", "TrainWindow", "escape_unencodable", "log_plan", "make_accelerator", "record_config",
              "save_config", "setup_console_logging", "setup_logging", "start_trackers", "summary_lines"),
     "run_folder": ("EXIT_DIVERGED", "EXIT_PREEMPTED", "Preempted", "RunStop", "preempted", "running",

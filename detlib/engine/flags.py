@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import os
 import shlex
 import sys
 
 import yaml
+
+from ..argtypes import float_range, int_at_least, path
 
 # .run_folder is imported where used: it imports torch, and --help needs none of it
 
@@ -41,12 +42,6 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # An evaluation-only run writes into OUTPUT_DIR/evaluate_only and records that folder as output_dir.
 EVALUATE_ONLY_SUBDIR = "evaluate_only"
-
-
-def path(text: str) -> str:
-    """argparse type of a flag naming a file or folder: an existing one as an absolute path (read from the folder the
-    command runs in); anything else as typed (a Hub repo id, a list of names, a path that a later check names)."""
-    return os.path.abspath(text) if os.path.exists(text) else text
 
 
 def _checkpoint(text: str) -> str:
@@ -74,31 +69,6 @@ def time_limit(text: str) -> str:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"must be longer than 0, got {text}")
     return text.strip()
-
-
-def int_at_least(lo: int):
-    """argparse type: an integer >= `lo`."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text}")
-        return value
-    parse.__name__ = f"integer >= {lo}"
-    return parse
-
-
-def float_range(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False):
-    """argparse type: a finite number in [lo, hi] (the ends left out with `lo_open` / `hi_open`)."""
-    def parse(text: str) -> float:
-        value = float(text)
-        if (not math.isfinite(value) or value < lo or value > hi or (lo_open and value == lo)
-                or (hi_open and value == hi)):
-            raise argparse.ArgumentTypeError(f"must be a number {'>' if lo_open else '>='} {lo}"
-                                             + (f" and {'<' if hi_open else '<='} {hi}" if hi != math.inf else "")
-                                             + f", got {text}")
-        return value
-    parse.__name__ = "number"
-    return parse
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -169,6 +139,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def run_argument_parser(description: str, **defaults) -> tuple[argparse.ArgumentParser, dict]:
     """(a parser with `--config` and the shared flags, its groups by name for the script's own flags); `defaults`:
     the script's defaults of the shared flags. Parse with `parse_with_config`."""
+    from .stopping import add_stopping_flags
+
     p = ArgumentParser(description=description, formatter_class=HelpFormatter, usage="%(prog)s [flags]")
     p.add_argument("--config", metavar="FILE.yaml", type=path, help="flag: value lines as defaults, the command line over them; a "
                    "run's OUTPUT_DIR/config.yaml re-runs it (default: none)")
@@ -204,8 +176,6 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g = groups["evaluation"]
     g.add_argument("--eval_interval", type=int_at_least(1), help="evaluate every N epochs and after the last")
     g.add_argument("--per_device_eval_batch_size", type=int_at_least(1), help="images per device and evaluation batch")
-    g.add_argument("--early_stopping_patience", metavar="N", type=int_at_least(0), default=0, help="end the run, as a "
-                   "finished one ends, after N evaluations in a row without a better best (AP, accuracy) (0: never)")
     g.add_argument("--evaluate_only", metavar="PATH", type=path, help="evaluate a run, best/, last/, a checkpoint or a weights "
                    "file and exit (results in OUTPUT_DIR/evaluate_only/; default: train)")
     g = groups["checkpointing"]
@@ -216,9 +186,7 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g.add_argument("--resume_from_checkpoint", metavar="latest|PATH", type=_checkpoint, help="latest: the newest intact checkpoint of "
                    "OUTPUT_DIR; or a checkpoint folder (default: a new run)")
     g.add_argument("--overwrite_output_dir", action="store_true", help="a new run in a folder of another, deleting it")
-    g.add_argument("--time_limit", metavar="HH:MM:SS", type=time_limit, help="a time budget (a SLURM wall time, a spot "
-                   "instance): stop at a step with a checkpoint while there is time to write it, exit 0, resume with "
-                   "--resume_from_checkpoint latest; counted from the start of the launcher (default: none)")
+    add_stopping_flags(groups["evaluation"], g)  # --early_stopping_patience, --time_limit (.stopping)
     g = groups["logging"]
     g.add_argument("--report_to", default=DEFAULT_REPORT_TO, choices=REPORT_TO, help="trackers: tensorboard "
                    "(OUTPUT_DIR/tensorboard), wandb (offline to OUTPUT_DIR/wandb without an account); metrics.jsonl "
@@ -405,3 +373,12 @@ def add_tile_flags(group) -> None:
                        "object's size so each object is seen whole in some tile")
     group.add_argument("--tile_full", action="store_true", help="with --tile, also detect on the whole image "
                        "resized and merge its boxes in: large objects that no tile holds whole")
+
+
+def not_used_evaluating(args, weights_flags: tuple[str, ...]) -> list[str]:
+    """--evaluate_only: a line for each flag given that an evaluation does not use; `weights_flags`: the script's
+    flags that load weights (the evaluated ones replace them)."""
+    why = {**dict.fromkeys(weights_flags, "loads the weights it names"), "resume_from_checkpoint": "trains nothing",
+           "compile": "runs the weights uncompiled, as every evaluation does",
+           "model_ema": "trains nothing to average; evaluate an EMA with --evaluate_only RUN/last_ema"}
+    return [f"--{k} is not used: --evaluate_only {why[k]}" for k in why if getattr(args, k)]

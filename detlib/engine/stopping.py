@@ -99,3 +99,16 @@ def time_limit_line(state, checkpoint: str, where: str) -> str:
     return (f"{TIME_LIMIT} {text}: stopped at step {state.global_step} ({where}) with {max(left, 0):.0f} s of the "
             f"budget left: checkpoint {checkpoint} written; to continue, run the same command with "
             "--resume_from_checkpoint latest")
+
+
+def add_stopping_flags(evaluation, checkpointing) -> None:
+    """--early_stopping_patience on the `evaluation` argparse group, --time_limit on the `checkpointing` one."""
+    from .flags import int_at_least, time_limit
+
+    evaluation.add_argument("--early_stopping_patience", metavar="N", type=int_at_least(0), default=0, help="end the "
+                            "run, as a finished one ends, after N evaluations in a row without a better best (AP, "
+                            "accuracy) (0: never)")
+    checkpointing.add_argument("--time_limit", metavar="HH:MM:SS", type=time_limit, help="a time budget (a SLURM wall "
+                               "time, a spot instance): stop at a step with a checkpoint while there is time to write "
+                               "it, exit 0, resume with --resume_from_checkpoint latest; counted from the start of the "
+                               "launcher (default: none)")

@@ -18,7 +18,7 @@ from .label_errors import count_label_errors, find_label_errors, write_label_err
 from .drawing import boxes_from_coco, class_color, draw_detections, drawing_scale, save_image, upright_image_and_boxes
 from .metrics import (best_f1_thresholds, format_best_f1, per_class_ap, per_class_without_detections,
                       read_score_thresholds, write_score_thresholds)
-from .model_card import classifier_card, command_line, detector_card, write_card
+from .model_card import card_dataset, classifier_card, command_line, detector_card, write_card
 from .train_batch import write_train_batch
 from .report import (evaluation_diagnostics, log_classification_extras, log_diagnostics_to_trackers,
                      log_evaluation_extras)

@@ -36,6 +36,19 @@ def _number(v) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def card_dataset(paths: dict, data_format: str, data_dir: str | None = None, builtin: str | None = None) -> dict:
+    """`detector_card`'s `dataset` of a run on `paths` (its data paths: "train_annotations", "val_annotations"): named
+    after the `builtin` set trained on without data, else `data_dir`'s folder, else the val json."""
+    if builtin:
+        name = f"detlib synthetic {builtin.replace('_', ' ')}"
+    elif data_dir:
+        name = os.path.basename(os.path.abspath(data_dir))
+    else:
+        name = os.path.splitext(os.path.basename(paths["val_annotations"]))[0]
+    return {"name": name, "format": data_format, "train": paths.get("train_annotations"),
+            "val": paths.get("val_annotations")}
+
+
 def detector_card(model_config: dict, *, evaluation: dict | None, dataset: dict, command: str | None,
                   weights_name: str, where: str, notes: list[str] = ()):
     """The model card of a RetinaNet weights folder (a `huggingface_hub.ModelCard`).

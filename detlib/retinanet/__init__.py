@@ -17,8 +17,8 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "decode": ("decode_detections",),
     "export": ("ExportableRetinaNet", "canvas_size", "compare_detections", "head_candidates", "prepare_input"),
     "loss": ("EmaLossNormalizer", "retinanet_loss"),
-    "model": ("RetinaNet", "build_retinanet_from_config", "check_backbone", "load_matching_weights",
-              "log_model_size", "reorder_class_outputs"),
+    "model": ("RetinaNet", "build_retinanet_from_config", "check_backbone", "check_head_norm", "load_matching_weights",
+              "loaded_weights_line", "log_model_size", "reorder_class_outputs"),
     "torchvision_weights": ("convert_torchvision_retinanet", "torchvision_coco_categories", "torchvision_model_config",
                             "torchvision_version"),
 })

@@ -199,6 +199,19 @@ def check_backbone(name: str, image_sizes: tuple[int, ...] = ()) -> None:
         raise ValueError(f"timm model {name!r} as a backbone: {problem}")
 
 
+def check_head_norm(head_norm: str, fpn_channels: int, largest: int) -> None:
+    """Check that heads of `head_norm` ("gn": GroupNorm(32)) work at width `fpn_channels` on inputs whose longer side
+    is at most `largest` px. Raises ValueError (one line naming the flags) where they cannot."""
+    if head_norm == "gn" and fpn_channels % 32:
+        raise ValueError(f"--head_norm gn needs --fpn_channels divisible by 32 (GroupNorm's 32 groups), got {fpn_channels}")
+    if head_norm == "gn" and fpn_channels == 32 and largest <= 128:
+        # one channel per group on P7's single cell (stride 128): GroupNorm's output there is its bias whatever the
+        # image, and torch refuses a batch of one image
+        raise ValueError(f"--head_norm gn with --fpn_channels 32 (one channel per group) at inputs of at most {largest} "
+                         "px, where P7 is 1x1: GroupNorm would normalise single values; use --fpn_channels 64 or more, "
+                         "a larger --image_size, or --head_norm none")
+
+
 class _FoldedFrozenBatchNorm2d(FrozenBatchNorm2d):
     """A FrozenBatchNorm2d whose transform the conv before it applies (`_Conv2dFrozenBN`): passes x through.
 
@@ -390,6 +403,22 @@ def load_matching_weights(model: RetinaNet, state_dict: dict, prior_prob: float 
         report["reinitialised"] = cls_out
         report["loaded"] = [k for k in report["loaded"] if k not in cls_out]
     return report
+
+
+def loaded_weights_line(report: dict[str, list[str]], num_classes: int) -> str:
+    """`load_matching_weights`' report as one log line: what was loaded, re-initialised, skipped (the first 8 names;
+    BatchNorm's num_batches_tracked counted apart: a frozen BatchNorm has none) and kept as initialised."""
+    skipped = report["skipped"]
+    named = [k for k in skipped if not k.endswith("num_batches_tracked")]
+    missing = report["not_in_file"]
+    return (f"loaded {len(report['loaded'])} tensors; re-initialised "
+            + (f"the classification output {report['reinitialised']} ({num_classes} classes; prior bias)"
+               if report["reinitialised"] else "nothing")
+            + f"; skipped {len(skipped)} ({', '.join(named[:8])}{' ...' if len(named) > 8 else ''}"
+            + (f"{', ' if named else ''}{len(skipped) - len(named)} BatchNorm num_batches_tracked"
+               if len(named) < len(skipped) else "")
+            + f"); not in the file, kept as initialised: {len(missing)}"
+            + (f" ({', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''})" if missing else ""))
 
 
 def log_model_size(model: nn.Module, backbone: str, side: int, is_main: bool = True) -> None:
