@@ -387,31 +387,43 @@ def test_train_state_counts_steps_and_the_epoch_mean():
 
 # ---- the preemption flag (detlib.engine.run_folder)
 
-def test_preemption_signals_set_a_flag_and_a_late_second_sigint_stops(monkeypatch):
-    import signal
+def test_stop_signals_set_a_flag_and_a_late_second_sigint_stops():
+    """In a process of its own (a signal to itself reaches no pytest process): SIGUSR1 and a Ctrl-C (twice at once,
+    from the terminal and forwarded by the launcher) only set the flag, the first signal is the one named; a SIGINT
+    a second later raises KeyboardInterrupt; `release_signals` puts the handlers back."""
+    import subprocess
+    import sys
+    import textwrap
 
-    from accelerate import Accelerator
+    from conftest import launch_env
 
-    acc = Accelerator(cpu=True)
-    before = signal.getsignal(signal.SIGUSR1)
-    old = run_folder._install_signals()
-    try:
-        assert run_folder.preempted(acc) is None
+    code = textwrap.dedent("""
+        import os, signal, time
+        from accelerate import Accelerator
+        from detlib.engine import run_folder
+
+        acc, before = Accelerator(cpu=True), signal.getsignal(signal.SIGUSR1)
+        handlers = run_folder.catch_signals()
+        print(run_folder.preempted(acc), run_folder.signal_received())
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert run_folder.preempted(acc) == "SIGUSR1"
-        clock = [100.0]
-        monkeypatch.setattr(run_folder.time, "monotonic", lambda: clock[0])
-        run_folder._on_signal(signal.SIGINT, None)
-        clock[0] += 0.5  # the same Ctrl-C forwarded by the launcher: still only the flag
-        run_folder._on_signal(signal.SIGINT, None)
-        assert run_folder.preempted(acc) == "SIGUSR1"  # the first signal is the one named
-        clock[0] += run_folder.SECOND_SIGINT_AFTER_S
-        with pytest.raises(KeyboardInterrupt):
-            run_folder._on_signal(signal.SIGINT, None)
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    assert signal.getsignal(signal.SIGUSR1) is before
+        print(run_folder.preempted(acc))
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C forwarded by the launcher: still only the flag
+        print(run_folder.preempted(acc), run_folder.signal_received())
+        time.sleep(run_folder.SECOND_SIGINT_AFTER_S)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt as e:
+            print("KeyboardInterrupt:", e)
+        run_folder.release_signals(handlers, stopped=False)
+        print(signal.getsignal(signal.SIGUSR1) is before)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=launch_env({"PYTHONPATH": str(REPO)}))
+    assert run.stdout.splitlines() == ["None None", "SIGUSR1", "SIGUSR1 SIGUSR1",
+                                       "KeyboardInterrupt: second SIGINT: stopping at once", "True"], run.stderr
 
 
 def test_an_output_dir_that_cannot_be_made_names_what_is_in_the_way(tmp_path):

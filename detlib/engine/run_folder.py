@@ -263,7 +263,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
         logger.warning("%s", note)
     log_run_setup(accelerator)
     processes = gather_object([(socket.gethostname(), os.getpid())]) if accelerator.num_processes > 1 else []
-    signals = _install_signals()
+    signals = catch_signals()
     start_time_limit(None if evaluate_only else time_limit)  # an evaluation alone is not resumed
     code, message, stopped, lost, checkpoint, status = 1, "", None, None, None, None
     try:
@@ -300,8 +300,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
             accelerator.end_training()
         finally:
             start_time_limit(None)
-            for sig, handler in signals.items():  # after a stop, a second signal must not change its exit code
-                signal.signal(sig, signal.SIG_IGN if stopped is not None else handler)
+            release_signals(signals, stopped is not None)
             if is_main:
                 release_lock(output_dir)
     if stopped is not None:
@@ -338,9 +337,9 @@ def _gone(pid: int) -> bool:
         return True
 
 
-# ---- preemption signals
+# ---- stop signals: one mechanism for training and predict
 
-_received: list[int] = []  # the preemption signals this process got, first first
+_received: list[int] = []  # the stop signals this process got, first first
 _first_sigint: list[float] = []
 _handler_pid: list[int] = []  # the process that installed the handlers
 
@@ -350,17 +349,19 @@ def _on_signal(signum, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
-    # Only a flag: the training loop acts on it at its next poll, on every rank together.
+    # Only a flag: the loop acts on it at its next poll (a training run on every rank together).
     if signum == signal.SIGINT:
         if _first_sigint and time.monotonic() - _first_sigint[0] > SECOND_SIGINT_AFTER_S:
-            raise KeyboardInterrupt("second SIGINT: stopping at once, without a checkpoint")
+            raise KeyboardInterrupt("second SIGINT: stopping at once")
         _first_sigint[:] = _first_sigint or [time.monotonic()]
     _received.append(signum)
 
 
-def _install_signals() -> dict:
-    """SIGTERM, SIGUSR1 and a first SIGINT set a flag (`preempted`); under a launcher the kernel sends SIGTERM when the
-    launcher dies, even by kill -9. Returns the handlers replaced."""
+def catch_signals() -> dict:
+    """SIGTERM, SIGUSR1 and a first SIGINT only record the signal (`signal_received`), which a training run polls at
+    its step boundaries (`preempted`) and a predict script between its batches; a later second SIGINT raises
+    KeyboardInterrupt. Under a launcher the kernel sends SIGTERM when the launcher dies, even by kill -9. Returns the
+    handlers replaced."""
     _received.clear()
     _first_sigint.clear()
     _handler_pid[:] = [os.getpid()]
@@ -375,14 +376,26 @@ def _install_signals() -> dict:
     return old
 
 
+def release_signals(handlers: dict, stopped: bool) -> None:
+    """Put back the `handlers` `catch_signals` replaced, or after a stop (`stopped`) ignore the signals: a second one
+    must not change the stop's exit code."""
+    for sig, handler in handlers.items():
+        signal.signal(sig, signal.SIG_IGN if stopped else handler)
+
+
+def signal_received() -> str | None:
+    """The name of the first stop signal this process got since `catch_signals`, or None."""
+    return signal.Signals(_received[0]).name if _received else None
+
+
 def preempted(accelerator) -> str | None:
-    """Collective, at the same points on every rank: the first preemption signal's name when any process got one
+    """Collective, at the same points on every rank: the first stop signal's name when any process got one
     (accelerate's trigger; "a signal to another process" where none came); else TIME_LIMIT when --time_limit's
     budget is up on any process; else None."""
     if _received:
         accelerator.set_trigger()
     if accelerator.check_trigger():
-        return signal.Signals(_received[0]).name if _received else "a signal to another process"
+        return signal_received() or "a signal to another process"
     if (up := time_limit_up()) is None:  # no budget, on every rank alike
         return None
     import torch
