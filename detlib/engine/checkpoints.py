@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from ..files import readable_as_umask_allows, write_failure, write_json
 from ..weights import (WEIGHT_FILES, WeightsFileError, finite_weights, load_state_dict_file, read_json, read_json_object,
                        refused, save_model_weights, verify_safetensors, weights_only_loads)
-from .flags import RUN_RECORD_KEYS
+from .flags import FOLDER_ACTION_KEYS, RUN_RECORD_KEYS
 from .logs import save_config
 from .run_folder import EXIT_DIVERGED, RunStop
 from .stopping import note_save
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 CLASS_KEYS = ("category_ids", "category_names", "classes")  # model_config.json's class lists, in label order
 EMA_WEIGHTS = "model_ema"  # the EMA weights in a checkpoint: model_ema.safetensors
-NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "config")  # what to do with the folder this time
+NOT_COMPARED = (*FOLDER_ACTION_KEYS, "config")
 LAUNCH_FLAGS = ("num_processes",)  # recorded beside the flags, set by a flag of `accelerate launch`: named as it
 
 

@@ -1,14 +1,11 @@
 """The run folder and the run's processes: the start-up checks and the lock, how a run ends (`RunStop`, exit
-codes, run_status.json), and the signals that preempt it.
+codes, run_status.json), and the stop signals (training's and predict's).
 
 Exit codes: 0 finished (or stopped by --time_limit with a checkpoint: run_status "time_limit"); 1 error; 2 bad
 flags; EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary failure, retry"): a
-checkpoint was written, resume with `--resume_from_checkpoint latest`.
-Launchers report a worker's code each in their own way, so run_status.json records it too (slurm/ requeues on it).
-A stop is one line, last, from the first process (`error:`, or `stopped:` for a preemption or a refusal); the
-processes stop together and meet after it is out: one exiting first would have torchrun stop the first mid-line.
-A process of the run that ends (killed, out of memory) breaks the next collective of the others: that error is the
-stop `another process of the run ended (rank N, pid P)`, with the newest intact checkpoint (`lost_process`).
+checkpoint was written, resume with `--resume_from_checkpoint latest`. run_status.json records the code too:
+launchers report a worker's code each in their own way (slurm/ requeues on it). A stop is one line, last, from the
+first process; the processes meet after it is out: one exiting first would have torchrun stop the first mid-line.
 """
 
 from __future__ import annotations
@@ -146,10 +143,7 @@ def acquire_lock(output_dir: str) -> str | None:
     start, written into the file for this line only). The kernel releases the lock when its holder ends, however it
     ends, so a killed run's folder is free at once; a file left behind by one holds nothing."""
     path = os.path.join(output_dir, LOCK_FILE)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        return f"could not open the lock {path}: {e.strerror or e}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # the folder was just written to (`prepare_output_dir`)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -243,12 +237,11 @@ def write_run_status(output_dir: str, code: int, message: str = "", status: str 
 def running(accelerator, output_dir: str, state, evaluate_only: bool = False, resume: str | None = None,
             overwrite: bool = False, verbose: bool = False, time_limit: str | None = None):
     """The run in `output_dir`, from its start-up checks to its last line (every process enters it). On entry: the
-    folder checks and the lock (`prepare_output_dir`), the log, the preemption signals. On exit, whatever ends the
-    block: run_status.json (`state`'s step and epoch; a finished run's message: its `stop_reason`), trackers closed,
-    the process group ended, signals and lock given back. A `RunStop` becomes its line (after the trackers' own end lines) and
-    `SystemExit(code)`, as does a collective's failure because another process ended (`lost_process`; run_status.json
-    names the newest intact checkpoint); any other exception is recorded as failed and propagates with its traceback.
-    `time_limit`: --time_limit's budget, polled by `preempted` (detlib.engine.stopping)."""
+    folder checks and the lock (`prepare_output_dir`), the log, the stop signals, --time_limit's budget. On exit:
+    run_status.json, trackers closed, the process group ended, signals and lock given back. A `RunStop`, or a
+    collective's failure because another process ended (`lost_process`: run_status.json names the newest intact
+    checkpoint), becomes its line (after the trackers' own end lines) and `SystemExit(code)`; any other exception is
+    recorded as failed and propagates with its traceback."""
     from accelerate.utils import broadcast_object_list, gather_object
 
     from .logs import finish_trackers, log_run_setup, setup_logging
