@@ -195,10 +195,9 @@ def test_write_failure_names_the_error_the_free_space_and_a_full_disk():
 def test_lock_refuses_a_second_run_naming_the_holder_and_is_free_once_released(tmp_path):
     out = str(tmp_path)
     assert run_folder.acquire_lock(out) is None
-    started = json.loads((tmp_path / run_folder.LOCK_FILE).read_text())["started"]
     # a second open of the file is a second holder to the kernel, even in this process
-    assert run_folder.acquire_lock(out) == (f"another run (pid {os.getpid()} on {socket.gethostname()}, since {started}) "
-                                            f"is writing to {out}; use another --output_dir")
+    assert run_folder.acquire_lock(out) == (f"another run (pid {os.getpid()} on {socket.gethostname()}) is writing to "
+                                            f"{out}; use another --output_dir")
     run_folder.release_lock(out)
     assert run_folder.acquire_lock(out) is None
     run_folder.release_lock(out)
@@ -208,7 +207,7 @@ def test_lock_refuses_a_second_run_naming_the_holder_and_is_free_once_released(t
 def test_a_lock_file_no_process_holds_is_no_lock_whatever_it_says(tmp_path, content):
     """What a dead run left in run.lock (a live pid reused since, another host, an empty or cut file) holds nothing."""
     if content == "this process":  # a live pid on this host (the id stays the same for every pytest worker)
-        content = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"})
+        content = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
     (tmp_path / run_folder.LOCK_FILE).write_text(content)
     assert run_folder.acquire_lock(str(tmp_path)) is None
     assert json.loads((tmp_path / run_folder.LOCK_FILE).read_text())["pid"] == os.getpid()

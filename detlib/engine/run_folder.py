@@ -139,8 +139,8 @@ _held: dict[str, int] = {}  # output folder -> the open lock file this process h
 
 
 def acquire_lock(output_dir: str) -> str | None:
-    """Take the OS lock on `output_dir/run.lock` (`flock`): None, or a refusal naming the holder (its pid, host and
-    start, written into the file for this line only). The kernel releases the lock when its holder ends, however it
+    """Take the OS lock on `output_dir/run.lock` (`flock`): None, or a refusal naming the holder (its pid and host,
+    written into the file for this line only). The kernel releases the lock when its holder ends, however it
     ends, so a killed run's folder is free at once; a file left behind by one holds nothing."""
     path = os.path.join(output_dir, LOCK_FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # the folder was just written to (`prepare_output_dir`)
@@ -154,13 +154,11 @@ def acquire_lock(output_dir: str) -> str | None:
             named = f.read()
         with contextlib.suppress(ValueError, LookupError, TypeError):  # the holder has not named itself yet
             other = json.loads(named)
-            return (f"another run (pid {other['pid']} on {other['host']}, since {other['started']}) is writing to "
-                    f"{output_dir}; use another --output_dir")
+            return f"another run (pid {other['pid']} on {other['host']}) is writing to {output_dir}; use another --output_dir"
         return f"another run is writing to {output_dir}; use another --output_dir"
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     with contextlib.suppress(OSError):  # a name that cannot be written (a full disk) leaves the lock held all the same
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({**me, "argv": sys.argv}).encode())
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
     _held[os.path.abspath(output_dir)] = fd
     return None
 
