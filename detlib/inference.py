@@ -19,7 +19,6 @@ import contextlib
 import glob
 import logging
 import os
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -364,7 +363,7 @@ def run_prediction(main) -> None:
     import signal
 
     from .data.loaders import quiet_resource_sharer_errors
-    from .engine.run_folder import catch_signals, release_signals, signal_received
+    from .engine.run_folder import catch_signals, release_signals, signal_received, stop
 
     handlers, stopped = dict.fromkeys(catch_signals(), signal.SIG_DFL), None  # an ended one: no KeyboardInterrupt in shutdown
     quiet_resource_sharer_errors()  # a batch in flight at the stop must not print a traceback after our line
@@ -375,9 +374,7 @@ def run_prediction(main) -> None:
         stopped = signal_received() or "SIGINT"
     finally:
         release_signals(handlers, stopped=signal_received() is not None)
-    if name := stopped or signal_received():
-        print(f"stopped: {name} before the end; the per-image outputs written so far are kept, the merged ones were "
-              "not written: run the same command again" if stopped else
-              f"stopped: {name} came as the prediction ended; it ran to its end and its outputs are complete",
-              file=sys.stderr, flush=True)
-        raise SystemExit(128 + getattr(signal, name))
+    if name := stopped or signal_received():  # the one exit of a stop outside a training run: one line, every process
+        stop(f"{name} before the end; the per-image outputs written so far are kept, the merged ones were not written: "
+             "run the same command again" if stopped else f"{name} came as the prediction ended; it ran to its end and "
+             "its outputs are complete", 128 + getattr(signal, name), "stopped")

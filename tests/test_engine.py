@@ -401,15 +401,21 @@ def test_stop_signals_set_a_flag_and_a_late_second_sigint_stops():
         from accelerate import Accelerator
         from detlib.engine import run_folder
 
+        def preempted():
+            try:
+                run_folder.stop_if_preempted(acc)
+            except run_folder.Preempted as e:
+                return e.signal_name
+
         acc, before = Accelerator(cpu=True), signal.getsignal(signal.SIGUSR1)
         handlers = run_folder.catch_signals()
-        print(run_folder.preempted(acc), run_folder.signal_received())
+        print(preempted(), run_folder.signal_received())
         os.kill(os.getpid(), signal.SIGUSR1)
-        print(run_folder.preempted(acc))
+        print(preempted())
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C forwarded by the launcher: still only the flag
-        print(run_folder.preempted(acc), run_folder.signal_received())
+        print(preempted(), run_folder.signal_received())
         time.sleep(run_folder.SECOND_SIGINT_AFTER_S)
         try:
             os.kill(os.getpid(), signal.SIGINT)

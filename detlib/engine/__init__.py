@@ -14,6 +14,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
               "int_at_least", "parse_with_config", "path", "resolve_data_defaults", "run_argument_parser",
               "show_data_defaults"),
     "logs": ("MetricsLog", "make_accelerator", "setup_console_logging", "setup_logging", "start_trackers"),
-    "run_folder": ("RunStop", "running", "stop", "stop_together"),
-    "step": ("TrainLoop", "accelerator_for", "evaluate_only", "run_length", "stop_if_preempted"),
+    "run_folder": ("RunStop", "running", "stop", "stop_if_preempted", "stop_together"),
+    "step": ("TrainLoop", "accelerator_for", "evaluate_only", "run_length"),
 })

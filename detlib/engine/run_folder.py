@@ -59,7 +59,8 @@ class RunStop(Exception):
 
 
 class Preempted(Exception):
-    """A preemption signal, on every rank (`preempted`): the script writes a checkpoint, then raises `stop(...)`."""
+    """A stop signal or --time_limit, on every rank (`stop_if_preempted`): the script writes a checkpoint, then raises
+    `stop(...)`."""
 
     def __init__(self, signal_name: str):
         super().__init__(signal_name)
@@ -104,7 +105,7 @@ def _meet(timeout_s: float = 60.0) -> None:
 
 def stop(message: str, code: int = 2, word: str = "error"):
     """The one exit of an error every process finds alike outside a running run (flags, files named on the command
-    line, a predict script's or export's inputs, a run folder refused): `message` goes to the log file, if there is
+    line, a predict script's or export's inputs, a run folder refused) and of a predict script's stop signal: `message` goes to the log file, if there is
     one, and the first process prints `word: message`; every process meets after it and exits with `code`."""
     if any(isinstance(h, logging.FileHandler) for h in logging.getLogger().handlers):
         logger.error("%s", message, extra={"console": False})  # the console gets the line below
@@ -379,16 +380,17 @@ def signal_received() -> str | None:
     return signal.Signals(_received[0]).name if _received else None
 
 
-def preempted(accelerator) -> str | None:
-    """Collective, at the same points on every rank: the first stop signal's name when any process got one
-    (accelerate's trigger; "a signal to another process" where none came); else TIME_LIMIT when --time_limit's
-    budget is up on any process; else None."""
+def stop_if_preempted(accelerator) -> None:
+    """Collective, at the same points on every rank: raise Preempted when any process got a stop signal (the first
+    one's name, accelerate's trigger; "a signal to another process" where none came), or with TIME_LIMIT when
+    --time_limit's budget is up on any process."""
     if _received:
         accelerator.set_trigger()
     if accelerator.check_trigger():
-        return signal_received() or "a signal to another process"
+        raise Preempted(signal_received() or "a signal to another process")
     if (up := time_limit_up()) is None:  # no budget, on every rank alike
-        return None
+        return
     import torch
 
-    return TIME_LIMIT if accelerator.reduce(torch.tensor(float(up), device=accelerator.device), "sum") > 0 else None
+    if accelerator.reduce(torch.tensor(float(up), device=accelerator.device), "sum") > 0:
+        raise Preempted(TIME_LIMIT)

@@ -19,7 +19,7 @@ from .checkpoints import (EMA_WEIGHTS, best_record, best_weights, divergence, im
                           save_weights)
 from .logs import TrainWindow, log_plan, make_accelerator, record_config, start_trackers, summary_lines
 from .stopping import stop_early
-from .run_folder import EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, preempted
+from .run_folder import EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, stop_if_preempted
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +85,6 @@ def accelerator_for(args):
     return make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to, args.output_dir,
                             args.seed, args.verbose, args.compile_backend if args.compile and not args.evaluate_only
                             else None, args.compile_mode)
-
-
-def stop_if_preempted(accelerator) -> None:
-    """Raise Preempted when a preemption signal came to any process (collective: every rank at the same point)."""
-    if name := preempted(accelerator):
-        raise Preempted(name)
 
 
 def evaluate_only(accelerator, args, config: dict, given_line: str, evaluate):
