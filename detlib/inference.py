@@ -337,39 +337,34 @@ def start_prediction(args):
     return accelerator
 
 
-class Interrupted(BaseException):
-    """A stop signal seen by `stop_if_signalled`. A BaseException, as KeyboardInterrupt is: an `except Exception` on
-    its way out must not swallow it and let the prediction run on."""
-
-
 def stop_if_signalled() -> None:
-    """A predict script's poll between its batches and video chunks: raise Interrupted when a stop signal came (the
-    training runs' mechanism, `detlib.engine.run_folder.catch_signals`: the handler only records it)."""
+    """A predict script's poll between its batches and video chunks: raise KeyboardInterrupt (which no `except
+    Exception` on its way out swallows) when a stop signal came (`detlib.engine.run_folder.catch_signals`, training's
+    handlers: they only record it); `run_prediction` turns it into the stop."""
     from .engine.run_folder import signal_received
 
-    if name := signal_received():
-        raise Interrupted(name)
+    if signal_received():
+        raise KeyboardInterrupt
 
 
 def run_prediction(main) -> None:
     """A predict script's entry point: SIGINT, SIGTERM or SIGUSR1 is recorded (`catch_signals`, as in training) and
-    stops it at its next poll (`stop_if_signalled`) with one `stopped:` line as the last thing printed (no traceback)
-    and exit code 128 + the signal's number (SIGINT 130, SIGTERM 143); the files written per image so far stay, the
-    merged outputs (predictions.json / .csv) are written only by a run that ends. A second SIGINT a second or more
-    after the first stops at once, the same way. A signal after the last poll lets the prediction end, then exits
-    with its code and a line saying the outputs are complete. From a stop on, signals are ignored (a second one
-    changes nothing); a prediction that ends with none leaves them to their default action (the process ends at once,
-    silently)."""
+    stops it at its next poll (`stop_if_signalled`; a second SIGINT a second or more after the first: at once) with
+    one `stopped:` line, last, no traceback, exit code 128 + the signal's number (SIGINT 130, SIGTERM 143); the files
+    written per image so far stay, the merged outputs only come from a run that ends. A signal after the last poll
+    lets the prediction end, then exits with its code and a line saying the outputs are complete. From a stop on,
+    signals are ignored; a prediction that ends with none leaves them to their default action (no KeyboardInterrupt
+    in the interpreter's shutdown)."""
     import signal
 
     from .data.loaders import quiet_resource_sharer_errors
     from .engine.run_folder import catch_signals, release_signals, signal_received, stop
 
-    handlers, stopped = dict.fromkeys(catch_signals(), signal.SIG_DFL), None  # an ended one: no KeyboardInterrupt in shutdown
+    handlers, stopped = dict.fromkeys(catch_signals(), signal.SIG_DFL), None
     quiet_resource_sharer_errors()  # a batch in flight at the stop must not print a traceback after our line
     try:
         main()
-    except (Interrupted, KeyboardInterrupt):
+    except KeyboardInterrupt:
         release_signals(handlers, stopped=True)  # before the loader's workers shut down as the exception is dropped
         stopped = signal_received() or "SIGINT"
     finally:
