@@ -19,7 +19,6 @@ import contextlib
 import glob
 import logging
 import os
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -338,68 +337,39 @@ def start_prediction(args):
     return accelerator
 
 
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached a predict script (`run_prediction`). A BaseException, as KeyboardInterrupt is: the
-    handler raises it wherever the main thread is, and an `except Exception` there (a damaged EXIF block read as
-    orientation 1, a library's fallback) must not swallow it and let the prediction run on to the end."""
+def stop_if_signalled() -> None:
+    """A predict script's poll between its batches and video chunks: raise KeyboardInterrupt (which no `except
+    Exception` on its way out swallows) when a stop signal came (`detlib.engine.run_folder.catch_signals`, training's
+    handlers: they only record it); `run_prediction` turns it into the stop."""
+    from .engine.run_folder import signal_received
 
-
-_outputs_are_written = False  # set by `outputs_written`, read by `run_prediction`'s handler
-
-
-def outputs_written() -> None:
-    """Called by a predict script once its merged outputs are written: a signal from here on is reported as one
-    that came as the prediction ended (`run_prediction`), and no longer stops what is left (the processes' end)."""
-    global _outputs_are_written
-    _outputs_are_written = True
+    if signal_received():
+        raise KeyboardInterrupt
 
 
 def run_prediction(main) -> None:
-    """A predict script's entry point: Ctrl-C or SIGTERM stops it with one `stopped:` line as the last thing printed
-    (no traceback) and exit code 130 (SIGINT) / 143 (SIGTERM); the files written per image so far stay, the
-    merged outputs (predictions.json / .csv) are written only by a run that ends.
-
-    A second signal (a double Ctrl-C; `timeout` forwarding the terminal's) changes nothing: raised while the first
-    one's stop unwinds it is the same stop, and from the `stopped:` line on it is ignored. A signal raised where
-    Python drops exceptions (a DataLoader iterator's `__del__` as the loop ends) is dropped silently and the
-    prediction runs on; so does one after the script's `outputs_written()`. Either way the run ends with exit 130 /
-    143 and a line saying the outputs are complete. Once a prediction has ended normally, a signal ends the process
-    at once and silently (the default action), not with a traceback from interpreter shutdown."""
+    """A predict script's entry point: SIGINT, SIGTERM or SIGUSR1 is recorded (`catch_signals`, as in training) and
+    stops it at its next poll (`stop_if_signalled`; a second SIGINT a second or more after the first: at once) with
+    one `stopped:` line, last, no traceback, exit code 128 + the signal's number (SIGINT 130, SIGTERM 143); the files
+    written per image so far stay, the merged outputs only come from a run that ends. A signal after the last poll
+    lets the prediction end, then exits with its code and a line saying the outputs are complete. From a stop on,
+    signals are ignored; a prediction that ends with none leaves them to their default action (no KeyboardInterrupt
+    in the interpreter's shutdown)."""
     import signal
 
     from .data.loaders import quiet_resource_sharer_errors
+    from .engine.run_folder import catch_signals, release_signals, signal_received, stop
 
-    global _outputs_are_written
-    received: list[str] = []
-    _outputs_are_written = False
-
-    def interrupt(signum, frame):
-        received.append(signal.Signals(signum).name)
-        if not _outputs_are_written:
-            raise Interrupted(received[0])
-
-    previous_unraisable = sys.unraisablehook
-
-    def unraisable(report):  # the signal's exception dropped by Python (in a __del__): handled after main, unprinted
-        if not isinstance(report.exc_value, Interrupted):
-            previous_unraisable(report)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, interrupt)
-    sys.unraisablehook = unraisable
+    handlers, stopped = dict.fromkeys(catch_signals(), signal.SIG_DFL), None
     quiet_resource_sharer_errors()  # a batch in flight at the stop must not print a traceback after our line
     try:
         main()
-    except Interrupted as e:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        print(f"stopped: {e} before the end; the per-image outputs written so far are kept, the merged ones were not "
-              "written: run the same command again", file=sys.stderr, flush=True)
-        raise SystemExit(130 if str(e) == "SIGINT" else 143) from None
-    finally:  # a stopped run exits with its code whatever comes now; an ended one takes the default action
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN if received else signal.SIG_DFL)
-    if received:
-        print(f"stopped: {received[0]} came as the prediction ended; it ran to its end and its outputs are complete",
-              file=sys.stderr, flush=True)
-        raise SystemExit(130 if received[0] == "SIGINT" else 143)
+    except KeyboardInterrupt:
+        release_signals(handlers, stopped=True)  # before the loader's workers shut down as the exception is dropped
+        stopped = signal_received() or "SIGINT"
+    finally:
+        release_signals(handlers, stopped=signal_received() is not None)
+    if name := stopped or signal_received():  # the one exit of a stop outside a training run: one line, every process
+        stop(f"{name} before the end; the per-image outputs written so far are kept, the merged ones were not written: "
+             "run the same command again" if stopped else f"{name} came as the prediction ended; it ran to its end and "
+             "its outputs are complete", 128 + getattr(signal, name), "stopped")

@@ -36,9 +36,9 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLo
 from detlib.data import INSTALL_HINT, av_available, video_frames
 from detlib.engine import int_at_least, stop
 from detlib.files import atomic_write, write_json
-from detlib.inference import (earlier_outputs, list_media_files, load_classifier, output_names, outputs_written,
-                              predict_videos, prediction_parser, run_prediction, shard_batches,
-                              start_prediction, write_skipped)
+from detlib.inference import (earlier_outputs, list_media_files, load_classifier, output_names, predict_videos,
+                              prediction_parser, run_prediction, shard_batches, start_prediction, stop_if_signalled,
+                              write_skipped)
 from detlib.lazy import no_grad
 
 logger = logging.getLogger("predict_catsdogs")
@@ -104,6 +104,7 @@ def classify_video(path: str, name: str, model, transform, classes: list[str], k
                disable=not accelerator.is_local_main_process)
     stream = iter(frames)
     while chunk := list(itertools.islice(stream, batch_size)):
+        stop_if_signalled()
         images = torch.stack([transform(Image.fromarray(rgb)) for _, _, rgb in chunk]).to(accelerator.device)
         with accelerator.autocast():
             logits = model(images)
@@ -173,6 +174,7 @@ def predict(args):
     rows: dict[int, list[tuple[str, float]]] = {}
     failed: list[int] = []
     for batch in tqdm(loader, desc="predict", disable=not accelerator.is_local_main_process):
+        stop_if_signalled()
         with accelerator.autocast():
             logits = model(batch["image"].to(accelerator.device))
         prob, idx = logits.float().softmax(-1).topk(k, dim=-1)
@@ -195,7 +197,6 @@ def predict(args):
     merged = None
     if accelerator.is_main_process:
         merged = write_outputs(args, paths, root, classes, k, shards, unsupported)
-    outputs_written()  # a signal from here on says the outputs are complete
     # a clean end of the process group: a rank that exits while another still tears down gloo can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()

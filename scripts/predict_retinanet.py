@@ -61,8 +61,8 @@ from detlib.datacheck import DataReport, check_coco
 from detlib.engine import add_tile_flags, float_range, int_at_least, stop
 from detlib.files import write_json
 from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
-                              outputs_written, prediction_parser, predict_videos, retinanet_input_size,
-                              run_prediction, start_prediction, write_skipped)
+                              prediction_parser, predict_videos, retinanet_input_size, run_prediction,
+                              start_prediction, stop_if_signalled, write_skipped)
 from detlib.tiling import collate_images, tile_flag_notes, tiled_loader
 from detlib.lazy import no_grad
 from detlib.weights import WeightsFileError, weights_path
@@ -261,6 +261,7 @@ def predict_video(args, path: str, name: str, out_name: str, detect, transform, 
     stream, collate = iter(frames), collate_images if args.tile else EvaluationCollate()  # frames share one shape
     try:
         while chunk := list(itertools.islice(stream, args.batch_size)):
+            stop_if_signalled()
             batch = collate([detection_item(rgb, None if args.tile else transform, i) for i, _, rgb in chunk])
             for (i, t, rgb), res in zip(chunk, detect(batch)):
                 for r in res:
@@ -449,7 +450,8 @@ def predict(args):
     if runner is not None:  # an exported model: its runtime runs and decodes each collated batch
         model, anchor_gen = runner, None
     found, failed = detect_images(model, anchor_gen, loader, accelerator, *settings, autocast=True,
-                                  on_image=write_image, desc="predict", tiles=tiles)
+                                  poll=stop_if_signalled, poll_every=1, on_image=write_image, desc="predict",
+                                  tiles=tiles)
 
     # ---- videos, each on one process (video v on process v % n), frame by frame in batches of --batch_size
     def detect_frames(batch) -> list[list[dict]]:
@@ -469,7 +471,6 @@ def predict(args):
     if accelerator.is_main_process:
         results = write_outputs(args, ds, [(per_image, failed, {}, {})] + [({}, [], *v) for v in video_shards],
                                 skipped, names)
-    outputs_written()  # a signal from here on says the outputs are complete
     # a clean end of the process group: a rank that exits while another still tears down gloo can abort
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -549,7 +549,7 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
     evaluator.per_image, evaluator.failed = detect_images(
         model, anchor_gen, loader, accelerator, category_map.to_category_ids(torch.arange(len(category_map))),
         args.score_thresh, args.nms_thresh, args.detections_per_image,
-        every_10_batches=lambda: stop_if_preempted(accelerator), tiles=(dict(  # --tile: native images, cut here
+        poll=lambda: stop_if_preempted(accelerator), tiles=(dict(  # --tile: native images, cut here
             transform=build_transform(args.image_size, "none", args.max_size, args.resize_mode), tile=args.tile,
             overlap=args.tile_overlap, batch_size=args.per_device_eval_batch_size, full=args.tile_full) if args.tile else None))
     result = [None]

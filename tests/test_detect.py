@@ -28,9 +28,11 @@ def test_detect_images_collects_each_image_once_and_lists_the_unreadable():
     loader = [one, {}, two] + [{}] * 9  # a process's filler batches: no image
     seen, polls = [], []
     found, failed = detect_images(model, anchors, loader, Accelerator(cpu=True), to_ids, 0.0, 0.5, 20,
-                                  every_10_batches=lambda: polls.append(1),
-                                  on_image=lambda image_id, res: seen.append(image_id))
+                                  poll=lambda: polls.append(1), on_image=lambda image_id, res: seen.append(image_id))
     assert sorted(found) == [5, 6] and failed == {4} and seen == [5, 6] and len(polls) == 2
+    detect_images(model, anchors, loader, Accelerator(cpu=True), to_ids, 0.0, 0.5, 20, poll=lambda: polls.append(1),
+                  poll_every=1)  # a predict script's poll: before every batch
+    assert len(polls) == 2 + len(loader)
     alone = detect(model, anchors, one, to_ids, 0.0, 0.5, 20)
     assert found[5] == alone[0] and 0 < len(found[5]) <= 20
     assert {r["category_id"] for r in found[5]} <= {7, 8, 9} and all(r["image_id"] == 5 for r in found[5])

@@ -195,10 +195,9 @@ def test_write_failure_names_the_error_the_free_space_and_a_full_disk():
 def test_lock_refuses_a_second_run_naming_the_holder_and_is_free_once_released(tmp_path):
     out = str(tmp_path)
     assert run_folder.acquire_lock(out) is None
-    started = json.loads((tmp_path / run_folder.LOCK_FILE).read_text())["started"]
     # a second open of the file is a second holder to the kernel, even in this process
-    assert run_folder.acquire_lock(out) == (f"another run (pid {os.getpid()} on {socket.gethostname()}, since {started}) "
-                                            f"is writing to {out}; use another --output_dir")
+    assert run_folder.acquire_lock(out) == (f"another run (pid {os.getpid()} on {socket.gethostname()}) is writing to "
+                                            f"{out}; use another --output_dir")
     run_folder.release_lock(out)
     assert run_folder.acquire_lock(out) is None
     run_folder.release_lock(out)
@@ -208,7 +207,7 @@ def test_lock_refuses_a_second_run_naming_the_holder_and_is_free_once_released(t
 def test_a_lock_file_no_process_holds_is_no_lock_whatever_it_says(tmp_path, content):
     """What a dead run left in run.lock (a live pid reused since, another host, an empty or cut file) holds nothing."""
     if content == "this process":  # a live pid on this host (the id stays the same for every pytest worker)
-        content = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"})
+        content = json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
     (tmp_path / run_folder.LOCK_FILE).write_text(content)
     assert run_folder.acquire_lock(str(tmp_path)) is None
     assert json.loads((tmp_path / run_folder.LOCK_FILE).read_text())["pid"] == os.getpid()
@@ -387,31 +386,49 @@ def test_train_state_counts_steps_and_the_epoch_mean():
 
 # ---- the preemption flag (detlib.engine.run_folder)
 
-def test_preemption_signals_set_a_flag_and_a_late_second_sigint_stops(monkeypatch):
-    import signal
+def test_stop_signals_set_a_flag_and_a_late_second_sigint_stops():
+    """In a process of its own (a signal to itself reaches no pytest process): SIGUSR1 and a Ctrl-C (twice at once,
+    from the terminal and forwarded by the launcher) only set the flag, the first signal is the one named; a SIGINT
+    a second later raises KeyboardInterrupt; `release_signals` puts the handlers back."""
+    import subprocess
+    import sys
+    import textwrap
 
-    from accelerate import Accelerator
+    from conftest import launch_env
 
-    acc = Accelerator(cpu=True)
-    before = signal.getsignal(signal.SIGUSR1)
-    old = run_folder._install_signals()
-    try:
-        assert run_folder.preempted(acc) is None
+    code = textwrap.dedent("""
+        import os, signal, time
+        from accelerate import Accelerator
+        from detlib.engine import run_folder
+
+        def preempted():
+            try:
+                run_folder.stop_if_preempted(acc)
+            except run_folder.Preempted as e:
+                return e.signal_name
+
+        acc, before = Accelerator(cpu=True), signal.getsignal(signal.SIGUSR1)
+        handlers = run_folder.catch_signals()
+        print(preempted(), run_folder.signal_received())
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert run_folder.preempted(acc) == "SIGUSR1"
-        clock = [100.0]
-        monkeypatch.setattr(run_folder.time, "monotonic", lambda: clock[0])
-        run_folder._on_signal(signal.SIGINT, None)
-        clock[0] += 0.5  # the same Ctrl-C forwarded by the launcher: still only the flag
-        run_folder._on_signal(signal.SIGINT, None)
-        assert run_folder.preempted(acc) == "SIGUSR1"  # the first signal is the one named
-        clock[0] += run_folder.SECOND_SIGINT_AFTER_S
-        with pytest.raises(KeyboardInterrupt):
-            run_folder._on_signal(signal.SIGINT, None)
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-    assert signal.getsignal(signal.SIGUSR1) is before
+        print(preempted())
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C forwarded by the launcher: still only the flag
+        print(preempted(), run_folder.signal_received())
+        time.sleep(run_folder.SECOND_SIGINT_AFTER_S)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt as e:
+            print("KeyboardInterrupt:", e)
+        run_folder.release_signals(handlers, stopped=False)
+        print(signal.getsignal(signal.SIGUSR1) is before)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=launch_env({"PYTHONPATH": str(REPO)}))
+    assert run.stdout.splitlines() == ["None None", "SIGUSR1", "SIGUSR1 SIGUSR1",
+                                       "KeyboardInterrupt: second SIGINT: stopping at once", "True"], run.stderr
 
 
 def test_an_output_dir_that_cannot_be_made_names_what_is_in_the_way(tmp_path):

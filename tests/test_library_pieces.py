@@ -5,11 +5,15 @@ on a signal around Python's and multiprocessing's own handling (`detlib.inferenc
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import REPO, launch_env
 from detlib import classification
 from detlib.data import imagefolder
 from detlib.data import builtin
@@ -181,116 +185,124 @@ def prediction_signals(monkeypatch):
     import signal
     import sys
 
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
-    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
     yield
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
 
 
-@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
-def test_a_signal_inside_an_except_exception_block_still_stops_a_prediction(signame, monkeypatch, tmp_path,
-                                                                            prediction_signals):
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a Python process of its own (this checkout's detlib): a signal it sends itself can reach no pytest
+    process."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                          env=launch_env({"PYTHONPATH": str(REPO)}))
+
+
+STOPPED_BEFORE_THE_END = ("before the end; the per-image outputs written so far are kept, the merged ones were not "
+                          "written: run the same command again")
+
+
+@pytest.mark.parametrize("signame,code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGUSR1", 138)])
+def test_a_signal_stops_a_prediction_at_its_next_poll_even_inside_an_except_exception_block(signame, code):
     """The signal lands while the predict script is inside an `except Exception` (as `exif_orientation`'s, which
-    reads a damaged EXIF block as orientation 1): the prediction still stops with its `stopped:` exit, it does not
-    run on to the end (seen: a Ctrl-C to predict_retinanet.py exited 0 after all 600 images)."""
-    import os
-    import signal
+    reads a damaged EXIF block as orientation 1): the prediction stops at its next poll between batches with its
+    `stopped:` line and exit 128 + the signal's number; it does not run on to the end (seen: a Ctrl-C to
+    predict_retinanet.py exited 0 after all 600 images)."""
+    run = run_python(f"""
+        import os, signal
+        from detlib.inference import run_prediction, stop_if_signalled
 
-    from detlib.evaluation import drawing
-    from detlib.inference import run_prediction
+        def main():
+            for batch in range(3):
+                stop_if_signalled()
+                print("batch", batch, flush=True)
+                try:
+                    os.kill(os.getpid(), signal.{signame})
+                    raise ValueError("a damaged EXIF block")
+                except Exception:
+                    pass
+            print("reached the end", flush=True)
 
-    image = tmp_path / "a.png"
-    image.write_bytes(b"not an image")
-    real_open, reached_the_end = drawing.Image.open, []
-
-    def open_and_signal(path):  # the handler runs here, inside exif_orientation's try block
-        os.kill(os.getpid(), getattr(signal, signame))
-        return real_open(path)
-
-    def main():
-        monkeypatch.setattr(drawing.Image, "open", open_and_signal)
-        orientations = [drawing.exif_orientation(image) for _ in range(3)]
-        reached_the_end.append(orientations)
-
-    with pytest.raises(SystemExit) as stop:
         run_prediction(main)
-    assert stop.value.code == (130 if signame == "SIGINT" else 143) and reached_the_end == []
+    """)
+    assert run.returncode == code and run.stdout == "batch 0\n", (run.stdout, run.stderr)
+    assert run.stderr == f"stopped: {signame} {STOPPED_BEFORE_THE_END}\n"
 
 
-def test_a_second_signal_while_a_prediction_stops_is_the_same_stop(prediction_signals, capsys):
-    """A double Ctrl-C (or `timeout` forwarding the terminal's SIGINT a second time): one in the cleanup that the
-    first one's stop runs, one as the `stopped:` line is printed. One line, exit 130, no traceback; afterwards
-    signals are ignored, so the process still exits 130 (no handler of ours runs in interpreter shutdown)."""
-    import os
-    import signal
+def test_a_second_signal_while_a_prediction_stops_is_the_same_stop():
+    """A double Ctrl-C (or `timeout` forwarding the terminal's SIGINT a second time): a late one (a second after the
+    first: it raises KeyboardInterrupt) in the cleanup the first one's stop runs, a SIGTERM from a `__del__` as the
+    loader's iterator is dropped (its workers' shutdown) and one as the `stopped:` line is printed. One line, exit
+    130, no traceback and no "Exception ignored"."""
+    run = run_python("""
+        import builtins, os, signal, time
+        from detlib.inference import run_prediction, stop_if_signalled
 
-    from detlib.inference import run_prediction
+        class Iterator:  # a DataLoader iterator: its __del__ runs as the stop's exception is dropped
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGTERM)
 
-    def main():
+        def main():
+            batches = Iterator()
+            os.kill(os.getpid(), signal.SIGINT)
+            try:
+                stop_if_signalled()
+            finally:  # the cleanup of the stop (a progress bar's close, a video writer's)
+                time.sleep(1.2)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.1)
+            print("ran on", flush=True)
+
+        real_print = print
+
+        def print_and_signal(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            real_print(*args, **kwargs)
+
+        builtins.print = print_and_signal
+        run_prediction(main)
+    """)
+    assert run.returncode == 130 and run.stdout == "", (run.stdout, run.stderr)
+    assert run.stderr == f"stopped: SIGINT {STOPPED_BEFORE_THE_END}\n"
+
+
+@pytest.mark.parametrize("where", ["in_a_del", "after_the_outputs"])
+def test_a_signal_after_the_last_poll_ends_the_prediction_with_its_code_and_says_the_outputs_are_complete(where):
+    """A signal after the last poll: in a `__del__` (a DataLoader iterator's worker shutdown as the loop ends), where
+    Python drops any exception (seen: exit 0 after an `Exception ignored in: ... __del__` traceback), or as the merged
+    outputs are written (it said "the merged ones were not written" of complete outputs): the prediction runs on to
+    its end, then exits 130 / 143 with a line saying its outputs are complete, and nothing else is printed. A
+    prediction that ends with no signal leaves the signals to their default action and exits 0."""
+    sig, code = ("SIGINT", 130) if where == "in_a_del" else ("SIGTERM", 143)
+    run = run_python(f"""
+        import os, signal, sys
+        from detlib.inference import run_prediction, stop_if_signalled
+
+        class Iterator:
+            def __del__(self):
+                os.kill(os.getpid(), signal.{sig})
+
+        def main():
+            stop_if_signalled()
+            if sys.argv[-1] == "in_a_del":
+                Iterator()  # dropped at once: its __del__ runs here
+            elif sys.argv[-1] == "after_the_outputs":
+                os.kill(os.getpid(), signal.{sig})
+            print("reached the end", flush=True)
+
+        sys.argv.append("{where}")
         try:
-            os.kill(os.getpid(), signal.SIGINT)
-        finally:  # the cleanup of the stop (a DataLoader's worker shutdown)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    real_print = print
-
-    def print_and_signal(*args, **kwargs):  # the second one as the stopped line goes out
-        os.kill(os.getpid(), signal.SIGTERM)
-        real_print(*args, **kwargs)
-
-    import builtins
-
-    builtins.print = print_and_signal
-    try:
-        with pytest.raises(SystemExit) as stop:
             run_prediction(main)
-    finally:
-        builtins.print = real_print
-    err = capsys.readouterr().err
-    assert stop.value.code == 130 and err.count("stopped:") == 1 and err.startswith("stopped: SIGINT before"), err
-    assert "Traceback" not in err
-    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
-
-
-@pytest.mark.parametrize("where", ["in_a_del", "after_outputs_written"])
-def test_a_signal_the_prediction_runs_on_past_ends_it_with_its_code_and_says_the_outputs_are_complete(
-        where, prediction_signals, capsys):
-    """A signal in a `__del__` (a DataLoader iterator's worker shutdown as the loop ends), where Python drops any
-    exception (seen: exit 0 after an `Exception ignored in: ... __del__` traceback), or after the script's
-    `outputs_written()` (the processes' end; it said "the merged ones were not written" of complete outputs): the
-    prediction runs on to its end, then exits 130 / 143 with a line saying its outputs are complete, and nothing
-    else is printed. A prediction that ends with no signal leaves the signals to their default action."""
-    import os
-    import signal
-
-    from detlib.inference import outputs_written, run_prediction
-
-    sig = signal.SIGINT if where == "in_a_del" else signal.SIGTERM
-
-    class Iterator:
-        def __del__(self):
-            os.kill(os.getpid(), sig)
-
-    reached_the_end = []
-
-    def main():
-        if where == "in_a_del":
-            Iterator()  # dropped at once: its __del__ runs here
-        else:
-            outputs_written()
-            os.kill(os.getpid(), sig)
-        reached_the_end.append(True)
-
-    with pytest.raises(SystemExit) as stop:
-        run_prediction(main)
-    err = capsys.readouterr().err
-    assert stop.value.code == (130 if sig == signal.SIGINT else 143) and reached_the_end == [True]
-    assert err.strip() == (f"stopped: {sig.name} came as the prediction ended; it ran to its end and its outputs "
-                           "are complete")
-    run_prediction(lambda: None)
-    assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        except SystemExit as e:
+            sys.argv.append("none")
+            run_prediction(main)
+            print(signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1))
+            raise
+    """)
+    assert run.returncode == code, (run.stdout, run.stderr)
+    assert run.stdout == "reached the end\nreached the end\n0 0 0\n"  # SIG_DFL
+    assert run.stderr == f"stopped: {sig} came as the prediction ended; it ran to its end and its outputs are complete\n"
 
 
 def test_the_other_processes_leave_a_stop_silently_when_the_launcher_stops_them(monkeypatch,

@@ -382,7 +382,7 @@ def test_output_folder_guards(tmp_path, capsys):
     # a live run holding the folder (this test's own process stands in for it)
     assert acquire_lock(str(out)) is None
     code, _, err = run_main("train_retinanet", common + ["--resume_from_checkpoint", "latest"], capsys)
-    assert code != 0 and f"another run (pid {os.getpid()} on {socket.gethostname()}, since " in err
+    assert code != 0 and f"another run (pid {os.getpid()} on {socket.gethostname()}) is writing" in err
     release_lock(str(out))
     # --overwrite_output_dir replaces it, saying so
     code, stdout, _ = run_main("train_retinanet", common + ["--overwrite_output_dir"], capsys)

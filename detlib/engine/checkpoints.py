@@ -29,16 +29,16 @@ from safetensors.torch import save_file
 from ..files import readable_as_umask_allows, write_failure, write_json
 from ..weights import (WEIGHT_FILES, WeightsFileError, finite_weights, load_state_dict_file, read_json, read_json_object,
                        refused, save_model_weights, verify_safetensors, weights_only_loads)
-from .flags import RUN_RECORD_KEYS
+from .flags import FOLDER_ACTION_KEYS, RUN_RECORD_KEYS
 from .logs import save_config
-from .run_folder import EXIT_DIVERGED, RunStop
+from .run_folder import EXIT_DIVERGED, RunStop, stop_together
 from .stopping import note_save
 
 logger = logging.getLogger(__name__)
 
 CLASS_KEYS = ("category_ids", "category_names", "classes")  # model_config.json's class lists, in label order
 EMA_WEIGHTS = "model_ema"  # the EMA weights in a checkpoint: model_ema.safetensors
-NOT_COMPARED = ("resume_from_checkpoint", "overwrite_output_dir", "config")  # what to do with the folder this time
+NOT_COMPARED = (*FOLDER_ACTION_KEYS, "config")
 LAUNCH_FLAGS = ("num_processes",)  # recorded beside the flags, set by a flag of `accelerate launch`: named as it
 
 
@@ -223,8 +223,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(previous[-1]) for f in fs) if previous else None
         error = (f"could not write checkpoint {tmp}: {write_failure(e, tmp, size)}; removed the partial folder, "
                  + (f"the previous checkpoint {previous[-1]} is kept" if previous else "no earlier checkpoint exists"))
-    if not min_over_processes(accelerator, error is None):
-        raise RunStop(error or f"another process failed to write checkpoint {tmp}")
+    stop_together(accelerator, error)
     if accelerator.is_main_process:
         for entry in os.listdir(tmp):
             readable_as_umask_allows(os.path.join(tmp, entry))
@@ -356,8 +355,7 @@ def save_weights(accelerator, model, output_dir: str, name: str, model_config: d
         save_model_weights(accelerator, model, folder, model_config, extra)
     except WeightsFileError as e:  # main process only
         error = f"{e}; the checkpoints in {os.path.join(output_dir, 'checkpoints')} are kept"
-    if error := broadcast_object_list([error])[0]:
-        raise RunStop(error)
+    stop_together(accelerator, error)
     return folder
 
 

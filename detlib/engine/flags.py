@@ -1,16 +1,6 @@
-"""The flags both training scripts share, `--config FILE.yaml`, and argparse types that refuse values that cannot
-work: a nonsense value (`--epochs 0`, `--lr -1`), on the command line or in a --config file, is one argparse line
-at start (exit 2), never a traceback later.
-
-`--config` is timm's two-stage parse: the file's `flag: value` lines, parsed by the same parser as the command line
-they stand for, become its defaults; the command line overrides them. A run's own config.yaml re-runs it: its
-record keys (`num_processes`, ...) are not applied, nor what to do with the folder this time
-(`resume_from_checkpoint`, `overwrite_output_dir`).
-
-A flag that names a file or folder has the type `path`: an existing one becomes absolute as it is parsed, so the
-run reads, logs, compares on resume and records in config.yaml the file itself, and a `--config` re-run from
-another folder reads the same files; `--output_dir` is made absolute once its default is known. A recorded
-absolute path that no longer exists stops a `--config` run at start, naming the file and the key.
+"""The flags both training scripts share, `--config FILE.yaml` (timm's two-stage parse, docs/flags.md; paths:
+docs/long_runs.md), and argparse types that refuse values that cannot work: a nonsense value (`--epochs 0`, `--lr
+-1`), on the command line or in a --config file, is one argparse line at start (exit 2), never a traceback later.
 
 Defaults that depend on the data (built-in or real) and the optimizer are one table per script, `{flag: (built-in,
 real)}` or `{flag: {optimizer: (built-in, real)}}`, printed in the docstring and --help, and applied.

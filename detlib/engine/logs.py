@@ -21,7 +21,7 @@ import yaml
 from ..files import CacheNotWritable, atomic_write, check_cache
 from ..logtext import escape_unencodable
 from .flags import REPORT_TO
-from .run_folder import RunStop
+from .run_folder import stop_together
 
 logger = logging.getLogger(__name__)
 
@@ -152,14 +152,11 @@ def start_trackers(accelerator, project: str, config: dict, output_dir: str, run
     """Start the tracker runs (collective) and return the wandb run id (kept in the checkpoints: a resumed run logs
     into the same wandb run). Raises RunStop on every process when one did not start (no credentials, no network, a
     folder it cannot write): one line naming it, the error and the ways on; the others are closed."""
-    from accelerate.utils import broadcast_object_list
-
     run_id, error = run_id or uuid.uuid4().hex[:12], None
     name = run_name or os.path.basename(os.path.abspath(output_dir))
     if accelerator.is_main_process and "wandb" in [str(t) for t in accelerator.log_with]:
         error = _wandb_caches(report_to)
-    if error := broadcast_object_list([error])[0]:
-        raise RunStop(error)
+    stop_together(accelerator, error)
     flat = {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in config.items()}
     try:
         accelerator.init_trackers(project, config=flat, init_kwargs={"wandb": {"id": run_id, "resume": "allow",
@@ -176,8 +173,7 @@ def start_trackers(accelerator, project: str, config: dict, output_dir: str, run
                 if failed == "wandb" else "fix that")
         error = (f"--report_to {report_to}: {failed} could not start ({type(e).__name__}: {_one_line(e).rstrip('.')}); "
                  f"{todo}, or pass --report_to none")
-    if error := broadcast_object_list([error])[0]:
-        raise RunStop(error)
+    stop_together(accelerator, error)
     return run_id
 
 

@@ -1,14 +1,11 @@
 """The run folder and the run's processes: the start-up checks and the lock, how a run ends (`RunStop`, exit
-codes, run_status.json), and the signals that preempt it.
+codes, run_status.json), and the stop signals (training's and predict's).
 
 Exit codes: 0 finished (or stopped by --time_limit with a checkpoint: run_status "time_limit"); 1 error; 2 bad
 flags; EXIT_DIVERGED (3) non-finite steps in a row; EXIT_PREEMPTED (75, sysexits' "temporary failure, retry"): a
-checkpoint was written, resume with `--resume_from_checkpoint latest`.
-Launchers report a worker's code each in their own way, so run_status.json records it too (slurm/ requeues on it).
-A stop is one line, last, from the first process (`error:`, or `stopped:` for a preemption or a refusal); the
-processes stop together and meet after it is out: one exiting first would have torchrun stop the first mid-line.
-A process of the run that ends (killed, out of memory) breaks the next collective of the others: that error is the
-stop `another process of the run ended (rank N, pid P)`, with the newest intact checkpoint (`lost_process`).
+checkpoint was written, resume with `--resume_from_checkpoint latest`. run_status.json records the code too:
+launchers report a worker's code each in their own way (slurm/ requeues on it). A stop is one line, last, from the
+first process; the processes meet after it is out: one exiting first would have torchrun stop the first mid-line.
 """
 
 from __future__ import annotations
@@ -62,7 +59,8 @@ class RunStop(Exception):
 
 
 class Preempted(Exception):
-    """A preemption signal, on every rank (`preempted`): the script writes a checkpoint, then raises `stop(...)`."""
+    """A stop signal or --time_limit, on every rank (`stop_if_preempted`): the script writes a checkpoint, then raises
+    `stop(...)`."""
 
     def __init__(self, signal_name: str):
         super().__init__(signal_name)
@@ -107,7 +105,7 @@ def _meet(timeout_s: float = 60.0) -> None:
 
 def stop(message: str, code: int = 2, word: str = "error"):
     """The one exit of an error every process finds alike outside a running run (flags, files named on the command
-    line, a predict script's or export's inputs, a run folder refused): `message` goes to the log file, if there is
+    line, a predict script's or export's inputs, a run folder refused) and of a predict script's stop signal: `message` goes to the log file, if there is
     one, and the first process prints `word: message`; every process meets after it and exits with `code`."""
     if any(isinstance(h, logging.FileHandler) for h in logging.getLogger().handlers):
         logger.error("%s", message, extra={"console": False})  # the console gets the line below
@@ -142,14 +140,11 @@ _held: dict[str, int] = {}  # output folder -> the open lock file this process h
 
 
 def acquire_lock(output_dir: str) -> str | None:
-    """Take the OS lock on `output_dir/run.lock` (`flock`): None, or a refusal naming the holder (its pid, host and
-    start, written into the file for this line only). The kernel releases the lock when its holder ends, however it
+    """Take the OS lock on `output_dir/run.lock` (`flock`): None, or a refusal naming the holder (its pid and host,
+    written into the file for this line only). The kernel releases the lock when its holder ends, however it
     ends, so a killed run's folder is free at once; a file left behind by one holds nothing."""
     path = os.path.join(output_dir, LOCK_FILE)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        return f"could not open the lock {path}: {e.strerror or e}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # the folder was just written to (`prepare_output_dir`)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -160,13 +155,11 @@ def acquire_lock(output_dir: str) -> str | None:
             named = f.read()
         with contextlib.suppress(ValueError, LookupError, TypeError):  # the holder has not named itself yet
             other = json.loads(named)
-            return (f"another run (pid {other['pid']} on {other['host']}, since {other['started']}) is writing to "
-                    f"{output_dir}; use another --output_dir")
+            return f"another run (pid {other['pid']} on {other['host']}) is writing to {output_dir}; use another --output_dir"
         return f"another run is writing to {output_dir}; use another --output_dir"
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     with contextlib.suppress(OSError):  # a name that cannot be written (a full disk) leaves the lock held all the same
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({**me, "argv": sys.argv}).encode())
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
     _held[os.path.abspath(output_dir)] = fd
     return None
 
@@ -243,12 +236,11 @@ def write_run_status(output_dir: str, code: int, message: str = "", status: str 
 def running(accelerator, output_dir: str, state, evaluate_only: bool = False, resume: str | None = None,
             overwrite: bool = False, verbose: bool = False, time_limit: str | None = None):
     """The run in `output_dir`, from its start-up checks to its last line (every process enters it). On entry: the
-    folder checks and the lock (`prepare_output_dir`), the log, the preemption signals. On exit, whatever ends the
-    block: run_status.json (`state`'s step and epoch; a finished run's message: its `stop_reason`), trackers closed,
-    the process group ended, signals and lock given back. A `RunStop` becomes its line (after the trackers' own end lines) and
-    `SystemExit(code)`, as does a collective's failure because another process ended (`lost_process`; run_status.json
-    names the newest intact checkpoint); any other exception is recorded as failed and propagates with its traceback.
-    `time_limit`: --time_limit's budget, polled by `preempted` (detlib.engine.stopping)."""
+    folder checks and the lock (`prepare_output_dir`), the log, the stop signals, --time_limit's budget. On exit:
+    run_status.json, trackers closed, the process group ended, signals and lock given back. A `RunStop`, or a
+    collective's failure because another process ended (`lost_process`: run_status.json names the newest intact
+    checkpoint), becomes its line (after the trackers' own end lines) and `SystemExit(code)`; any other exception is
+    recorded as failed and propagates with its traceback."""
     from accelerate.utils import broadcast_object_list, gather_object
 
     from .logs import finish_trackers, log_run_setup, setup_logging
@@ -263,7 +255,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
         logger.warning("%s", note)
     log_run_setup(accelerator)
     processes = gather_object([(socket.gethostname(), os.getpid())]) if accelerator.num_processes > 1 else []
-    signals = _install_signals()
+    signals = catch_signals()
     start_time_limit(None if evaluate_only else time_limit)  # an evaluation alone is not resumed
     code, message, stopped, lost, checkpoint, status = 1, "", None, None, None, None
     try:
@@ -300,8 +292,7 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
             accelerator.end_training()
         finally:
             start_time_limit(None)
-            for sig, handler in signals.items():  # after a stop, a second signal must not change its exit code
-                signal.signal(sig, signal.SIG_IGN if stopped is not None else handler)
+            release_signals(signals, stopped is not None)
             if is_main:
                 release_lock(output_dir)
     if stopped is not None:
@@ -338,9 +329,9 @@ def _gone(pid: int) -> bool:
         return True
 
 
-# ---- preemption signals
+# ---- stop signals: one mechanism for training and predict
 
-_received: list[int] = []  # the preemption signals this process got, first first
+_received: list[int] = []  # the stop signals this process got, first first
 _first_sigint: list[float] = []
 _handler_pid: list[int] = []  # the process that installed the handlers
 
@@ -350,17 +341,19 @@ def _on_signal(signum, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
-    # Only a flag: the training loop acts on it at its next poll, on every rank together.
+    # Only a flag: the loop acts on it at its next poll (a training run on every rank together).
     if signum == signal.SIGINT:
         if _first_sigint and time.monotonic() - _first_sigint[0] > SECOND_SIGINT_AFTER_S:
-            raise KeyboardInterrupt("second SIGINT: stopping at once, without a checkpoint")
+            raise KeyboardInterrupt("second SIGINT: stopping at once")
         _first_sigint[:] = _first_sigint or [time.monotonic()]
     _received.append(signum)
 
 
-def _install_signals() -> dict:
-    """SIGTERM, SIGUSR1 and a first SIGINT set a flag (`preempted`); under a launcher the kernel sends SIGTERM when the
-    launcher dies, even by kill -9. Returns the handlers replaced."""
+def catch_signals() -> dict:
+    """SIGTERM, SIGUSR1 and a first SIGINT only record the signal (`signal_received`), which a training run polls at
+    its step boundaries (`preempted`) and a predict script between its batches; a later second SIGINT raises
+    KeyboardInterrupt. Under a launcher the kernel sends SIGTERM when the launcher dies, even by kill -9. Returns the
+    handlers replaced."""
     _received.clear()
     _first_sigint.clear()
     _handler_pid[:] = [os.getpid()]
@@ -375,16 +368,29 @@ def _install_signals() -> dict:
     return old
 
 
-def preempted(accelerator) -> str | None:
-    """Collective, at the same points on every rank: the first preemption signal's name when any process got one
-    (accelerate's trigger; "a signal to another process" where none came); else TIME_LIMIT when --time_limit's
-    budget is up on any process; else None."""
+def release_signals(handlers: dict, stopped: bool) -> None:
+    """Put back the `handlers` `catch_signals` replaced, or after a stop (`stopped`) ignore the signals: a second one
+    must not change the stop's exit code."""
+    for sig, handler in handlers.items():
+        signal.signal(sig, signal.SIG_IGN if stopped else handler)
+
+
+def signal_received() -> str | None:
+    """The name of the first stop signal this process got since `catch_signals`, or None."""
+    return signal.Signals(_received[0]).name if _received else None
+
+
+def stop_if_preempted(accelerator) -> None:
+    """Collective, at the same points on every rank: raise Preempted when any process got a stop signal (the first
+    one's name, accelerate's trigger; "a signal to another process" where none came), or with TIME_LIMIT when
+    --time_limit's budget is up on any process."""
     if _received:
         accelerator.set_trigger()
     if accelerator.check_trigger():
-        return signal.Signals(_received[0]).name if _received else "a signal to another process"
+        raise Preempted(signal_received() or "a signal to another process")
     if (up := time_limit_up()) is None:  # no budget, on every rank alike
-        return None
+        return
     import torch
 
-    return TIME_LIMIT if accelerator.reduce(torch.tensor(float(up), device=accelerator.device), "sum") > 0 else None
+    if accelerator.reduce(torch.tensor(float(up), device=accelerator.device), "sum") > 0:
+        raise Preempted(TIME_LIMIT)

@@ -1,12 +1,9 @@
 """What both training scripts do around their step, written once; each script keeps its loop and its step (forward,
 loss, backward, clip, the decision to step, `optimizer.step()`, `zero_grad()`, `scheduler.step()`).
 
-The step guard: one all-reduced decision per optimizer step, so that every rank steps or skips together.
-
 A skipped step leaves the weights as they were, and the floating-point buffers (BatchNorm's running statistics, which
-the forward itself moves) go back to their values at `snapshot`: a non-finite window leaves nothing non-finite. Under
-fp16 a non-finite gradient with a finite loss is the GradScaler's routine overflow (it skips and lowers the scale
-itself) and does not count towards divergence.
+the forward itself moves) go back to their values at `snapshot`. Under fp16 a non-finite gradient with a finite loss
+is the GradScaler's routine overflow (it skips and lowers the scale itself) and does not count towards divergence.
 """
 
 from __future__ import annotations
@@ -22,13 +19,13 @@ from .checkpoints import (EMA_WEIGHTS, best_record, best_weights, divergence, im
                           save_weights)
 from .logs import TrainWindow, log_plan, make_accelerator, record_config, start_trackers, summary_lines
 from .stopping import stop_early
-from .run_folder import EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, preempted
+from .run_folder import EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, stop_if_preempted
 
 logger = logging.getLogger(__name__)
 
 class StepGuard:
-    """After `check`: `loss` and `grad_norm`, the means over processes (nan when not finite); `streak`, the non-finite
-    steps in a row; `diverged`, `streak` >= `max_nonfinite_steps`."""
+    """One all-reduced decision per optimizer step, so that every rank steps or skips together. After `check`: `loss`
+    and `grad_norm`, the means over processes (nan when not finite); `streak`, the non-finite steps in a row."""
 
     def __init__(self, accelerator, max_nonfinite_steps: int):
         self.accelerator, self.max_nonfinite_steps = accelerator, max_nonfinite_steps
@@ -36,7 +33,6 @@ class StepGuard:
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def snapshot(self, model: torch.nn.Module) -> None:
-        """Keep the model's floating-point buffers as they are before the accumulation window."""
         self._buffers = [(b, b.detach().clone()) for b in model.buffers() if b.is_floating_point()]
 
     def check(self, loss: torch.Tensor, grad_norm, step: int, lr: float) -> bool:
@@ -85,16 +81,10 @@ def run_length(accelerator, loader, accumulation_steps: int, epochs: int, max_st
 
 
 def accelerator_for(args):
-    """`make_accelerator` from the run machinery's flags (detlib.engine.flags); --compile only when training."""
+    """`make_accelerator` from the run machinery's flags; --compile only when training."""
     return make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to, args.output_dir,
                             args.seed, args.verbose, args.compile_backend if args.compile and not args.evaluate_only
                             else None, args.compile_mode)
-
-
-def stop_if_preempted(accelerator) -> None:
-    """Raise Preempted when a preemption signal came to any process (collective: every rank at the same point)."""
-    if name := preempted(accelerator):
-        raise Preempted(name)
 
 
 def evaluate_only(accelerator, args, config: dict, given_line: str, evaluate):
@@ -155,13 +145,12 @@ class TrainLoop:
             yield i, batch
 
     def add(self, values: dict[str, torch.Tensor], num_images: int) -> None:
-        """A micro-batch's 0-d values for the train line (means over its images); values["loss"], its loss."""
+        """A micro-batch's 0-d values for the train line (means over its images), values["loss"] among them."""
         self.window.add(values, num_images)
         self.window_loss, self.micro_batches = self.window_loss + values["loss"].detach(), self.micro_batches + 1
 
     def finite(self, grad_norm) -> bool:
-        """Whether to take the step: the window's mean loss and the pre-clip `grad_norm` finite on every process (one
-        all-reduce, `StepGuard.check`: every rank steps or skips together)."""
+        """Whether to take the step: the window's mean loss and the pre-clip `grad_norm` finite on every process."""
         return self.guard.check(self.window_loss / self.micro_batches, grad_norm, self.state.global_step + 1, self.lrs[0])
 
     def step_done(self, finite: bool) -> bool:
@@ -235,7 +224,6 @@ class TrainLoop:
         return self.saved[repr(self.state)]
 
     def save(self, name: str, model, evaluation: dict | None, extra: dict | None = None) -> None:
-        """`output_dir/name/`: `save_weights` (`extra` as best.json), then the script's `write_files`."""
         folder = save_weights(self.acc, model, self.args.output_dir, name, self.model_config, extra)
         if self.acc.is_main_process:
             self.write_files(folder, name, evaluation)
@@ -262,7 +250,6 @@ class TrainLoop:
         return self.final.get("")
 
     def log_summary(self, elapsed_s: float, also: tuple[str, ...] = ()) -> None:
-        """The summary (`summary_lines`), after the run's block has ended."""
         logger.info("summary:\n  %s", "\n  ".join(summary_lines(
             self.args.output_dir, self.metric, elapsed_s, self.state, self.best, self.final.get(""),
             self.window.images_seen, self.ema is not None, also)))

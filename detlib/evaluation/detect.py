@@ -69,10 +69,10 @@ def detect(model, anchor_gen, batch: dict, to_ids: torch.Tensor, score_thresh: f
 
 def detect_images(model, anchor_gen, loader, accelerator, to_ids: torch.Tensor, score_thresh: float,
                   nms_thresh: float, max_detections: int, min_scores: torch.Tensor | None = None, autocast: bool = False,
-                  every_10_batches=None, on_image=None, desc: str = "eval",
+                  poll=None, poll_every: int = 10, on_image=None, desc: str = "eval",
                   tiles: dict | None = None) -> tuple[dict[int, list[dict]], set[int]]:
     """`detect` over this process's `loader`, then every process's results gathered (collective: every process has
-    as many batches, some empty). `every_10_batches()`: called before batches 0, 10, ... (a preemption poll);
+    as many batches, some empty). `poll()`: called before batches 0, `poll_every`, ... (a stop signal's poll);
     `on_image(image_id, results)`: on the process that detected the image (its per-image files); `tiles`: `detect`'s
     (the loader then gives native images, `detlib.tiling.tiled_loader`). Returns
     ({image id: COCO result dicts}, the ids of unreadable images), the same on every process."""
@@ -80,8 +80,8 @@ def detect_images(model, anchor_gen, loader, accelerator, to_ids: torch.Tensor, 
 
     per_image, failed = {}, set()
     for i, batch in enumerate(tqdm(loader, desc=desc, disable=not accelerator.is_local_main_process, leave=False)):
-        if every_10_batches is not None and i % 10 == 0:
-            every_10_batches()
+        if poll is not None and i % poll_every == 0:
+            poll()
         if not batch:  # a process's filler batch (EvaluationBatchSampler): no image
             continue
         # tiles are cut on the CPU from the native image; each tile batch goes to the device
