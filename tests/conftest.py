@@ -93,6 +93,19 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: -slow[item.path])
 
 
+FOREIGN_RUNTIMES = ("openvino", "nncf")  # their native libraries beside torch's crashed a later run (SIGSEGV)
+
+
+@pytest.fixture(autouse=True)
+def _no_foreign_runtime_in_the_test_process():
+    """A test that loads OpenVINO or NNCF into the pytest worker fails: they run in the scripts' own processes, as
+    a user runs them. Loaded beside the in-process training runs of the worker's other files, they crashed one
+    (SIGSEGV: xdist's "node down", and the session hung until CI's limit)."""
+    yield
+    loaded = [name for name in FOREIGN_RUNTIMES if name in sys.modules]
+    assert not loaded, f"{loaded} imported in the test process: run it in a subprocess (tests/test_deploy.py's `script`)"
+
+
 @pytest.fixture(autouse=True)
 def _count_launches(request, monkeypatch):
     """With DETLIB_COUNT_LAUNCHES=FILE: one line per Python process a test starts (a launch, a script, a probe),
