@@ -7,12 +7,15 @@ with it (`worker_init_fn`).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import threading
+
+logger = logging.getLogger(__name__)
 
 # The signals that preempt a run (detlib.engine.run_folder's handlers); workers leave them to it.
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
@@ -128,13 +131,11 @@ def loader_settings(num_workers: int, bytes_per_batch: int, persistent: bool = F
     """The DataLoader arguments of a training script's loaders: `num_workers` capped at the CPU count and at what
     /dev/shm holds (`check_shared_memory`, its one-line warning logged), the workers of `worker_loader_kwargs`,
     pinned memory on CUDA, and persistent workers when `persistent` (and there are any)."""
-    import logging
-
     import torch
 
     workers, message = check_shared_memory(min(num_workers, os.cpu_count() or 1), bytes_per_batch)
     if message:
-        logging.getLogger(__name__).warning("%s", message)
+        logger.warning("%s", message)
     kwargs = dict(pin_memory=torch.cuda.is_available(), **worker_loader_kwargs(workers))
     if persistent and workers > 0:
         kwargs["persistent_workers"] = True
