@@ -92,13 +92,19 @@ def report(name: str, executed: dict[str, set[int]], entered: dict[str, set[int]
 RUNS = {"train_retinanet": "built-in set, 2 steps and the evaluation", "train_catsdogs": "built-in set, 2 steps and the evaluation"}
 
 
-def main() -> None:
+def build_parser():
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("script", nargs="?", choices=list(RUNS), help="one script, in this process (default: each, "
-                        "each in its own process: accelerate's state is one per process)")
-    script = parser.parse_args().script
+    from detlib.engine.flags import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--script", choices=list(RUNS), help="one script, traced in this process (default: each, each "
+                        "in its own process: accelerate's state is one per process)")
+    return parser
+
+
+def main() -> None:
+    script = build_parser().parse_args().script
     if script:
         import torch
 
@@ -113,7 +119,7 @@ def main() -> None:
     files = list(LIBRARY.rglob("*.py"))
     print(f"detlib/: {len(files)} files, {sum(len(p.read_text().splitlines()) for p in files)} lines")
     for script in RUNS:
-        subprocess.run([sys.executable, __file__, script], check=True)
+        subprocess.run([sys.executable, __file__, "--script", script], check=True)
 
 
 if __name__ == "__main__":
