@@ -39,3 +39,26 @@ def float_range(lo: float, hi: float = math.inf, lo_open: bool = False, hi_open:
         return value
     parse.__name__ = "number"
     return parse
+
+
+def duration_seconds(text: str) -> int:
+    """Seconds of a duration written [D-]HH:MM:SS (SLURM's --time form; HH may exceed 23). Raises ValueError."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts) or ("-" in text and not days.isdigit()):
+        raise ValueError(f"must be HH:MM:SS or D-HH:MM:SS, got {text}")
+    h, m, s = map(int, parts)
+    if m > 59 or s > 59:
+        raise ValueError(f"minutes and seconds must be below 60, got {text}")
+    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
+
+
+def time_limit(text: str) -> str:
+    """argparse type of --time_limit: a positive `duration_seconds` text, kept as typed (config.yaml shows it so)."""
+    try:
+        seconds = duration_seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be longer than 0, got {text}")
+    return text.strip()

@@ -232,8 +232,8 @@ def load_retinanet(weights: str) -> tuple[torch.nn.Module, dict, CategoryMap]:
         weights: a run folder (its best/, else last/), best/ or last/, a checkpoint folder, or a weights file
             with model_config.json beside it or in its parent folder.
     Returns:
-        (model, model_config, CategoryMap of the config's `category_ids` (default 1..num_classes) named by its
-        `category_names`; a config without names, written before names were stored, names each class by its id).
+        (model, model_config, CategoryMap of the config's `category_ids` named by its `category_names`). Both keys
+        are optional in a hand-written config (a model brought from elsewhere): ids 1..num_classes, named by id.
     Raises:
         FileNotFoundError: no weights, or no model_config.json next to them (names the path).
         KeyError: the config lacks a key the model needs (`build_retinanet_from_config`: one line naming it).

@@ -25,6 +25,21 @@ from typing import Callable
 TILE_OVERLAP = 0.2  # --tile_overlap's default, sahi's
 
 
+def add_tile_flags(group) -> None:
+    """--tile, --tile_overlap, --tile_full on an argparse group (the predict and training scripts')."""
+    from .argtypes import float_range, int_at_least
+
+    group.add_argument("--tile", type=int_at_least(16), help="detect on overlapping TILE x TILE px windows cut from "
+                       "each image at its native resolution, each resized to the model's size, boxes merged across "
+                       "windows: for objects that the whole image resized would shrink below what the model sees "
+                       "(docs/predict_export.md; default: none, the whole image resized)")
+    group.add_argument("--tile_overlap", type=float_range(0, 1, hi_open=True), default=TILE_OVERLAP,
+                       help="share of a tile that neighbouring tiles overlap (with --tile); make it cover the largest "
+                       "object's size so each object is seen whole in some tile")
+    group.add_argument("--tile_full", action="store_true", help="with --tile, also detect on the whole image "
+                       "resized and merge its boxes in: large objects that no tile holds whole")
+
+
 def tile_grid(width: int, height: int, tile: int, overlap: float) -> list[tuple[int, int, int, int]]:
     """The windows of a `width` x `height` px image: `tile` x `tile` px, neighbours overlapping by
     int(`tile` * `overlap`) px, the last row and column moved back to end at the image's edge (so no window is

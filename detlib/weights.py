@@ -67,18 +67,13 @@ def refused(path: str, e: Exception, error: type[WeightsFileError] = WeightsFile
 def weights_only_loads():
     """Within the block every `torch.load` reads with `weights_only=True`, even one that asks otherwise (accelerate's
     `load_state` for registered objects, torch.hub's cached downloads): torch's own switch, the environment variable
-    TORCH_FORCE_WEIGHTS_ONLY_LOAD, with a TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD of the user's set aside meanwhile (only
-    these two are touched). A refused file raises `pickle.UnpicklingError`."""
-    saved = {k: os.environ.pop(k, None) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
+    TORCH_FORCE_WEIGHTS_ONLY_LOAD, with a TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD of the user's set aside meanwhile; the
+    environment is put back as it was after the block (`mock.patch.dict`). A refused file raises `pickle.UnpicklingError`."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}):
+        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def save_model_weights(accelerator, model, folder: str, model_config: dict | None = None, extra: dict | None = None) -> str:

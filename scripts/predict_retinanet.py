@@ -58,12 +58,12 @@ from detlib.data import (INSTALL_HINT, VideoWriter, av_available, data_dir_paths
                          worker_loader_kwargs)
 from detlib.data.formats import read_class_names
 from detlib.datacheck import DataReport, check_coco
-from detlib.engine import add_tile_flags, float_range, int_at_least, stop
+from detlib.engine import float_range, int_at_least, stop
 from detlib.files import write_json
 from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
                               prediction_parser, predict_videos, retinanet_input_size, run_prediction,
                               start_prediction, stop_if_signalled, write_skipped)
-from detlib.tiling import collate_images, tile_flag_notes, tiled_loader
+from detlib.tiling import add_tile_flags, collate_images, tile_flag_notes, tiled_loader
 from detlib.lazy import no_grad
 from detlib.weights import WeightsFileError, weights_path
 

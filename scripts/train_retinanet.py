@@ -56,14 +56,14 @@ import time
 from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, add_format_flags, add_sampler_flags,
                          add_train_tile_flags, check_coco_for_training, data_dir_paths, loader_settings,
                          make_small_objects_coco, make_synthetic_coco, read_class_names, train_tile_conflict)
-from detlib.engine import (RunStop, add_tile_flags, data_defaults_table, float_range, format_given, int_at_least,
+from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least,
                            not_used_evaluating, parse_with_config, path, resolve_data_defaults, run_argument_parser,
                            running, show_data_defaults, stop, stop_together)
 from detlib.files import write_json
 from detlib.hub import add_hub_flags, check_push, local_weights, push_best
 from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
 from detlib.schedules import step_scheduler
-from detlib.tiling import tiled_loader
+from detlib.tiling import add_tile_flags, tiled_loader
 from detlib.lazy import no_grad
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
                             read_model_config, require_model_keys, weights_path)

@@ -10,7 +10,7 @@ from ..lazy import lazy_exports
 # accelerate, and a script's --help (which needs `flags` only) should not wait for them.
 __getattr__, __all__ = lazy_exports(__name__, {
     "checkpoints": ("TrainState", "best_weights", "improves_best", "list_checkpoints", "resume", "resume_ema"),
-    "flags": ("ArgumentParser", "HelpFormatter", "add_tile_flags", "data_defaults_table", "float_range", "format_given",
+    "flags": ("ArgumentParser", "HelpFormatter", "data_defaults_table", "float_range", "format_given",
               "int_at_least", "parse_with_config", "path", "resolve_data_defaults", "run_argument_parser",
               "show_data_defaults", "not_used_evaluating"),
     "logs": ("MetricsLog", "TrainWindow", "make_accelerator", "setup_console_logging", "setup_logging", "start_trackers"),

@@ -16,7 +16,7 @@ import sys
 
 import yaml
 
-from ..argtypes import float_range, int_at_least, path
+from ..argtypes import duration_seconds, float_range, int_at_least, path, time_limit  # noqa: F401 (re-exported)
 
 # .run_folder is imported where used: it imports torch, and --help needs none of it
 
@@ -36,29 +36,6 @@ EVALUATE_ONLY_SUBDIR = "evaluate_only"
 
 def _checkpoint(text: str) -> str:
     return text if text == "latest" else path(text)
-
-
-def duration_seconds(text: str) -> int:
-    """Seconds of a duration written [D-]HH:MM:SS (SLURM's --time form; HH may exceed 23). Raises ValueError."""
-    days, _, clock = text.strip().rpartition("-")
-    parts = clock.split(":")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts) or ("-" in text and not days.isdigit()):
-        raise ValueError(f"must be HH:MM:SS or D-HH:MM:SS, got {text}")
-    h, m, s = map(int, parts)
-    if m > 59 or s > 59:
-        raise ValueError(f"minutes and seconds must be below 60, got {text}")
-    return ((int(days or 0) * 24 + h) * 60 + m) * 60 + s
-
-
-def time_limit(text: str) -> str:
-    """argparse type of --time_limit: a positive `duration_seconds` text, kept as typed (config.yaml shows it so)."""
-    try:
-        seconds = duration_seconds(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"must be longer than 0, got {text}")
-    return text.strip()
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -348,21 +325,6 @@ def _command_line(action: argparse.Action, value) -> list[str]:
     if isinstance(value, list) and (action.nargs in ("+", "*") or isinstance(action.nargs, int)):
         return [flag, *map(str, value)]
     return [f"{flag}={value}"]
-
-
-def add_tile_flags(group) -> None:
-    """--tile, --tile_overlap, --tile_full on an argparse group (the predict and training scripts')."""
-    from ..tiling import TILE_OVERLAP
-
-    group.add_argument("--tile", type=int_at_least(16), help="detect on overlapping TILE x TILE px windows cut from "
-                       "each image at its native resolution, each resized to the model's size, boxes merged across "
-                       "windows: for objects that the whole image resized would shrink below what the model sees "
-                       "(docs/predict_export.md; default: none, the whole image resized)")
-    group.add_argument("--tile_overlap", type=float_range(0, 1, hi_open=True), default=TILE_OVERLAP,
-                       help="share of a tile that neighbouring tiles overlap (with --tile); make it cover the largest "
-                       "object's size so each object is seen whole in some tile")
-    group.add_argument("--tile_full", action="store_true", help="with --tile, also detect on the whole image "
-                       "resized and merge its boxes in: large objects that no tile holds whole")
 
 
 def not_used_evaluating(args, weights_flags: tuple[str, ...]) -> list[str]:

@@ -19,7 +19,7 @@ import math
 import os
 import time
 
-from .flags import duration_seconds
+from ..argtypes import duration_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def time_limit_line(state, checkpoint: str, where: str) -> str:
 
 def add_stopping_flags(evaluation, checkpointing) -> None:
     """--early_stopping_patience on the `evaluation` argparse group, --time_limit on the `checkpointing` one."""
-    from .flags import int_at_least, time_limit
+    from ..argtypes import int_at_least, time_limit
 
     evaluation.add_argument("--early_stopping_patience", metavar="N", type=int_at_least(0), default=0, help="end the "
                             "run, as a finished one ends, after N evaluations in a row without a better best (AP, "
