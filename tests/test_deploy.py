@@ -128,38 +128,48 @@ FLOAT_HEAD_CONVS = """
 import json, sys
 import onnx, openvino as ov
 from detlib.deploy.formats import head_nodes
-stem = sys.argv[1]
-heads = set(head_nodes(f"{stem}.onnx"))
-g = onnx.load(f"{stem}.int8.onnx").graph
-made_by = {o: n for n in g.node for o in n.output}
-in_onnx = sum(n.name in heads and made_by.get(n.input[1]) is not None
-              and made_by[n.input[1]].op_type == "DequantizeLinear" for n in g.node)
-m = ov.Core().read_model(f"{stem}.int8.xml")  # OpenVINO names a Conv after its ONNX node (bias split off)
-in_ov = sum(op.get_friendly_name().split("/")[0] in heads
-            and op.input(0).get_source_output().get_node().get_type_name() == "FakeQuantize"
-            for op in m.get_ordered_ops() if op.get_type_name() == "Convolution")
-print(json.dumps([in_onnx, in_ov]))
+counts = []
+for stem in sys.argv[1:]:
+    heads = set(head_nodes(f"{stem}.onnx"))
+    g = onnx.load(f"{stem}.int8.onnx").graph
+    made_by = {o: n for n in g.node for o in n.output}
+    in_onnx = sum(n.name in heads and made_by.get(n.input[1]) is not None
+                  and made_by[n.input[1]].op_type == "DequantizeLinear" for n in g.node)
+    m = ov.Core().read_model(f"{stem}.int8.xml")  # OpenVINO names a Conv after its ONNX node (bias split off)
+    in_ov = sum(op.get_friendly_name().split("/")[0] in heads
+                and op.input(0).get_source_output().get_node().get_type_name() == "FakeQuantize"
+                for op in m.get_ordered_ops() if op.get_type_name() == "Convolution")
+    counts.append([in_onnx, in_ov])
+print(json.dumps(counts))
 """
 
 
-def test_float_head_keeps_the_heads_last_convolutions_float(weights, labelled, tmp_path):
-    def float_head_convs(stem) -> tuple[int, int]:
-        """(head output convolutions with quantised weights in FILE.int8.onnx, with a quantised input in FILE.int8.xml)."""
-        proc = subprocess.run([sys.executable, "-c", FLOAT_HEAD_CONVS, str(stem)], capture_output=True, text=True,
+def test_float_head_keeps_the_heads_last_convolutions_float(weights, labelled, exported, tmp_path):
+    def float_head_convs(*stems) -> list[list[int]]:
+        """Per stem: [head output convolutions with quantised weights in FILE.int8.onnx, with a quantised input in
+        FILE.int8.xml] (one process: onnx and openvino never load in the test process)."""
+        proc = subprocess.run([sys.executable, "-c", FLOAT_HEAD_CONVS, *map(str, stems)], capture_output=True, text=True,
                               cwd=REPO, env=launch_env({"PYTHONPATH": str(REPO)}), timeout=300, check=True)
-        return tuple(json.loads(proc.stdout.strip().splitlines()[-1]))
+        return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    for flag, name in (([], "q"), (["--float_head"], "f")):
-        code, console = export(weights, tmp_path / f"{name}.onnx", labelled, "--format", "onnx_int8",
-                               "openvino_int8", "--calibration_images", "2", "--max_ap_drop", "100", *flag)
-        assert code == 0, console[-3000:]
-    assert float_head_convs(tmp_path / "q") == (10, 10)  # 2 heads x 5 levels, quantised
-    assert float_head_convs(tmp_path / "f") == (0, 0)
+    code, console = export(weights, tmp_path / "f.onnx", labelled, "--format", "onnx_int8", "openvino_int8",
+                           "--calibration_images", "2", "--max_ap_drop", "100", "--float_head")
+    assert code == 0, console[-3000:]
+    quantised = exported[0].parent / exported[0].stem  # the same INT8 formats, written without --float_head
+    # 2 heads x 5 levels: quantised without the flag, float with it
+    assert float_head_convs(quantised, tmp_path / "f") == [[10, 10], [0, 0]]
 
 
-def predictions(weights_file, args: list, out) -> tuple[list[dict], str]:
-    """predict_retinanet.py's predictions.json and console for these weights (PyTorch's or an exported file)."""
-    code, console = script("predict_retinanet", ["--weights", weights_file, *args, "--output_dir", out, "--no_images", "--cpu"])
+def predictions(weights_file, args: list, out, capsys=None) -> tuple[list[dict], str]:
+    """predict_retinanet.py's predictions.json and console for these weights: an exported file in its own process (its
+    runtime never loads in the test process); PyTorch's weights in this one (`capsys` given: `main(argv)`, no start-up)."""
+    argv = ["--weights", weights_file, *args, "--output_dir", out, "--no_images", "--cpu"]
+    if capsys is not None:
+        fresh_root_logging()
+        code, stdout, stderr = run_main("predict_retinanet", argv, capsys)
+        console = stdout + stderr
+    else:
+        code, console = script("predict_retinanet", argv)
     assert code == 0, console[-3000:]
     return json.loads((out / "predictions.json").read_text()), console
 
@@ -175,15 +185,13 @@ def assert_same_predictions(ref: list[dict], got: list[dict]) -> int:
     return len(ref)
 
 
-def test_predict_runs_decode_outside_exports_as_the_pytorch_weights_on_every_source(weights, labelled, tmp_path):
+def test_predict_runs_decode_outside_exports_as_the_pytorch_weights_on_every_source(weights, labelled, exported, tmp_path, capsys):
     pytest.importorskip("av", reason="PyAV is not installed (the video extra)")
     from PIL import Image
 
     from detlib.data.video import VideoWriter
 
-    out = tmp_path / "m.onnx"
-    code, console = export(weights, out, labelled, "--format", "openvino", "--decode", "outside", "--max_ap_drop", "100")
-    assert code == 0, console[-3000:]
+    out = exported[0]  # decoding outside: FILE.onnx, FILE.xml, FILE.fp16.xml
     folder = tmp_path / "photos"  # real photos of several aspect ratios, and a video (96 x 64 frames)
     folder.mkdir()
     for f in sorted((COCO_SUBSET / "images").iterdir())[:3]:
@@ -195,17 +203,17 @@ def test_predict_runs_decode_outside_exports_as_the_pytorch_weights_on_every_sou
     sources = {"folder": ["--source", folder, "--batch_size", "2"],
                "coco": ["--source", labelled[0], "--images", labelled[1]]}
     for source, args in sources.items():
-        ref, _ = predictions(weights, args, tmp_path / f"pt_{source}")
+        ref, _ = predictions(weights, args, tmp_path / f"pt_{source}", capsys)
         assert len(ref) > 50 and (source == "coco" or any(r.get("file_name") == "clip.mp4" for r in ref))
-        for model in (out, tmp_path / "m.xml", tmp_path / "m.fp16.xml"):
+        for model in (out, out.with_suffix(".xml"), out.with_suffix(".fp16.xml")):
             got, _ = predictions(model, args, tmp_path / f"{model.name}_{source}")
-            if model.name != "m.fp16.xml":
+            if not model.name.endswith(".fp16.xml"):
                 assert_same_predictions(ref, got)
             else:  # fp16 weights: the same images and about as many detections
                 assert {r["image_id"] for r in got} == {r["image_id"] for r in ref} and abs(len(got) - len(ref)) < 0.1 * len(ref)
 
 
-def test_predict_runs_decode_inside_exports_and_says_where_the_canvas_changes_them(weights, labelled, tmp_path):
+def test_predict_runs_decode_inside_exports_and_says_where_the_canvas_changes_them(weights, labelled, tmp_path, capsys):
     from PIL import Image
 
     out = tmp_path / "m.onnx"
@@ -220,7 +228,7 @@ def test_predict_runs_decode_inside_exports_and_says_where_the_canvas_changes_th
         im.crop((0, 0, side, side)).save(square / (f.stem + ".png"))
         im.save(other / (f.stem + ".png"))
     args = ["--source", square]
-    ref, _ = predictions(weights, args, tmp_path / "pt")
+    ref, _ = predictions(weights, args, tmp_path / "pt", capsys)
     for model in (out, tmp_path / "m.xml"):
         got, console = predictions(model, args, tmp_path / f"out_{model.name}")
         assert assert_same_predictions(ref, got) > 50 and "decodes inside its graph" not in console
