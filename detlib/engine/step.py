@@ -18,7 +18,7 @@ import torch
 from .checkpoints import (EMA_WEIGHTS, best_record, best_weights, divergence, improves_best, save_checkpoint,
                           save_weights)
 from .logs import TrainWindow, log_plan, make_accelerator, record_config, start_trackers, summary_lines
-from .stopping import stop_early
+from .stopping import expect_save, stop_early
 from .run_folder import EXIT_DIVERGED, EXIT_PREEMPTED, Preempted, RunStop, stop_if_preempted
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,9 @@ class TrainLoop:
         self.metric, self.evaluate_fn, self.write_files = metric, evaluate, write_files
         self.bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
         self.guard, self.window = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator)
+        # a checkpoint holds the weights (and the EMA's) and the optimizer's state: up to 2 more copies (AdamW's moments)
+        expect_save(3 * sum(t.numel() * t.element_size() for m in (self.bare, *([ema.module] if ema else []))
+                            for t in (*m.parameters(), *m.buffers())))
         self.evaluated, self.saved, self.start_step, self.final, self.best = {}, {}, state.global_step, {}, None
         record_config(accelerator, config, given_line, args.output_dir)
         state.run_id = start_trackers(accelerator, args.project, config, args.output_dir, state.run_id, args.run_name,

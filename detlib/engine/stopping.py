@@ -8,7 +8,7 @@ ends (best/, last/, the summary, run_status.json "finished" with the reason, its
 preemption signals (`run_folder.preempted`), and ends the run the way a preemption does (a checkpoint, the line to
 resume), with exit 0 and status "time_limit". The run stops while the time left still holds the longest stretch
 seen between two polls (a step, or an epoch's end with its evaluation and checkpoint) plus the longest checkpoint
-save seen (FIRST_SAVE_S before the first): nothing can stop the run between two polls, and the stop's checkpoint
+save seen (before the first: what the state's size takes at SAVE_BYTES_PER_S, `expect_save`): nothing can stop the run between two polls, and the stop's checkpoint
 must be written before the budget runs out. The budget counts from the start of the launch (`launch_start`).
 """
 
@@ -25,8 +25,10 @@ logger = logging.getLogger(__name__)
 
 TIME_LIMIT = "--time_limit"  # the name a time-limit stop has where a preemption has its signal's
 # What the stop's checkpoint is given before one has been timed: a ResNet-50 RetinaNet's (0.4 GB with AdamW's state)
-# takes 2-10 s on a local disk; a network file system is slower.
-FIRST_SAVE_S = 30.0
+# takes 2-10 s on a local disk, a network file system is slower: MIN_SAVE_S plus its bytes at SAVE_BYTES_PER_S (24 s
+# for it, 2 s for a test's tiny model, whose run would otherwise stop at its first step under a short budget);
+# FIRST_SAVE_S when the size is not known.
+FIRST_SAVE_S, MIN_SAVE_S, SAVE_BYTES_PER_S = 30.0, 2.0, 20e6
 
 
 def stop_early(state, patience: int, metric: str) -> bool:
@@ -46,7 +48,7 @@ class TimeLimit:
 
     def __init__(self, text: str, start: float):
         self.text, self.deadline = text, start + duration_seconds(text)
-        self.last_poll, self.longest_gap, self.longest_save = None, 0.0, None
+        self.last_poll, self.longest_gap, self.longest_save, self.first_save = None, 0.0, None, FIRST_SAVE_S
 
     def note_save(self, seconds: float) -> None:
         self.longest_save = max(self.longest_save or 0.0, seconds)
@@ -56,7 +58,7 @@ class TimeLimit:
         if self.last_poll is not None:  # the first poll's gap holds the start-up: not a stretch of training
             self.longest_gap = max(self.longest_gap, now - self.last_poll)
         self.last_poll = now
-        save = FIRST_SAVE_S if self.longest_save is None else self.longest_save
+        save = self.first_save if self.longest_save is None else self.longest_save
         return now + self.longest_gap + save >= self.deadline
 
     def left(self) -> float:
@@ -91,6 +93,12 @@ def note_save(seconds: float) -> None:
     """A checkpoint save took `seconds` (the stop's own save is given the longest)."""
     if _limit:
         _limit[0].note_save(seconds)
+
+
+def expect_save(num_bytes: int) -> None:
+    """The checkpoint will hold about `num_bytes`: the time kept for a save until one is timed."""
+    if _limit:
+        _limit[0].first_save = MIN_SAVE_S + num_bytes / SAVE_BYTES_PER_S
 
 
 def time_limit_line(state, checkpoint: str, where: str) -> str:
