@@ -68,7 +68,8 @@ def weights_only_loads():
     """Within the block every `torch.load` reads with `weights_only=True`, even one that asks otherwise (accelerate's
     `load_state` for registered objects, torch.hub's cached downloads): torch's own switch, the environment variable
     TORCH_FORCE_WEIGHTS_ONLY_LOAD, with a TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD of the user's set aside meanwhile; the
-    environment is put back as it was after the block (`mock.patch.dict`). A refused file raises `pickle.UnpicklingError`."""
+    environment is put back as it was after the block (`mock.patch.dict`). A refused file raises
+    `pickle.UnpicklingError`."""
     from unittest import mock
 
     with mock.patch.dict(os.environ, {"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}):

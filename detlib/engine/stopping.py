@@ -8,8 +8,8 @@ ends (best/, last/, the summary, run_status.json "finished" with the reason, its
 preemption signals (`run_folder.preempted`), and ends the run the way a preemption does (a checkpoint, the line to
 resume), with exit 0 and status "time_limit". The run stops while the time left still holds the longest stretch
 seen between two polls (a step, or an epoch's end with its evaluation and checkpoint) plus the longest checkpoint
-save seen (before the first: what the state's size takes at SAVE_BYTES_PER_S, `expect_save`): nothing can stop the run between two polls, and the stop's checkpoint
-must be written before the budget runs out. The budget counts from the start of the launch (`launch_start`).
+save seen (before the first: what the state's size takes at SAVE_BYTES_PER_S, `expect_save`): nothing can stop the
+run between two polls, and the stop's checkpoint must be written before the budget runs out. The budget counts from the start of the launch (`launch_start`).
 """
 
 from __future__ import annotations
