@@ -210,3 +210,24 @@ def test_retinanet_on_the_coco_subset_draws_its_first_batch(tmp_path, capsys, au
     grid = np.asarray(Image.open(out / "samples" / "train_batch.jpg").convert("RGB")).astype(int)
     assert grid.shape[0] == grid.shape[1] >= 2 * 128 * drawing_scale(128, 128)  # 4 images: 2 x 2 tiles
     assert grid.std() > 20
+
+
+def test_time_limit_keeps_what_the_state_size_takes_for_a_save_until_one_is_timed(monkeypatch):
+    """Before a save is timed the stop keeps MIN_SAVE_S plus the state's bytes at SAVE_BYTES_PER_S (`expect_save`,
+    called by TrainLoop with the model's size), FIRST_SAVE_S when no size was given; a timed save replaces both."""
+    clock = [1000.0]
+    monkeypatch.setattr(stopping.time, "time", lambda: clock[0])
+    monkeypatch.setattr(stopping, "launch_start", lambda: 1000.0)
+    for num_bytes, reserve in ((None, stopping.FIRST_SAVE_S), (0, 2.0), (4e6, 2.2), (440e6, 24.0)):
+        stopping.start_time_limit("00:01:00")  # deadline 1060
+        try:
+            if num_bytes is not None:
+                stopping.expect_save(int(num_bytes))
+            clock[0] = 1060.0 - reserve - 0.01
+            assert stopping.time_limit_up() is False, (num_bytes, reserve)
+            clock[0] = 1060.0 - reserve + 0.01  # the gap between the two polls (0.02 s) counts too
+            assert stopping.time_limit_up() is True, (num_bytes, reserve)
+        finally:
+            stopping.start_time_limit(None)
+    stopping.expect_save(10**9)  # no budget: nothing to keep, nothing raised
+    assert stopping.time_limit_up() is None
