@@ -4,8 +4,11 @@
     gpu_results.json            benchmarks/gpu_throughput.py
     overfit_fp32.json, overfit_fp32_seed1.json, overfit_bf16.json     benchmarks/overfit_coco8.py --json_out
     train_run/metrics.jsonl, train_run/train.log                       the short train_retinanet.py run
+    train_run_start.json                                               {"time": the launch's wall time}
 
-    python benchmarks/gpu_report.py RESULTS_DIR          # prints the table; gpu_check.sh writes it to gpu_table.md
+    python3 benchmarks/gpu_report.py RESULTS_DIR                     # prints the table
+    python3 benchmarks/gpu_report.py RESULTS_DIR --update TABLE_MD   # prints the rows measured since the last
+                                                                     # call, rewrites TABLE_MD (gpu_check.sh)
 
 A measurement that is missing (skipped past its deadline, failed, out of memory) is a dash with the reason. The
 published figures beside the rows are the issue's: MLPerf Training's RetinaNet (a heavier ResNeXt50-FPN at
@@ -81,6 +84,9 @@ def train_run_line(folder: str) -> tuple[str, str]:
     rates = [r["images_per_s"] for r in train[1:]] or [train[0]["images_per_s"]]  # the first holds the compile
     evals = [r for r in rows if "AP" in r]
     notes = [f"{train[-1]['step']} steps, last loss {train[-1]['loss']:.3f}"]
+    start = read_json(os.path.join(os.path.dirname(os.path.abspath(folder)), "train_run_start.json"))
+    if start and "time" in train[0]:  # gpu_check.sh writes the launch's wall time: the compile shows here
+        notes.append(f"first logged step (step {train[0]['step']}) {train[0]['time'] - start['time']:.0f} s after the launch")
     if evals:
         notes.append(f"AP {evals[-1]['AP']:.3f}" + (f", ema_AP {evals[-1]['ema_AP']:.3f}" if "ema_AP" in evals[-1] else ""))
     log = open(os.path.join(folder, "train.log")).read() if os.path.isfile(os.path.join(folder, "train.log")) else ""
@@ -92,7 +98,8 @@ def train_run_line(folder: str) -> tuple[str, str]:
     return f"{statistics.median(rates):.1f} img/s (median of the log intervals after the first)", "; ".join(notes)
 
 
-def table(folder: str) -> str:
+def table_parts(folder: str) -> tuple[str, list[str], str]:
+    """(the heading line, the table's rows, the line of skipped stages) from what the check left in `folder`."""
     g = read_json(os.path.join(folder, "gpu_results.json")) or {}
     train = g.get("train", {})
     sizes = list(train) or ["800x1333", "800x800"]
@@ -126,8 +133,9 @@ def table(folder: str) -> str:
     rows.append(f"| data loader, {loader['workers'] if loader else '?'} workers, {(loader or {}).get('size', '800/1333')} "
                 f"flip_crop_translate + collate | "
                 f"{rate(loader)} | - | - | - | {feed} |")
-    syncs = g.get("syncs_per_train_step_bf16")
-    rows.append(f"| host-device syncs in one detlib train step (bf16) | {syncs if syncs is not None else '-'} | - | - | - | |")
+    syncs = g.get("syncs_per_train_step_bf16", "- (not run)")
+    rows.append(f"| host-device syncs in one detlib train step (bf16) | {'- (CUDA only)' if syncs is None else syncs} "
+                "| - | - | - | |")
     fits = {k: read_json(os.path.join(folder, f"overfit_{k}.json")) for k in ("fp32", "fp32_seed1", "bf16")}
     if fits["fp32"] and fits["bf16"]:
         diff = fits["bf16"]["AP"] - fits["fp32"]["AP"]
@@ -146,16 +154,45 @@ def table(folder: str) -> str:
              f"{cfg.get('model_ema', '?')}, {cfg.get('image_size', '?')} px, batch {cfg.get('per_device_batch_size', '?')}")
     rows.append(f"| train_retinanet.py, built-in data: {flags} | {run_rate} | - | - | - | {notes} |")
     skipped = g.get("skipped") or []
-    tail = f"\n\nSkipped past the deadline: {', '.join(skipped)}." if skipped else ""
-    return head + "\n\n" + "\n".join(rows) + tail
+    tail = f"Skipped past the deadline: {', '.join(skipped)}." if skipped else ""
+    return head, rows, tail
+
+
+def table(folder: str) -> str:
+    head, rows, tail = table_parts(folder)
+    return head + "\n\n" + "\n".join(rows) + ("\n\n" + tail if tail else "")
+
+
+def update(folder: str, table_path: str | None = None) -> list[str]:
+    """Print each row measured since the last call (the device call's output is what survives a kill) and rewrite
+    `table_path` with the whole table. Rows already printed are kept in `folder`/rows_printed.json; a row
+    still waiting for its measurement ("not run", "no train line") is not printed.
+
+    Returns:
+        the rows printed by this call."""
+    state_path = os.path.join(folder, "rows_printed.json")
+    printed = read_json(state_path) or []
+    head, rows, tail = table_parts(folder)
+    new = [r for r in rows[2:] if r not in printed and "(not run)" not in r and "(no train line)" not in r]
+    for r in new:
+        print(r, flush=True)
+    with open(state_path, "w") as f:
+        json.dump(printed + new, f)
+    if table_path:
+        with open(table_path, "w") as f:
+            f.write(table(folder) + "\n")
+    return new
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or not os.path.isdir(argv[0]):
-        print("usage: python benchmarks/gpu_report.py RESULTS_DIR", file=sys.stderr)
+    if len(argv) not in (1, 3) or not os.path.isdir(argv[0]) or (len(argv) == 3 and argv[1] != "--update"):
+        print("usage: python3 benchmarks/gpu_report.py RESULTS_DIR [--update TABLE_MD]", file=sys.stderr)
         return 2
-    print(table(argv[0]))
+    if len(argv) == 3:
+        update(argv[0], argv[2])
+    else:
+        print(table(argv[0]))
     return 0
 
 

@@ -4,7 +4,7 @@ data loader that has to feed it. Run by `benchmarks/gpu_check.sh`; alone:
     python benchmarks/gpu_throughput.py                  # one CUDA GPU, <= --deadline_s (250 s)
     python benchmarks/gpu_throughput.py --quick          # the same stages on the CPU, tiny sizes (about a minute)
 
-Measured in one process, each after warm-up steps (cudnn autotuning included), `--steps` timed steps:
+Measured in one process, each after warm-up steps (cuDNN's autotuner off, as in the scripts), `--steps` timed steps:
 * train images/s and peak memory at 800 x 1333 and at 800 x 800 (both padded to multiples of 32, as the
   collate pads), batch `--batch_size`, in fp32 (PyTorch's defaults: TF32 convolutions, fp32 matmuls), bf16
   (autocast) and fp16 (autocast + GradScaler); detlib in channels_last with its frozen BatchNorm folded,
@@ -46,12 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny CPU-sized run that checks the script works")
     p.add_argument("--batch_size", type=int, help="images per step (default: 16; 1 with --quick)")
     p.add_argument("--steps", type=int, help="timed steps per measurement (default: 10; 1 with --quick)")
-    p.add_argument("--warmup", type=int, help="untimed steps before each measurement (default: 3; 0 with --quick)")
+    p.add_argument("--warmup", type=int, help="untimed steps before each measurement (default: 2; 0 with --quick)")
     p.add_argument("--num_workers", type=int, help="data loader workers (default: min(16, cores); 2 with --quick)")
     p.add_argument("--compile_backend", help="torch.compile backend (default: inductor; eager with --quick: dynamo "
                    "alone, inductor's CPU compile of R50 takes minutes on 2 cores)")
     p.add_argument("--deadline_s", type=float, default=250.0,
                    help="a stage that would end after this (by its expected time on an H200) is skipped")
+    p.add_argument("--stages", default="eager,channels_last,loader,compiled",
+                   help="comma-separated stages to run: eager, channels_last, loader, compiled (gpu_check.sh runs the "
+                        "compiled one in a process of its own, with its own limit)")
+    p.add_argument("--append", action="store_true", help="add to the results already in --out instead of starting anew")
+    p.add_argument("--table", help="after every stage, print the table rows measured since the last print and "
+                   "rewrite this markdown file with the whole table (benchmarks/gpu_report.py's update)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", os.path.dirname(os.path.abspath(__file__))),
                                                  "gpu_results.json"), help="where the results are written ($OUT when set)")
     return p
@@ -62,11 +68,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     q = args.quick
     args.batch_size = args.batch_size or (1 if q else 16)
     args.steps = args.steps or (1 if q else 10)
-    args.warmup = args.warmup if args.warmup is not None else (0 if q else 3)
+    args.warmup = args.warmup if args.warmup is not None else (0 if q else 2)
     args.num_workers = args.num_workers if args.num_workers is not None else (2 if q else min(16, os.cpu_count() or 1))
     args.compile_backend = args.compile_backend or ("eager" if q else "inductor")
     # (name, (height, width)): the COCO 1x training size and MLPerf's square one; tiny stand-ins with --quick
     args.sizes = [("800x1333", (800, 1333)), ("800x800", (800, 800))] if not q else [("64x96", (64, 96)), ("64x64", (64, 64))]
+    args.stages = set(args.stages.split(","))
+    unknown = args.stages - {"eager", "channels_last", "loader", "compiled"}
+    if unknown:
+        build_parser().error(f"--stages: unknown {sorted(unknown)}")
     return args
 
 
@@ -167,12 +177,19 @@ def main(argv=None):
     print(f"device: {name}, torch {torch.__version__}, batch {args.batch_size}, images: {paths['source']}", flush=True)
     results = {"device": name, "torch": torch.__version__, "quick": args.quick, "batch_size": args.batch_size,
                "steps": args.steps, "cpu_count": os.cpu_count(), "data": paths["source"], "train": {}, "skipped": []}
+    if args.append and os.path.isfile(args.out):
+        with open(args.out) as f:
+            results = {**results, **json.load(f)}
 
     def save():  # after every stage, so a run stopped by its time limit keeps what it measured
         results["total_s"] = time.perf_counter() - t_start
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+        if args.table:
+            import gpu_report
+
+            gpu_report.update(os.path.dirname(os.path.abspath(args.out)), args.table)
 
     def due(stage: str, need_s: float) -> bool:
         """True when the stage, expected to take `need_s` (on an H200; nothing with --quick), ends before the deadline."""
@@ -189,25 +206,27 @@ def main(argv=None):
     for size_name, (h, w) in args.sizes:
         base = real_batch((h, w), min(args.batch_size, 8), **data)
         batches[size_name] = {k: kit.batch(base, args.batch_size) for k, kit in kits.items()}
-    torch.backends.cudnn.benchmark = True  # each shape autotuned in its warm-up steps
+    # cuDNN's autotuner off, as the training scripts leave it: their aspect-ratio batches change shape from step to
+    # step, and on an H200 the autotuning of one (shape, dtype) took 19-28 s of warm-up in the first GPU check
+    torch.backends.cudnn.benchmark = False
 
-    # 1. eager training: the square size first (the MLPerf comparison), bf16 first within it
-    for size_name, (h, w) in sorted(args.sizes, key=lambda s: s[1][0] != s[1][1]):
+    # 1. eager training: bf16 at both sizes first (the square one, MLPerf's, first), then fp32, then fp16
+    order = [(d, size) for d in ("bf16", "fp32", "fp16") for size in sorted(args.sizes, key=lambda s: s[1][0] != s[1][1])]
+    for dname, (size_name, (h, w)) in order if "eager" in args.stages else []:
         peer_input_size(peer, h, w)
-        for dname in ("bf16", "fp32", "fp16"):
-            for kit_name, kit in kits.items():
-                stage = f"train {size_name} {dname} {kit_name}"
-                if not due(stage, 10):
-                    continue
-                r = train_rate(kit, batches[size_name][kit_name], DTYPES[dname], args.steps, args.warmup)
-                results["train"].setdefault(size_name, {}).setdefault(kit_name, {})[dname] = r
-                print(f"{stage}: {r.get('images_per_s', 0):.1f} images/s, peak {r.get('peak_memory_gib') or 0:.1f} GiB "
-                      f"{r.get('error', '')} ({time.perf_counter() - t_start:.0f} s)", flush=True)
-                save()
+        for kit_name, kit in kits.items():
+            stage = f"train {size_name} {dname} {kit_name}"
+            if not due(stage, 10):
+                continue
+            r = train_rate(kit, batches[size_name][kit_name], DTYPES[dname], args.steps, args.warmup)
+            results["train"].setdefault(size_name, {}).setdefault(kit_name, {})[dname] = r
+            print(f"{stage}: {r.get('images_per_s', 0):.1f} images/s, peak {r.get('peak_memory_gib') or 0:.1f} GiB "
+                  f"{r.get('error', '')} ({time.perf_counter() - t_start:.0f} s)", flush=True)
+            save()
 
     # 2. channels_last: detlib in NCHW at the square size, bf16; the syncs of one step
     square = next(n for n, (h, w) in args.sizes if h == w)
-    if due("channels_last", 10):
+    if "channels_last" in args.stages and due("channels_last", 10):
         # a copy of the same model in the default memory format (Kit converts only to channels_last)
         ours_nchw = Kit(copy.deepcopy(ours).to(memory_format=torch.contiguous_format), device, channels_last=False)
         r = train_rate(ours_nchw, ours_nchw.batch(real_batch(dict(args.sizes)[square], min(args.batch_size, 8), **data),
@@ -219,14 +238,14 @@ def main(argv=None):
         save()
 
     # 3. the data loader
-    if due("loader", 30):
+    if "loader" in args.stages and due("loader", 30):
         results["loader"] = loader_rate(args, paths, 5.0 if args.quick else 20.0)
         print(f"data loader: {results['loader']['images_per_s']:.1f} images/s with {args.num_workers} workers", flush=True)
         save()
 
     # 4. torch.compile, as --compile runs it (dynamic shapes after the first recompile)
     compiled = None
-    for size_name in [square] + [n for n, _ in args.sizes if n != square]:
+    for size_name in [square] + [n for n, _ in args.sizes if n != square] if "compiled" in args.stages else []:
         stage = f"compiled {size_name} bf16"
         if not due(stage, 100):  # inductor's compile of the forward and backward graphs, then the timed steps
             continue

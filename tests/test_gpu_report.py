@@ -59,4 +59,26 @@ def test_tensorrt_row_is_skipped_in_one_line_without_a_gpu(tmp_path):
     assert not (tmp_path / "tensorrt.md").exists()
     # gpu_check.sh's step 5 runs it, within the check's budget
     script = (repo / "benchmarks" / "gpu_check.sh").read_text()
-    assert 'timeout "$(limit $T_TRT)" python benchmarks/tensorrt_row.py --out "$RESULTS/tensorrt.md"' in script
+    assert 'step tensorrt $T_TRT "$PY" benchmarks/tensorrt_row.py --out "$RESULTS/tensorrt.md"' in script
+
+
+def test_update_prints_each_measured_row_once_and_rewrites_the_table(tmp_path, capsys):
+    """gpu_check.sh streams the table: after each step `update` prints the rows measured since the last call (a
+    device call killed at its limit returns nothing, so what was printed before is what survives) and rewrites the
+    table file; rows still waiting for their measurement are not printed."""
+    report = load_report()
+    table_md = tmp_path / "out" / "gpu_table.md"
+    table_md.parent.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    r = {"images_per_s": 100.0, "peak_memory_gib": 5.0, "warmup_s": 1.0}
+    results = {"device": "NVIDIA H200", "train": {"800x800": {"detlib": {"bf16": r}}}}
+    (work / "gpu_results.json").write_text(json.dumps(results))
+    assert report.update(str(work), str(table_md)) == []  # the peer's half of the row is not measured yet
+    results["train"]["800x800"]["torchvision"] = {"bf16": {**r, "images_per_s": 50.0}}
+    (work / "gpu_results.json").write_text(json.dumps(results))
+    (first,) = report.update(str(work), str(table_md))
+    assert first.startswith("| train 800x800, bf16 | 100.0 img/s | 50.0 img/s | 2.00x |")
+    assert capsys.readouterr().out.splitlines() == [first]
+    assert report.update(str(work), str(table_md)) == []  # printed once
+    assert first in table_md.read_text() and "- (not run)" in table_md.read_text()  # the whole table, dashes included
