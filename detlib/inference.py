@@ -339,9 +339,9 @@ def start_prediction(args):
 
 def stop_if_signalled() -> None:
     """A predict script's poll between its batches and video chunks: raise KeyboardInterrupt (which no `except
-    Exception` on its way out swallows) when a stop signal came (`detlib.engine.run_folder.catch_signals`, training's
+    Exception` on its way out swallows) when a stop signal came (`detlib.engine.signals.catch_signals`, training's
     handlers: they only record it); `run_prediction` turns it into the stop."""
-    from .engine.run_folder import signal_received
+    from .engine.signals import signal_received
 
     if signal_received():
         raise KeyboardInterrupt
@@ -358,7 +358,8 @@ def run_prediction(main) -> None:
     import signal
 
     from .data.loaders import quiet_resource_sharer_errors
-    from .engine.run_folder import catch_signals, release_signals, signal_received, stop
+    from .engine.exits import stop
+    from .engine.signals import catch_signals, release_signals, signal_received
 
     handlers, stopped = dict.fromkeys(catch_signals(), signal.SIG_DFL), None
     quiet_resource_sharer_errors()  # a batch in flight at the stop must not print a traceback after our line

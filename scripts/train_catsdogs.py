@@ -41,9 +41,9 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLo
 
 from detlib.data import VERIFY_MODES, add_sampler_flags, loader_settings, make_synthetic_image_folder
 from detlib.datacheck import check_folders_for_training
-from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least, not_used_evaluating,
-                           parse_with_config, path, resolve_data_defaults, run_argument_parser, running,
-                           show_data_defaults, stop, stop_together)
+from detlib.argtypes import float_range, int_at_least, path
+from detlib.engine import (RunStop, data_defaults_table, format_given, not_used_evaluating, parse_with_config,
+                           resolve_data_defaults, run_argument_parser, running, show_data_defaults, stop, stop_together)
 from detlib.lazy import no_grad
 from detlib.logtext import short_list
 from detlib.schedules import step_scheduler
@@ -209,9 +209,11 @@ FIXED_ON_RESUME = ("model", "num_classes", "classes", "optimizer", "lr", "weight
                    "per_device_batch_size", "gradient_accumulation_steps", "mixed_precision", "sampler")
 
 
-def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args) -> None:
-    """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
-    bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
+def train_one_epoch(model, optimizer, scheduler, loader, accelerator, state, guard, window, after_step, args) -> None:
+    """Train from the run's position (`state`; a mid-epoch resume skips the batches it trained) to the end of the
+    epoch or of the run. `guard`: whether to take each step, all-reduced (detlib.engine.StepGuard); `window`: the
+    train line's means; `after_step(finite, lrs)`: the bookkeeping after each step (detlib.engine.step_done), true at
+    the run's last step. Raises RunStop when the run diverges, Preempted on a stop signal or the time budget."""
     import torch.nn.functional as F
     from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
@@ -219,8 +221,15 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args
 
     model.train()
     G = args.gradient_accumulation_steps
-    for i, batch in loop.batches(loader, model, optimizer):
-        if i == loop.state.global_step == 0 and accelerator.is_main_process:  # the run's first batch, as the model sees it
+    done = state.step_in_epoch * G
+    loader.set_epoch(state.epoch)  # the sampler's order; the data set's crops and flips (ImageFolderDataset.set_epoch)
+    if hasattr(loader.dataset, "set_epoch"):  # accelerate's set_epoch skips a data set whose sampler has one
+        loader.dataset.set_epoch(state.epoch)
+    for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
+        if i % G == 0:  # a step's first micro-batch: its LRs, and the buffers a skipped step puts back
+            lrs, step_loss, micro_batches = [g["lr"] for g in optimizer.param_groups], 0.0, 0
+            guard.snapshot(model)
+        if i == state.global_step == 0 and accelerator.is_main_process:  # the run's first batch, as the model sees it
             write_train_batch(args.output_dir, batch["image"], loader.dataset.classes, batch["label"],
                               mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
         with accelerator.accumulate(model):
@@ -229,17 +238,18 @@ def train_one_epoch(model, optimizer, scheduler, loader, accelerator, loop, args
             # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
             accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
             accuracy = (logits.detach().argmax(-1) == batch["label"]).float().mean()
-            loop.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
+            window.add({"loss": loss, "train_accuracy": accuracy}, batch["label"].numel())
+            step_loss, micro_batches = step_loss + loss.detach(), micro_batches + 1
             if not accelerator.sync_gradients:
                 continue
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            finite = loop.finite(grad_norm)  # the same on every rank
+            finite = guard.check(step_loss / micro_batches, grad_norm, state.global_step + 1, lrs[0])  # alike on every rank
             if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-        if loop.step_done(finite):  # EMA, counters, train line, divergence, step checkpoint, preemption poll
-            break
+        if after_step(finite, lrs):  # EMA, counters, train line, divergence, step checkpoint, stop poll
+            return
 
 
 @no_grad
@@ -409,8 +419,9 @@ def main(argv=None):
     import torch
     from timm.utils import ModelEmaV3
 
-    from detlib.engine import (MetricsLog, TrainLoop, TrainState, accelerator_for, evaluate_only, resume, resume_ema,
-                               run_length)
+    from detlib.engine import (EMA_WEIGHTS, EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow,
+                               finish_run, keep_best, log_plan, log_summary, make_accelerator, resume, run_length,
+                               save_checkpoint, start_run, step_done, stop_early)
     from detlib.evaluation import command_line
 
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
@@ -419,7 +430,10 @@ def main(argv=None):
     args.model = args.model or DEFAULT_MODEL
     resolve_data_defaults(args, DATA_DEFAULTS, synthetic)
     saved, notes = check_flags(args, given, synthetic)
-    accelerator, state, t_start = accelerator_for(args), TrainState(), time.time()
+    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to, args.output_dir,
+                                   args.seed, args.verbose, args.compile_backend if args.compile and not args.evaluate_only
+                                   else None, args.compile_mode)
+    state, t_start = TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
                  args.overwrite_output_dir, args.verbose, args.time_limit):
         for line in notes:
@@ -442,7 +456,11 @@ def main(argv=None):
 
         if args.evaluate_only:
             model, val_loader = accelerator.prepare(model, val_loader)
-            return evaluate_only(accelerator, args, config, given_line, lambda: evaluate({"": model}, None)[""])
+            start_run(accelerator, state, config, given_line, args.output_dir, args.project, args.run_name, args.report_to)
+            try:
+                return evaluate({"": model}, None)[""]
+            except Preempted as p:
+                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
 
         # ---- optimizer, schedule, resume
         if args.optimizer == "adamw":
@@ -456,24 +474,63 @@ def main(argv=None):
         warmup = round(WARMUP_FRACTION * total_steps) if args.warmup_steps is None else args.warmup_steps
         ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
                          use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
-        resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
-                               FIXED_ON_RESUME, "--weights", RECORD_KEYS))
+        resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config, FIXED_ON_RESUME,
+               "--weights", RECORD_KEYS, ema=ema)
         # a function of the step (built at the resumed one), stepped per optimizer step; not prepared: a prepared
         # scheduler steps once per process on every call
         scheduler = step_scheduler(optimizer, "cosine", total_steps, warmup, done_steps=state.global_step)
-        loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
-                         given_line, metrics, optimizer.param_groups[0]["lr"], metric="val_accuracy", evaluate=evaluate,
-                         write_files=functools.partial(write_model_files, model_config, card))
+        bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
+        models = {"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})}
+        start_run(accelerator, state, config, given_line, args.output_dir, args.project, args.run_name, args.report_to,
+                  checkpointed=list(models.values()))
+        log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size * accelerator.num_processes
+                 * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"], args.max_grad_norm)
+        write_files = functools.partial(write_model_files, model_config, card)
 
-        # ---- train
-        with loop.checkpoint_on_preemption():
-            for epoch in loop.epochs():
-                train_one_epoch(model, optimizer, scheduler, train_loader, accelerator, loop, args)
-                loop.end_epoch(epoch, optimizer)
-                loop.evaluate_and_checkpoint(epoch)
-        final = loop.finish()
-    loop.log_summary(time.time() - t_start)
-    return final
+        def checkpoint() -> str:  # everything a resume needs (a second call at the same state keeps the first)
+            return save_checkpoint(accelerator, args.output_dir, state, list(models.values()), args.checkpoint_total_limit,
+                                   config, model_config, {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
+
+        def evaluate_and_keep_best(epoch: int) -> dict:  # {"": the trained weights' evaluation, "ema_": ...}
+            state.eval_pending = epoch  # a preemption's checkpoint says this evaluation is still to run
+            evaluations = {p: {"epoch": epoch, "step": state.global_step, **v} for p, v in evaluate(models, epoch).items()}
+            keep_best(accelerator, args.output_dir, "val_accuracy", evaluations, models, state, model_config, write_files)
+            state.eval_pending = 0
+            return evaluations
+
+        # ---- train: the epoch's policy here, the step in train_one_epoch
+        guard, window, evaluations = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
+        after_step = functools.partial(step_done, accelerator, state, guard=guard, window=window, metrics=metrics,
+                                       steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                                       log_interval=args.log_interval, checkpoint_steps=args.checkpoint_steps,
+                                       output_dir=args.output_dir, checkpoint=checkpoint, ema=ema, model=bare)
+        start_step = state.global_step
+        try:
+            if state.eval_pending:  # an evaluation a preemption cut short runs first
+                evaluations = evaluate_and_keep_best(state.eval_pending)
+            for epoch in range(state.epoch, args.epochs):
+                if state.global_step >= total_steps or stop_early(state, args.early_stopping_patience, "val_accuracy"):
+                    break
+                train_one_epoch(model, optimizer, scheduler, train_loader, accelerator, state, guard, window, after_step,
+                                args)
+                if state.step_in_epoch == steps_per_epoch:  # the epoch ran to its end (not the run's last step first)
+                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1, state.end_epoch(),
+                                optimizer.param_groups[0]["lr"], state.skipped_steps)
+                last = state.global_step >= total_steps or epoch + 1 == args.epochs
+                if (epoch + 1) % args.eval_interval == 0 or last:
+                    evaluations = evaluate_and_keep_best(epoch + 1)
+                if ((epoch + 1) % args.checkpoint_interval == 0 or last
+                        or stop_early(state, args.early_stopping_patience, "val_accuracy")
+                        or args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0):
+                    checkpoint()
+        except Preempted as p:
+            raise p.stop(state, checkpoint()) from None
+        final = {p: e for p, e in evaluations.items() if e["step"] == state.global_step}  # of the weights at the end
+        best = finish_run(accelerator, args.output_dir, "val_accuracy", models, final, state.global_step > start_step,
+                          model_config, write_files)
+    log_summary(args.output_dir, "val_accuracy", time.time() - t_start, state, best, final.get(""), window.images_seen,
+                ema is not None)
+    return final.get("")
 
 
 if __name__ == "__main__":

@@ -56,9 +56,9 @@ import time
 from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, add_format_flags, add_sampler_flags,
                          add_train_tile_flags, check_coco_for_training, data_dir_paths, loader_settings,
                          make_small_objects_coco, make_synthetic_coco, read_class_names, train_tile_conflict)
-from detlib.engine import (RunStop, data_defaults_table, float_range, format_given, int_at_least,
-                           not_used_evaluating, parse_with_config, path, resolve_data_defaults, run_argument_parser,
-                           running, show_data_defaults, stop, stop_together)
+from detlib.argtypes import float_range, int_at_least, path
+from detlib.engine import (RunStop, data_defaults_table, format_given, not_used_evaluating, parse_with_config,
+                           resolve_data_defaults, run_argument_parser, running, show_data_defaults, stop, stop_together)
 from detlib.files import write_json
 from detlib.hub import add_hub_flags, check_push, local_weights, push_best
 from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
@@ -486,9 +486,12 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
                           [e * steps_per_epoch for e in args.lr_steps], WARMUP_START, done_steps)
 
 
-def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, loop, args, normalizer=None) -> None:
-    """Train from the run's position to the end of the epoch or of the run (`loop`: detlib.engine.TrainLoop, the
-    bookkeeping around the step). Raises RunStop when the run diverges, Preempted on a preemption signal."""
+def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, state, guard, window, after_step, args,
+                    normalizer=None) -> None:
+    """Train from the run's position (`state`; a mid-epoch resume skips the batches it trained) to the end of the
+    epoch or of the run. `guard`: whether to take each step, all-reduced (detlib.engine.StepGuard); `window`: the
+    train line's means; `after_step(finite, lrs)`: the bookkeeping after each step (detlib.engine.step_done), true at
+    the run's last step. Raises RunStop when the run diverges, Preempted on a stop signal or the time budget."""
     import torch
 
     from detlib.evaluation import write_train_batch
@@ -496,8 +499,15 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
 
     model.train()
     G = args.gradient_accumulation_steps
-    for i, batch in loop.batches(loader, model, optimizer):
-        if i == loop.state.global_step == 0 and accelerator.is_main_process:  # the run's first batch, as the model sees it
+    done = state.step_in_epoch * G
+    loader.set_epoch(state.epoch)  # the sampler's order; the data set's augmentation stream (detlib.data.seeds)
+    if hasattr(loader.dataset, "set_epoch"):  # accelerate's set_epoch skips a data set whose sampler has one
+        loader.dataset.set_epoch(state.epoch)
+    for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
+        if i % G == 0:  # a step's first micro-batch: its LRs, and the buffers a skipped step puts back
+            lrs, step_loss, micro_batches = [g["lr"] for g in optimizer.param_groups], 0.0, 0
+            guard.snapshot(model)
+        if i == state.global_step == 0 and accelerator.is_main_process:  # the run's first batch, as the model sees it
             write_train_batch(args.output_dir, batch["images"], loader.dataset.category_map.names, batch["labels"],
                               batch["boxes"])
         with accelerator.accumulate(model):
@@ -511,19 +521,20 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
             loss, n = losses["loss"], len(batch["image_ids"])
             # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
             accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
-            loop.add({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
-                      "pos_anchors_per_image": losses["num_pos"] / n}, n)
+            window.add({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
+                        "pos_anchors_per_image": losses["num_pos"] / n}, n)
+            step_loss, micro_batches = step_loss + loss.detach(), micro_batches + 1
             if not accelerator.sync_gradients:
                 continue
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            finite = loop.finite(grad_norm)  # the same on every rank
+            finite = guard.check(step_loss / micro_batches, grad_norm, state.global_step + 1, lrs[0])  # alike on every rank
             if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if args.lr_scheduler != "plateau":  # per step; the plateau scheduler per epoch, in main
                 scheduler.step()
-        if loop.step_done(finite):  # EMA, counters, train line, divergence, step checkpoint, preemption poll
-            break
+        if after_step(finite, lrs):  # EMA, counters, train line, divergence, step checkpoint, stop poll
+            return
 
 
 @no_grad
@@ -622,8 +633,9 @@ def main(argv=None):
     from timm.optim import param_groups_weight_decay
     from timm.utils import ModelEmaV3
 
-    from detlib.engine import (MetricsLog, TrainLoop, TrainState, accelerator_for, evaluate_only, resume, resume_ema,
-                               run_length)
+    from detlib.engine import (EMA_WEIGHTS, EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow,
+                               final_evaluation, finish_run, keep_best, log_plan, log_summary, make_accelerator, resume,
+                               run_length, save_checkpoint, start_run, step_done, stop_early)
     from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, card_dataset, command_line
     from detlib.retinanet import EmaLossNormalizer, log_model_size
 
@@ -638,7 +650,10 @@ def main(argv=None):
         args.warmup_steps = 0
     if args.evaluate_only:  # never over a training run's files
         args.output_dir = os.path.join(args.output_dir, "evaluate_only")
-    accelerator, state, t_start = accelerator_for(args), TrainState(), time.time()
+    accelerator = make_accelerator(args.mixed_precision, args.gradient_accumulation_steps, args.report_to, args.output_dir,
+                                   args.seed, args.verbose, args.compile_backend if args.compile and not args.evaluate_only
+                                   else None, args.compile_mode)
+    state, t_start = TrainState(), time.time()
     with running(accelerator, args.output_dir, state, bool(args.evaluate_only), args.resume_from_checkpoint,
                  args.overwrite_output_dir, args.verbose, args.time_limit):
         for line in notes:
@@ -697,8 +712,11 @@ def main(argv=None):
 
         if args.evaluate_only:
             model = accelerator.prepare(model)
-            return evaluate_only(accelerator, args, config, given_line, lambda: {
-                k: v for k, v in evaluate({"": model}, None)[""].items() if k in STAT_NAMES})
+            start_run(accelerator, state, config, given_line, args.output_dir, args.project, args.run_name, args.report_to)
+            try:
+                return {k: v for k, v in evaluate({"": model}, None)[""].items() if k in STAT_NAMES}
+            except Preempted as p:
+                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
 
         # ---- optimizer, schedule, resume
         # No weight decay on norm weights and biases (every 1-D parameter: timm, nanoGPT; detectron2's
@@ -719,29 +737,70 @@ def main(argv=None):
             accelerator.register_for_checkpointing(normalizer)
         ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
                          use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
-        resume_ema(ema, resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config,
-                               FIXED_ON_RESUME, records=RECORD_KEYS))
+        resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config, FIXED_ON_RESUME,
+               records=RECORD_KEYS, ema=ema)
         scheduler = plateau or build_scheduler(optimizer, args, steps_per_epoch, total_steps, state.global_step)
-        loop = TrainLoop(accelerator, args, state, model, ema, steps_per_epoch, total_steps, config, model_config,
-                         given_line, metrics, optimizer.param_groups[0]["lr"], metric="AP", evaluate=evaluate,
-                         write_files=functools.partial(write_model_files, args, model_config, card))
+        bare = accelerator.unwrap_model(model, keep_torch_compile=False)  # evaluated uncompiled, saved without prefixes
+        models = {"": bare if args.compile else model, **({"ema_": ema.module} if ema else {})}
+        start_run(accelerator, state, config, given_line, args.output_dir, args.project, args.run_name, args.report_to,
+                  checkpointed=list(models.values()))
+        log_plan(state, args.epochs, total_steps, steps_per_epoch, args.per_device_batch_size * accelerator.num_processes
+                 * args.gradient_accumulation_steps, optimizer.param_groups[0]["lr"], args.max_grad_norm)
+        write_files = functools.partial(write_model_files, args, model_config, card)
 
-        # ---- train
-        with loop.checkpoint_on_preemption(stop_note):
-            for epoch in loop.epochs():
-                train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, loop, args, normalizer)
-                lr, mean_loss = optimizer.param_groups[0]["lr"], loop.end_epoch(epoch, optimizer)
-                if plateau and mean_loss is not None:
-                    scheduler.step(mean_loss)  # the epoch's mean over all processes: the same on every rank
-                    if optimizer.param_groups[0]["lr"] < lr:
-                        logger.info("plateau: no lower mean loss in %d epoch(s), lr %.3g -> %.3g from epoch %d on",
-                                    args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], epoch + 2)
-                loop.evaluate_and_checkpoint(epoch)
-        final = loop.finish()
-    loop.log_summary(time.time() - t_start, also=("AP50",))
+        def checkpoint() -> str:  # everything a resume needs (a second call at the same state keeps the first)
+            return save_checkpoint(accelerator, args.output_dir, state, list(models.values()), args.checkpoint_total_limit,
+                                   config, model_config, {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
+
+        def evaluate_and_keep_best(epoch: int, last: bool) -> dict:  # {"": the trained weights' evaluation, "ema_": ...}
+            state.eval_pending = epoch  # a preemption's checkpoint says this evaluation is still to run
+            final = final_evaluation(state, args.early_stopping_patience, last)
+            evaluations = evaluate(models, epoch, final)
+            keep_best(accelerator, args.output_dir, "AP", evaluations, models, state, model_config, write_files)
+            state.eval_pending = 0
+            return evaluations
+
+        # ---- train: the epoch's policy here, the step in train_one_epoch
+        guard, window, evaluations = StepGuard(accelerator, args.max_nonfinite_steps), TrainWindow(accelerator), {}
+        after_step = functools.partial(step_done, accelerator, state, guard=guard, window=window, metrics=metrics,
+                                       steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                                       log_interval=args.log_interval, checkpoint_steps=args.checkpoint_steps,
+                                       output_dir=args.output_dir, checkpoint=checkpoint, ema=ema, model=bare)
+        start_step = state.global_step
+        try:
+            if state.eval_pending:  # an evaluation a preemption cut short runs first
+                evaluations = evaluate_and_keep_best(state.eval_pending, state.global_step >= total_steps)
+            for epoch in range(state.epoch, args.epochs):
+                if state.global_step >= total_steps or stop_early(state, args.early_stopping_patience, "AP"):
+                    break
+                lr = optimizer.param_groups[0]["lr"]
+                train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, state, guard, window,
+                                after_step, args, normalizer)
+                if state.step_in_epoch == steps_per_epoch:  # the epoch ran to its end (not the run's last step first)
+                    mean_loss = state.end_epoch()  # the mean over all processes: the same on every rank
+                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1, mean_loss, lr,
+                                state.skipped_steps)
+                    if plateau:
+                        scheduler.step(mean_loss)
+                        if optimizer.param_groups[0]["lr"] < lr:
+                            logger.info("plateau: no lower mean loss in %d epoch(s), lr %.3g -> %.3g from epoch %d on",
+                                        args.plateau_patience + 1, lr, optimizer.param_groups[0]["lr"], epoch + 2)
+                last = state.global_step >= total_steps or epoch + 1 == args.epochs
+                if (epoch + 1) % args.eval_interval == 0 or last:
+                    evaluations = evaluate_and_keep_best(epoch + 1, last)
+                if ((epoch + 1) % args.checkpoint_interval == 0 or last or stop_early(state, args.early_stopping_patience, "AP")
+                        or args.checkpoint_steps and state.global_step % args.checkpoint_steps == 0):
+                    checkpoint()
+        except Preempted as p:
+            raise p.stop(state, checkpoint(), stop_note) from None
+        final = {p: e for p, e in evaluations.items() if e["step"] == state.global_step}  # of the weights at the end
+        best = finish_run(accelerator, args.output_dir, "AP", models, final, state.global_step > start_step,
+                          model_config, write_files)
+    log_summary(args.output_dir, "AP", time.time() - t_start, state, best, final.get(""), window.images_seen,
+                ema is not None, also=("AP50",))
     if args.push_to_hub and accelerator.is_main_process:
         push_best(args.output_dir, args.push_to_hub, args.hub_private, "train_retinanet")
-    return {k: v for k, v in final.items() if k in STAT_NAMES} if final else None
+    return {k: v for k, v in final[""].items() if k in STAT_NAMES} if "" in final else None
 
 
 if __name__ == "__main__":

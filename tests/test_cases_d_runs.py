@@ -3,6 +3,7 @@ grow with the number of classes (D04), trackers that cannot start (D12), saves t
 
 from __future__ import annotations
 
+from detlib.engine import model_folders
 import contextlib
 import importlib.util
 import json
@@ -314,7 +315,7 @@ def test_case_d21_disk_filling_during_a_checkpoint_save_says_no_space(small_disk
     "os error 28", torch's zip writer's "unexpected pos"), the free space and the size of a checkpoint (the previous
     one); the partial folder is removed and the previous checkpoint kept."""
     from detlib.engine import checkpoints as ckpt
-    from detlib.engine.run_folder import RunStop
+    from detlib.engine.exits import RunStop
 
     acc, model, opt = trained_accelerator()
     out = small_disk / "run"
@@ -355,7 +356,7 @@ def test_case_d21_weights_on_a_full_disk_keep_the_old_file(small_disk):
 
 def test_case_d21_read_only_disk_is_named(tmp_path):
     from detlib.engine import checkpoints as ckpt
-    from detlib.engine.run_folder import RunStop
+    from detlib.engine.exits import RunStop
     from detlib.weights import WeightsFileError, save_model_weights
 
     acc, model, _ = trained_accelerator()
@@ -376,7 +377,7 @@ def test_case_d21_other_causes_are_the_os_error_and_the_free_space(tmp_path, mon
 
     from detlib import files
     from detlib.engine import checkpoints as ckpt
-    from detlib.engine.run_folder import RunStop
+    from detlib.engine.exits import RunStop
 
     acc, model, opt = trained_accelerator()
     first = ckpt.save_checkpoint(acc, str(tmp_path), ckpt.TrainState(epoch=1, global_step=1), [model])
@@ -410,7 +411,7 @@ def test_case_d21_other_causes_are_the_os_error_and_the_free_space(tmp_path, mon
     (run_dir / "best").write_text("")  # best/ that is a file: one line on every process, the checkpoints kept
     with pytest.raises(RunStop, match=rf"^could not write {run_dir}/best/model.safetensors: FileExistsError: .*MiB free in "
                        rf"{run_dir}, ~0.3 MiB needed\); the checkpoints in {run_dir}/checkpoints are kept$"):
-        ckpt.save_weights(acc, model, str(run_dir), "best", None)
+        model_folders.save_weights(acc, model, str(run_dir), "best", None)
 
 
 # ---- D12: a tracker that cannot start (or close) is one line, and run_status.json says so

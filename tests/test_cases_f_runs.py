@@ -270,7 +270,7 @@ def test_case_f25_a_collective_error_is_a_lost_process_when_a_rank_has_ended(tmp
 
     from torch.distributed import DistNetworkError
 
-    from detlib.engine.run_folder import lost_process
+    from detlib.engine.run import lost_process
 
     here, me = socket.gethostname(), os.getpid()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

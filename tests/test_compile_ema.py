@@ -216,7 +216,8 @@ def test_best_takes_the_ema_weights_when_they_score_higher(tmp_path):
     and the best/ on disk (`improves_best`); a non-finite EMA score never wins."""
     from accelerate import Accelerator
 
-    from detlib.engine import TrainState, best_weights, improves_best
+    from detlib.engine import TrainState
+    from detlib.engine.model_folders import best_weights, improves_best
 
     acc, state, out, kept = Accelerator(cpu=True), TrainState(), str(tmp_path), []
     for trained, averaged in ((0.30, 0.32), (0.40, 0.35), (0.41, float("nan")), (0.39, 0.40)):

@@ -19,8 +19,9 @@ from safetensors.torch import save_file
 
 from conftest import REPO
 from detlib.engine import checkpoints as ckpt
+from detlib.engine import bookkeeping, exits, model_folders, signals
 from detlib.engine import run_folder
-from detlib.engine.run_folder import RunStop
+from detlib.engine.exits import RunStop
 from detlib.weights import WeightsFileError, load_model_weights
 from helpers import fake_checkpoint
 
@@ -176,7 +177,7 @@ def test_failed_save_removes_its_folder_keeps_the_previous_and_says_no_space(tmp
         model.weight[0, 0] = float("nan")
     with pytest.raises(RunStop, match="non-finite weights at step 8: not writing") as e:
         ckpt.save_checkpoint(acc, str(tmp_path), state, [model], limit=1)
-    assert e.value.code == run_folder.EXIT_DIVERGED and sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch_0001"]
+    assert e.value.code == exits.EXIT_DIVERGED and sorted(os.listdir(tmp_path / "checkpoints")) == ["epoch_0001"]
 
 
 def test_write_failure_names_the_error_the_free_space_and_a_full_disk():
@@ -310,7 +311,7 @@ def _script_step(acc, guard, model, opt, loss, step) -> bool:
 
 
 def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts_the_streak(caplog):
-    from detlib.engine.step import StepGuard
+    from detlib.engine.bookkeeping import StepGuard
 
     acc, model, opt = _guarded_bn_model()
     guard = StepGuard(acc, max_nonfinite_steps=2)
@@ -344,7 +345,7 @@ def test_step_guard_skips_a_nonfinite_step_keeps_weights_and_bn_stats_and_counts
 def test_train_window_line_is_the_mean_over_images_and_restarts():
     from accelerate import Accelerator
 
-    from detlib.engine.logs import TrainWindow
+    from detlib.engine.bookkeeping import TrainWindow
 
     window = TrainWindow(Accelerator(cpu=True))
     assert list(window.timed([1, 2])) == [1, 2]
@@ -361,7 +362,8 @@ def test_train_window_line_is_the_mean_over_images_and_restarts():
 def test_train_line_shows_each_lr_once_on_the_console_and_every_group_in_metrics(tmp_path, caplog):
     from accelerate import Accelerator
 
-    from detlib.engine.logs import MetricsLog, TrainWindow
+    from detlib.engine.bookkeeping import TrainWindow
+    from detlib.engine.trackers import MetricsLog
 
     acc = Accelerator(cpu=True)
     metrics, window, state = MetricsLog(acc, str(tmp_path)), TrainWindow(acc), ckpt.TrainState()
@@ -403,26 +405,26 @@ def test_stop_signals_set_a_flag_and_a_late_second_sigint_stops():
 
         def preempted():
             try:
-                run_folder.stop_if_preempted(acc)
-            except run_folder.Preempted as e:
+                bookkeeping.stop_if_preempted(acc)
+            except bookkeeping.Preempted as e:
                 return e.signal_name
 
         acc, before = Accelerator(cpu=True), signal.getsignal(signal.SIGUSR1)
-        handlers = run_folder.catch_signals()
-        print(preempted(), run_folder.signal_received())
+        handlers = signals.catch_signals()
+        print(preempted(), signals.signal_received())
         os.kill(os.getpid(), signal.SIGUSR1)
         print(preempted())
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C forwarded by the launcher: still only the flag
-        print(preempted(), run_folder.signal_received())
-        time.sleep(run_folder.SECOND_SIGINT_AFTER_S)
+        print(preempted(), signals.signal_received())
+        time.sleep(signals.SECOND_SIGINT_AFTER_S)
         try:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)
         except KeyboardInterrupt as e:
             print("KeyboardInterrupt:", e)
-        run_folder.release_signals(handlers, stopped=False)
+        signals.release_signals(handlers, stopped=False)
         print(signal.getsignal(signal.SIGUSR1) is before)
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -447,23 +449,23 @@ def test_an_output_dir_that_cannot_be_made_names_what_is_in_the_way(tmp_path):
 def test_best_is_kept_only_when_it_beats_the_best_on_disk(tmp_path):
     from accelerate import Accelerator
 
-    from detlib.engine.logs import summary_lines
+    from detlib.engine.run_log import summary_lines
 
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(3, 2))
     out = str(tmp_path)
     state = ckpt.TrainState(global_step=10)
-    assert ckpt.improves_best(acc, out, "AP", 0.5, state) and state.best_metric == 0.5
-    ckpt.save_weights(acc, model, out, "best", {"num_classes": 2},
+    assert model_folders.improves_best(acc, out, "AP", 0.5, state) and state.best_metric == 0.5
+    model_folders.save_weights(acc, model, out, "best", {"num_classes": 2},
                       {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10, "weights": "trained"})
-    assert ckpt.best_record(acc, out, "AP") == {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10, "weights": "trained"}
-    assert ckpt.best_record(acc, out, "accuracy") is None  # another metric's best/ does not count
+    assert model_folders.best_record(acc, out, "AP") == {"metric": "AP", "value": 0.5, "epoch": 1, "step": 10, "weights": "trained"}
+    assert model_folders.best_record(acc, out, "accuracy") is None  # another metric's best/ does not count
     older = ckpt.TrainState(global_step=4)  # a resume from an older checkpoint: best_metric -1
-    assert not ckpt.improves_best(acc, out, "AP", 0.4, older) and older.best_metric == 0.4
-    assert not ckpt.improves_best(acc, out, "AP", float("nan"), state) and state.best_metric == 0.5
+    assert not model_folders.improves_best(acc, out, "AP", 0.4, older) and older.best_metric == 0.4
+    assert not model_folders.improves_best(acc, out, "AP", float("nan"), state) and state.best_metric == 0.5
     (tmp_path / "predictions_val.csv").write_text("path,label\n")  # a classifier's run: no plots/, samples/, last/
     state.skipped_steps = 1
-    lines = summary_lines(out, "AP", 90.0, state, ckpt.best_record(acc, out, "AP"), {"AP": 0.45, "AP50": 0.931}, 300,
+    lines = summary_lines(out, "AP", 90.0, state, model_folders.best_record(acc, out, "AP"), {"AP": 0.45, "AP50": 0.931}, 300,
                           {"best": "best", "last": "final"}, also=("AP50",))
     # only what exists is named; the verdict is the last line
     assert lines == [f"weights: {out}/best/ (best)", f"metrics: {out}/metrics.jsonl; evaluation: {out}/predictions_val.csv",
@@ -545,7 +547,7 @@ def test_every_script_logs_under_a_name_the_console_shows():
 
 def test_offline_wandb_prints_nothing_of_its_own_unless_verbose(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from detlib.engine.logs import resolve_trackers
+    from detlib.engine.trackers import resolve_trackers
 
     for verbose in (False, True):
         env = {"HOME": str(tmp_path), "WANDB_BASE_URL": "http://127.0.0.1:9"}  # no key, no ~/.netrc
@@ -581,7 +583,7 @@ def test_a_run_that_stops_before_its_first_step_keeps_the_earlier_run_status_bes
 def test_max_steps_past_the_epochs_is_said_and_the_schedule_spans_what_runs(caplog):
     from types import SimpleNamespace
 
-    from detlib.engine.step import run_length
+    from detlib.engine.bookkeeping import run_length
 
     acc = SimpleNamespace(gather=lambda t: t, device="cpu", num_processes=1)
     loader = list(range(12))  # 12 batches
@@ -593,7 +595,8 @@ def test_max_steps_past_the_epochs_is_said_and_the_schedule_spans_what_runs(capl
 def test_nothing_left_names_the_limit_and_other_ranks_log_only_errors(caplog):
     import logging
 
-    from detlib.engine.logs import log_plan, set_log_levels
+    from detlib.engine.logs import set_log_levels
+    from detlib.engine.run_log import log_plan
 
     log_plan(ckpt.TrainState(epoch=1, global_step=8), epochs=3, total_steps=8, steps_per_epoch=6, images_per_step=4,
              lr=0.1)

@@ -13,7 +13,7 @@ import yaml
 
 from conftest import REPO, write_coco, write_image
 from detlib.engine import flags
-from detlib.engine.logs import save_config
+from detlib.engine.flags import save_config
 from helpers import forked_launch
 
 SCRIPTS = ("train_retinanet", "train_catsdogs")
@@ -152,8 +152,8 @@ def test_gradient_clipping_follows_the_optimizer_and_the_start_line_says_it(capl
     scales down every SGD step); a given value wins; the start line names what is used."""
     import logging
 
-    from detlib.engine.logs import log_plan
-    from detlib.engine.checkpoints import TrainState
+    from detlib.engine.run_log import log_plan
+    from detlib.engine.train_state import TrainState
 
     retinanet = load_script("train_retinanet")
     for synthetic in (True, False):

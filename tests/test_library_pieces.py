@@ -4,6 +4,7 @@ on a signal around Python's and multiprocessing's own handling (`detlib.inferenc
 
 from __future__ import annotations
 
+from detlib.engine import exits
 import json
 import subprocess
 import sys
@@ -323,7 +324,7 @@ def test_the_other_processes_leave_a_stop_silently_when_the_launcher_stops_them(
         [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)]))
 
     def main():
-        run_folder.stop("no model weights at /nowhere", 1)
+        exits.stop("no model weights at /nowhere", 1)
 
     with pytest.raises(SystemExit) as stop:
         run_prediction(main)

@@ -262,14 +262,14 @@ def test_planted_pickle_payload_never_runs_on_resume(tmp_path, capsys):
     checkpoint, saying why; the command never runs. (Every kind of state file: tests/test_checkpoint.py.)"""
     from helpers import plant
 
-    from detlib.engine import list_checkpoints
+    from detlib.engine.checkpoints import checkpoint_folders
 
     data = make_tiny_folder(tmp_path / "data", [4, 4])
     out, marker = tmp_path / "run", tmp_path / "MARKER"
     common = CATS + ["--train_dir", str(data), "--val_dir", str(data), "--per_device_batch_size", "4",
                      "--checkpoint_steps", "1", "--output_dir", str(out), "--num_workers", "0"]
     assert run_main("train_catsdogs", common + ["--max_steps", "2"], capsys)[0] == 0
-    older, planted = map(Path, list_checkpoints(str(out)))  # step_00000001, then epoch_0001 (the end of epoch 1)
+    older, planted = map(Path, checkpoint_folders(str(out)))  # step_00000001, then epoch_0001 (the end of epoch 1)
     plant(planted / "custom_checkpoint_0.pkl", marker, "torch")
     code, _, err = run_main("train_catsdogs", common + ["--max_steps", "3", "--resume_from_checkpoint", planted], capsys)
     assert code != 0 and not traceback_through_our_code(err) and not marker.exists()

@@ -16,7 +16,7 @@ from PIL import Image
 
 from conftest import COCO_SUBSET, needs_coco_subset, read_metrics, start_script, write_coco, write_image
 from detlib.engine import stopping
-from detlib.engine.flags import duration_seconds
+from detlib.argtypes import duration_seconds
 from detlib.evaluation.drawing import class_color, drawing_scale
 from helpers import Launch, make_tiny_folder, run_main, run_ok
 

@@ -17,7 +17,7 @@ import threading
 
 logger = logging.getLogger(__name__)
 
-# The signals that preempt a run (detlib.engine.run_folder's handlers); workers leave them to it.
+# The signals that preempt a run (detlib.engine.signals' handlers); workers leave them to it.
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 

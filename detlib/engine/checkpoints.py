@@ -1,10 +1,12 @@
 """Checkpoints on accelerate's `save_state` / `load_state` that survive a killed run, a full disk and a damaged or
-planted file, and the weights folders best/ and last/ (the layout: docs/outputs.md).
+planted file (the layout: docs/outputs.md).
 
-A checkpoint is written into `<name>.tmp` and renamed when whole, the oldest beyond the limit removed after; `latest`
-is the newest folder (by completion time: a resume from an older one writes lower steps) that passes
-`verify_checkpoint`; every torch pickle is read with `weights_only=True`; a resume names each flag that differs from
-the checkpoint's config.yaml (two paths to the same file are the same) and refuses those its state fixes.
+A checkpoint is written into `<name>.tmp` and renamed when whole, the oldest beyond the limit removed after. "The
+last good checkpoint" is one function, `last_good_checkpoint`: the newest folder (by completion time: a resume from
+an older one writes lower steps) that passes `verify_checkpoint`; `--resume_from_checkpoint latest`, the lines of a
+divergence, a failed save and a lost process all name it. Every torch pickle is read with `weights_only=True`; a
+resume names each flag that differs from the checkpoint's config.yaml (two paths to the same file are the same) and
+refuses those its state fixes.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import shutil
 import time
 import warnings
 import zipfile
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 
 import torch
 import yaml
@@ -28,11 +30,11 @@ from safetensors.torch import save_file
 
 from ..files import readable_as_umask_allows, write_failure, write_json
 from ..weights import (WEIGHT_FILES, WeightsFileError, finite_weights, load_state_dict_file, read_json, read_json_object,
-                       refused, save_model_weights, verify_safetensors, weights_only_loads)
-from .flags import FOLDER_ACTION_KEYS, RUN_RECORD_KEYS
-from .logs import save_config
-from .run_folder import EXIT_DIVERGED, RunStop, stop_together
+                       refused, verify_safetensors, weights_only_loads)
+from .exits import EXIT_DIVERGED, RunStop, on_every_process, stop_together
+from .flags import FOLDER_ACTION_KEYS, RUN_RECORD_KEYS, save_config
 from .stopping import note_save
+from .train_state import TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -46,80 +48,19 @@ class CheckpointError(WeightsFileError):
     """A checkpoint that cannot be used (damaged, incomplete, refused); the message is one line."""
 
 
-@dataclass
-class TrainState:
-    """The training script's counters, trainer_state.json in every checkpoint.
-
-    epoch: epochs done (the 0-based index of the epoch to run, or of the one in progress if step_in_epoch > 0).
-    step_in_epoch, global_step: optimizer steps done in `epoch` and in all (skipped ones included).
-    skipped_steps: steps skipped as non-finite (or by the fp16 GradScaler). best_metric: -1 before an evaluation.
-    epoch_loss_sum, epoch_steps: the epoch's step losses (means over processes) and their count, so that the epoch
-        mean ReduceLROnPlateau steps on covers the whole epoch after a resume.
-    eval_pending: the epoch number (from 1) of an evaluation that was running, 0 when none: one preempted is run
-        first on resume.
-    run_id: the tracker run id, so that a resumed run logs into the same wandb run.
-    evals_without_improvement: evaluations in a row since the best one (`improves_best`), for --early_stopping_patience.
-    stop_reason: why the run ends before its last epoch (`detlib.engine.stopping.stop_early`), "" otherwise.
-    """
-
-    epoch: int = 0
-    step_in_epoch: int = 0
-    global_step: int = 0
-    skipped_steps: int = 0
-    best_metric: float = -1.0
-    epoch_loss_sum: float = 0.0
-    epoch_steps: int = 0
-    eval_pending: int = 0
-    run_id: str | None = None
-    evals_without_improvement: int = 0
-    stop_reason: str = ""
-
-    def load(self, values: dict) -> None:
-        self.__dict__.update({f.name: values[f.name] for f in fields(self) if f.name in values})
-
-    def step_done(self, stepped: bool, loss: float) -> None:
-        """Count an optimizer step (`stepped` False: the weights were left as they were) and its `loss`, the mean over
-        processes (nan: left out of the epoch's mean)."""
-        self.global_step, self.step_in_epoch, self.skipped_steps = (self.global_step + 1, self.step_in_epoch + 1,
-                                                                    self.skipped_steps + (not stepped))
-        if math.isfinite(loss):
-            self.epoch_loss_sum, self.epoch_steps = self.epoch_loss_sum + loss, self.epoch_steps + 1
-
-    def end_epoch(self) -> float:
-        """Count the epoch done; returns its mean step loss (the same on every rank)."""
-        mean = self.epoch_loss_sum / max(self.epoch_steps, 1)
-        self.epoch, self.step_in_epoch, self.epoch_loss_sum, self.epoch_steps = self.epoch + 1, 0, 0.0, 0
-        return mean
-
-
-def min_over_processes(accelerator, value: bool) -> bool:
-    """Whether `value` holds on every process (collective)."""
-    return bool(accelerator.reduce(torch.tensor(float(not value), device=accelerator.device), "sum") == 0)
-
-
-def _folders(output_dir: str) -> list[str]:
+def checkpoint_folders(output_dir: str) -> list[str]:
+    """Every `epoch_NNNN` / `step_NNNNNNNN` folder of `output_dir/checkpoints`, oldest first (by completion time)."""
     root = os.path.join(output_dir, "checkpoints")
     names = [n for n in os.listdir(root) if re.match(r"^(epoch|step)_\d+$", n)] if os.path.isdir(root) else []
     return sorted((os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))), key=os.path.getmtime)
 
 
-def list_checkpoints(output_dir: str) -> list[str]:
-    """The checkpoint folders of `output_dir` whose trainer_state.json reads, oldest first (never raises)."""
-    def readable(path):
-        try:
-            return isinstance(read_json(os.path.join(path, "trainer_state.json")), dict)
-        except WeightsFileError:
-            return False
-
-    return [p for p in _folders(output_dir) if readable(p)]
-
-
 def divergence(output_dir: str, state: TrainState, streak: int, lr: float) -> str:
     """The line of a run stopped by `streak` non-finite steps in a row."""
-    last = list_checkpoints(output_dir)
+    last = last_good_checkpoint(output_dir)
     return (f"training diverged: {streak} non-finite steps in a row up to step {state.global_step} (epoch "
             f"{state.epoch + 1}, lr {lr:.3g}); nothing non-finite was saved; the last good checkpoint is "
-            f"{last[-1] if last else 'none (no checkpoint written yet)'}: resume from it with a lower --max_grad_norm, "
+            f"{last or 'none (no checkpoint written yet)'}: resume from it with a lower --max_grad_norm, "
             "or start a new run from its weights with a lower --lr")
 
 
@@ -166,10 +107,10 @@ def verify_checkpoint(path: str) -> None:
         raise CheckpointError(str(e)) from None
 
 
-def newest_checkpoint(output_dir: str, say: bool = False) -> str | None:
+def last_good_checkpoint(output_dir: str, say: bool = False) -> str | None:
     """The newest checkpoint of `output_dir` that `verify_checkpoint` passes, or None (never raises; `say`: each
     damaged one passed over is logged)."""
-    for path in reversed(_folders(output_dir)):
+    for path in reversed(checkpoint_folders(output_dir)):
         try:
             verify_checkpoint(path)
             return path
@@ -185,7 +126,7 @@ def find_checkpoint(output_dir: str, resume: str) -> str | None:
     if resume != "latest":
         verify_checkpoint(resume)
         return resume
-    if (path := newest_checkpoint(output_dir, say=True)) is None:
+    if (path := last_good_checkpoint(output_dir, say=True)) is None:
         logger.warning("--resume_from_checkpoint latest: no usable checkpoint in %s; starting from scratch",
                        os.path.join(output_dir, "checkpoints"))
     return path
@@ -198,11 +139,13 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
     first; `limit`: checkpoints kept (0: all); `extra_weights`: {name: state dict} as name.safetensors (the EMA's).
     Raises RunStop: EXIT_DIVERGED on a non-finite weight (nothing written); 1 on a failed write (the partial folder
     removed, the older checkpoints kept)."""
-    if not all(min_over_processes(accelerator, finite_weights(m)) for m in models):
-        raise RunStop(f"the model holds non-finite weights at step {state.global_step}: not writing a checkpoint; "
-                      f"the last good checkpoint is {(list_checkpoints(output_dir) or ['none'])[-1]}", EXIT_DIVERGED)
     name = f"epoch_{state.epoch:04d}" if state.step_in_epoch == 0 else f"step_{state.global_step:08d}"
     final, started = os.path.join(output_dir, "checkpoints", name), time.time()
+    if _holds(final, state):  # written at this state already (a preemption right after a save): kept as it is
+        return final
+    if not all(on_every_process(accelerator, finite_weights(m)) for m in models):
+        raise RunStop(f"the model holds non-finite weights at step {state.global_step}: not writing a checkpoint; "
+                      f"the last good checkpoint is {last_good_checkpoint(output_dir) or 'none'}", EXIT_DIVERGED)
     tmp, error = final + ".tmp", None
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -219,22 +162,36 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
                 save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, os.path.join(tmp, f"{fname}.safetensors"))
     except Exception as e:  # OSError; torch's zip writer a RuntimeError; safetensors its SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = list_checkpoints(output_dir)
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(previous[-1]) for f in fs) if previous else None
+        previous = last_good_checkpoint(output_dir)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(previous) for f in fs) if previous else None
         error = (f"could not write checkpoint {tmp}: {write_failure(e, tmp, size)}; removed the partial folder, "
-                 + (f"the previous checkpoint {previous[-1]} is kept" if previous else "no earlier checkpoint exists"))
+                 + (f"the previous checkpoint {previous} is kept" if previous else "no earlier checkpoint exists"))
     stop_together(accelerator, error)
     if accelerator.is_main_process:
         for entry in os.listdir(tmp):
             readable_as_umask_allows(os.path.join(tmp, entry))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in list_checkpoints(output_dir)[:-limit] if limit else []:
+        # the limit counts the checkpoints whose state reads: a damaged one never pushes a good one out
+        for old in [p for p in checkpoint_folders(output_dir) if _state_of(p) is not None][:-limit] if limit else []:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     note_save(time.time() - started)  # what a --time_limit stop keeps for its own checkpoint
+    logger.info("saved checkpoint %s", final)
     return final
+
+
+def _state_of(folder: str) -> dict | None:
+    """The trainer_state.json of checkpoint `folder`, or None where it does not read (never raises)."""
+    try:
+        return read_json(os.path.join(folder, "trainer_state.json"))
+    except WeightsFileError:
+        return None
+
+
+def _holds(folder: str, state: TrainState) -> bool:
+    return os.path.isdir(folder) and _state_of(folder) == asdict(state)
 
 
 def load_checkpoint(accelerator, path: str, state: TrainState) -> None:
@@ -251,7 +208,17 @@ def load_checkpoint(accelerator, path: str, state: TrainState) -> None:
 
 def resume(accelerator, output_dir: str, resume_from: str | None, state: TrainState, config: dict,
            model_config: dict, fixed: tuple[str, ...], init_flag: str = "--init_from",
-           records: tuple[str, ...] = ()) -> str | None:
+           records: tuple[str, ...] = (), ema=None) -> str | None:
+    """`_resume_state`, then the checkpoint's EMA weights into `ema` (timm's ModelEmaV3, None without --model_ema:
+    `resume_ema`). Returns the checkpoint resumed, or None."""
+    path = _resume_state(accelerator, output_dir, resume_from, state, config, model_config, fixed, init_flag, records)
+    resume_ema(ema, path)
+    return path
+
+
+def _resume_state(accelerator, output_dir: str, resume_from: str | None, state: TrainState, config: dict,
+                  model_config: dict, fixed: tuple[str, ...], init_flag: str = "--init_from",
+                  records: tuple[str, ...] = ()) -> str | None:
     """Resume `--resume_from_checkpoint` (collective; after `prepare` and `register_for_checkpointing`): the main process
     finds it and compares its flags and classes with `config` and `model_config` (`_compare`; `records`: the
     script's keys of `config` that are not flags), then `load_checkpoint`. Returns the checkpoint or None. Raises
@@ -339,52 +306,3 @@ def resume_ema(ema, checkpoint: str | None) -> None:
     except (RuntimeError, ValueError) as e:
         raise RunStop(f"cannot resume the EMA weights {path}: {(str(e).strip().splitlines() or [''])[0][:200]}") from None
     logger.info("resumed the EMA weights from %s", path)
-
-
-# ---- best/ and last/
-
-def save_weights(accelerator, model, output_dir: str, name: str, model_config: dict | None,
-                 extra: dict | None = None) -> str:
-    """`output_dir/name/` (collective): model.safetensors, model_config.json, `extra` as best.json; returns the folder.
-    Raises RunStop: a non-finite weight (EXIT_DIVERGED, nothing written) or a failed write (the old files kept)."""
-    folder, error = os.path.join(output_dir, name), None
-    if not min_over_processes(accelerator, finite_weights(accelerator.unwrap_model(model))):
-        raise RunStop(f"the model holds non-finite weights: not writing {name}/; the last good checkpoint is kept",
-                      EXIT_DIVERGED)
-    try:
-        save_model_weights(accelerator, model, folder, model_config, extra)
-    except WeightsFileError as e:  # main process only
-        error = f"{e}; the checkpoints in {os.path.join(output_dir, 'checkpoints')} are kept"
-    stop_together(accelerator, error)
-    return folder
-
-
-def best_record(accelerator, output_dir: str, metric: str) -> dict | None:
-    """best/best.json as the main process reads it ({"metric", "value", "epoch", "step", "weights"}) when it scores
-    `metric`, else None (collective)."""
-    record = None
-    if accelerator.is_main_process:
-        try:
-            record = read_json_object(os.path.join(output_dir, "best", "best.json"))
-            record = record if record.get("metric") == metric and math.isfinite(float(record["value"])) else None
-        except (WeightsFileError, KeyError, TypeError, ValueError):
-            record = None
-    return broadcast_object_list([record])[0]
-
-
-def best_weights(evaluations: dict[str, dict], metric: str) -> str:
-    """Which of one evaluation's weights ({"": the trained, "ema_": their EMA}) best/ would take: the higher `metric`,
-    the trained weights on a tie or a non-finite EMA score."""
-    return "ema_" if evaluations.get("ema_", {}).get(metric, -math.inf) > evaluations[""][metric] else ""
-
-
-def improves_best(accelerator, output_dir: str, metric: str, value: float, state: TrainState) -> bool:
-    """Whether `value` beats every earlier evaluation of the run and the best/ on disk (a resume from an older
-    checkpoint never replaces best/ with a worse model); raises `state.best_metric` to it and counts
-    `state.evals_without_improvement` (0 when better). Collective."""
-    best = best_record(accelerator, output_dir, metric)
-    better = math.isfinite(value) and value > state.best_metric and (best is None or value > float(best["value"]))
-    if math.isfinite(value):
-        state.best_metric = max(state.best_metric, value)
-    state.evals_without_improvement = 0 if better else state.evals_without_improvement + 1
-    return better

@@ -1,4 +1,4 @@
-"""The flags both training scripts share, `--config FILE.yaml` (timm's two-stage parse, docs/flags.md; paths:
+"""The flags both training scripts share and their file: `--config FILE.yaml` reads one (timm's two-stage parse, docs/flags.md; paths:
 docs/long_runs.md), and argparse types that refuse values that cannot work: a nonsense value (`--epochs 0`, `--lr
 -1`), on the command line or in a --config file, is one argparse line at start (exit 2), never a traceback later.
 
@@ -17,8 +17,8 @@ import sys
 import yaml
 
 from ..argtypes import duration_seconds, float_range, int_at_least, path, time_limit  # noqa: F401 (re-exported)
-
-# .run_folder is imported where used: it imports torch, and --help needs none of it
+from ..files import atomic_write
+from .exits import print_once, wait_for_the_first_process
 
 REPORT_TO = ("wandb", "tensorboard", "all", "none")
 DEFAULT_REPORT_TO = "tensorboard"  # on this machine, no account, prints nothing; wandb when asked
@@ -46,11 +46,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings or action.required:
             return text
         return f"{text} (default: %(default)s)" if text else "default: %(default)s"
-
-
-def first_process() -> bool:
-    """Rank 0 of a launch (torchrun / accelerate set RANK), or a plain `python` run: the one that prints a stop."""
-    return os.environ.get("RANK", "0") == "0"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -81,12 +76,10 @@ class ArgumentParser(argparse.ArgumentParser):
         return action
 
     def print_usage(self, file=None):
-        if first_process():
-            super().print_usage(file)
+        print_once(self.format_usage(), file or sys.stdout)
 
     def print_help(self, file=None):
-        if first_process():
-            super().print_help(file)
+        print_once(self.format_help(), file or sys.stdout)
 
     def error(self, message):
         if self.reading_config:
@@ -94,11 +87,9 @@ class ArgumentParser(argparse.ArgumentParser):
         super().error(message)
 
     def exit(self, status=0, message=None):
-        if message and first_process():
-            print(message, end="", file=sys.stderr, flush=True)
+        if message:
+            print_once(message)
         if status:
-            from .run_folder import wait_for_the_first_process
-
             wait_for_the_first_process()  # returns at once on the first process
         raise SystemExit(status)
 
@@ -212,7 +203,13 @@ def resolve_data_defaults(args: argparse.Namespace, table: dict, synthetic: bool
         args.output_dir = os.path.abspath(args.output_dir)
 
 
-# ---- --config: timm's two-stage parse
+# ---- config.yaml: written by a run, read back by --config (timm's two-stage parse)
+
+def save_config(config: dict, path: str) -> None:
+    """`config` as YAML at `path` (a run's config.yaml: `--config` reads it back)."""
+    with atomic_write(path) as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+
 
 class Flags(argparse.Namespace):
     """The parsed flags (`parse_with_config`); beside them, outside `vars()` (so outside config.yaml): `given`, the
@@ -293,9 +290,9 @@ def read_config(p: ArgumentParser, path: str, record_keys: tuple[str, ...] = ())
         if key in ignored:
             continue
         if key in FOLDER_ACTION_KEYS:
-            if value and first_process():
-                print(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
-                      "command line)", file=sys.stderr, flush=True)
+            if value:
+                print_once(f"note: --config {path}: {key}: {value} is not applied from a file (give --{key} on the "
+                           "command line)")
             continue
         if key not in flags:  # looked up here: argparse would take `epoch` for an abbreviation of --epochs
             close = difflib.get_close_matches(str(key), list(flags), n=1)

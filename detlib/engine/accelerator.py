@@ -1,0 +1,42 @@
+"""The Accelerator every script runs on (one maker for train, predict and export) and the line that says what it is."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .trackers import resolve_trackers
+
+logger = logging.getLogger(__name__)
+
+
+def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_steps: int = 1,
+                     report_to: str = "none", output_dir: str = ".", seed: int = 0, verbose: bool = False,
+                     compile_backend: str | None = None, compile_mode: str = "default", cpu: bool = False):
+    """The scripts' `Accelerator`: the CPU without CUDA or with `cpu` (DDP over gloo on 2+ processes); seedable
+    samplers (epoch e's order a function of (seed, e): disjoint shards, the same after a resume); `mixed_precision`
+    None: the accelerate config's; `report_to`'s trackers; `compile_backend`: the prepared model compiled (training
+    only: an evaluation runs uncompiled)."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, set_seed
+
+    accelerator = Accelerator(
+        cpu=cpu or not torch.cuda.is_available(), mixed_precision=mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps, log_with=resolve_trackers(report_to, verbose) or None,
+        project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+        step_scheduler_with_optimizer=False,
+        **({"dynamo_plugin": TorchDynamoPlugin(backend=compile_backend, mode=compile_mode)} if compile_backend else {}))
+    set_seed(seed, device_specific=False)
+    return accelerator
+
+
+def log_run_setup(accelerator) -> None:
+    """The process count, device and precision; a warning where accelerate does not apply the precision."""
+    logger.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
+                accelerator.mixed_precision)
+    if accelerator.mixed_precision != "no" and not accelerator.native_amp:
+        logger.warning("mixed precision %s is not applied on %s by accelerate: the run computes in fp32 (bf16 "
+                       "autocasts on CPUs)", accelerator.mixed_precision, accelerator.device.type)
