@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "compiled one in a process of its own, with its own limit)")
     p.add_argument("--append", action="store_true", help="add to the results already in --out instead of starting anew")
     p.add_argument("--table", help="after every stage, print the table rows measured since the last print and "
-                   "rewrite this markdown file with the whole table (benchmarks/gpu_report.py's update)")
+                   "rewrite this markdown file with the whole table (benchmarks/gpu_report.py's update; default: neither)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", os.path.dirname(os.path.abspath(__file__))),
                                                  "gpu_results.json"), help="where the results are written ($OUT when set)")
     return p

@@ -43,7 +43,7 @@ from detlib.data import VERIFY_MODES, add_sampler_flags, loader_settings, make_s
 from detlib.datacheck import check_folders_for_training
 from detlib.argtypes import float_range, int_at_least, path
 from detlib.engine import (RunStop, data_defaults_table, format_given, not_used_evaluating, parse_with_config,
-                           resolve_data_defaults, run_argument_parser, running, show_data_defaults, stop, stop_together)
+                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop, stop_together)
 from detlib.lazy import no_grad
 from detlib.logtext import short_list
 from detlib.schedules import step_scheduler
@@ -421,7 +421,7 @@ def main(argv=None):
 
     from detlib.engine import (EMA_WEIGHTS, EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow,
                                finish_run, keep_best, log_plan, log_summary, make_accelerator, resume, run_length,
-                               save_checkpoint, start_run, step_done, stop_early)
+                               running, save_checkpoint, start_run, step_done, stop_early)
     from detlib.evaluation import command_line
 
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command

@@ -58,7 +58,7 @@ from detlib.data import (AUGMENTATIONS, DEFAULT_MAX_IMAGE_PIXELS, add_format_fla
                          make_small_objects_coco, make_synthetic_coco, read_class_names, train_tile_conflict)
 from detlib.argtypes import float_range, int_at_least, path
 from detlib.engine import (RunStop, data_defaults_table, format_given, not_used_evaluating, parse_with_config,
-                           resolve_data_defaults, run_argument_parser, running, show_data_defaults, stop, stop_together)
+                           resolve_data_defaults, run_argument_parser, show_data_defaults, stop, stop_together)
 from detlib.files import write_json
 from detlib.hub import add_hub_flags, check_push, local_weights, push_best
 from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
@@ -635,7 +635,7 @@ def main(argv=None):
 
     from detlib.engine import (EMA_WEIGHTS, EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow,
                                final_evaluation, finish_run, keep_best, log_plan, log_summary, make_accelerator, resume,
-                               run_length, save_checkpoint, start_run, step_done, stop_early)
+                               run_length, running, save_checkpoint, start_run, step_done, stop_early)
     from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, card_dataset, command_line
     from detlib.retinanet import EmaLossNormalizer, log_model_size
 

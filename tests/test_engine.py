@@ -81,8 +81,8 @@ def test_case_c07_latest_falls_back_past_a_damaged_newest_checkpoint(tmp_path, d
     assert ("model.safetensors" in warned[0]) if damage == "truncated_weights" else ("trainer_state.json" in warned[0])
     with pytest.raises(ckpt.CheckpointError):  # named explicitly, a damaged checkpoint is an error
         ckpt.find_checkpoint(str(tmp_path), str(newest))
-    assert ckpt.list_checkpoints(str(tmp_path)) == [str(root / "epoch_0002")] + (
-        [str(newest)] if damage == "truncated_weights" else [])
+    assert ckpt.last_good_checkpoint(str(tmp_path)) == str(root / "epoch_0002")  # the one every line names
+    assert ckpt.checkpoint_folders(str(tmp_path))[-2:] == [str(root / "epoch_0002"), str(newest)]  # damaged ones too
 
 
 def test_truncated_or_foreign_weights_are_one_line_errors(tmp_path):
@@ -130,7 +130,7 @@ def test_json_files_that_parse_but_hold_the_wrong_thing_are_one_line_errors(tmp_
     (nested / "trainer_state.json").write_text(deep)
     with pytest.raises(ckpt.CheckpointError, match=r"epoch_0002/trainer_state.json is damaged \(RecursionError"):
         ckpt.verify_checkpoint(str(nested))
-    assert ckpt.list_checkpoints(str(tmp_path)) == [str(root / "epoch_0001")]  # never raises for a damaged folder
+    assert ckpt.last_good_checkpoint(str(tmp_path)) == str(root / "epoch_0001")  # never raises for a damaged folder
     listed = fake_checkpoint(root / "epoch_0003", 15)
     (listed / "model_config.json").write_text("[]")
     with pytest.raises(ckpt.CheckpointError, match=r"epoch_0003/model_config.json is damaged \(\[\], not a JSON object"):
@@ -401,7 +401,7 @@ def test_stop_signals_set_a_flag_and_a_late_second_sigint_stops():
     code = textwrap.dedent("""
         import os, signal, time
         from accelerate import Accelerator
-        from detlib.engine import run_folder
+        from detlib.engine import bookkeeping, signals
 
         def preempted():
             try:

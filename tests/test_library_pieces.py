@@ -314,13 +314,13 @@ def test_the_other_processes_leave_a_stop_silently_when_the_launcher_stops_them(
     process exits 1 without a line."""
     import signal
 
-    from detlib.engine import run_folder
+    from detlib.engine import exits
     from detlib.inference import run_prediction
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     during_the_wait = []
-    monkeypatch.setattr(run_folder, "_meet", lambda: during_the_wait.append(
+    monkeypatch.setattr(exits, "_meet", lambda: during_the_wait.append(
         [signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)]))
 
     def main():
