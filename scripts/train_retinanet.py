@@ -353,7 +353,7 @@ def not_used_flags(args) -> list[str]:
 def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, dict, list[str]]:
     """How the model is built and sees images, before any work: ours by default; an --evaluate_only or --init_from
     model's own (its model_config.json: a converted torchvision model's P6 from P5, anchors and resize; its size
-    unless --image_size is given; an old file without them: the run's config.yaml, else the defaults, said).
+    unless --image_size is given; a key the model needs and the file lacks stops in one line naming it and its flag).
     Returns (that model config or None, the settings every checkpoint of this run records, notes: a line each).
     Stops in one line on flags or files that cannot work."""
     from detlib.evaluation import area_ranges_from_edges

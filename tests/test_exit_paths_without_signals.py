@@ -62,7 +62,7 @@ def test_normal_end_max_steps_and_evaluate_only_return_to_the_shell(script, conf
 
 
 def test_divergence_stop(cats_data, detection_data, tmp_path):
-    """The divergence stop is the run machinery's (`Run.end_step`), the same for both scripts: launched once, on 2
+    """The divergence stop is the run machinery's (`detlib.engine.step_done`), the same for both scripts: launched once, on 2
     processes with the cats/dogs loaders' persistent workers; RetinaNet's is tests/test_run_launch.py's C11."""
     script = "train_catsdogs.py"
     data, flags = data_and_flags(script, cats_data, detection_data)

@@ -214,7 +214,7 @@ def test_retinanet_on_the_coco_subset_draws_its_first_batch(tmp_path, capsys, au
 
 def test_time_limit_keeps_what_the_state_size_takes_for_a_save_until_one_is_timed(monkeypatch):
     """Before a save is timed the stop keeps MIN_SAVE_S plus the state's bytes at SAVE_BYTES_PER_S (`expect_save`,
-    called by TrainLoop with the model's size), FIRST_SAVE_S when no size was given; a timed save replaces both."""
+    called by start_run with the models' size), FIRST_SAVE_S when no size was given; a timed save replaces both."""
     clock = [1000.0]
     monkeypatch.setattr(stopping.time, "time", lambda: clock[0])
     monkeypatch.setattr(stopping, "launch_start", lambda: 1000.0)
