@@ -376,15 +376,14 @@ def read_score_thresholds(weights: str) -> tuple[dict[int, float], float, str]:
         FileNotFoundError: no score_thresholds.json there (an older run, or weights never evaluated), naming it.
         WeightsFileError: the file does not parse, or holds no threshold (its evaluation had no true detection).
     """
-    from ..weights import WeightsFileError, weights_path
+    from ..weights import WeightsFileError, read_weights_json, weights_path
 
     path = os.path.join(os.path.dirname(weights_path(weights)), SCORE_THRESHOLDS)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {SCORE_THRESHOLDS} beside the weights ({path}): it is written into best/ and last/ "
                                 "by the training run's evaluations; give a number instead")
+    data = read_weights_json(path)  # WeightsFileError: it does not read or parse
     try:
-        with open(path) as f:
-            data = json.load(f)
         pooled = data["all"]["score_thresh"]
         per_class = {int(v["category_id"]): float(v["score_thresh"]) for v in data["per_class"].values()
                      if v.get("score_thresh") is not None}
