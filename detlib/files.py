@@ -1,4 +1,5 @@
-"""Files written whole or not at all, and the JSON caches of per-file checks.
+"""Files written whole or not at all, the one reader of JSON files (`read_json`), and the JSON caches of per-file
+checks.
 
 A file a reader may open while it is written (a report, a plot, a weights file, a cache two processes share)
 is written under a temporary name in the same folder and renamed over the final name once complete
@@ -19,6 +20,14 @@ import os
 import shutil
 import tempfile
 from typing import Iterator
+
+
+class JsonFileError(ValueError):
+    """A file that is not JSON; the message is one line naming it, `reason` the parser's error (type: text)."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path} is not JSON ({reason})")
+        self.path, self.reason = path, reason
 
 
 class CacheNotWritable(OSError):
@@ -75,14 +84,32 @@ def write_json(obj, path: str, **dump_kwargs) -> str:
     return path
 
 
+def read_json(path: str):
+    """The JSON value in the file `path`. The file is read as bytes, so UTF-8 with or without a BOM, UTF-16 and UTF-32
+    all parse. A caller that has its own error for the user (a weights file, a results file) catches these two.
+
+    Raises:
+        OSError: the file cannot be opened: FileNotFoundError when there is none, IsADirectoryError, PermissionError;
+            Python's message, one line naming the file ("[Errno 2] No such file or directory: 'PATH'").
+        JsonFileError (a ValueError): the file is not JSON: bad syntax, bytes that are not text, or nesting past the
+            recursion limit; one line naming the file ("PATH is not JSON (JSONDecodeError: Expecting value: line 1
+            column 1 (char 0))").
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise JsonFileError(path, f"{type(e).__name__}: {e}") from None
+
+
 def read_json_cache(path: str | None) -> dict:
     """The dict a `write_json` cache holds; {} when there is none, or it is damaged (a cache only saves work)."""
     if not path or not os.path.isfile(path):
         return {}
     try:
-        with open(path) as f:
-            cache = json.load(f)
-    except (OSError, ValueError):
+        cache = read_json(path)
+    except (OSError, JsonFileError):
         return {}
     return cache if isinstance(cache, dict) else {}
 

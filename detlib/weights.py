@@ -11,7 +11,8 @@ import os
 import pickle
 import warnings
 
-from .files import atomic_path, readable_as_umask_allows, write_failure, write_json
+from . import files
+from .files import JsonFileError, atomic_path, readable_as_umask_allows, write_failure, write_json
 
 # torch, safetensors and timm are imported where used: a script's start (its flags, a missing file) needs none of them
 
@@ -24,19 +25,20 @@ class WeightsFileError(RuntimeError):
     message is one line. A checkpoint folder's is `detlib.engine.checkpoints.CheckpointError`."""
 
 
-def read_json(path: str):
-    """The JSON value in `path`. Raises WeightsFileError (one line naming it): it does not read or parse (nesting past
-    the recursion limit included)."""
+def read_weights_json(path: str):
+    """The JSON value in `path` (`detlib.files.read_json`), a file of a weights or checkpoint folder. Raises
+    WeightsFileError (one line naming it): it does not read or parse (nesting past the recursion limit included)."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError, RecursionError) as e:
+        return files.read_json(path)
+    except JsonFileError as e:
+        raise WeightsFileError(f"{path} is damaged ({e.reason})") from None
+    except OSError as e:
         raise WeightsFileError(f"{path} is damaged ({type(e).__name__}: {e})") from None
 
 
 def read_json_object(path: str) -> dict:
     """The JSON object in the file `path`. Raises WeightsFileError: no JSON, or another JSON value (a list, null)."""
-    if not isinstance(value := read_json(path), dict):
+    if not isinstance(value := read_weights_json(path), dict):
         raise WeightsFileError(f"{path} is damaged ({json.dumps(value)[:40]}, not a JSON object)")
     return value
 

@@ -6,8 +6,8 @@ COCO-format detection data (json + image folder), optionally with its val set (c
 Write the repaired json (numbers parsed, ids made valid, boxes derived / clipped / dropped as the report says):
     python scripts/check_dataset.py --annotations train.json --images DIR --write_fixed train_fixed.json
 
-A data set root, COCO, Pascal VOC or YOLO (the layout detected; train and val splits checked, VOC and YOLO read as
-COCO: detlib/data/formats.py), and its splits as COCO json files:
+A data set root, COCO, Pascal VOC or YOLO (the layout detected: detlib/data/formats.py; train and val splits checked,
+VOC and YOLO read as COCO: detlib/data/voc.py, detlib/data/yolo.py), and its splits as COCO json files:
     python scripts/check_dataset.py --data_dir VOCdevkit/VOC2012
     python scripts/check_dataset.py --data_dir datasets/my_yolo_set --write_fixed train.json --write_fixed_val val.json
 
@@ -27,7 +27,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from detlib.data.formats import FORMATS, data_dir_paths, read_class_names, read_data_dir_splits  # noqa: E402
+from detlib.data.formats import FORMATS, data_dir_paths, read_data_dir_splits  # noqa: E402
+from detlib.data.voc import read_class_names  # noqa: E402
 from detlib.datacheck.coco import check_coco, check_learnable, check_train_val  # noqa: E402
 from detlib.datacheck.report import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
 from detlib.engine.flags import ArgumentParser, HelpFormatter  # noqa: E402

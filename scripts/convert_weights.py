@@ -55,14 +55,14 @@ def main(argv=None) -> str:
     from safetensors.torch import save_file
 
     from detlib.evaluation import detector_card, write_card
+    from detlib.files import read_json
     from detlib.retinanet import (build_retinanet_from_config, convert_torchvision_retinanet,
                                   torchvision_coco_categories, torchvision_model_config, torchvision_version)
     from detlib.weights import load_state_dict_file
 
     try:
         if args.categories:
-            with open(args.categories) as f:
-                cats = sorted(json.load(f)["categories"], key=lambda c: c["id"])
+            cats = sorted(read_json(args.categories)["categories"], key=lambda c: c["id"])
             ids, names = [int(c["id"]) for c in cats], [str(c["name"]) for c in cats]
         else:
             ids, names = torchvision_coco_categories()

@@ -46,7 +46,8 @@ def main(argv=None) -> dict:
 
     from detlib.evaluation import (CocoEvaluator, area_ranges_from_edges, best_f1_thresholds,
                                    evaluation_diagnostics, format_best_f1, per_class_ap, per_class_without_detections)
-    from detlib.evaluation.metrics import format_per_class, write_evaluation_plots
+    from detlib.evaluation.metrics import format_per_class
+    from detlib.evaluation.plots import write_evaluation_plots
     from detlib.engine import stop
     from detlib.evaluation.results_file import ResultsFileError, covered_images, read_files
 

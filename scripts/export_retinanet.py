@@ -172,13 +172,13 @@ def check_source(args) -> tuple[str | None, str | None]:
 def check_image_paths(args, count: int) -> list[str]:
     """The first `count` readable images of the check source (sorted by name / image id)."""
     from detlib.data import IMAGE_ERRORS, load_rgb
+    from detlib.files import read_json
 
     source, image_dir = check_source(args)
     if count == 0 or not source:
         return []
     if source.lower().endswith(".json") and os.path.isfile(source):
-        with open(source) as f:
-            images = sorted(json.load(f)["images"], key=lambda im: im["id"])
+        images = sorted(read_json(source)["images"], key=lambda im: im["id"])
         paths = [os.path.join(image_dir or os.path.dirname(source), im["file_name"]) for im in images]
     else:
         paths = list_image_files(source)[1]

@@ -56,7 +56,7 @@ from tqdm import tqdm  # not tqdm.auto: its asyncio bar calls iter() on a DataLo
 
 from detlib.data import (INSTALL_HINT, VideoWriter, av_available, data_dir_paths, read_data_dir_splits, video_frames,
                          worker_loader_kwargs)
-from detlib.data.formats import read_class_names
+from detlib.data.voc import read_class_names
 from detlib.datacheck import DataReport, check_coco
 from detlib.engine import float_range, int_at_least, stop
 from detlib.files import write_json

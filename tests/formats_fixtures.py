@@ -1,5 +1,5 @@
 """VOC and YOLO data sets written from a COCO dict, for the tests of detlib.data.formats: the writers are the inverse
-of detlib.data.formats' readers (VOC's 1-based xmin / ymin, YOLO's normalised cx cy w h)."""
+of the readers of detlib.data.voc and detlib.data.yolo (VOC's 1-based xmin / ymin, YOLO's normalised cx cy w h)."""
 
 from __future__ import annotations
 

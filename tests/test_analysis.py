@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from detlib.evaluation.coco import CocoEvaluator, evaluate_coco
-from detlib.evaluation.metrics import (detection_confusion_matrix, format_per_class, per_class_ap, plot_training_curves,
-                                       pr_curves, read_metrics_jsonl, write_evaluation_plots)
+from detlib.evaluation.metrics import (detection_confusion_matrix, format_per_class, per_class_ap, pr_curves,
+                                       read_metrics_jsonl)
+from detlib.evaluation.plots import plot_training_curves, write_evaluation_plots
 
 from conftest import COCO_SUBSET, needs_coco_subset
 
@@ -175,7 +176,7 @@ def test_training_curves_read_at_any_run_length(last_step):
     steps from 0, AP 0..1; series of few points have markers; no axis label or tick label leaves the figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from detlib.evaluation.metrics import MARKERS_UP_TO, training_curves_figure
+    from detlib.evaluation.plots import MARKERS_UP_TO, training_curves_figure
 
     steps = sorted({*range(20, last_step, 20), last_step})
     rows = [{"step": s, "loss": 0.6 + 0.6 / s, "cls_loss": 0.3 + 0.3 / s, "box_loss": 0.58} for s in steps]
@@ -208,7 +209,7 @@ def test_per_class_and_confusion_plots_readable_at_3_and_80_classes(tmp_path, nu
     """The figures grow with the class count (at 100 dpi a 9 pt name is 12.5 px; the rows are 32 px / cells 30
     px apart) and are wide enough for the longest name: nothing is drawn at the image's border, where a name
     that does not fit would be cut. At 80 classes the old fixed-width figures cut names and set them at 6 px."""
-    from detlib.evaluation.metrics import LABEL_FONTSIZE, plot_confusion_matrix, plot_per_class_ap
+    from detlib.evaluation.plots import LABEL_FONTSIZE, plot_confusion_matrix, plot_per_class_ap
 
     assert LABEL_FONTSIZE >= 9
     names = [f"class {i}" if i % 7 else f"class {i} with a rather long custom category name" for i in range(num_classes)]

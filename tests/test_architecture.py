@@ -3,7 +3,9 @@
 Each detlib module belongs to a unit: its sub-package (`retinanet`, `data`, ...) or, for a module at the root, the
 module itself. Units are in layers; a module may import its own unit and the units of lower layers, never a higher
 one, and no two units of one layer import each other (the shared root modules excepted, which import each other
-without a cycle). Imports under `if TYPE_CHECKING:` are type hints only and do not count.
+without a cycle). No module imports itself back through others, inside a package either: an import inside a function
+and a package's table of lazy exports (`detlib.lazy.lazy_exports`) count as imports. Imports under
+`if TYPE_CHECKING:` are type hints only and do not count.
 """
 
 from __future__ import annotations
@@ -111,6 +113,99 @@ def test_the_check_finds_an_import_that_runs_up():
     found = [t for _, t in imported_modules(low, source)]
     assert "detlib.engine.flags" in found and LAYER["engine"] > LAYER["data"]
     assert "detlib.evaluation.coco" not in found
+
+
+MODULE_NAMES = {module_name(p) for p in MODULES}
+
+
+def module_of(target: str) -> str:
+    """The module an import of `target` runs: `target` when it is one, else the module or package that defines the
+    name (`detlib.data.CocoDetection` -> `detlib.data`)."""
+    while target not in MODULE_NAMES:
+        target = target.rsplit(".", 1)[0]
+    return target
+
+
+def lazy_export_modules(path: pathlib.Path, source: str) -> list[str]:
+    """The modules of a package's `lazy_exports(__name__, {submodule: names})` table: its `__getattr__` imports each."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("lazy_exports") and len(node.args) == 2
+                and isinstance(node.args[1], ast.Dict)):
+            found += [f"{module_name(path)}.{k.value}" for k in node.args[1].keys]
+    return found
+
+
+def import_graph(sources: dict[pathlib.Path, str] | None = None) -> dict[str, set[str]]:
+    """{module: the modules it imports} over every detlib module (`sources`: texts read instead of some files): its
+    imports at the top and inside functions, and a package's lazy exports; type hints left out."""
+    graph = {}
+    for path in MODULES:
+        source = (sources or {}).get(path) or path.read_text()
+        targets = [module_of(t) for _, t in imported_modules(path, source)] + lazy_export_modules(path, source)
+        graph[module_name(path)] = set(targets)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle of `graph` once, as [a, b, ..., a] from its first module in sorted order.
+
+    The strongly connected components first (Tarjan): a cycle lies inside one, so the search for the cycles from a
+    module walks its component only, through modules sorted after it (the cycle is found from its first module).
+    """
+    index, low, on_stack, stack, component = {}, {}, set(), [], {}
+
+    def connect(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:  # v is the root of a component: the stack down to v
+            members = set()
+            while v not in members:
+                members.add(stack.pop())
+            on_stack.difference_update(members)
+            for w in members:
+                component[w] = members
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = []
+
+    def walk(path):
+        for w in sorted(graph[path[-1]] & component[path[0]]):
+            if w == path[0]:
+                cycles.append(path + [w])
+            elif w > path[0] and w not in path:
+                walk(path + [w])
+
+    for v in sorted(graph):
+        walk([v])
+    return cycles
+
+
+def test_no_import_cycle():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_local_import_and_a_lazy_export():
+    """The check itself can fail: an import inside a function that reaches the package's lazy exports back is a cycle,
+    named module by module; a type hint is not."""
+    low = PACKAGE / "data" / "images.py"
+    source = low.read_text() + "\n\ndef f():\n    from . import CocoDetection\n"
+    assert ["detlib.data", "detlib.data.coco", "detlib.data.images", "detlib.data"] in import_cycles(
+        import_graph({low: source}))
+    hint = low.read_text() + "\nif TYPE_CHECKING:\n    from .coco import CocoDetection\n"
+    assert "detlib.data.coco" not in import_graph({low: hint})["detlib.data.images"]
+    assert import_cycles({"a": {"b", "c"}, "b": {"a"}, "c": {"a", "c"}, "d": {"a"}}) == [
+        ["a", "b", "a"], ["a", "c", "a"], ["c", "c"]]
 
 
 def test_no_test_module_imports_another():

@@ -92,7 +92,7 @@ def test_case_e06_voc_close_class_names_are_named_in_one_warning(tmp_path, coco_
 
 
 def test_case_e06_voc_class_list_fixes_the_classes_and_their_order(tmp_path, coco_pair):
-    from detlib.data.formats import read_class_names
+    from detlib.data.voc import read_class_names
 
     train, val = coco_pair
     root = write_voc(tmp_path / "VOC", {"train": train, "val": val})
@@ -255,7 +255,7 @@ def test_case_e11_yolo_files_from_windows_every_row_read(tmp_path, coco_pair):
 
 
 def test_case_e11_voc_files_from_windows_every_object_read(tmp_path, coco_pair):
-    from detlib.data.formats import read_class_names
+    from detlib.data.voc import read_class_names
 
     train, val = coco_pair
     ref_train, ref_val, _ = checked(write_voc(tmp_path / "ref", {"train": train, "val": val}))

@@ -1,11 +1,12 @@
-"""detlib.files: a file is written whole or not at all; caches survive damage."""
+"""detlib.files: a file is written whole or not at all; a JSON file that cannot be read is one line naming it;
+caches survive damage."""
 
 import json
 import os
 
 import pytest
 
-from detlib.files import atomic_write, file_key, read_json_cache, write_json
+from detlib.files import JsonFileError, atomic_write, file_key, read_json, read_json_cache, write_json
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
@@ -26,6 +27,20 @@ def test_the_temporary_keeps_the_extension_and_names_the_process(tmp_path):
         assert f.name.endswith(f".{os.getpid()}.tmp.png")
         f.write(b"png")
     assert open(path, "rb").read() == b"png"
+
+
+def test_read_json_names_the_file_it_cannot_read(tmp_path):
+    path = tmp_path / "config.json"
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        read_json(str(path))
+    for text, reason in (('{"k": [1, 2', "JSONDecodeError"), ("[" * 100_000, "RecursionError")):
+        path.write_text(text)
+        with pytest.raises(JsonFileError) as e:
+            read_json(str(path))
+        assert str(e.value).startswith(f"{path} is not JSON ({reason}: ") and "\n" not in str(e.value)
+        assert e.value.reason.startswith(reason) and isinstance(e.value, ValueError)
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"k": "\u00e9"}).encode())  # a BOM, as Windows Notepad writes
+    assert read_json(str(path)) == {"k": "\u00e9"}
 
 
 def test_a_damaged_or_foreign_cache_reads_as_empty(tmp_path):

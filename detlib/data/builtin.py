@@ -30,7 +30,7 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..files import cache_writes, write_json
+from ..files import cache_writes, read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +176,7 @@ def _cached(root: str, params: dict, paths: dict[str, str]) -> bool:
     marker = os.path.join(root, "generator.json")
     if not os.path.isfile(marker):
         return False
-    with open(marker) as f:
-        return json.load(f) == params and all(os.path.exists(p) for p in paths.values())
+    return read_json(marker) == params and all(os.path.exists(p) for p in paths.values())
 
 
 def _write_coco_set(root: str, params: dict, paths: dict[str, str], splits: dict[str, tuple[int, int]], draw,
@@ -243,10 +242,8 @@ def make_synthetic_image_folder(root: str | None = None, num_train: int = 200, n
               "seed": seed}
     dirs = {"train_dir": os.path.join(root, "train"), "val_dir": os.path.join(root, "val")}
     marker = os.path.join(root, "generator.json")
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            if json.load(f) == params:
-                return dirs
+    if os.path.isfile(marker) and read_json(marker) == params:
+        return dirs
     logger.info("generating the built-in stripes image folder (horizontal vs vertical) in %s", root)
     with cache_writes(root, "built-in data's cache", CACHE_REMEDY):
         for split, count, split_seed in (("train", num_train, seed), ("val", num_val, seed + 1)):

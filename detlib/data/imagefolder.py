@@ -33,7 +33,7 @@ from ..files import file_key, read_json_cache, write_json
 from ..logtext import LIST_ITEMS, short_list
 from .images import check_image_file, load_rgb, load_skipping_unreadable
 from .seeds import sample_rng
-from . import VERIFY_MODES  # the package's, where --help reads it
+from .options import VERIFY_MODES  # beside the flags, where --help reads it without torch
 
 logger = logging.getLogger(__name__)
 

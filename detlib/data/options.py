@@ -1,9 +1,13 @@
 """The flags of the data's optional capabilities, each added by one call from a training script's parser: the
-class-balanced samplers (`balanced`) and training on tiles (`train_tiles`). Here, not in those modules, because they
-import torch and a script's --help builds its parser without it.
+class-balanced samplers (`balanced`) and training on tiles (`train_tiles`); and the choices of --augmentation
+(`transforms`) and --verify_images (`imagefolder`). Here, not in those modules, because they import torch and a
+script's --help builds its parser without it.
 """
 
 from __future__ import annotations
+
+AUGMENTATIONS = ("none", "flip", "flip_crop_translate", "photometric", "scale_jitter")  # --augmentation's presets
+VERIFY_MODES = ("full", "header", "none")  # how the ImageFolder files are checked (`imagefolder`)
 
 # What --sampler's balanced choice does, per script: the detector's draws images, the classifier's classes.
 BALANCED_SAMPLERS = {

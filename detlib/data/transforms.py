@@ -33,7 +33,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from . import AUGMENTATIONS  # the package's, where --help reads it
+from .options import AUGMENTATIONS  # beside the flags, where --help reads it without torch
 
 # ImageNet statistics of the RGB channels, for backbones pretrained on ImageNet, in pixel units [0, 255]: RetinaNet
 # takes images in [0, 255] and normalises them itself. timm's constants are in [0, 1] units, hence the x 255.

@@ -16,11 +16,11 @@ on the field readers of `detlib.datacheck.coco_fields`.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from dataclasses import dataclass
 
+from ..files import JsonFileError, read_json
 from .coco_annotations import check_annotations, check_categories
 from .coco_images import check_image_files, check_image_list
 from .report import DEFAULT_MAX_IMAGE_PIXELS, DataReport, check_balance
@@ -31,10 +31,9 @@ def load_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"annotation file not found: {path}")
     try:
-        with open(path, "rb") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read COCO annotations from {path}: not json ({e})") from e
+        return read_json(path)
+    except JsonFileError as e:
+        raise ValueError(f"cannot read COCO annotations from {path}: not json ({e.reason})") from e
 
 
 @dataclass

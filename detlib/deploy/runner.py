@@ -13,7 +13,6 @@ change its detections (logged once; the AP check measures it).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from ..data.transforms import PAD_VALUE
+from ..files import read_json
 from ..retinanet.anchors import AnchorGenerator
 from ..retinanet.decode import decode_detections
 
@@ -93,8 +93,7 @@ class ExportRunner:
         if not os.path.isfile(meta_file):
             raise FileNotFoundError(f"{path}: no {meta_file} beside it (export_retinanet.py writes it with the model: "
                                     "canvas, sizes, classes); copy it with the model file")
-        with open(meta_file) as f:
-            self.meta = json.load(f)
+        self.meta = read_json(meta_file)
         self.path, self.canvas, self.decode_inside = path, int(self.meta["canvas"]), self.meta["decode"] == "inside"
         self.score_thresh = self.meta["score_thresh"] if score_thresh is None else score_thresh
         self.nms_thresh = self.meta["nms_thresh"] if nms_thresh is None else nms_thresh

@@ -29,8 +29,8 @@ from accelerate.utils.other import TORCH_SAFE_GLOBALS
 from safetensors.torch import save_file
 
 from ..files import readable_as_umask_allows, write_failure, write_json
-from ..weights import (WEIGHT_FILES, WeightsFileError, finite_weights, load_state_dict_file, read_json, read_json_object,
-                       refused, verify_safetensors, weights_only_loads)
+from ..weights import (WEIGHT_FILES, WeightsFileError, finite_weights, load_state_dict_file, read_json_object,
+                       read_weights_json, refused, verify_safetensors, weights_only_loads)
 from .exits import EXIT_DIVERGED, RunStop, on_every_process, stop_together
 from .flags import FOLDER_ACTION_KEYS, RUN_RECORD_KEYS, save_config
 from .stopping import note_save
@@ -94,7 +94,7 @@ def verify_checkpoint(path: str) -> None:
     try:
         for f in (f for f in files if os.path.isfile(f)):
             if f.endswith(".json"):
-                (read_json_object if f == state or f.endswith("model_config.json") else read_json)(f)
+                (read_json_object if f == state or f.endswith("model_config.json") else read_weights_json)(f)
             elif os.path.getsize(f) == 0:
                 raise CheckpointError(f"{f} is empty")
             elif f.endswith(".safetensors"):
@@ -185,7 +185,7 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
 def _state_of(folder: str) -> dict | None:
     """The trainer_state.json of checkpoint `folder`, or None where it does not read (never raises)."""
     try:
-        return read_json(os.path.join(folder, "trainer_state.json"))
+        return read_weights_json(os.path.join(folder, "trainer_state.json"))
     except WeightsFileError:
         return None
 
@@ -203,7 +203,7 @@ def load_checkpoint(accelerator, path: str, state: TrainState) -> None:
     except pickle.UnpicklingError as e:
         verify_checkpoint(path)  # names the refused file
         raise refused(f"a state file of {path}", e, CheckpointError) from None
-    state.load(read_json(os.path.join(path, "trainer_state.json")))
+    state.load(read_weights_json(os.path.join(path, "trainer_state.json")))
 
 
 def resume(accelerator, output_dir: str, resume_from: str | None, state: TrainState, config: dict,

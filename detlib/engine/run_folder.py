@@ -16,8 +16,7 @@ import shutil
 import socket
 import tempfile
 
-from ..files import write_json
-from ..weights import WeightsFileError, read_json
+from ..files import read_json, write_json
 from .exits import EXIT_STATUS
 
 LOCK_FILE = "run.lock"
@@ -126,7 +125,7 @@ def write_run_status(output_dir: str, code: int, message: str = "", status: str 
     "previous"."""
     path, previous = os.path.join(output_dir, "run_status.json"), None
     if not counters.get("global_step") and os.path.isfile(path):
-        with contextlib.suppress(WeightsFileError, AttributeError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             old = read_json(path)
             previous = old if old.get("global_step") else old.get("previous")
     with contextlib.suppress(OSError):

@@ -2,11 +2,11 @@
 confusion matrix and best-F1 thresholds, their plots, drawn samples, and model cards.
 
 `coco` (the 12 stats, every image counted once, any area ranges), `detect` (a detector over batches to COCO results
-gathered across processes: evaluation's and predict's), `metrics` (per-class numbers and their plots),
-`diagnostics` (why the AP is what it is: TIDE errors, calibration, bootstrap intervals, run-vs-run comparison),
-`label_errors` (likely annotation errors, ranked), `results_file` (a COCO results file matched to its ground
-truth: image ids, file names, coverage), `drawing` (detections drawn on images), `report` (what an
-evaluation writes to the run folder and the trackers), `train_batch` (the first training batch drawn),
+gathered across processes: evaluation's and predict's), `metrics` (per-class numbers, best-F1 thresholds), `plots`
+(their plots, and the training curves), `diagnostics` (why the AP is what it is: TIDE errors, calibration, bootstrap
+intervals, run-vs-run comparison), `label_errors` (likely annotation errors, ranked), `results_file` (a COCO results
+file matched to its ground truth: image ids, file names, coverage), `drawing` (detections drawn on images), `report`
+(what an evaluation writes to the run folder and the trackers), `train_batch` (the first training batch drawn),
 `model_card` (the README.md of a weights folder).
 """
 

@@ -36,12 +36,11 @@ Boxes are xyxy pixels inside; the entries give COCO xywh pixels and the json's o
 
 from __future__ import annotations
 
-import json
 import logging
 
 import numpy as np
 
-from ..files import write_json
+from ..files import read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -239,5 +238,4 @@ def format_label_errors(errors: list[dict], top: int = 5) -> str:
 
 
 def load_label_errors(path: str) -> list[dict]:
-    with open(path) as f:
-        return json.load(f)["errors"]
+    return read_json(path)["errors"]

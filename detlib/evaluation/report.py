@@ -3,7 +3,7 @@
 `log_evaluation_extras` is the one call a training script makes after each COCO evaluation (main process
 does the work; it is not collective). It writes
 
-  output_dir/plots/epoch_NNNN/   per_class_ap, pr_curve, confusion_matrix, f1_curve (.png + .json, `detlib.evaluation.metrics`)
+  output_dir/plots/epoch_NNNN/   per_class_ap, pr_curve, confusion_matrix, f1_curve (.png + .json, `detlib.evaluation.plots`)
   output_dir/plots/training_curves.png   loss and AP curves from output_dir/metrics.jsonl (no tracker needed)
   output_dir/samples/epoch_NNNN/ the fixed sample of val images with detections and ground truth drawn
 
@@ -28,9 +28,10 @@ import logging
 import os
 import time
 
-
-from . import metrics
+from ..files import write_json
 from . import drawing
+from .metrics import format_per_class
+from .plots import plot_class_confusion, plot_training_curves, write_evaluation_plots
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +77,13 @@ def log_evaluation_extras(accelerator, output_dir: str, epoch: int | None, step:
     tag = "final" if epoch is None else f"epoch_{int(epoch):04d}"
     plots_dir = os.path.join(output_dir, "plots")
     evaluated = coco_eval.params.imgIds if coco_eval is not None else [im["id"] for im in coco_gt["images"]]
-    plots = metrics.write_evaluation_plots(plots_dir, epoch, coco_eval, coco_gt, results,
-                                            confusion_score_thresh=confusion_score_thresh, image_ids=evaluated,
-                                            best_f1=best_f1)
+    plots = write_evaluation_plots(plots_dir, epoch, coco_eval, coco_gt, results,
+                                   confusion_score_thresh=confusion_score_thresh, image_ids=evaluated, best_f1=best_f1)
     per_class = plots["per_class"]
     logger.info("per-class AP at step %d (%d classes with ground truth):\n%s", step, len(per_class),
-                metrics.format_per_class(per_class, full_table=plots["files"].get("per_class_ap_json")))
-    curves = metrics.plot_training_curves(os.path.join(output_dir, "metrics.jsonl"),
-                                           os.path.join(plots_dir, "training_curves.png"))
+                format_per_class(per_class, full_table=plots["files"].get("per_class_ap_json")))
+    curves = plot_training_curves(os.path.join(output_dir, "metrics.jsonl"),
+                                  os.path.join(plots_dir, "training_curves.png"))
     if curves:
         plots["files"]["training_curves"] = curves
 
@@ -156,11 +156,10 @@ def log_classification_extras(accelerator, output_dir: str, epoch: int | None, s
     Returns {"folder": the evaluation's folder, "files": {name: path}}.
     """
     folder = os.path.join(output_dir, "plots", "final" if epoch is None else f"epoch_{int(epoch):04d}")
-    files = {"per_class_json": metrics.write_json(per_class, os.path.join(folder, "per_class.json")),
-             "confusion_matrix_json": metrics.write_json({"names": list(classes), "matrix": confusion},
-                                                           os.path.join(folder, "confusion_matrix.json")),
-             "confusion_matrix": metrics.plot_class_confusion(classes, confusion,
-                                                               os.path.join(folder, "confusion_matrix.png"))}
+    files = {"per_class_json": write_json(per_class, os.path.join(folder, "per_class.json")),
+             "confusion_matrix_json": write_json({"names": list(classes), "matrix": confusion},
+                                                 os.path.join(folder, "confusion_matrix.json")),
+             "confusion_matrix": plot_class_confusion(classes, confusion, os.path.join(folder, "confusion_matrix.png"))}
     ranked = sorted(per_class.items(), key=lambda kv: (kv[1]["recall"], kv[0]))
     columns = ["class", "precision", "recall", "f1", "support", "predicted"]
     rows = [[c, v["precision"], v["recall"], v["f1"], v["support"], v["predicted"]] for c, v in ranked]
@@ -226,15 +225,15 @@ def evaluation_diagnostics(evaluator, output_dir: str, epoch: int | None, n_boot
         breakdown = diagnostics.error_breakdown(ev)
         calib = diagnostics.calibration(ev)
         files["error_breakdown"] = diagnostics.plot_error_breakdown(breakdown, os.path.join(folder, "error_breakdown.png"))
-        files["error_breakdown_json"] = metrics.write_json(breakdown, os.path.join(folder, "error_breakdown.json"))
+        files["error_breakdown_json"] = write_json(breakdown, os.path.join(folder, "error_breakdown.json"))
         files["reliability"] = diagnostics.plot_reliability(calib, os.path.join(folder, "reliability.png"))
-        files["reliability_json"] = metrics.write_json(calib, os.path.join(folder, "reliability.json"))
+        files["reliability_json"] = write_json(calib, os.path.join(folder, "reliability.json"))
         out["errors"] = {k: breakdown[k] for k in ("AP50", "dAP", "count", "dAP_false_positives", "dAP_false_negatives")}
         out["calibration"] = {k: calib[k] for k in ("ECE", "MCE", "num_detections")}
         n = diagnostics.EVALUATION_BOOTSTRAP if n_bootstrap is None else int(n_bootstrap)
         if n >= 2:
             interval = diagnostics.bootstrap_interval(ev, results, n_bootstrap=n, seed=seed)
-            files["bootstrap_json"] = metrics.write_json(interval, os.path.join(folder, "bootstrap.json"))
+            files["bootstrap_json"] = write_json(interval, os.path.join(folder, "bootstrap.json"))
             out["bootstrap"] = {"n_bootstrap": n, "seed": int(seed), "method": interval["method"]}
             missing = [m for m in ("AP", "AP50") if "none" in interval[m]]
             if missing:  # one line: F06

@@ -11,8 +11,9 @@ compare_predictions.py): which image each result is of, and which images a file 
 
 from __future__ import annotations
 
-import json
 import os
+
+from ..files import JsonFileError, read_json
 
 
 class ResultsFileError(ValueError):
@@ -22,9 +23,10 @@ class ResultsFileError(ValueError):
 def read_results(path: str) -> list[dict]:
     """The results list of a COCO results json. Raises ResultsFileError (unreadable, not a list of results)."""
     try:
-        with open(path) as f:
-            results = json.load(f)
-    except (OSError, ValueError) as e:
+        results = read_json(path)
+    except JsonFileError as e:
+        raise ResultsFileError(str(e)) from None  # names the file already
+    except OSError as e:
         raise ResultsFileError(f"cannot read {path}: {e}") from None
     if not isinstance(results, list) or not all(isinstance(r, dict) and {"image_id", "category_id", "bbox", "score"}
                                                 <= r.keys() for r in results):
@@ -80,8 +82,9 @@ def read_files(annotations: str, predictions: list[str]) -> tuple[dict, list[lis
     from .coco import checked_ground_truth
 
     try:
-        with open(annotations) as f:
-            gt = checked_ground_truth(json.load(f))
+        gt = checked_ground_truth(read_json(annotations))
+    except JsonFileError as e:
+        raise ResultsFileError(str(e)) from None  # names the file already
     except (OSError, ValueError) as e:
         raise ResultsFileError(f"{annotations}: {e}") from None
     runs, notes = [], []

@@ -4,13 +4,11 @@ focal and box losses, decoding to detections, export, and torchvision's weights.
 One concept per module: `anchors` (where the anchors are, P3-P7), `box_coder` (boxes <-> regression targets),
 `model` (backbone + FPN + heads), `matching` (anchors -> ground truth by IoU), `loss` (focal + box loss),
 `decode` (head outputs -> detections), `export` (the self-contained ONNX / torch.export graph),
-`torchvision_weights` (torchvision's COCO RetinaNet as ours).
+`torchvision_weights` (torchvision's COCO RetinaNet as ours), `options` (the choices of --box_loss and --head_norm,
+light for --help).
 """
 
 from ..lazy import lazy_exports
-
-BOX_LOSSES = ("l1", "smooth_l1", "giou")  # --box_loss's choices (`loss`), here for --help
-HEAD_NORMS = ("none", "gn")  # --head_norm's choices (`model`)
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "anchors": ("ANCHOR_CONFIG_KEYS", "AnchorGenerator", "anchor_generator_from_config"),
@@ -19,7 +17,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "loss": ("EmaLossNormalizer", "retinanet_loss"),
     "model": ("RetinaNet", "build_retinanet_from_config", "check_backbone", "check_head_norm", "load_matching_weights",
               "loaded_weights_line", "log_model_size", "reorder_class_outputs"),
+    "options": ("BOX_LOSSES", "HEAD_NORMS"),
     "torchvision_weights": ("convert_torchvision_retinanet", "torchvision_coco_categories", "torchvision_model_config",
                             "torchvision_version"),
 })
-__all__ += ["BOX_LOSSES", "HEAD_NORMS"]

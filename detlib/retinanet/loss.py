@@ -26,7 +26,7 @@ from torchvision.ops import generalized_box_iou_loss, sigmoid_focal_loss
 
 from ..labels import IGNORE
 from . import box_coder
-from . import BOX_LOSSES  # the package's, where --help reads it
+from .options import BOX_LOSSES  # beside the flags, where --help reads it without torch
 from .matching import DEFAULT_MAX_ELEMENTS, match_anchors
 
 

@@ -24,7 +24,7 @@ from ..backbones import (backbone_mean_std, frozen_parameters, freeze_stages, lo
 from ..data.transforms import INPUT_DIVISIBILITY
 from ..weights import load_state_dict_file
 from .anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
-from . import HEAD_NORMS  # the package's, where --help reads it
+from .options import HEAD_NORMS  # beside the flags, where --help reads it without torch
 
 logger = logging.getLogger(__name__)
 
