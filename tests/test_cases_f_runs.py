@@ -302,7 +302,7 @@ def test_case_f25_a_collective_error_is_a_lost_process_when_a_rank_has_ended(tmp
 @pytest.mark.slow  # one 2-process launch
 def test_case_f25_kill9_of_rank_1_after_a_checkpoint_is_one_line_naming_it_and_the_checkpoint(tmp_path):
     """kill -9 of rank 1 of a 2-process gloo run after a checkpoint: rank 0 ends with one line saying rank 1 ended,
-    the newest intact checkpoint and the resume command; run_status.json says the same (it was a gloo `Connection
+    the last good checkpoint and the resume command; run_status.json says the same (it was a gloo `Connection
     reset by peer` traceback through scripts/, recorded as `unhandled RuntimeError`); no process is left."""
     import signal
 
@@ -330,7 +330,7 @@ def test_case_f25_kill9_of_rank_1_after_a_checkpoint_is_one_line_naming_it_and_t
     assert len(lines) == 1 and lines[0] == f"error: {status['message']}", run.text[-4000:]
     assert status["status"] == "failed" and status["message"].startswith(
         f"another process of the run ended (rank 1, pid {ranks[1]}) at step {status['global_step']}: ")
-    checkpoint = status["message"].split("the newest intact checkpoint is ")[1].split(":")[0]
+    checkpoint = status["message"].split("the last good checkpoint is ")[1].split(":")[0]
     verify_checkpoint(checkpoint)
     assert status["checkpoint"] == checkpoint
     newest = max((out / "checkpoints").iterdir(), key=os.path.getmtime)

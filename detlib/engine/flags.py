@@ -141,7 +141,7 @@ def run_argument_parser(description: str, **defaults) -> tuple[argparse.Argument
     g.add_argument("--checkpoint_total_limit", type=int_at_least(0), default=2, help="checkpoints kept, the newest (0: all)")
     g.add_argument("--checkpoint_interval", type=int_at_least(1), default=1, help="checkpoint every N epochs and at the end")
     g.add_argument("--checkpoint_steps", type=int_at_least(0), default=0, help="also a checkpoint every N steps (0: off)")
-    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH", type=_checkpoint, help="latest: the newest intact checkpoint of "
+    g.add_argument("--resume_from_checkpoint", metavar="latest|PATH", type=_checkpoint, help="latest: the last good (newest intact) checkpoint of "
                    "OUTPUT_DIR; or a checkpoint folder (default: a new run)")
     g.add_argument("--overwrite_output_dir", action="store_true", help="a new run in a folder of another, deleting it")
     add_stopping_flags(groups["evaluation"], g)  # --early_stopping_patience, --time_limit (.stopping)
