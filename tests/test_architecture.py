@@ -22,8 +22,8 @@ LAYERS = [
     ("boxes", "labels", "logtext", "files", "lazy", "weights", "hub", "backbones", "argtypes"),  # shared conventions and files
     ("datacheck",),  # the report and the checks of COCO json and ImageFolder trees
     ("data",),  # images, transforms, data sets, VOC/YOLO, the built-in sets
-    ("retinanet", "classification", "tiling", "schedules"),  # the models; tiles of an image and the merge of their
-    # detections; the LR schedules
+    ("retinanet", "classification", "tiling", "schedules", "compiling"),  # the models; tiles of an image and the
+    # merge of their detections; the LR schedules; how --compile compiles
     ("evaluation",),  # COCO evaluation, per-class numbers, plots, drawn samples, model cards
     ("engine",),  # the run: folder and its lock, flags, checkpoints, resume, the step guard, logs and trackers
     ("inference", "deploy"),  # what the predict scripts share; the exported models' runtimes and their AP check

@@ -20,7 +20,9 @@ def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_s
     None: the accelerate config's; `report_to`'s trackers; `compile_backend`: the prepared model compiled (training
     only: an evaluation runs uncompiled)."""
     from accelerate import Accelerator, DataLoaderConfiguration
-    from accelerate.utils import ProjectConfiguration, TorchDynamoPlugin, set_seed
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    from ..compiling import dynamo_plugin
 
     accelerator = Accelerator(
         cpu=cpu or not torch.cuda.is_available(), mixed_precision=mixed_precision,
@@ -28,7 +30,7 @@ def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_s
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
         step_scheduler_with_optimizer=False,
-        **({"dynamo_plugin": TorchDynamoPlugin(backend=compile_backend, mode=compile_mode)} if compile_backend else {}))
+        **({"dynamo_plugin": dynamo_plugin(compile_backend, compile_mode)} if compile_backend else {}))
     set_seed(seed, device_specific=False)
     return accelerator
 
