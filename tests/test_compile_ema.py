@@ -7,8 +7,10 @@ kernels: what compiling changes about the model's tracing, without inductor's co
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import logging
 
 import pytest
 import torch
@@ -60,6 +62,87 @@ def test_compiled_detector_recompiles_are_bounded():
         seen.append(graphs())
     assert seen == [1, 2, 2, 2, 2, 2, 3, 4]
     reset_dynamo()
+
+
+@contextlib.contextmanager
+def recompile_log():
+    """The "Recompiling function ..." messages of torch's `recompiles` log (`torch._logging.set_logs`, what
+    TORCH_LOGS=recompiles prints: each names the guards that failed) while inside; torch's log settings reset after."""
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Recompiling function"):
+                messages.append(record.getMessage())
+
+    torch._logging.set_logs(recompiles=True)
+    handler = Keep()
+    logging.getLogger("torch._dynamo").addHandler(handler)  # torch's own handler there does not propagate
+    try:
+        yield messages
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+        torch._logging.set_logs()
+
+
+def mixed_aspect_batches(root, steps: int, size: int = 256, batch: int = 2) -> list[torch.Tensor]:
+    """The images of `steps` training batches of a set of landscape, square and portrait images (h / w 0.5 to 2), as
+    the training loader makes them: the real-data augmentation (flip, crop, translate), resized to `size` px on the
+    longer side, batched by aspect group (`--aspect_grouping`), padded to multiples of 32; epoch after epoch."""
+    from detlib.data import CocoDetection, GroupedBatchSampler, aspect_groups, build_transform, collate_detection
+
+    whs = [(320, 160), (320, 240), (320, 288), (320, 320), (288, 320), (240, 320), (160, 320), (320, 200)] * 2
+    images = [{"id": i + 1, "file_name": f"{i}.png", "width": w, "height": h} for i, (w, h) in enumerate(whs)]
+    for i, (w, h) in enumerate(whs):
+        write_image(root / "img" / f"{i}.png", w, h, seed=i)
+    anns = [{"image_id": i + 1, "category_id": 1, "bbox": [w / 4, h / 4, w / 2, h / 2]} for i, (w, h) in enumerate(whs)]
+    ds = CocoDetection(str(root / "img"), str(write_coco(root / "train.json", images, anns)),
+                       build_transform(size, "flip_crop_translate"), seed=0)
+    sampler = GroupedBatchSampler(aspect_groups([r["size"] for r in ds.records]), batch, seed=0)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate_detection)
+    out = []
+    for epoch in range(steps):
+        sampler.sampler.set_epoch(epoch)
+        ds.set_epoch(epoch)
+        out += [b["images"] for b in loader][:steps - len(out)]
+        if len(out) == steps:
+            return out
+
+
+@pytest.mark.slow  # 50 forwards of up to 256 x 256 (about 25 s of CPU time on 2 cores)
+def test_compiled_detector_recompiles_stay_bounded_over_loader_batches(tmp_path, monkeypatch):
+    """50 training forwards on the padded shapes a mixed-aspect data set's loader gives (7 of them, landscape and
+    portrait), the model compiled as --compile compiles it (`make_accelerator`'s plugin, `prepare`) in a process
+    `accelerate launch` started before accelerate 1.16 (ACCELERATE_DYNAMO_USE_DYNAMIC=False, which made it
+    torch.compile(dynamic=False): 6 recompiles here, one per new shape): torch's automatic dynamic shapes compile the
+    first shape static, then make the height, then the width symbolic, so the recompiles (counted in torch's
+    `recompiles` log, as TORCH_LOGS=recompiles shows them) stay at 2 whatever shapes come later. Each is a pause of
+    the forward and backward's compile time on a GPU (inductor). The "eager" backend: dynamo's guards without code
+    generation; the forwards run in training mode with gradients (what the training step compiles; the backward is
+    not traced by dynamo and adds no guard). The compiled outputs are the eager model's."""
+    from accelerate.state import AcceleratorState
+
+    from detlib.engine import make_accelerator
+
+    batches = mixed_aspect_batches(tmp_path, steps=50)
+    shapes = {tuple(x.shape[-2:]) for x in batches}
+    assert len(shapes) >= 5 and {h > w for h, w in shapes} == {True, False}, shapes  # landscape and portrait
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", "False")
+    torch.compiler.reset()
+    AcceleratorState._reset_state(True)
+    torch.manual_seed(0)
+    model = RetinaNet(3, "resnet18", fpn_channels=32, head_norm="gn", freeze_backbone_bn=False).train()
+    compiled = make_accelerator(None, 1, "none", str(tmp_path), compile_backend="eager").prepare(model)
+    assert compiled is not model  # compiled
+    with recompile_log() as recompiles:
+        for images in batches:
+            compiled(images)
+    assert len(recompiles) <= 3, "\n".join(recompiles)
+    eager, traced = model(batches[-1]), compiled(batches[-1])  # train mode: BatchNorm on the batch's statistics
+    for k in ("cls_logits", "box_deltas"):
+        torch.testing.assert_close(traced[k], eager[k], rtol=1e-5, atol=1e-6)
+    torch.compiler.reset()
+    AcceleratorState._reset_state(True)
 
 
 def square_coco(root, n_train: int = 6, n_val: int = 4, size: int = 160) -> list[str]:
