@@ -36,9 +36,15 @@ def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_s
 
 
 def log_run_setup(accelerator) -> None:
-    """The process count, device and precision; a warning where accelerate does not apply the precision."""
+    """The process count, device and precision; a warning where accelerate does not apply the precision; a line that
+    the first step compiles under --compile."""
     logger.info("%d process(es), device %s, mixed precision %s", accelerator.num_processes, accelerator.device,
                 accelerator.mixed_precision)
+    plugin = getattr(accelerator.state, "dynamo_plugin", None)
+    backend = str(getattr(plugin.backend, "value", plugin.backend)).lower() if plugin is not None else "no"
+    if backend != "no":  # the compile is silent, and long: say so before the wait
+        logger.info("torch.compile (%s): the first training step compiles the model's forward and backward before the "
+                    "first train line (about a minute on a GPU, minutes on a CPU with inductor)", backend)
     if accelerator.mixed_precision != "no" and not accelerator.native_amp:
         logger.warning("mixed precision %s is not applied on %s by accelerate: the run computes in fp32 (bf16 "
                        "autocasts on CPUs)", accelerator.mixed_precision, accelerator.device.type)
