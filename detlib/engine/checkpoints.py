@@ -141,7 +141,9 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
     removed, the older checkpoints kept)."""
     name = f"epoch_{state.epoch:04d}" if state.step_in_epoch == 0 else f"step_{state.global_step:08d}"
     final, started = os.path.join(output_dir, "checkpoints", name), time.time()
-    if _holds(final, state):  # written at this state already (a preemption right after a save): kept as it is
+    # written at this state already (a preemption right after a save): kept as it is; the main process's answer,
+    # since the others may not see the folder (another machine's disk)
+    if broadcast_object_list([_holds(final, state) if accelerator.is_main_process else None])[0]:
         return final
     if not all(on_every_process(accelerator, finite_weights(m)) for m in models):
         raise RunStop(f"the model holds non-finite weights at step {state.global_step}: not writing a checkpoint; "
