@@ -419,9 +419,9 @@ def main(argv=None):
     import torch
     from timm.utils import ModelEmaV3
 
-    from detlib.engine import (EMA_WEIGHTS, EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow,
-                               finish_run, keep_best, log_plan, log_summary, make_accelerator, resume, run_length,
-                               running, save_checkpoint, start_run, step_done, stop_early)
+    from detlib.engine import (EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow, finish_run,
+                               keep_best, log_plan, log_summary, make_accelerator, resume, run_length, running,
+                               save_checkpoint, start_run, step_done, stop_early)
     from detlib.evaluation import command_line
 
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
@@ -489,7 +489,7 @@ def main(argv=None):
 
         def checkpoint() -> str:  # everything a resume needs (a second call at the same state keeps the first)
             return save_checkpoint(accelerator, args.output_dir, state, list(models.values()), args.checkpoint_total_limit,
-                                   config, model_config, {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
+                                   config, model_config, ema.module if ema else None)
 
         def evaluate_and_keep_best(epoch: int) -> dict:  # {"": the trained weights' evaluation, "ema_": ...}
             state.eval_pending = epoch  # a preemption's checkpoint says this evaluation is still to run

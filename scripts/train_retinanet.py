@@ -633,9 +633,9 @@ def main(argv=None):
     from timm.optim import param_groups_weight_decay
     from timm.utils import ModelEmaV3
 
-    from detlib.engine import (EMA_WEIGHTS, EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow,
-                               final_evaluation, finish_run, keep_best, log_plan, log_summary, make_accelerator, resume,
-                               run_length, running, save_checkpoint, start_run, step_done, stop_early)
+    from detlib.engine import (EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow, finish_run,
+                               keep_best, log_plan, log_summary, make_accelerator, resume, run_length, running,
+                               save_checkpoint, start_run, step_done, stop_early)
     from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, card_dataset, command_line
     from detlib.retinanet import EmaLossNormalizer, log_model_size
 
@@ -750,11 +750,13 @@ def main(argv=None):
 
         def checkpoint() -> str:  # everything a resume needs (a second call at the same state keeps the first)
             return save_checkpoint(accelerator, args.output_dir, state, list(models.values()), args.checkpoint_total_limit,
-                                   config, model_config, {EMA_WEIGHTS: ema.module.state_dict()} if ema else None)
+                                   config, model_config, ema.module if ema else None)
 
         def evaluate_and_keep_best(epoch: int, last: bool) -> dict:  # {"": the trained weights' evaluation, "ema_": ...}
             state.eval_pending = epoch  # a preemption's checkpoint says this evaluation is still to run
-            final = final_evaluation(state, args.early_stopping_patience, last)
+            # the run's final evaluation (label_errors.json): after the last epoch, or one that early stopping ends
+            # the run with unless it brings a better best, which is known only after it
+            final = last or 0 < args.early_stopping_patience <= state.evals_without_improvement + 1
             evaluations = evaluate(models, epoch, final)
             keep_best(accelerator, args.output_dir, "AP", evaluations, models, state, model_config, write_files)
             state.eval_pending = 0

@@ -25,7 +25,7 @@ from ..lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "accelerator": ("make_accelerator",),
     "bookkeeping": ("Preempted", "StepGuard", "TrainWindow", "run_length", "step_done", "stop_if_preempted"),
-    "checkpoints": ("EMA_WEIGHTS", "resume", "save_checkpoint"),
+    "checkpoints": ("resume", "save_checkpoint"),
     "exits": ("EXIT_PREEMPTED", "RunStop", "stop", "stop_together"),
     "flags": ("ArgumentParser", "HelpFormatter", "data_defaults_table", "float_range", "format_given", "int_at_least",
               "not_used_evaluating", "parse_with_config", "path", "resolve_data_defaults", "run_argument_parser",
@@ -34,7 +34,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "model_folders": ("finish_run", "keep_best"),
     "run": ("running",),
     "run_log": ("log_plan", "log_summary", "start_run"),
-    "stopping": ("final_evaluation", "stop_early"),
+    "stopping": ("stop_early",),
     "trackers": ("MetricsLog", "start_trackers"),
     "train_state": ("TrainState",),
 })

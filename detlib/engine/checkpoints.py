@@ -134,9 +134,9 @@ def find_checkpoint(output_dir: str, resume: str) -> str | None:
 
 def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: list, limit: int = 0,
                     config: dict | None = None, model_config: dict | None = None,
-                    extra_weights: dict[str, dict] | None = None) -> str:
+                    ema_model=None) -> str:
     """Write a checkpoint of everything a resume needs (collective); returns its folder. `models`: checked finite
-    first; `limit`: checkpoints kept (0: all); `extra_weights`: {name: state dict} as name.safetensors (the EMA's).
+    first; `limit`: checkpoints kept (0: all); `ema_model`: the EMA's weights, as model_ema.safetensors.
     Raises RunStop: EXIT_DIVERGED on a non-finite weight (nothing written); 1 on a failed write (the partial folder
     removed, the older checkpoints kept)."""
     name = f"epoch_{state.epoch:04d}" if state.step_in_epoch == 0 else f"step_{state.global_step:08d}"
@@ -160,8 +160,9 @@ def save_checkpoint(accelerator, output_dir: str, state: TrainState, models: lis
                 write_json(model_config, os.path.join(tmp, "model_config.json"), indent=1)
             if config is not None:
                 save_config(config, os.path.join(tmp, "config.yaml"))
-            for fname, sd in (extra_weights or {}).items():
-                save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, os.path.join(tmp, f"{fname}.safetensors"))
+            if ema_model is not None:
+                save_file({k: v.detach().contiguous().cpu() for k, v in ema_model.state_dict().items()},
+                          os.path.join(tmp, f"{EMA_WEIGHTS}.safetensors"))
     except Exception as e:  # OSError; torch's zip writer a RuntimeError; safetensors its SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         previous = last_good_checkpoint(output_dir)

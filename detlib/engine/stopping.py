@@ -2,7 +2,7 @@
 
 `--early_stopping_patience N`: the scripts ask `stop_early` after each epoch; the run ends as a finished run ends
 (best/, last/, the summary, run_status.json "finished" with the reason; the evaluation that ends it is run as the
-final one: `final_evaluation`) after N evaluations in a row without a better best. The count is
+final one) after N evaluations in a row without a better best. The count is
 `TrainState.evals_without_improvement` (`improves_best` keeps it), so it survives a resume.
 
 `--time_limit HH:MM:SS`: the budget is polled at every step boundary (and every 10 evaluation batches) with the
@@ -30,13 +30,6 @@ TIME_LIMIT = "--time_limit"  # the name a time-limit stop has where a preemption
 # for it, 2 s for a test's tiny model, whose run would otherwise stop at its first step under a short budget);
 # FIRST_SAVE_S when the size is not known.
 FIRST_SAVE_S, MIN_SAVE_S, SAVE_BYTES_PER_S = 30.0, 2.0, 20e6
-
-
-def final_evaluation(state, patience: int, last: bool) -> bool:
-    """Whether an evaluation is the run's final one (the script writes its final outputs, e.g. label_errors.json):
-    after the `last` epoch, or one that ends the run by --early_stopping_patience `patience` unless it brings a better
-    best, known only after it."""
-    return last or 0 < patience <= state.evals_without_improvement + 1
 
 
 def stop_early(state, patience: int, metric: str) -> bool:
