@@ -287,7 +287,7 @@ def test_retinanet_max_size_below_image_size_is_refused(capsys):
     assert "--max_size 600 is smaller than --image_size 800" in capsys.readouterr().err
 
 
-# ---- the step guard (detlib.engine.step), the train line (detlib.engine.logs.TrainWindow)
+# ---- the step guard and the train line (detlib.engine.bookkeeping)
 
 def _guarded_bn_model():
     from accelerate import Accelerator
@@ -522,7 +522,7 @@ def test_console_has_our_info_lines_and_only_the_warnings_of_other_libraries(tmp
         for verbose in (False, True):
             out = tmp_path / f"verbose_{verbose}"
             setup_logging(str(out), is_main=True, verbose=verbose)
-            logging.getLogger("detlib.engine.step").info("ours")
+            logging.getLogger("detlib.engine.bookkeeping").info("ours")
             logging.getLogger("train_retinanet").info("the script's")
             logging.getLogger("onnxscript.optimizer").info("initializer_deduplication: Replaced initializer 'x'")
             logging.getLogger("faster_coco_eval.core").info("theirs")
