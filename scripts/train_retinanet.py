@@ -775,13 +775,13 @@ def main(argv=None):
             for epoch in range(state.epoch, args.epochs):
                 if state.global_step >= total_steps or stop_early(state, args.early_stopping_patience, "AP"):
                     break
-                lr = optimizer.param_groups[0]["lr"]
+                lr = optimizer.param_groups[0]["lr"]  # the plateau scheduler's line compares with it
                 train_one_epoch(model, optimizer, scheduler, train_loader, anchor_gen, accelerator, state, guard, window,
                                 after_step, args, normalizer)
                 if state.step_in_epoch == steps_per_epoch:  # the epoch ran to its end (not the run's last step first)
                     mean_loss = state.end_epoch()  # the mean over all processes: the same on every rank
-                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1, mean_loss, lr,
-                                state.skipped_steps)
+                    logger.info("epoch %d: mean loss %.4f, lr %.3g, %d skipped steps so far", epoch + 1, mean_loss,
+                                optimizer.param_groups[0]["lr"], state.skipped_steps)
                     if plateau:
                         scheduler.step(mean_loss)
                         if optimizer.param_groups[0]["lr"] < lr:
