@@ -419,7 +419,7 @@ def main(argv=None):
     import torch
     from timm.utils import ModelEmaV3
 
-    from detlib.engine import (EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow, finish_run,
+    from detlib.engine import (MetricsLog, Preempted, StepGuard, TrainState, TrainWindow, finish_run,
                                keep_best, log_plan, log_summary, make_accelerator, resume, run_length, running,
                                save_checkpoint, start_run, step_done, stop_early)
     from detlib.evaluation import command_line
@@ -457,10 +457,7 @@ def main(argv=None):
         if args.evaluate_only:
             model, val_loader = accelerator.prepare(model, val_loader)
             start_run(accelerator, state, config, given_line, args.output_dir, args.project, args.run_name, args.report_to)
-            try:
-                return evaluate({"": model}, None)[""]
-            except Preempted as p:
-                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
+            return evaluate({"": model}, None)[""]  # a stop signal during it: `running`'s line, exit 75
 
         # ---- optimizer, schedule, resume
         if args.optimizer == "adamw":

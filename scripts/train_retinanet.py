@@ -633,7 +633,7 @@ def main(argv=None):
     from timm.optim import param_groups_weight_decay
     from timm.utils import ModelEmaV3
 
-    from detlib.engine import (EXIT_PREEMPTED, MetricsLog, Preempted, StepGuard, TrainState, TrainWindow, finish_run,
+    from detlib.engine import (MetricsLog, Preempted, StepGuard, TrainState, TrainWindow, finish_run,
                                keep_best, log_plan, log_summary, make_accelerator, resume, run_length, running,
                                save_checkpoint, start_run, step_done, stop_early)
     from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, card_dataset, command_line
@@ -713,10 +713,8 @@ def main(argv=None):
         if args.evaluate_only:
             model = accelerator.prepare(model)
             start_run(accelerator, state, config, given_line, args.output_dir, args.project, args.run_name, args.report_to)
-            try:
-                return {k: v for k, v in evaluate({"": model}, None)[""].items() if k in STAT_NAMES}
-            except Preempted as p:
-                raise RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED) from None
+            # a stop signal during it: `running`'s one line, exit 75 (nothing to checkpoint)
+            return {k: v for k, v in evaluate({"": model}, None)[""].items() if k in STAT_NAMES}
 
         # ---- optimizer, schedule, resume
         # No weight decay on norm weights and biases (every 1-D parameter: timm, nanoGPT; detectron2's

@@ -100,6 +100,27 @@ def test_ctrl_c_mid_evaluation(script, config, cats_data, detection_data, tmp_pa
         "eval_pending"] == epoch  # the resume runs that evaluation first, under its epoch
 
 
+def test_sigterm_mid_evaluate_only_is_one_line_and_exit_75(cats_data, detection_data, tmp_path):
+    """--evaluate_only has nothing to checkpoint: a stop signal in its evaluation ends it with one `stopped:` line,
+    exit 75 and run_status "preempted" (`running` turns the uncaught Preempted into the line), nothing written
+    into the run it evaluates."""
+    script = "train_catsdogs.py"
+    data, flags = data_and_flags(script, cats_data, detection_data)
+    out = tmp_path / "run"
+    trained = Launch(script, data + flags + ["--max_steps", "1", "--output_dir", out], None)
+    assert trained.finish(f"{script} 1 step")[0] == 0, trained.text[-2000:]
+    run = Launch(script, data + flags + ["--evaluate_only", out / "best", "--per_device_eval_batch_size", "1",
+                                         "--output_dir", out], None)
+    run.wait_for("eval:")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code, _ = run.finish(f"{script} --evaluate_only SIGTERM mid-evaluation")
+    last = [ln for ln in run.text.replace("\r", "\n").splitlines() if ln.strip()][-1]
+    assert code == 75 and last == "stopped: stopped by SIGTERM during evaluation", run.text[-2000:]
+    st = status(out / "evaluate_only")
+    assert st["status"] == "preempted" and st["exit_code"] == 75 and not traceback_through_our_code(run.text)
+    assert not (out / "evaluate_only" / "checkpoints").exists() and status(out)["status"] == "finished"
+
+
 @pytest.mark.parametrize("script", ["train_catsdogs.py", "train_retinanet.py"])
 def test_ctrl_c_without_a_launcher_ends_with_our_line(script, cats_data, detection_data, tmp_path):
     """`python scripts/...` (1 process, no launcher, as the README's 1-process commands run): Ctrl-C ends with our

@@ -12,7 +12,6 @@ refuses those its state fixes.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import pickle
 import re

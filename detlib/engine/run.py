@@ -15,7 +15,8 @@ import psutil  # accelerate's dependency
 
 from .accelerator import log_run_setup
 from .checkpoints import last_good_checkpoint
-from .exits import RunStop, last_line, stop
+from .bookkeeping import Preempted
+from .exits import EXIT_PREEMPTED, RunStop, last_line, stop
 from .logs import setup_logging
 from .run_folder import prepare_output_dir, release_lock, write_run_status
 from .signals import catch_signals, release_signals
@@ -33,7 +34,8 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
             overwrite: bool = False, verbose: bool = False, time_limit: str | None = None):
     """The run in `output_dir`, from its start-up checks to its last line (every process enters it). On entry: the
     folder checks and the lock (`prepare_output_dir`), the log, the stop signals, --time_limit's budget. On exit:
-    run_status.json, trackers closed, the process group ended, signals and lock given back. A `RunStop`, or a
+    run_status.json, trackers closed, the process group ended, signals and lock given back. A `RunStop`, a
+    `Preempted` the script did not catch (an evaluation alone: exit 75 with nothing to resume), or a
     collective's failure because another process ended (`lost_process`: run_status.json names the last good
     checkpoint), becomes its line (after the trackers' own end lines: `last_line`) and `SystemExit(code)`; any other
     exception is recorded as failed and propagates with its traceback."""
@@ -57,6 +59,9 @@ def running(accelerator, output_dir: str, state, evaluate_only: bool = False, re
         code, message = 0, getattr(state, "stop_reason", "")
     except RunStop as e:
         code, message, stopped, status = e.code, str(e), e, e.status
+    except Preempted as p:  # an evaluation alone has nothing to checkpoint: the scripts catch it only in training
+        stopped = RunStop(f"stopped by {p.signal_name} during evaluation", EXIT_PREEMPTED)
+        code, message = stopped.code, str(stopped)
     except BaseException as e:
         if not (lost := lost_process(e, processes)):
             message = f"unhandled {type(e).__name__}: {e}"
