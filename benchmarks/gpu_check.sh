@@ -40,6 +40,10 @@ while (( $# )); do
     shift
 done
 want() { [[ "$STEPS" == *" $1 "* ]]; }
+for s in $STEPS; do  # a misspelt step would otherwise run nothing without a word
+    [[ " eager overfit train_run compiled tensorrt " == *" $s "* ]] || { echo "--steps: unknown step '$s' (eager, overfit, train_run, compiled, tensorrt)"; exit 2; }
+done
+[[ "${GPU_CHECK_BUDGET:-1}" =~ ^[0-9]+$ ]] || { echo "GPU_CHECK_BUDGET must be whole seconds, not '$GPU_CHECK_BUDGET'"; exit 2; }
 PY=${PYTHON:-python3}
 RESULTS="${OUT:-/tmp/detlib_gpu_check}"
 WORK="${DETLIB_GPU_WORK:-/tmp/detlib_gpu_work}"
