@@ -319,3 +319,21 @@ def test_model_ema_decay_outside_0_1_is_refused(value, capsys):
         train.parse_args(["--model_ema", value])
     assert e.value.code == 2
     assert f"--model_ema: must be a number > 0 and < 1, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("launcher_value", ["False", "True", None])
+def test_every_backend_and_mode_keeps_automatic_dynamic_shapes_whatever_the_launcher_wrote(monkeypatch, launcher_value):
+    """`accelerate launch` before 1.16 writes ACCELERATE_DYNAMO_USE_DYNAMIC into each process; --compile's plugin
+    leaves torch.compile's `dynamic` at None (automatic) for every backend and mode a user can pick."""
+    from detlib.compiling import dynamo_plugin
+    from detlib.engine.flags import COMPILE_BACKENDS, COMPILE_MODES
+
+    if launcher_value is None:
+        monkeypatch.delenv("ACCELERATE_DYNAMO_USE_DYNAMIC", raising=False)
+    else:
+        monkeypatch.setenv("ACCELERATE_DYNAMO_USE_DYNAMIC", launcher_value)
+    for backend in COMPILE_BACKENDS:
+        for mode in COMPILE_MODES:
+            plugin = dynamo_plugin(backend, mode)
+            assert plugin.dynamic is None and str(plugin.backend.value).lower() == backend, (backend, mode)
+            assert plugin.to_kwargs().get("dynamic") is None, (backend, mode)
