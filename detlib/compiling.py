@@ -10,14 +10,19 @@ multi-scale training) compiles 2-4 times in all.
 `torch.compile(dynamic=False)`: a compilation for every new shape, each a pause of the whole forward and backward's
 compile time (inductor: about 50 s for the built-in run's model on an H200), until dynamo's recompile limit (8) after
 which new shapes run uncompiled. The plugin made here keeps torch's default whatever the launcher wrote.
+
+The launcher also writes ACCELERATE_DYNAMO_BACKEND (and MODE) from an `accelerate config` with dynamo, which an
+Accelerator given no plugin would apply to every script, evaluation and predict included, while config.yaml says
+`compile: false`. `--compile` is the one switch: without it the plugin is made with backend "no" (said in one line
+at start where the launcher asked for more).
 """
 
 from __future__ import annotations
 
 
 def dynamo_plugin(backend: str, mode: str = "default"):
-    """accelerate's TorchDynamoPlugin for `backend` ("inductor", "aot_eager", "eager") and inductor's `mode`, with
-    automatic dynamic shapes."""
+    """accelerate's TorchDynamoPlugin for `backend` ("inductor", "aot_eager", "eager"; "no": not compiled) and
+    inductor's `mode`, with automatic dynamic shapes."""
     from accelerate.utils import TorchDynamoPlugin
 
     plugin = TorchDynamoPlugin(backend=backend, mode=mode)

@@ -8,6 +8,7 @@ kernels: what compiling changes about the model's tracing, without inductor's co
 from __future__ import annotations
 
 import contextlib
+import os
 import importlib.util
 import json
 import logging
@@ -337,3 +338,29 @@ def test_every_backend_and_mode_keeps_automatic_dynamic_shapes_whatever_the_laun
             plugin = dynamo_plugin(backend, mode)
             assert plugin.dynamic is None and str(plugin.backend.value).lower() == backend, (backend, mode)
             assert plugin.to_kwargs().get("dynamic") is None, (backend, mode)
+
+
+@pytest.mark.parametrize("asked", ["INDUCTOR", "EAGER", "AOT_EAGER", "CUDAGRAPHS"])
+def test_without_compile_the_launchers_dynamo_backend_compiles_nothing(monkeypatch, asked):
+    """An `accelerate config` with dynamo makes `accelerate launch` write ACCELERATE_DYNAMO_BACKEND into each process;
+    an Accelerator given no plugin would compile every script with it. `--compile` is the one switch."""
+    from detlib.compiling import dynamo_plugin
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", asked)
+    assert str(dynamo_plugin("no").backend.value) == "NO"
+
+
+def test_the_run_says_in_one_line_that_the_launchers_compile_is_not_applied(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
+            "from detlib.engine.accelerator import make_accelerator, log_run_setup\n"
+            f"a = make_accelerator('no', 1, 'none', {str(tmp_path)!r}, 0, False, None)\n"
+            "log_run_setup(a); print('backend', a.state.dynamo_plugin.backend.value)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**os.environ, "ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"})
+    assert run.returncode == 0 and "backend NO" in run.stdout, run.stderr[-2000:]
+    warned = [ln for ln in run.stderr.splitlines() if ln.startswith("WARNING")]
+    assert warned == ["WARNING the accelerate config asks for torch.compile (inductor); not applied: this run compiles "
+                      "only with --compile (--compile_backend, --compile_mode)"], run.stderr[-2000:]

@@ -18,7 +18,7 @@ def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_s
     """The scripts' `Accelerator`: the CPU without CUDA or with `cpu` (DDP over gloo on 2+ processes); seedable
     samplers (epoch e's order a function of (seed, e): disjoint shards, the same after a resume); `mixed_precision`
     None: the accelerate config's; `report_to`'s trackers; `compile_backend`: the prepared model compiled (training
-    only: an evaluation runs uncompiled)."""
+    only: an evaluation runs uncompiled); None: never compiled, whatever the launcher's dynamo settings say."""
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import ProjectConfiguration, set_seed
 
@@ -30,7 +30,7 @@ def make_accelerator(mixed_precision: str | None = None, gradient_accumulation_s
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=os.path.join(output_dir, "tensorboard")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
         step_scheduler_with_optimizer=False,
-        **({"dynamo_plugin": dynamo_plugin(compile_backend, compile_mode)} if compile_backend else {}))
+        dynamo_plugin=dynamo_plugin(compile_backend or "no", compile_mode))
     set_seed(seed, device_specific=False)
     return accelerator
 
@@ -45,6 +45,10 @@ def log_run_setup(accelerator) -> None:
     if backend != "no":  # the compile is silent, and long: say so before the wait
         logger.info("torch.compile (%s): the first training step compiles the model's forward and backward before the "
                     "first train line (about a minute on a GPU, minutes on a CPU with inductor)", backend)
+    asked = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no").lower()  # an `accelerate config` with dynamo
+    if backend == "no" and asked != "no":
+        logger.warning("the accelerate config asks for torch.compile (%s); not applied: this run compiles only with "
+                       "--compile (--compile_backend, --compile_mode)", asked)
     if accelerator.mixed_precision != "no" and not accelerator.native_amp:
         logger.warning("mixed precision %s is not applied on %s by accelerate: the run computes in fp32 (bf16 "
                        "autocasts on CPUs)", accelerator.mixed_precision, accelerator.device.type)
