@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -106,23 +107,65 @@ def _no_foreign_runtime_in_the_test_process():
     assert not loaded, f"{loaded} imported in the test process: run it in a subprocess (tests/test_deploy.py's `script`)"
 
 
+LAUNCH_LOG = "DETLIB_LAUNCH_LOG"  # the file every process of a session appends one line to per process it starts
+
+
+def pytest_configure(config):
+    """The controller (or a run without xdist) names the session's launch log before its workers start; they
+    inherit it through the environment, as the processes they start do."""
+    if not hasattr(config, "workerinput") and not os.environ.get(LAUNCH_LOG):
+        fd, path = tempfile.mkstemp(prefix="detlib_launches_", suffix=".txt")
+        os.close(fd)
+        os.environ[LAUNCH_LOG] = path
+
+
+def log_launch(kind: str, nodeid: str, words: str) -> None:
+    """One line `<kind> <test id> <words>` in the session's launch log: kind `launch:<config>` (`accelerate
+    launch`), `script` (`python scripts/<x>.py`), `python` (any other fresh Python process) or `fork<N>` (a run of
+    N ranks forked from the fork server)."""
+    path = os.environ.get(LAUNCH_LOG)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{kind} {nodeid} {words}\n")
+
+
 @pytest.fixture(autouse=True)
 def _count_launches(request, monkeypatch):
-    """With DETLIB_COUNT_LAUNCHES=FILE: one line per Python process a test starts (a launch, a script, a probe),
-    `<test id> <the command's first words>`, appended to FILE, so `sort | uniq -c` counts a suite's launches."""
-    path = os.environ.get("DETLIB_COUNT_LAUNCHES")
-    if path:
-        init = subprocess.Popen.__init__
+    """Every Python process a test starts, logged (`log_launch`) for the count printed at the end of the session."""
+    init = subprocess.Popen.__init__
 
-        def counted(self, args, *a, **k):
-            words = [str(w) for w in ([args] if isinstance(args, (str, os.PathLike)) else args)]
-            if words and Path(words[0]).name.startswith("python"):
-                with open(path, "a") as f:
-                    f.write(f"{request.node.nodeid} {' '.join(Path(w).name for w in words[1:5])}\n")
-            init(self, args, *a, **k)
+    def counted(self, args, *a, **k):
+        words = [str(w) for w in ([args] if isinstance(args, (str, os.PathLike)) else args)]
+        if words and Path(words[0]).name.startswith("python"):
+            launched = "accelerate.commands.launch" in words or Path(words[0]).name == "accelerate"
+            config = words[words.index("--config_file") + 1] if "--config_file" in words else ""
+            script = any(Path(w).parent == REPO / "scripts" for w in words[1:3])
+            kind = f"launch:{Path(config).name}" if launched else "script" if script else "python"
+            log_launch(kind, request.node.nodeid, " ".join(Path(w).name for w in words[1:6]))
+        init(self, args, *a, **k)
 
-        monkeypatch.setattr(subprocess.Popen, "__init__", counted)
+    monkeypatch.setattr(subprocess.Popen, "__init__", counted)
     yield
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The session's started processes, by kind: what the suite pays in start-ups (issue 48 caps real launches)."""
+    path = os.environ.get(LAUNCH_LOG)
+    if hasattr(config, "workerinput") or not path or not os.path.exists(path):
+        return
+    import yaml
+
+    kinds = [line.split(" ", 2) for line in Path(path).read_text().splitlines() if line.strip()]
+    launches = [k for k, *_ in kinds if k.startswith("launch:")]
+    ranks = sum(yaml.safe_load((REPO / "accelerate_configs" / k.split(":", 1)[1]).read_text()).get("num_processes", 1)
+                for k in launches)
+    scripts = sum(k == "script" for k, *_ in kinds)
+    python = sum(k == "python" for k, *_ in kinds)
+    forks = [int(k[4:]) for k, *_ in kinds if k.startswith("fork")]
+    terminalreporter.write_line(
+        f"started processes: {len(launches) + scripts} real launches of a script ({len(launches)} through `accelerate "
+        f"launch`, {ranks} training processes; {scripts} `python scripts/...`), {python} other Python processes "
+        f"(probes, --help), {len(forks)} forked runs of {sum(forks)} ranks (list: {path})")
 
 
 def traceback_through_our_code(text: str) -> bool:

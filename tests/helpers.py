@@ -291,9 +291,9 @@ class Launch:
             self.last_output = time.time()
 
     def _watch(self) -> None:
-        while self.proc.poll() is None:
+        while self._running():
             table = process_table()
-            frontier = [self.proc.pid]
+            frontier = list(self._roots())
             while frontier:
                 p = frontier.pop()
                 for c, (pp, pg, state) in table.items():
@@ -301,6 +301,12 @@ class Launch:
                         self.seen[c] = pg
                         frontier.append(c)
             time.sleep(0.1)
+
+    def _running(self) -> bool:
+        return self.proc.poll() is None
+
+    def _roots(self) -> list[int]:
+        return [self.proc.pid]
 
     @property
     def text(self) -> str:
@@ -314,7 +320,7 @@ class Launch:
     def wait_for(self, marker: str, timeout: float = HANG_S) -> None:
         t0 = time.time()
         while marker.encode() not in self.output:
-            if self.proc.poll() is not None or time.time() - t0 > timeout:
+            if not self._running() or time.time() - t0 > timeout:
                 self.kill()
                 raise AssertionError(f"no {marker!r} before the run ended or {timeout} s:\n{self.text[-3000:]}")
             time.sleep(0.05)
@@ -329,7 +335,7 @@ class Launch:
                     return
             except (OSError, ValueError):
                 pass
-            if self.proc.poll() is not None or time.time() - t0 > timeout:
+            if not self._running() or time.time() - t0 > timeout:
                 self.kill()
                 raise AssertionError(f"no step {step} before the run ended or {timeout} s:\n{self.text[-3000:]}")
             time.sleep(0.1)
@@ -368,6 +374,93 @@ class Launch:
         groups = {self.proc.pid, *self.seen.values()}
         table = process_table()
         return sorted(p for p, (_, pg, state) in table.items() if state != "Z" and (pg in groups or p in self.seen))
+
+
+class ForkedRun(Launch):
+    """`Launch`'s checks on a run forked from the fork server (`forked_launch`'s ranks, no launcher): the test waits
+    for a marker or a step, signals the ranks as a terminal or a scheduler would signal the processes of a run
+    started without a launcher (`python scripts/...`), and `finish` checks the exit code of rank 0 and that no
+    process of the run (a rank, a DataLoader worker) is left. What a launcher adds (its group, its own exit code,
+    its forwarding of signals) stays with `Launch`."""
+
+    def __init__(self, script: str | Path, args: list, num_processes: int = 1, env: dict | None = None):
+        import multiprocessing
+        import tempfile
+
+        from conftest import log_launch
+
+        path = Path(script) if Path(script).is_absolute() else REPO / "scripts" / script
+        log_launch(f"fork{num_processes}", os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], path.name)
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(FORK_SERVER_PRELOAD)
+        environment, port, argv = {**os.environ, **(env or {})}, free_port(), [str(a) for a in args]
+        self._logs = tempfile.TemporaryDirectory(prefix="forked_")
+        self.logs = [os.path.join(self._logs.name, f"rank{rank}.log") for rank in range(num_processes)]
+        self.procs = [context.Process(target=_forked_rank, args=(path, argv, rank, num_processes, port, self.logs[rank],
+                                                                environment, os.getcwd()))
+                      for rank in range(num_processes)]
+        for p in self.procs:
+            p.start()
+        self.seen, self.last_output = {}, time.time()
+        self._readers = [threading.Thread(target=self._watch, daemon=True)]
+        for t in self._readers:
+            t.start()
+
+    def _running(self) -> bool:
+        return any(p.is_alive() for p in self.procs)
+
+    def _roots(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    @property
+    def texts(self) -> list[str]:
+        return [Path(f).read_text(errors="replace") if os.path.exists(f) else "" for f in self.logs]
+
+    @property
+    def output(self) -> bytes:
+        return "\n".join(self.texts).encode()
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+    def signal(self, sig: int, ranks: tuple | None = None) -> None:
+        """`sig` to the ranks (all by default), as `kill` or a scheduler sends it to the processes of a run."""
+        for i, p in enumerate(self.procs):
+            if ranks is None or i in ranks:
+                os.kill(p.pid, sig)
+
+    def kill(self) -> None:
+        for pid in [*self._roots(), *self.seen]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def finish(self, label: str, timeout: float = HANG_S) -> tuple[int, float]:
+        """Wait for every rank and then for every process of the run. Returns (rank 0's exit code, seconds from
+        the end of the last rank to the end of the last process); a hang kills the run and fails the test."""
+        deadline = time.time() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.time()))
+        hung = [p.pid for p in self.procs if p.is_alive()]
+        if hung:
+            self.kill()
+            raise AssertionError(f"{label}: ranks {hung} did not end within {timeout} s\n{self.text[-3000:]}")
+        t0 = time.time()
+        while self.alive() and time.time() - t0 < 20:
+            time.sleep(0.05)
+        left = self.alive()
+        self.kill()
+        assert not left, f"{label}: processes of the run left after its ranks ended: {left}"
+        seconds = time.time() - t0
+        self.codes = [p.exitcode for p in self.procs]
+        print(f"exit path {label} (forked): exit codes {self.codes}, last process gone {seconds:.1f} s after the ranks")
+        return self.codes[0], seconds
+
+    def alive(self) -> list[int]:
+        table = process_table()
+        return sorted(p for p in self.seen if table.get(p, (0, 0, "Z"))[2] != "Z")
 
 
 # ---- the exit paths' launches (tests/test_exit_paths.py, tests/test_exit_paths_without_signals.py; their data:
@@ -422,7 +515,10 @@ def forked_launch(script: str | Path, args: list, num_processes: int = 2, timeou
     import multiprocessing
     import tempfile
 
+    from conftest import log_launch
+
     path = Path(script) if Path(script).is_absolute() else REPO / "scripts" / script
+    log_launch(f"fork{num_processes}", os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], Path(script).name)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORK_SERVER_PRELOAD)  # read when the server starts, at the first forked run
     environment, port, argv = {**os.environ, **(env or {})}, free_port(), [str(a) for a in args]
