@@ -23,7 +23,8 @@ def crowded_json(path, counts: dict[int, tuple[int, ...]]):
         k = 0
         for cls, n in enumerate(per_class, 1):
             for _ in range(n):
-                anns.append({"image_id": iid, "category_id": cls, "bbox": [(k % 30) * 13.0, (k // 30) * 13.0, 10.0, 10.0]})
+                box = [(k % 30) * 13.0, (k // 30) * 13.0, 10.0, 10.0]
+                anns.append({"image_id": iid, "category_id": cls, "bbox": box})
                 k += 1
     images = [{"id": i, "width": 400, "height": 400, "file_name": f"{i}.jpg"} for i in counts]
     return write_coco(path, images, anns, [{"id": 1, "name": "person"}, {"id": 2, "name": "bag"}])
@@ -43,7 +44,8 @@ def test_images_with_more_boxes_than_the_detection_cap_are_counted_with_the_cap_
     found = [f for f in report.findings if "cannot reach 1" in f.message]
     assert len(found) == 1 and found[0].level == "warning" and found[0].split == "val" and found[0].count == 2
     assert found[0].examples == ["1.jpg (120 boxes)", "2.jpg (150 boxes)"]
-    assert "than the 100 detections per image" in found[0].message and "raise --detections_per_image" in found[0].message
+    assert "than the 100 detections per image" in found[0].message
+    assert "raise --detections_per_image" in found[0].message
     assert cap_findings(check_coco_data(paths, check_images=False, max_detections=25)[2]) == {
         "model": ["1.jpg (120 boxes)", "2.jpg (150 boxes)", "3.jpg (30 boxes)"]}
     # a cap above every image: only COCO's 100 per image and class is left, which no flag raises

@@ -229,11 +229,14 @@ def check_detection_cap(val: CocoCheck, max_detections: int = COCO_MAX_DETS) -> 
                    f"detections per image the model keeps (--detections_per_image {max_detections}): recall and AP "
                    "cannot reach 1 on them; raise --detections_per_image (COCO's AP counts at most "
                    f"{COCO_MAX_DETS} per image and class)", [f"{names[i]} ({per_image[i]} boxes)" for i in over])
-    crowded = sorted({i for (i, _), n in per_class.items() if n > COCO_MAX_DETS} - set(over))
+    most = Counter()  # image -> its largest count of one class
+    for (i, _), n in per_class.items():
+        most[i] = max(most[i], n)
+    crowded = sorted(i for i, n in most.items() if n > COCO_MAX_DETS and i not in set(over))
     val.report.add("warning", "boxes", val.split, f"images with more than {COCO_MAX_DETS} ground-truth boxes of one "
                    f"class: COCO's AP counts at most {COCO_MAX_DETS} detections per image and class (maxDets), "
                    "whatever --detections_per_image: recall and AP cannot reach 1 on them",
-                   [f"{names[i]} ({max(n for (j, _), n in per_class.items() if j == i)} of one class)" for i in crowded])
+                   [f"{names[i]} ({most[i]} of one class)" for i in crowded])
 
 
 def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,

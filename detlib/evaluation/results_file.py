@@ -107,10 +107,10 @@ def checked_results(results: list, name: str) -> tuple[list[dict], list[str]]:
         except (TypeError, ValueError, KeyError):
             pass
         iid, cid, box, score = _result_fields(r, k, name)
-        bbox = r["bbox"]
         for field, as_string in (("image_id", isinstance(r["image_id"], str) and iid != r["image_id"]),
                                  ("category_id", isinstance(r["category_id"], str)),
-                                 ("bbox", any(isinstance(v, str) for v in bbox)), ("score", isinstance(r["score"], str))):
+                                 ("bbox", any(isinstance(v, str) for v in r["bbox"])),
+                                 ("score", isinstance(r["score"], str))):
             if as_string:
                 as_strings.setdefault(field, []).append(k)
         if box[2] <= 0 or box[3] <= 0:
@@ -203,8 +203,9 @@ def known_classes_ranked(results: list[dict], gt: dict, name: str) -> tuple[list
     other = Counter(r["category_id"] for r in results if r["category_id"] not in cats)
     notes = []
     if other:
+        listed = f"{sorted(other)[:10]}{' ...' if len(other) > 10 else ''}"
         notes.append(f"{name}: {sum(other.values())} results of category ids the ground truth does not list "
-                     f"({sorted(other)[:10]}{' ...' if len(other) > 10 else ''}): left out, as COCOeval leaves them out")
+                     f"({listed}): left out, as COCOeval leaves them out")
         results = [r for r in results if r["category_id"] in cats]
     shared = Counter((r["category_id"], r["score"]) for r in results)
     tied = sum(n for n in shared.values() if n > 1)
