@@ -90,10 +90,12 @@ def hand_made_cases() -> dict[str, dict]:
             {"image_id": 2, "category_id": 1, "bbox": [8, 5, 55, 50], "score": 0.8},
             {"image_id": 3, "category_id": 1, "bbox": [30, 30, 20, 20], "score": 0.95}]
     cases["one_class_empty_images"] = {"gt": gt, "results": dets}
-    # the `ignore` flag beside `iscrowd` (pycocotools sets ignore = iscrowd, whatever the json says), crowd regions
+    # the `ignore` flag beside `iscrowd` (pycocotools sets ignore = iscrowd, whatever the json says), crowd regions; a
+    # true `ignore` is written with iscrowd 1, as the data check reads it (F07), so plain pycocotools reads it alike
     gt2 = copy.deepcopy(gt)
-    gt2["annotations"][1]["ignore"] = 1
+    gt2["annotations"][1].update(ignore=1, iscrowd=1)
     gt2["annotations"].append(_ann(5, 2, 1, [60, 50, 35, 25], iscrowd=1))
+    gt2["annotations"][2]["ignore"] = 0
     dets2 = dets + [{"image_id": 2, "category_id": 1, "bbox": [62, 52, 10, 10], "score": 0.85},
                     {"image_id": 2, "category_id": 1, "bbox": [61, 51, 30, 20], "score": 0.6}]
     cases["ignore_flag_and_crowd"] = {"gt": gt2, "results": dets2}

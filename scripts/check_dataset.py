@@ -31,7 +31,7 @@ from detlib.data.formats import FORMATS, data_dir_paths, read_data_dir_splits  #
 from detlib.data.voc import read_class_names  # noqa: E402
 from detlib.datacheck.coco import check_coco, check_learnable, check_train_val  # noqa: E402
 from detlib.datacheck.report import DEFAULT_MAX_IMAGE_PIXELS, DataReport  # noqa: E402
-from detlib.engine.flags import ArgumentParser, HelpFormatter  # noqa: E402
+from detlib.engine.flags import ArgumentParser, HelpFormatter, int_at_least  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max_image_pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
                    help="images with more pixels are errors (PIL's decompression-bomb limit; 0: no limit)")
     g.add_argument("--num_workers", type=int, help="processes reading image headers (default: CPU count, at most 8)")
+    g.add_argument("--detections_per_image", type=int_at_least(1), default=100, help="the model's detections per image "
+                   "(train_retinanet.py's flag): val images with more boxes are named")
     g = p.add_argument_group("ImageFolder data")
     g.add_argument("--image_folder", metavar="DIR", help="ImageFolder root: DIR/<class>/<image> (default: none, give "
                    "it or --annotations)")
@@ -115,7 +117,7 @@ def check_coco_files(args) -> tuple[DataReport, list[str]]:
             val = check_coco(args.val_annotations, args.val_images or args.images, split="val", **kw)
             check_train_val(train, val, args.images, args.val_images or args.images)
     if val is not None:
-        check_learnable(train, val)
+        check_learnable(train, val, max_detections=args.detections_per_image)
     for check, out in ((train, args.write_fixed), (val, args.write_fixed_val)):
         if out and check is not None:
             if report.ok:

@@ -285,7 +285,8 @@ def build_dataloaders(args, paths: dict[str, str]):
                                                    splits={"train": args.train_set, "val": args.val_set},
                                                    class_names=read_class_names(args.class_names) if args.class_names
                                                    else None,
-                                                   include_crowd=args.include_crowd)
+                                                   include_crowd=args.include_crowd,
+                                                   max_detections=args.detections_per_image)
     train_ds = None
     if paths.get("train_annotations"):
         train_ds = CocoDetection(paths["train_images"], train_json,

@@ -216,7 +216,8 @@ def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images
                             max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS, strict: bool = False,
                             is_main: bool = True, data_format: str = "coco",
                             splits: dict[str, str | None] | None = None,
-                            include_crowd: bool = False, class_names: list[str] | None = None) -> tuple[dict | None, dict]:
+                            include_crowd: bool = False, class_names: list[str] | None = None,
+                            max_detections: int = 100) -> tuple[dict | None, dict]:
     """The training script's data check in one call: `check_coco_data` + `publish_report`.
 
     Every process runs it, so every process holds the same repaired data without sending it around (the json
@@ -226,7 +227,7 @@ def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images
     processes of the other machines read them again).
     A VOC or YOLO set (`data_format`; `paths` from `detlib.data.formats.data_dir_paths`, `splits` its split names) is
     converted first (`detlib.data.formats.read_data_dir_splits`, with `class_names` for a VOC set), its own faults
-    in the same report.
+    in the same report. `max_detections`: the model's `--detections_per_image` (val images with more boxes are named).
     Returns:
         (train normalised json or None, val normalised json).
     Raises:
@@ -240,7 +241,7 @@ def check_coco_for_training(paths: dict, output_dir: str | None, *, check_images
                                          report=report, cache_file=cache, progress=is_main, class_names=class_names)
     train, val, report = check_coco_data(paths, check_images=check_images, max_image_pixels=max_image_pixels,
                                          strict=strict, progress=is_main, cache_file=cache, converted=converted,
-                                         report=report, include_crowd=include_crowd)
+                                         report=report, include_crowd=include_crowd, max_detections=max_detections)
     publish_report(report, output_dir, is_main)
     return train, val
 

@@ -25,6 +25,9 @@ from .coco_annotations import check_annotations, check_categories
 from .coco_images import check_image_files, check_image_list
 from .report import DEFAULT_MAX_IMAGE_PIXELS, DataReport, check_balance
 
+# COCOeval's largest maxDets (pycocotools Params.setDetParams: 1, 10, 100): the detections it ranks per image and class.
+COCO_MAX_DETS = 100
+
 
 def load_json(path: str) -> dict:
     """Read a json file. Raises FileNotFoundError naming the path, ValueError for a file that is not json."""
@@ -178,12 +181,14 @@ def check_train_val(train: CocoCheck, val: CocoCheck, train_images: str | None =
                    both)
 
 
-def check_learnable(train: CocoCheck | None, val: CocoCheck | None, include_crowd: bool = False) -> None:
+def check_learnable(train: CocoCheck | None, val: CocoCheck | None, include_crowd: bool = False,
+                    max_detections: int = COCO_MAX_DETS) -> None:
     """What a training run and its evaluation need beyond valid jsons, added to their reports: a box to train on
     (with `include_crowd`, crowd boxes count), a val box to evaluate against (else every AP is -1, undefined),
-    and val categories that have training boxes (AP 0 whatever is learnt otherwise: an error when no val box
-    has one, a warning listing them when some do not). `train` None: evaluation only (its model's classes are
-    not known here)."""
+    val categories that have training boxes (AP 0 whatever is learnt otherwise: an error when no val box
+    has one, a warning listing them when some do not), and val images with more boxes than the detections an image
+    can have (`check_detection_cap`). `train` None: evaluation only (its model's classes are not known here).
+    `max_detections`: the model's detections per image (`--detections_per_image`)."""
     if train is not None and train.dataset is not None and not any(
             include_crowd or not a["iscrowd"] for a in train.dataset["annotations"]):
         train.report.add("error", "boxes", train.split, "no usable (non-crowd, non-degenerate) box in the whole "
@@ -191,6 +196,7 @@ def check_learnable(train: CocoCheck | None, val: CocoCheck | None, include_crow
                          + ("" if include_crowd else " (--include_crowd trains on crowd boxes)"), count=1)
     if val is None or val.dataset is None or not val.dataset["images"]:
         return
+    check_detection_cap(val, max_detections)
     evaluated = Counter(a["category_id"] for a in val.dataset["annotations"] if not a["iscrowd"])
     if not evaluated:  # COCOeval scores a category only where it has ground truth: with none, every stat is -1
         val.report.add("error", "boxes", val.split, "no (non-crowd) box to evaluate against: AP is undefined (COCO "
@@ -210,11 +216,34 @@ def check_learnable(train: CocoCheck | None, val: CocoCheck | None, include_crow
                        "AP will be 0)", untrained)
 
 
+def check_detection_cap(val: CocoCheck, max_detections: int = COCO_MAX_DETS) -> None:
+    """A warning, added to `val.report`, naming the val images whose (non-crowd) boxes outnumber the detections an
+    image can have: `max_detections` per image (the model's cap, `--detections_per_image`), or COCO's maxDets
+    (`COCO_MAX_DETS`, per image and class, whatever the model keeps). On them recall, and so AP, cannot reach 1,
+    however good the model."""
+    names = {im["id"]: im.get("file_name", im["id"]) for im in val.dataset["images"]}
+    per_image = Counter(a["image_id"] for a in val.dataset["annotations"] if not a["iscrowd"])
+    per_class = Counter((a["image_id"], a["category_id"]) for a in val.dataset["annotations"] if not a["iscrowd"])
+    over = sorted(i for i, n in per_image.items() if n > max_detections)
+    val.report.add("warning", "boxes", val.split, f"images with more ground-truth boxes than the {max_detections} "
+                   f"detections per image the model keeps (--detections_per_image {max_detections}): recall and AP "
+                   "cannot reach 1 on them; raise --detections_per_image (COCO's AP counts at most "
+                   f"{COCO_MAX_DETS} per image and class)", [f"{names[i]} ({per_image[i]} boxes)" for i in over])
+    most = Counter()  # image -> its largest count of one class
+    for (i, _), n in per_class.items():
+        most[i] = max(most[i], n)
+    crowded = sorted(i for i, n in most.items() if n > COCO_MAX_DETS and i not in set(over))
+    val.report.add("warning", "boxes", val.split, f"images with more than {COCO_MAX_DETS} ground-truth boxes of one "
+                   f"class: COCO's AP counts at most {COCO_MAX_DETS} detections per image and class (maxDets), "
+                   "whatever --detections_per_image: recall and AP cannot reach 1 on them",
+                   [f"{names[i]} ({most[i]} of one class)" for i in crowded])
+
+
 def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
                     strict: bool = False, progress: bool = True, cache_file: str | None = None,
                     num_workers: int | None = None, converted: dict[str, dict] | None = None,
-                    report: DataReport | None = None,
-                    include_crowd: bool = False) -> tuple[dict | None, dict | None, DataReport]:
+                    report: DataReport | None = None, include_crowd: bool = False,
+                    max_detections: int = COCO_MAX_DETS) -> tuple[dict | None, dict | None, DataReport]:
     """Check a training script's COCO data: train (when `paths["train_annotations"]`), val, and val against train.
 
     Args:
@@ -223,6 +252,7 @@ def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels:
             (`detlib.data.formats.read_data_dir_splits`); its `paths` annotations then only name the source.
         report: add to this report (the conversion's findings); default a new one with `strict`.
         include_crowd: crowd boxes are trained on (`check_learnable`).
+        max_detections: the model's detections per image, `--detections_per_image` (`check_detection_cap`).
         the others: see `check_coco`.
     Returns:
         (train normalised json or None, val normalised json, report).
@@ -244,5 +274,5 @@ def check_coco_data(paths: dict, *, check_images: bool = True, max_image_pixels:
                      source=paths["val_annotations"], **kw)
     if train is not None:
         check_train_val(train, val, paths.get("train_images"), paths.get("val_images"))
-    check_learnable(train, val, include_crowd)
+    check_learnable(train, val, include_crowd, max_detections)
     return (train.dataset if train else None), val.dataset, report

@@ -33,6 +33,8 @@ ANNOTATION_FINDINGS = {
     "area_set": ("repair", "boxes", "area missing or not a positive number: computed from the segmentation (or "
                  "the box)"),
     "crowd_set": ("repair", "boxes", "iscrowd not 0 / 1: taken as 0 unless it is a true value"),
+    "ignore": ("repair", "boxes", "annotations with a true `ignore` field (CityPersons / CrowdHuman style): read as "
+               "ignore regions, iscrowd 1 (never trained on as objects nor counted as misses in evaluation)"),
 }
 # The findings whose annotations are not in the normalised json.
 DROPPING_FINDINGS = ("bad_entry", "no_image", "no_cat", "no_box", "degenerate")
@@ -65,7 +67,27 @@ def check_categories(cats: list, report: DataReport, split: str) -> list[dict]:
         report.add("error", "categories", split, "no category is listed", count=1)
     names = Counter(cat["name"] for cat in out)
     report.add("warning", "categories", split, "category ids that share a name", [n for n, k in names.items() if k > 1])
+    alike: dict[str, list[dict]] = {}
+    for cat in out:
+        alike.setdefault(folded_name(cat["name"]), []).append(cat)
+    report.add("warning", "categories", split, "category names equal but for case or spaces: separate classes, "
+               "probably one (merge them in the json if so)",
+               [", ".join(f"{c['id']} {c['name']!r}" for c in cs) for cs in alike.values()
+                if len({c["name"] for c in cs}) > 1])
     return out
+
+
+def folded_name(name: str) -> str:
+    """A class name compared without case and surrounding or repeated spaces ("Cat ", "cat" -> "cat")."""
+    return " ".join(name.split()).casefold()
+
+
+def _true(value) -> bool:
+    """A json flag's truth: a true bool, a non-zero number or numeric string, a word such as "true" / "yes"."""
+    if isinstance(value, str):
+        n = number(value)
+        return n != 0 if n is not None else value.strip().lower() in ("true", "yes", "y")
+    return bool(value)
 
 
 def check_annotations(raw: list, images: dict[int, dict], by_int: dict[int, int], by_str: dict[str, int],
@@ -162,6 +184,12 @@ class _AnnotationCheck:
         if type(crowd) is not int or (crowd != 0 and crowd != 1):
             crowd = self._crowd(crowd, aid)
             changed = True
+        ignore = a.get("ignore")
+        if ignore is not None and ignore != 0 and crowd != 1 and _true(ignore):
+            # pycocotools' evaluate overwrites `ignore` with iscrowd and the loader reads iscrowd only: as written
+            # the box would be an ordinary one; an ignore region is what the exporter meant
+            self.found["ignore"].append(aid)
+            crowd, changed = 1, True
         if changed or box_changed:
             del self.strings[n_strings + 1:]  # an annotation counts once, however many of its fields were strings
             a = {**a, "image_id": nid, "category_id": cid, "bbox": [float(x), float(y), float(w), float(h)],

@@ -184,6 +184,23 @@ def _results_table(results) -> np.ndarray | None:
     return table
 
 
+def rank_key(result: dict) -> tuple:
+    """The ranking of one image's results: decreasing score (COCOeval's), ties by class, then box (x, y, w, h).
+
+    pycocotools ranks an image's detections with a stable sort by score (cocoeval.py, evaluateImg), so results of
+    equal score keep the order they were loaded in: the AP of a file could change with its order. Across images its
+    accumulation ranks equal scores by image id. With every image's results in this order first (`ranked`), the
+    ranking depends on the results only, never on the order they came in (docs/evaluation.md, "Predictions files")."""
+    return (-result["score"], result["category_id"], *result["bbox"])
+
+
+def ranked(results: list[dict]) -> list[dict]:
+    """One image's results in `rank_key` order (the same list when no two share a score: nothing to decide)."""
+    if len({r["score"] for r in results}) == len(results):
+        return results
+    return sorted(results, key=rank_key)
+
+
 def detections_to_coco(boxes: torch.Tensor, scores: torch.Tensor, category_ids: torch.Tensor, image_id: int) -> list[dict]:
     """One image's detections as COCO result dicts.
 
@@ -400,12 +417,15 @@ class CocoEvaluator:
         return len(set(self.per_image) - self.failed)
 
     def evaluate(self) -> tuple[dict[str, float], str]:
-        """COCO stats over the recorded images (see `evaluate_coco`); warns when images are missing.
+        """COCO stats over the recorded images (see `evaluate_coco`); warns when images are missing. Each image's
+        results are put in `rank_key` order first (`results` and `evaluated` give them so from then on).
 
         Keeps the COCOeval object in `self.coco_eval` (None when nothing was detected).
         """
         all_ids = {int(im["id"]) for im in self.gt_dataset["images"]}
         ids = set(self.per_image) - self.failed
+        for iid, results in self.per_image.items():  # ties ranked by the results, not by their order (`rank_key`)
+            self.per_image[iid] = ranked(results)
         if self.failed:
             logger.warning("COCO evaluation leaves out %d unreadable images: %s", len(self.failed), sorted(self.failed)[:10])
         if ids != all_ids - self.failed:

@@ -8,7 +8,8 @@ decreasing score, each to the unmatched ground-truth box of its class it overlap
   badly_placed   an unmatched box that an unmatched detection of its own class overlaps only partly
                  (`min_overlap` <= IoU < `iou`): the box is likely misplaced (the detection's box suggested).
   missing_box    an unmatched detection that no box explains (IoU < `iou` with every box of every class, and not
-                 inside a crowd region: IoA < `iou`): an object is likely unannotated.
+                 inside a crowd region: IoA < `iou`): an object is likely unannotated. A detection of no area (width
+                 or height 0) is never one: it covers no object.
 
 Every detection and every box is used for one entry at most (wrong_class first, then badly_placed). Each such
 disagreement is either an annotation error or the model's own mistake; its `confidence` that the label is wrong is
@@ -171,8 +172,10 @@ def find_label_errors(gt_dataset: dict, results: list[dict], image_ids=None, sco
                                     float(g_covered[k])))
         inside_crowd = (_ioa(d_box, g_box[crowd]) >= iou).any(axis=1) if crowd.any() else np.zeros(len(d), dtype=bool)
         d_covered = _occluded(d_box, g_box[~crowd])
+        d_some_area = _area(d_box) > 0  # a box of no area is a false positive, no evidence of an unannotated object
         for j in range(len(d)):
-            if not d_used[j] and not inside_crowd[j] and (not len(g) or overlap[j].max() < iou):
+            if (not d_used[j] and not inside_crowd[j] and d_some_area[j]
+                    and (not len(g) or overlap[j].max() < iou)):
                 found.append(_entry("missing_box", d[j], None, float(overlap[j].max()) if len(g) else 0.0, names,
                                     None, float(d_covered[j])))
     found.sort(key=lambda e: (-e["confidence"], -e["score"], KINDS.index(e["type"]), e["image_id"],
