@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backbone", help="timm model name")
     g.add_argument("--backbone_weights", type=path, help="local backbone weights: .safetensors or torch state dict (default: none, "
                    "from scratch)")
+    g.add_argument("--backbone_weights_ema", action=argparse.BooleanOptionalAction, default=True,
+                   help="from a training checkpoint with an EMA copy (timm's train.py: state_dict_ema), take it, as "
+                        "timm's load_checkpoint does; --no-backbone_weights_ema: its raw state_dict (the load line "
+                        "says which)")
     g.add_argument("--pretrained_backbone", action="store_true", help="timm's own pretrained download (online)")
     g.add_argument("--init_from", type=path, help="start from a detector's weights (a converted torchvision model or one of ours: "
                    "a run folder, best/, last/ or a weights file): every tensor whose name and shape fit; the class "
@@ -445,6 +449,7 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
         model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
                           pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
                           backbone_weights=None if args.evaluate_only else args.backbone_weights,
+                          backbone_weights_ema=args.backbone_weights_ema,
                           freeze_backbone_bn=args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained),
                           freeze_at=args.freeze_at, p6_input=settings["p6_input"], head_norm=settings["head_norm"],
                           num_anchors=anchor_gen.num_anchors_per_location, **normalisation)
