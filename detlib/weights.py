@@ -181,28 +181,61 @@ def _strip_wrapper_prefixes(state_dict: dict) -> dict:
     return out
 
 
+# What timm's `load_state_dict` / `load_checkpoint` take from a checkpoint dict, in its order: the EMA copies first
+# when `use_ema` (their default), then the raw weights (timm's train.py writes `state_dict`, `state_dict_ema`,
+# `optimizer`, `args`, ...; other trainers `model`)
+EMA_PARTS = ("state_dict_ema", "model_ema")
+RAW_PARTS = ("state_dict", "model")
+
+
 def load_state_dict_file(path: str | os.PathLike) -> dict:
-    """{name: CPU tensor} of a `.safetensors` or torch file (`weights_only=True`), through timm's reader: a
-    `{"state_dict": ...}` or `{"model": ...}` container unwrapped, wrapper prefixes stripped, a timm checkpoint's raw
-    (not EMA) weights. Raises FileNotFoundError (naming the path), ValueError (no state dict of tensors),
-    WeightsFileError (damaged or foreign; pickled objects other than tensors and plain values: refused, nothing run)."""
+    """{name: CPU tensor} of a `.safetensors` or torch file (`weights_only=True`): a `{"state_dict": ...}` or
+    `{"model": ...}` container unwrapped, wrapper prefixes stripped, a training checkpoint's raw (not EMA) weights
+    (`read_weights_file` with `use_ema=False`). Raises as `read_weights_file`."""
+    return read_weights_file(path)[0]
+
+
+def read_weights_file(path: str | os.PathLike, use_ema: bool = False) -> tuple[dict, str, bool]:
+    """The weights of a `.safetensors` or torch file and which part of it they are, read as timm's `load_state_dict`
+    reads a checkpoint (the same parts in the same order, `EMA_PARTS` first when `use_ema`; `torch.load` with
+    `weights_only=True` and an `argparse.Namespace` allowed, as timm allows it for its train.py's `args`; timm's
+    `clean_state_dict`), wrapper prefixes stripped.
+
+    Returns:
+        ({name: CPU tensor}, part, has_ema): part "" for a file that is a state dict itself, else one phrase naming
+        the part taken and the checkpoint's contents, e.g. "state_dict_ema (the EMA copy) of a checkpoint holding
+        epoch, arch, optimizer, version, args, state_dict, state_dict_ema, metric"; has_ema: the file has an EMA copy.
+    Raises:
+        FileNotFoundError (naming the path), ValueError (no state dict of tensors), WeightsFileError (damaged or
+        foreign; pickled objects other than tensors, plain values and a Namespace: refused, nothing run).
+    """
+    import argparse
+
     import torch
-    from timm.models import load_state_dict as timm_load_state_dict
+    from safetensors.torch import load_file
+    from timm.models import clean_state_dict
 
     path = os.fspath(path)
-    if not os.path.isfile(path):  # timm's FileNotFoundError does not name the path
+    if not os.path.isfile(path):
         raise FileNotFoundError(f"weights file not found: {path}")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.serialization.safe_globals([argparse.Namespace]):
             warnings.filterwarnings("ignore", message="Detected pickle protocol")  # a foreign pickle: refused below
-            sd = timm_load_state_dict(path, use_ema=False, weights_only=True)
-    except AttributeError:  # timm's prefix cleaning calls `.items()` on what the file holds: not a dict
-        sd = None
-    except Exception as e:
-        if isinstance(e, RuntimeError) and isinstance(e.__cause__, pickle.UnpicklingError):  # torch's refusal
-            raise refused(path, e.__cause__) from None
-        # safetensors / pickle / zip errors of a damaged or foreign file
+            checkpoint = (load_file(path) if path.endswith(".safetensors")
+                          else torch.load(path, map_location="cpu", weights_only=True))
+    except pickle.UnpicklingError as e:  # torch's refusal
+        raise refused(path, e) from None
+    except Exception as e:  # safetensors / pickle / zip errors of a damaged or foreign file
         raise WeightsFileError(f"{path} is not a readable weights file ({type(e).__name__}: {e})") from None
+    part, has_ema = "", isinstance(checkpoint, dict) and any(isinstance(checkpoint.get(k), dict) for k in EMA_PARTS)
+    if isinstance(checkpoint, dict):
+        if key := next((k for k in (EMA_PARTS if use_ema else ()) + RAW_PARTS if isinstance(checkpoint.get(k), dict)),
+                       None):
+            keys = list(checkpoint)
+            what = "the EMA copy" if key in EMA_PARTS else "the raw weights" + ("" if has_ema else "; no EMA copy in it")
+            part = f"{key} ({what}) of a checkpoint holding {', '.join(keys[:10])}{' ...' if len(keys) > 10 else ''}"
+            checkpoint = checkpoint[key]
+    sd = clean_state_dict(checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(sd, dict) or not any(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"{path} does not hold a state dict of tensors")
-    return _strip_wrapper_prefixes(sd)
+    return _strip_wrapper_prefixes(sd), part, has_ema

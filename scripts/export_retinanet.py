@@ -247,9 +247,11 @@ def missing_onnx_packages() -> list[str]:
     return [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
 
 
-def hold_to_ap(args, files: dict, reference, image_size: int, max_size: int | None, category_ids: list[int]):
+def hold_to_ap(args, files: dict, reference, image_size: int, max_size: int | None, category_ids: list[int],
+               calibrated: int | None = None):
     """FILE.ap.json: the COCO AP of each model file (not the .pt2) beside PyTorch's on the check set when it is a
-    COCO json; exit 1 when one fell more than --max_ap_drop below it. Returns the APs (None: no labelled set)."""
+    COCO json, with the images the INT8 formats were calibrated on (`calibrated`: the number used, None without
+    INT8); exit 1 when one fell more than --max_ap_drop below it. Returns the APs (None: no labelled set)."""
     from detlib.deploy import ExportRunner, QUANTISED, ap_of_runners, ap_verdict
 
     source, image_dir = check_source(args)
@@ -266,7 +268,8 @@ def hold_to_ap(args, files: dict, reference, image_size: int, max_size: int | No
     lines, failed = ap_verdict(ap, args.max_ap_drop)
     with open(stem + ".ap.json", "w") as f:
         json.dump({"source": source, "max_ap_drop": args.max_ap_drop, "ap": ap, "pass": not failed,
-                   "calibration_images": args.calibration_images if set(args.format) & set(QUANTISED) else None,
+                   "calibration_images": calibrated,
+                   "calibration_images_asked": args.calibration_images if set(args.format) & set(QUANTISED) else None,
                    "float_head": args.float_head}, f, indent=1)
     for line in lines:
         logger.info("AP on %d images of %s: %s", ap["pytorch"]["num_images"], os.path.basename(source), line)
@@ -287,7 +290,8 @@ def export(args):
     import torch
 
     from detlib.data import PAD_VALUE, load_rgb
-    from detlib.deploy import DEPLOY_FORMATS, ExportRunner, QUANTISED, TorchRunner, missing_packages, write_formats
+    from detlib.deploy import (DEPLOY_FORMATS, ExportRunner, QUANTISED, TorchRunner, calibration_line, missing_packages,
+                               write_formats)
     from detlib.engine import setup_console_logging
     from detlib.retinanet import (AnchorGenerator, ExportableRetinaNet, canvas_size, decode_detections,
                                   head_candidates, prepare_input)
@@ -354,12 +358,17 @@ def export(args):
             "detections_per_image": args.detections_per_image, "weights": weights_path(args.weights)}
     with open(stem + ".json", "w") as f:
         json.dump(meta, f, indent=1)
+    calibrated = None
     if deploy := [f for f in args.format if f in DEPLOY_FORMATS]:  # from FILE.onnx; INT8 calibrated on real images
         calibration = [{k: v.numpy() for k, v in prepare_input(torch.from_numpy(np.asarray(load_rgb(p)[0]).copy()).permute(
             2, 0, 1), image_size, max_size, canvas).items() if k in inputs} for p in check_image_paths(args, args.calibration_images)]
         if not calibration and set(deploy) & set(QUANTISED):
             stop("the INT8 formats calibrate on real images: give --check_source (no val set in the run's "
                  "config.yaml)", 1)
+        if set(deploy) & set(QUANTISED):  # the images really used, not the number asked for, said and recorded
+            calibrated = len(calibration)
+            logger.log(logging.WARNING if len(calibration) < args.calibration_images else logging.INFO, "%s",
+                       calibration_line(len(calibration), args.calibration_images, check_source(args)[0]))
         files.update(write_formats(args.output, deploy, calibration, args.float_head))
     logger.info("wrote %s (canvas %dx%d, decoding %s) and %s.json", ", ".join(files.values()), canvas, canvas, args.decode, stem)
 
@@ -416,7 +425,8 @@ def export(args):
 
     # ---- AP: every exported model file evaluated on the labelled check set beside PyTorch
     ap = hold_to_ap(args, files, TorchRunner(model, AnchorGenerator(), args.score_thresh, args.nms_thresh,
-                                             args.detections_per_image), image_size, max_size, category_map.category_ids)
+                                             args.detections_per_image), image_size, max_size, category_map.category_ids,
+                    calibrated)
     return {"files": files, "parity": report, "ap": ap}
 
 

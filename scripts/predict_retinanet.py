@@ -354,6 +354,8 @@ def predict(args):
         image_size, max_size = retinanet_input_size(config, args.weights, args.image_size, args.max_size)
     except (FileNotFoundError, RuntimeError, KeyError) as e:
         stop(str(e), 1)
+    if runner is not None and (refusal := runner.size_refusal(image_size, max_size)):  # at start, not at a batch
+        stop(refusal, 1)
     logger.info("loaded %s (%s, fpn_channels %d, %d classes)", weights_path(args.weights), config["backbone"],
                 config["fpn_channels"], len(category_map))
     coco_source = args.source.lower().endswith(".json") and os.path.isfile(args.source)

@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backbone", help="timm model name")
     g.add_argument("--backbone_weights", type=path, help="local backbone weights: .safetensors or torch state dict (default: none, "
                    "from scratch)")
+    g.add_argument("--backbone_weights_ema", action=argparse.BooleanOptionalAction, default=True,
+                   help="from a training checkpoint with an EMA copy (timm's train.py: state_dict_ema), take it, as "
+                        "timm's load_checkpoint does; --no-backbone_weights_ema: its raw state_dict (the load line "
+                        "says which)")
     g.add_argument("--pretrained_backbone", action="store_true", help="timm's own pretrained download (online)")
     g.add_argument("--init_from", type=path, help="start from a detector's weights (a converted torchvision model or one of ours: "
                    "a run folder, best/, last/ or a weights file): every tensor whose name and shape fit; the class "
@@ -204,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "0.001x to the LR, for multistep, cosine and constant (plateau has none)")
     g.add_argument("--box_loss", default="l1", choices=BOX_LOSSES, help="regression loss of the box deltas")
     g.add_argument("--loss_normalizer", default="batch", choices=["batch", "ema"],
-                   help="divide the losses by the batch's positive anchors, or by their running average over steps "
-                        "and processes (detectron2; steadier at 2 images per GPU) (default: %(default)s)")
+                   help="divide the losses by the step's positive anchors (every micro-batch and process: one batch), "
+                        "or by their running average over steps (detectron2; steadier at 2 images per GPU) (default: "
+                        "%(default)s)")
 
     g = groups["evaluation"]
     g.add_argument("--score_thresh", type=float_range(0, 1), default=0.05, help="lowest score kept in the evaluation")
@@ -445,6 +450,7 @@ def build_model(args, settings: dict, saved: dict | None, category_map: Category
         model = RetinaNet(len(category_map), args.backbone, fpn_channels=args.fpn_channels,
                           pretrained_backbone=args.pretrained_backbone and not args.evaluate_only,
                           backbone_weights=None if args.evaluate_only else args.backbone_weights,
+                          backbone_weights_ema=args.backbone_weights_ema,
                           freeze_backbone_bn=args.backbone_bn == "frozen" or (args.backbone_bn == "auto" and pretrained),
                           freeze_at=args.freeze_at, p6_input=settings["p6_input"], head_norm=settings["head_norm"],
                           num_anchors=anchor_gen.num_anchors_per_location, **normalisation)
@@ -488,7 +494,7 @@ def build_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int, don
 
 
 def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator, state, guard, window, after_step, args,
-                    normalizer=None) -> None:
+                    normalizer) -> None:
     """Train from the run's position (`state`; a mid-epoch resume skips the batches it trained) to the end of the
     epoch or of the run. `guard`: whether to take each step, all-reduced (detlib.engine.StepGuard); `window`: the
     train line's means; `after_step(finite, lrs)`: the bookkeeping after each step (detlib.engine.step_done), true at
@@ -506,7 +512,7 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
         loader.dataset.set_epoch(state.epoch)
     for i, batch in enumerate(window.timed(accelerator.skip_first_batches(loader, done) if done else loader), done):
         if i % G == 0:  # a step's first micro-batch: its LRs, and the buffers a skipped step puts back
-            lrs, step_loss, micro_batches = [g["lr"] for g in optimizer.param_groups], 0.0, 0
+            lrs, step_losses, pos, seen = [g["lr"] for g in optimizer.param_groups], 0.0, 0.0, 0
             guard.snapshot(model)
         if i == state.global_step == 0 and accelerator.is_main_process:  # the run's first batch, as the model sees it
             write_train_batch(args.output_dir, batch["images"], loader.dataset.category_map.names, batch["labels"],
@@ -519,16 +525,18 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
             anchors, _ = anchor_gen(*images.shape[-2:], device=images.device)
             losses = retinanet_loss(out["cls_logits"], out["box_deltas"], anchors, batch["boxes"], batch["labels"],
                                     batch["crowd_boxes"], box_loss=args.box_loss, normalizer=normalizer)
-            loss, n = losses["loss"], len(batch["image_ids"])
-            # a partial last window (fewer than G batches left) is weighted to the mean over its own batches
-            accelerator.backward(loss * G / min(G, len(loader) - i // G * G))
-            window.add({"loss": loss, "cls_loss": losses["cls_loss"], "box_loss": losses["box_loss"],
-                        "pos_anchors_per_image": losses["num_pos"] / n}, n)
-            step_loss, micro_batches = step_loss + loss.detach(), micro_batches + 1
+            accelerator.backward(losses["loss"] * G)  # not accelerate's 1/G: the normaliser counts the whole window
+            step_losses = step_losses + torch.stack([losses[k].detach() for k in ("loss", "cls_loss", "box_loss")])
+            pos, seen = pos + losses["num_pos"], seen + len(batch["image_ids"])
             if not accelerator.sync_gradients:
                 continue
+            # the window's gradient and losses over the positive anchors of all its micro-batches and processes (a
+            # partial last window: of its own micro-batches), as one batch of them would be
+            step_losses = step_losses * normalizer.finish(model.parameters())
+            window.add({"loss": step_losses[0], "cls_loss": step_losses[1], "box_loss": step_losses[2],
+                        "pos_anchors_per_image": pos / seen}, seen)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-            finite = guard.check(step_loss / micro_batches, grad_norm, state.global_step + 1, lrs[0])  # alike on every rank
+            finite = guard.check(step_losses[0], grad_norm, state.global_step + 1, lrs[0])  # alike on every rank
             if finite or accelerator.scaler is not None:  # fp16: the GradScaler skips a non-finite step itself
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -638,7 +646,7 @@ def main(argv=None):
                                keep_best, log_plan, log_summary, make_accelerator, resume, run_length, running,
                                save_checkpoint, start_run, step_done, stop_early)
     from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, card_dataset, command_line
-    from detlib.retinanet import EmaLossNormalizer, log_model_size
+    from detlib.retinanet import EmaLossNormalizer, StepLossNormalizer, log_model_size
 
     argv = sys.argv[1:] if argv is None else list(argv)  # the model cards' command
     given = args.given  # what the user chose (flags or --config)
@@ -730,10 +738,11 @@ def main(argv=None):
         plateau = build_scheduler(optimizer, args, steps_per_epoch, total_steps) if args.lr_scheduler == "plateau" else None
         if plateau:  # its patience counter and best loss; the per-step schedules are a function of the step
             accelerator.register_for_checkpointing(plateau)
-        normalizer = None
-        if args.loss_normalizer == "ema":  # the same value on every process, checkpointed
-            normalizer = EmaLossNormalizer(reduce=lambda t: accelerator.reduce(t, reduction="mean"))
-            accelerator.register_for_checkpointing(normalizer)
+        ema_normalizer = EmaLossNormalizer() if args.loss_normalizer == "ema" else None
+        if ema_normalizer:  # the same value on every process (fed the count over all of them), checkpointed
+            accelerator.register_for_checkpointing(ema_normalizer)
+        normalizer = StepLossNormalizer(lambda t: accelerator.reduce(t, reduction="sum"), accelerator.num_processes,
+                                        ema_normalizer)
         ema = ModelEmaV3(accelerator.unwrap_model(model, keep_torch_compile=False), decay=args.model_ema,
                          use_warmup=args.model_ema_warmup, warmup_power=0.75) if args.model_ema else None
         resume(accelerator, args.output_dir, args.resume_from_checkpoint, state, config, model_config, FIXED_ON_RESUME,

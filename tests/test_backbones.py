@@ -193,6 +193,48 @@ def test_a_checkpoint_of_another_model_stops_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_case_g19_a_timm_training_checkpoint_gives_its_ema_copy_as_timm_does_and_the_line_names_it(tmp_path, caplog):
+    """timm's train.py's model_best.pth.tar (state_dict, state_dict_ema, optimizer, an argparse.Namespace under args,
+    ...): the backbone takes the EMA copy, as timm's own load_checkpoint does by default (the raw weights were taken),
+    or the raw weights when asked; the load line names the part taken, the checkpoint's contents and the other
+    choice (it said neither)."""
+    import argparse
+    import logging
+
+    from timm.models import load_checkpoint
+
+    torch.manual_seed(0)
+    raw, ema = timm.create_model("resnet18"), timm.create_model("resnet18")
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9)
+    raw(torch.rand(1, 3, 64, 64)).sum().backward()
+    optimizer.step()  # a momentum buffer per parameter, as in a real checkpoint
+    f = tmp_path / "model_best.pth.tar"
+    torch.save({"epoch": 3, "arch": "resnet18", "optimizer": optimizer.state_dict(), "version": 2,
+                "args": argparse.Namespace(model="resnet18", lr=0.1, model_ema=True), "state_dict": raw.state_dict(),
+                "state_dict_ema": ema.state_dict(), "metric": 71.2}, f)
+    timm_reads = timm.create_model("resnet18")
+    load_checkpoint(timm_reads, str(f))  # timm's default
+    assert torch.equal(timm_reads.conv1.weight, ema.conv1.weight) and not torch.equal(raw.conv1.weight, ema.conv1.weight)
+    contents = "of a checkpoint holding epoch, arch, optimizer, version, args, state_dict, state_dict_ema, metric"
+    for use_ema, want, said in [
+            (True, ema, f"(state_dict_ema (the EMA copy) {contents}; --no-backbone_weights_ema takes the raw weights)"),
+            (False, raw, f"(state_dict (the raw weights) {contents}; without --no-backbone_weights_ema the EMA copy, "
+                         "timm's default)")]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="detlib.retinanet.model"):
+            model = RetinaNet(2, "resnet18", fpn_channels=16, backbone_weights=str(f), backbone_weights_ema=use_ema)
+        for n, t in model.backbone.state_dict().items():
+            if n in want.state_dict() and not n.endswith("num_batches_tracked"):
+                assert torch.equal(t, want.state_dict()[n]), n
+        (line,) = [r.getMessage() for r in caplog.records if "tensors loaded" in r.getMessage()]
+        assert line.startswith(f"backbone weights {f} {said}: ") and "tensors loaded, every backbone tensor" in line
+    caplog.clear()
+    save_file(raw.state_dict(), str(tmp_path / "plain.safetensors"))  # a state dict itself: no part to name
+    with caplog.at_level(logging.INFO, logger="detlib.retinanet.model"):
+        RetinaNet(2, "resnet18", fpn_channels=16, backbone_weights=str(tmp_path / "plain.safetensors"))
+    assert any(r.getMessage().startswith(f"backbone weights {tmp_path / 'plain.safetensors'}: ") for r in caplog.records)
+
+
 def test_the_tag_gives_the_normalisation_and_a_model_config_without_it_stops():
     """resnetv2_50x1_bit.goog_in21k was trained on inputs scaled by mean 0.5 / std 0.5: the model normalises with those,
     ImageNet's for resnet18; a model_config.json without mean and std is refused, naming both."""

@@ -95,6 +95,7 @@ def test_every_format_written_parity_and_ap_checked(exported):
     ap = report["ap"]
     assert set(ap) == {"pytorch", "onnx", "openvino", "openvino_fp16", "onnx_int8", "openvino_int8"}
     assert report["pass"] and report["calibration_images"] == 4 and ap["pytorch"]["num_images"] == 6
+    assert "INT8 calibration on 4 images of " in console  # as many as asked: said, at INFO
     assert ap["pytorch"]["AP"] > 80  # its own detections: a real measure of agreement
     for name in ("onnx", "openvino"):  # fp32: PyTorch's detections to float rounding
         assert abs(ap[name]["AP"] - ap["pytorch"]["AP"]) <= 0.1, (name, ap)
@@ -122,6 +123,20 @@ def test_ap_drop_beyond_max_ap_drop_exits_1_with_both_numbers_and_what_to_try(we
     assert f"AP {ap['onnx_int8']['AP']:.2f}" in failed[0] and f"vs PyTorch {ap['pytorch']['AP']:.2f}" in failed[0]
     assert "--calibration_images" in failed[0] and "--float_head" in failed[0]
     assert "Traceback" not in console
+
+
+def test_case_g10_calibration_on_fewer_images_than_asked_records_and_says_the_number_used(weights, labelled, tmp_path):
+    """--calibration_images 10 on a check set of 6 images: FILE.ap.json records the 6 the quantiser was given (it
+    recorded 10), and one warning line says 6, not 10, and why."""
+    code, console = export(weights, tmp_path / "c.onnx", labelled, "--format", "onnx_int8", "--calibration_images", "10",
+                           "--max_ap_drop", "100", "--decode", "outside")
+    assert code == 0, console[-3000:]
+    report = json.loads((tmp_path / "c.ap.json").read_text())
+    assert report["calibration_images"] == 6 and report["calibration_images_asked"] == 10
+    said = [line for line in console.splitlines() if "calibration on" in line]
+    assert len(said) == 1 and "WARNING" in said[0], said
+    assert f"INT8 calibration on 6 images, not the 10 of --calibration_images: the check source {labelled[0]} has 6 " \
+           "readable images" in said[0]
 
 
 FLOAT_HEAD_CONVS = """

@@ -19,9 +19,9 @@ from detlib.retinanet.decode import decode_detections
 from detlib.retinanet.export import canvas_size, compare_detections, head_candidates, prepare_input
 from detlib.retinanet.model import build_retinanet_from_config
 
-from conftest import COCO_SUBSET, needs_coco_subset
+from conftest import COCO_SUBSET, needs_coco_subset, traceback_through_our_code
 from detlib.weights import load_model_weights
-from helpers import fresh_root_logging, run_main
+from helpers import error_lines, fresh_root_logging, run_main
 from tiny_retinanet import spread_retinanet
 
 pytestmark = [needs_coco_subset, pytest.mark.slow]
@@ -106,3 +106,29 @@ def test_onnx_parity_decoding_outside(weights, tmp_path, capfd):
     with torch.no_grad():
         ref = model.eval()(x)
     assert np.abs(cls_logits - ref["cls_logits"].numpy()).max() < 1e-3 and np.abs(box_deltas - ref["box_deltas"].numpy()).max() < 1e-3
+
+
+def test_case_g11_predict_larger_than_an_exports_fixed_canvas_is_one_line_naming_its_size(weights, tmp_path, capfd):
+    """An export decoding inside has a fixed canvas (128 px here); predict_retinanet.py --image_size 256 with it stops
+    at start in one line that says the export's size and both ways on (it was a ValueError traceback through
+    scripts/ and detlib/deploy/runner.py at the first batch); --image_size within the canvas predicts."""
+    out = tmp_path / "fixed.onnx"
+    _export(weights, out, capfd, "--num_check_images", "1")
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    first = sorted((COCO_SUBSET / "images").iterdir())[0]
+    (photos / first.name).write_bytes(first.read_bytes())
+    argv = ["--weights", out, "--source", photos, "--no_images", "--cpu"]
+    fresh_root_logging()
+    code, stdout, stderr = run_main("predict_retinanet", argv + ["--image_size", "256", "--output_dir", tmp_path / "p"],
+                                    capfd)
+    assert code == 1 and not traceback_through_our_code(stdout + stderr), stderr[-3000:]
+    (line,) = error_lines(stderr)
+    assert line == (f"error: {out} was exported for images of 128 px on a fixed 128x128 canvas (decoding inside): "
+                    "--image_size 256 needs a 256x256 one; predict without --image_size (the export's 128), or export "
+                    "again with --image_size 256 (or with --decode outside, which takes any size)")
+    assert not (tmp_path / "p" / "predictions.json").exists()
+    fresh_root_logging()
+    code, stdout, stderr = run_main("predict_retinanet", argv + ["--image_size", "96", "--output_dir", tmp_path / "q"],
+                                    capfd)
+    assert code == 0 and (tmp_path / "q" / "predictions.json").is_file(), stderr[-3000:]

@@ -353,6 +353,52 @@ def test_case_c09_last_partial_window_gets_its_full_gradient_retinanet(tmp_path,
     assert norms[2][-1] == pytest.approx(norms[1][-1], rel=1e-5)
 
 
+# ---- accumulation and processes are one batch (F14)
+
+def first_step(data: list, out: Path, batch: int, accum: int, capsys=None, processes: int = 1) -> tuple[dict, dict]:
+    """One SGD step (no momentum, decay or clipping: the weights move by -lr * the gradient) on the 2 training
+    images, backbone BatchNorm frozen; returns the train line and the weights after it."""
+    argv = data + TINY + NO_WORKERS + ["--per_device_batch_size", batch, "--gradient_accumulation_steps", accum,
+                                       "--optimizer", "sgd", "--lr", "0.01", "--momentum", "0", "--weight_decay", "0",
+                                       "--max_grad_norm", "0", "--augmentation", "none", "--backbone_bn", "frozen", "--epochs", "1",
+                                       "--num_log_images", "0", "--output_dir", out]
+    if processes == 1:
+        run_ok("train_retinanet", argv, capsys)
+    else:
+        forked_ok("train_retinanet.py", [str(a) for a in argv], processes)
+    (line,) = trains(out)
+    return line, load_file(str(out / "last" / "model.safetensors"))
+
+
+def test_case_f14_two_accumulated_micro_batches_of_one_image_give_the_gradient_of_one_batch_of_two(tmp_path, capsys):
+    """RetinaNet's loss divides by the positive anchors of the whole accumulation window, not of each micro-batch:
+    the same 2 images as one batch of 2 or as 2 accumulated micro-batches of 1 give the same pre-clip gradient norm,
+    loss and updated weights (before the fix: grad_norm 1.125 vs 1.119, each micro-batch divided by its own count).
+    BatchNorm frozen: trained BatchNorm sees other batch statistics in a batch of 1, a difference no normaliser
+    removes."""
+    data = make_detection_set(tmp_path / "d", 2)
+    one, w_one = first_step(data, tmp_path / "batch2", 2, 1, capsys)
+    acc, w_acc = first_step(data, tmp_path / "accum2", 1, 2, capsys)
+    assert acc["pos_anchors_per_image"] == pytest.approx(one["pos_anchors_per_image"])  # the same images
+    assert acc["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert acc["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    for k in w_one:
+        torch.testing.assert_close(w_acc[k], w_one[k], rtol=0, atol=1e-7)
+
+
+@pytest.mark.slow  # a forked 2-process run
+def test_case_f14_two_processes_of_one_image_give_the_gradient_of_one_batch_of_two(tmp_path, capsys):
+    """The window's positive anchors are counted over all processes: 2 processes with 1 image each step as 1 process
+    with both (before the fix each process divided by its own count and DDP averaged: 1.125 vs 1.119)."""
+    data = make_detection_set(tmp_path / "d", 2)
+    one, w_one = first_step(data, tmp_path / "batch2", 2, 1, capsys)
+    two, w_two = first_step(data, tmp_path / "procs2", 1, 1, processes=2)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    for k in w_one:
+        torch.testing.assert_close(w_two[k], w_one[k], rtol=0, atol=1e-7)
+
+
 # ---- tiny data (C10) and the output-folder guards
 
 @pytest.mark.slow

@@ -12,6 +12,6 @@ from ..lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "ap_check": ("ap_of_runners", "ap_verdict"),
-    "formats": ("DEPLOY_FORMATS", "QUANTISED", "missing_packages", "write_formats"),
+    "formats": ("DEPLOY_FORMATS", "QUANTISED", "calibration_line", "missing_packages", "write_formats"),
     "runner": ("ExportRunner", "TorchRunner", "is_exported_model", "metadata_path"),
 })

@@ -43,6 +43,16 @@ def output_paths(onnx_path: str, formats) -> dict[str, str]:
     return paths
 
 
+def calibration_line(used: int, asked: int, source: str) -> str:
+    """The line that says how many images the INT8 formats were calibrated on: `used`, the images really given to the
+    quantisers (what FILE.ap.json records), never `asked` (--calibration_images) when the check `source` had fewer
+    readable images; then it says so, and what gives more."""
+    if used < asked:
+        return (f"INT8 calibration on {used} images, not the {asked} of --calibration_images: the check source {source} "
+                f"has {used} readable images (FILE.ap.json records {used}); for more, give a larger --check_source")
+    return f"INT8 calibration on {used} images of {source}"
+
+
 def head_nodes(onnx_path: str) -> list[str]:
     """Names of the ONNX nodes of the heads' last convolutions (`float_head`)."""
     import onnx

@@ -23,6 +23,7 @@ from ..data.transforms import PAD_VALUE
 from ..files import read_json
 from ..retinanet.anchors import AnchorGenerator
 from ..retinanet.decode import decode_detections
+from ..retinanet.export import canvas_size
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,20 @@ class ExportRunner:
         self.warned = False
         self.session = open_session(path, threads)
 
+    def size_refusal(self, image_size: int, max_size: int | None = None) -> str | None:
+        """One line when images resized to `image_size` (`max_size`: the longer side's cap) cannot fit this graph's
+        fixed canvas (decoding inside: the anchors of that canvas are constants in it), saying the export's size and
+        how to predict or re-export; None when they fit, or the graph takes any size (decoding outside)."""
+        need = canvas_size(image_size, max_size)
+        if not self.decode_inside or need <= self.canvas:
+            return None
+        m = self.meta
+        own = f"{m['image_size']} px" + (f" (longer side at most {m['max_size']})" if m.get("max_size") else "")
+        asked = f"--image_size {image_size}" + (f" --max_size {max_size}" if max_size else "")
+        return (f"{self.path} was exported for images of {own} on a fixed {self.canvas}x{self.canvas} canvas (decoding "
+                f"inside): {asked} needs a {need}x{need} one; predict without --image_size (the export's "
+                f"{m['image_size']}), or export again with {asked} (or with --decode outside, which takes any size)")
+
     def differs(self, score_thresh: float, nms_thresh: float, max_detections: int) -> str | None:
         """One line saying which of these a graph that decodes inside cannot honour (its own are built in), or None."""
         if not self.decode_inside:
@@ -138,7 +153,7 @@ class ExportRunner:
             return decode_detections(cls_logits, box_deltas, anchors, counts, batch["image_sizes"], batch["scales"],
                                      score_thresh=self.score_thresh, nms_thresh=self.nms_thresh,
                                      max_detections=self.max_detections).per_image(images.shape[0])
-        if max(images.shape[-2:]) > self.canvas:
+        if max(images.shape[-2:]) > self.canvas:  # a caller that did not ask `size_refusal` first
             raise ValueError(f"input {tuple(images.shape[-2:])} does not fit the {self.canvas}x{self.canvas} canvas of "
                              f"{self.path}: predict at the export's size ({self.meta['image_size']})")
         if tuple(images.shape[-2:]) != (self.canvas, self.canvas) and not self.warned:

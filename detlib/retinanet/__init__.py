@@ -14,7 +14,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "anchors": ("ANCHOR_CONFIG_KEYS", "AnchorGenerator", "anchor_generator_from_config"),
     "decode": ("decode_detections",),
     "export": ("ExportableRetinaNet", "canvas_size", "compare_detections", "head_candidates", "prepare_input"),
-    "loss": ("EmaLossNormalizer", "retinanet_loss"),
+    "loss": ("EmaLossNormalizer", "StepLossNormalizer", "retinanet_loss"),
     "model": ("RetinaNet", "build_retinanet_from_config", "check_backbone", "check_head_norm", "load_matching_weights",
               "loaded_weights_line", "log_model_size", "reorder_class_outputs"),
     "options": ("BOX_LOSSES", "HEAD_NORMS"),

@@ -65,7 +65,8 @@ def retinanet_loss(
         fg_iou, bg_iou: matching thresholds (see `match_anchors`).
         max_elements: chunk budget of the IoU matrix.
         normalizer: maps the batch's positive-anchor count (0-d float tensor) to the divisor of both losses;
-            default max(num_pos, 1). `EmaLossNormalizer` gives detectron2's running average.
+            default max(num_pos, 1). The training script's `StepLossNormalizer` counts the whole step (every
+            micro-batch and process), optionally through `EmaLossNormalizer` (detectron2's running average).
     Returns:
         dict of float32 scalars: `loss` (= cls_loss + box_loss_weight * box_loss), `cls_loss`, `box_loss`,
         and `num_pos` (positive anchors in the batch, before the clamp to 1). No host sync happens here
@@ -128,7 +129,8 @@ def _box_loss_per_anchor(deltas: torch.Tensor, matched_gt: torch.Tensor, anchors
 class EmaLossNormalizer:
     """The loss normaliser as a running average of the positive-anchor count (detectron2's RetinaNet:
     `loss_normalizer`, momentum 0.9, starting at 100): with 2 images per GPU the count of one batch swings
-    widely and so would the loss scale; the average keeps the gradient scale steady.
+    widely and so would the loss scale; the average keeps the gradient scale steady. The training script feeds it
+    once a step through `StepLossNormalizer` (the step's count per micro-batch and process, over all processes).
 
     Args:
         momentum: weight of the old value.
@@ -154,3 +156,66 @@ class EmaLossNormalizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.value, self.momentum = float(state["value"]), float(state["momentum"])
+
+
+class StepLossNormalizer:
+    """The loss normaliser of one optimizer step: the positive anchors of every micro-batch of the gradient
+    accumulation window on every process, so that k accumulated micro-batches of b images on W processes train
+    exactly as one batch of k * W * b images on one process (docs/flags.md, "One step, one batch"). A per-micro-batch
+    count would weight an image by how few positives its micro-batch shares it with: 2 micro-batches of 1 image
+    are not a batch of 2, nor are 2 processes of 1 image each (DDP averages what each divided by its own count).
+
+    Why a provisional divisor: the window's count is known only after its last micro-batch, when the others are
+    backpropagated already. Each micro-batch's loss is divided by `divisor`, the same for every micro-batch and
+    every process (the previous step's divisor per micro-batch and process; on a run's first step the mean over
+    processes of the first micro-batch's count; with `ema`, its value), and `finish` multiplies the summed
+    gradients by W * divisor / N. Exact, since the gradient is linear in the loss, and the loss keeps its usual size
+    meanwhile (fp16's loss scale sees what it saw). A partial last window is counted over its own micro-batches.
+
+    Args:
+        reduce_sum: maps a 0-d tensor to its sum over processes (e.g. `lambda t: accelerator.reduce(t, "sum")`);
+            None on one process.
+        num_processes: W, the processes whose gradients DDP averages.
+        ema: an `EmaLossNormalizer` (without `reduce`) for detectron2's running average: updated once a step
+            with the window's mean count per micro-batch and process; N is its value times the window's
+            micro-batches times W. None: N = max(count, 1).
+    Use: as `retinanet_loss`'s `normalizer` for each micro-batch (backward its loss, undoing accelerate's 1/k),
+    then `finish(model.parameters())` after the window's last backward, before clipping.
+    """
+
+    def __init__(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None, num_processes: int = 1,
+                 ema: EmaLossNormalizer | None = None):
+        self.reduce_sum, self.num_processes, self.ema = reduce_sum or (lambda t: t), num_processes, ema
+        self.divisor: torch.Tensor | None = None
+        self.count, self.micro_batches = None, 0
+
+    def __call__(self, num_pos: torch.Tensor) -> torch.Tensor:
+        num_pos = num_pos.detach().float()
+        if self.ema is not None:
+            self.divisor = torch.tensor(self.ema.value, dtype=torch.float32, device=num_pos.device)
+        elif self.divisor is None:  # collective: every process makes its first call together
+            self.divisor = self.reduce_sum(num_pos.clamp(min=1.0)) / self.num_processes
+        self.count = num_pos if self.count is None else self.count + num_pos
+        self.micro_batches += 1
+        return self.divisor
+
+    @torch.no_grad()
+    def finish(self, parameters) -> torch.Tensor:
+        """Divide the window's summed gradients by its count instead of the provisional divisor (collective: every
+        process calls it at the same step). Returns the factor applied (0-d float32): this process's micro-batch
+        losses summed and times it give its share of the step's loss, W * sum / N (their mean over processes is
+        the loss of the one batch)."""
+        if self.count is None:
+            raise RuntimeError("StepLossNormalizer.finish before any micro-batch of the step")
+        per_window = self.micro_batches * self.num_processes
+        total = self.reduce_sum(self.count)
+        if self.ema is not None:
+            n = self.ema(total / per_window) * per_window
+        else:
+            n = total.clamp(min=1.0)
+        factor = self.num_processes * self.divisor / n
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor.to(grads[0].device))
+        self.divisor, self.count, self.micro_batches = n / per_window, None, 0
+        return factor

@@ -22,7 +22,7 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 from ..backbones import (backbone_mean_std, frozen_parameters, freeze_stages, load_timm_weights, meta_forward_problem,
                          unknown_timm_model)
 from ..data.transforms import INPUT_DIVISIBILITY
-from ..weights import load_state_dict_file
+from ..weights import read_weights_file
 from .anchors import DEFAULT_NUM_ANCHORS, anchor_generator_from_config
 from .options import HEAD_NORMS  # beside the flags, where --help reads it without torch
 
@@ -128,14 +128,18 @@ class RetinaNetHead(nn.Module):
             return self.out(x.float())
 
 
-def build_backbone(name: str, pretrained: bool = False, weights_path: str | None = None) -> nn.Module:
+def build_backbone(name: str, pretrained: bool = False, weights_path: str | None = None,
+                   weights_ema: bool = True) -> nn.Module:
     """A timm model with `features_only=True`.
 
     Args:
         name: any timm model name (`resnet50`, `resnet18`, `convnext_tiny`, ...).
         pretrained: use timm's own download of pretrained weights (needs the internet or a filled cache).
         weights_path: local weights of the same timm model: the plain model's `state_dict()` (what
-            `timm.create_model(name)` holds, classifier included) or a `features_only` one, read by `load_timm_weights`.
+            `timm.create_model(name)` holds, classifier included) or a `features_only` one, read by `load_timm_weights`;
+            or a training checkpoint holding one (timm's train.py's `model_best.pth.tar`).
+        weights_ema: from a checkpoint with an EMA copy, take it (timm's `load_checkpoint` default), else the raw
+            weights; the load line names the part taken and the checkpoint's contents (`read_weights_file`).
     Raises:
         RuntimeError: if pretrained weights cannot be fetched (with what to do instead).
         ValueError: if the model lacks stride 8/16/32 features, or the weights file does not fit (one line).
@@ -155,7 +159,11 @@ def build_backbone(name: str, pretrained: bool = False, weights_path: str | None
     if missing:
         raise ValueError(f"timm model '{name}' has feature reductions {reductions}; RetinaNet needs 8, 16 and 32")
     if weights_path:
-        logger.info("%s", load_timm_weights(backbone, load_state_dict_file(weights_path), weights_path))
+        state_dict, part, has_ema = read_weights_file(weights_path, use_ema=weights_ema)
+        if has_ema:  # which copy is a choice: the line says how to make the other
+            part += ("; --no-backbone_weights_ema takes the raw weights" if weights_ema else
+                     "; without --no-backbone_weights_ema the EMA copy, timm's default")
+        logger.info("%s", load_timm_weights(backbone, state_dict, f"{weights_path} ({part})" if part else weights_path))
     return backbone
 
 
@@ -289,7 +297,9 @@ class RetinaNet(nn.Module):
         backbone: timm model name.
         fpn_channels: FPN and head width (256 in the paper; narrower heads are for CPUs and tests).
         pretrained_backbone: load timm's pretrained weights (online).
-        backbone_weights: path of local backbone weights (safetensors or torch state dict).
+        backbone_weights: path of local backbone weights (safetensors or torch state dict, or a training
+            checkpoint holding one: `build_backbone`).
+        backbone_weights_ema: from a checkpoint with an EMA copy, take it (timm's default), else the raw weights.
         freeze_backbone_bn: replace the backbone's BatchNorm by FrozenBatchNorm2d (the standard setting
             when fine-tuning from pretrained weights with small per-device batches).
         prior_prob: initial foreground probability of the classifier (pi).
@@ -324,6 +334,7 @@ class RetinaNet(nn.Module):
         fpn_channels: int = 256,
         pretrained_backbone: bool = False,
         backbone_weights: str | None = None,
+        backbone_weights_ema: bool = True,
         freeze_backbone_bn: bool = True,
         prior_prob: float = 0.01,
         num_anchors: int = DEFAULT_NUM_ANCHORS,
@@ -338,7 +349,7 @@ class RetinaNet(nn.Module):
         if p6_input not in P6_INPUTS:
             raise ValueError(f"p6_input must be one of {P6_INPUTS}, got {p6_input!r}")
         self.num_classes = num_classes
-        self.backbone = build_backbone(backbone, pretrained_backbone, backbone_weights)
+        self.backbone = build_backbone(backbone, pretrained_backbone, backbone_weights, backbone_weights_ema)
         if freeze_backbone_bn:
             self.backbone = timm.layers.freeze_batch_norm_2d(self.backbone)
         freeze_stages(self.backbone, frozen_parameters(backbone, freeze_at))
