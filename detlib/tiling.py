@@ -190,38 +190,60 @@ def merge_detections(boxes: torch.Tensor, scores: torch.Tensor, labels: torch.Te
     order = torch.sort(scores, descending=True, stable=True).indices
     boxes, scores, labels, sources = boxes[order], scores[order], labels[order], sources[order]
     seen = windows.to(boxes)[sources]  # [N, 4] the window of each box
-    left = torch.ones(len(boxes), dtype=torch.bool, device=boxes.device)
-    keep, kept = [], []
-    for i in range(len(boxes)):  # one row at a time: memory O(N), not the N x N of a matrix
+    matches = _window_matches(boxes, labels, sources, seen, match_thresh)
+    left, keep, extended, window_of = [True] * len(boxes), [], [], sources.tolist()
+    for i in range(len(boxes)):
         if not left[i]:
             continue
-        left[i] = False
-        box = boxes[i].clone()
-        rest = torch.nonzero(left & (labels == labels[i]) & (sources != sources[i])).flatten()
-        if len(rest):
-            lo = torch.maximum(seen[i, :2], seen[rest, :2])  # the region both windows saw
-            hi = torch.minimum(seen[i, 2:], seen[rest, 2:])
-            a, b = _clip(box.expand(len(rest), 4), lo, hi), _clip(boxes[rest], lo, hi)
-            inter = (torch.minimum(a[:, 2:], b[:, 2:]) - torch.maximum(a[:, :2], b[:, :2])).clamp(min=0).prod(1)
-            union = (a[:, 2:] - a[:, :2]).prod(1) + (b[:, 2:] - b[:, :2]).prod(1) - inter
-            iou = torch.where(union > 0, inter / union.clamp(min=1e-12), torch.zeros_like(inter))
-            best: dict[int, int] = {}  # at most one box of each other window: its own NMS kept the others apart
-            for k in torch.argsort(iou, descending=True, stable=True).tolist():
-                if iou[k] <= match_thresh:
-                    break
-                best.setdefault(int(sources[rest[k]]), int(rest[k]))
-            if best:
-                matched = boxes[sorted(best.values())]
-                left[sorted(best.values())] = False
-                inf = torch.full((2,), float("inf"), dtype=box.dtype, device=box.device)
-                beyond_lo = torch.where(matched[:, :2] < seen[i, :2], matched[:, :2], inf)  # past its left / top
-                beyond_hi = torch.where(matched[:, 2:] > seen[i, 2:], matched[:, 2:], -inf)  # right / bottom edge
-                box[:2] = torch.minimum(box[:2], beyond_lo.amin(0))
-                box[2:] = torch.maximum(box[2:], beyond_hi.amax(0))
+        best: dict[int, int] = {}  # at most one box of each other window: its own NMS kept the others apart
+        for _, j in matches.get(i, ()):
+            if left[j]:
+                best.setdefault(window_of[j], j)
+        for j in best.values():
+            left[j] = False
         keep.append(i)
-        kept.append(box)
+        extended.append((i, sorted(best.values())))
+    box_out = boxes[keep].clone()
+    for k, (i, matched) in enumerate(extended):  # past its window's edges, to where its matches reach
+        if matched:
+            m = boxes[matched]
+            inf = torch.full((2,), float("inf"), dtype=boxes.dtype, device=boxes.device)
+            box_out[k, :2] = torch.minimum(box_out[k, :2], torch.where(m[:, :2] < seen[i, :2], m[:, :2], inf).amin(0))
+            box_out[k, 2:] = torch.maximum(box_out[k, 2:], torch.where(m[:, 2:] > seen[i, 2:], m[:, 2:], -inf).amax(0))
     keep = torch.tensor(keep, dtype=torch.int64, device=boxes.device)
-    return {"boxes": torch.stack(kept) if kept else boxes[:0], "scores": scores[keep], "labels": labels[keep]}
+    return {"boxes": box_out, "scores": scores[keep], "labels": labels[keep]}
+
+
+def _window_matches(boxes: torch.Tensor, labels: torch.Tensor, sources: torch.Tensor, seen: torch.Tensor,
+                    match_thresh: float) -> dict[int, list[tuple[float, int]]]:
+    """{i: [(-IoU, j), ...] ascending}: the boxes j > i (lower-scored) of i's class from another window whose IoU
+    with box i, both clipped to the region both windows saw (`seen` [N, 4]: each box's window), is above
+    `match_thresh`. Only boxes that intersect can match (clipping only shrinks them), so the pairs are found by rows
+    of a few million entries at a time, not the whole N x N."""
+    import torch
+
+    n, found = len(boxes), {}
+    rows = max(1, 2 ** 22 // max(n, 1))
+    x0, y0, x1, y1 = boxes.unbind(1)
+    for start in range(0, n, rows):
+        r, c = slice(start, start + rows), slice(start, n)  # rows i, columns j >= i
+        candidate = ((x0[r, None] < x1[None, c]) & (x1[r, None] > x0[None, c]) & (y0[r, None] < y1[None, c])
+                     & (y1[r, None] > y0[None, c]) & (labels[r, None] == labels[None, c])
+                     & (sources[r, None] != sources[None, c]))
+        i, j = torch.nonzero(candidate, as_tuple=True)
+        i, j = i + start, j + start
+        i, j = i[i < j], j[i < j]
+        lo, hi = torch.maximum(seen[i, :2], seen[j, :2]), torch.minimum(seen[i, 2:], seen[j, 2:])
+        a, b = _clip(boxes[i], lo, hi), _clip(boxes[j], lo, hi)
+        inter = (torch.minimum(a[:, 2:], b[:, 2:]) - torch.maximum(a[:, :2], b[:, :2])).clamp(min=0).prod(1)
+        union = (a[:, 2:] - a[:, :2]).clamp(min=0).prod(1) + (b[:, 2:] - b[:, :2]).clamp(min=0).prod(1) - inter
+        iou = torch.where(union > 0, inter / union.clamp(min=1e-12), torch.zeros_like(inter))
+        hit = iou > match_thresh
+        for ii, jj, v in zip(i[hit].tolist(), j[hit].tolist(), iou[hit].tolist()):
+            found.setdefault(ii, []).append((-v, jj))
+    for pairs in found.values():
+        pairs.sort()  # the highest IoU first; equal IoU: the higher-scored box
+    return found
 
 
 def _clip(boxes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
