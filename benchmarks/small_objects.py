@@ -67,7 +67,7 @@ def in_process(weights: str, overlap: float, threads: int) -> dict:
     from detlib.data import EvaluationCollate, build_transform, make_small_objects_coco
     from detlib.inference import load_retinanet
     from detlib.retinanet import anchor_generator_from_config, decode_detections
-    from detlib.tiling import _window_item, detect_tiled
+    from detlib.tiling import _window_item, detect_tiled, window_transform
 
     torch.set_num_threads(threads)
     model, config, category_map = load_retinanet(weights)
@@ -88,7 +88,8 @@ def in_process(weights: str, overlap: float, threads: int) -> dict:
                                  batch["scales"], max_detections=100).per_image(len(batch["image_ids"]))
 
     modes = {"whole": lambda image: decode(EvaluationCollate()([_window_item(image, transform, 0)]))[0],
-             "tiled": lambda image: detect_tiled(decode, image, transform, TILE, overlap, 8, max_detections=100),
+             "tiled": lambda image: detect_tiled(decode, image, window_transform(config, TILE, config["image_size"])[0],
+                                                 TILE, overlap, 8, max_detections=100),  # --tile's scale rule
              "whole_native": lambda image: decode(EvaluationCollate()([_window_item(image, None, 0)]))[0]}
     results = {}
     for name, detect in modes.items():

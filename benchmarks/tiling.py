@@ -3,11 +3,13 @@
 The built-in model (a default built-in run's best/: `python scripts/train_retinanet.py`, 128 px) on one 1024 x 1024
 mosaic of the first 64 built-in val images (by id) at their native 128 px, 8 x 8, ground truth shifted with them:
 predicted whole (resized to 128 px, objects 8x smaller) and in 128 px tiles at 64 px steps (--tile 128 --tile_overlap
-0.5), the tiles' detections merged three ways:
+0.5), the tiles' detections merged four ways:
   nms         class-wise NMS on IoU 0.5 (torchvision `batched_nms`), the issue's hand-made baseline;
   ios         greedy class-wise matching on intersection over the smaller box (IoS) > 0.5, the matched boxes dropped
-              (`detlib.tiling.merge_detections`, what --tile uses);
-  greedy_nmm  the same matching, the matched boxes merged into the kept one's box (their union): sahi's GREEDYNMM.
+              (what --tile used before issue 52);
+  greedy_nmm  the same matching, the matched boxes merged into the kept one's box (their union): sahi's GREEDYNMM;
+  merge       `detlib.tiling.merge_detections`, what --tile uses (issue 52): only boxes of different windows, matched
+              on IoU where both windows saw, the kept box extended past its window's edges by its matches.
 Reported: COCO AP / AP50 / APs (pycocotools), the share of detections above 0.3 that are fragments (>= 90 % of their
 area inside a higher-scored detection of the same class), and images per second (one mosaic, median of 3 runs).
 
@@ -63,13 +65,14 @@ def build_mosaic(folder: str) -> tuple[torch.Tensor, dict]:
     return torch.from_numpy(canvas).permute(2, 0, 1).contiguous(), gt
 
 
-def nms(boxes, scores, labels, thresh):
+def nms(boxes, scores, labels, sources, windows, thresh):
     keep = batched_nms(boxes, scores, labels, thresh)
     return {"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]}
 
 
-def greedy_nmm(boxes, scores, labels, thresh):
-    """merge_detections' greedy matching, each kept box the union of its group (sahi's GREEDYNMM)."""
+def greedy_nmm(boxes, scores, labels, sources, windows, thresh):
+    """Greedy matching on intersection over the smaller box (IoS), each kept box the union of its group (sahi's
+    GREEDYNMM)."""
     order = torch.sort(scores, descending=True, stable=True).indices
     boxes, scores, labels = boxes[order], scores[order], labels[order]
     area, left, keep, union = box_area(boxes), torch.ones(len(boxes), dtype=torch.bool), [], []
@@ -82,6 +85,19 @@ def greedy_nmm(boxes, scores, labels, thresh):
             keep.append(i)
             union.append(torch.cat((boxes[group, :2].amin(0), boxes[group, 2:].amax(0))))
     return {"boxes": torch.stack(union), "scores": scores[keep], "labels": labels[keep]}
+
+
+def ios_greedy(boxes, scores, labels, sources, windows, thresh):
+    """Greedy on IoS, the matched boxes dropped (sahi's GREEDYNMM matching; --tile's merge before issue 52)."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    boxes, scores, labels = boxes[order], scores[order], labels[order]
+    area, left, keep = box_area(boxes), torch.ones(len(boxes), dtype=torch.bool), []
+    for i in range(len(boxes)):
+        if left[i]:
+            inter = (torch.minimum(boxes[i, 2:], boxes[:, 2:]) - torch.maximum(boxes[i, :2], boxes[:, :2])).clamp(min=0)
+            left &= ~((labels == labels[i]) & (inter.prod(1) / torch.minimum(area[i], area).clamp(min=1e-12) > thresh))
+            keep.append(i)
+    return {"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]}
 
 
 def fragments(d: dict, score: float = 0.3, inside: float = 0.9) -> float:
@@ -152,12 +168,12 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as folder:
         image, gt = build_mosaic(folder)
     runs = {"whole": lambda: whole(image)}
-    for name, merge in (("nms", nms), ("ios", merge_detections), ("greedy_nmm", greedy_nmm)):
+    for name, merge in (("nms", nms), ("ios", ios_greedy), ("greedy_nmm", greedy_nmm), ("merge", merge_detections)):
         runs[f"tile128_overlap0.5_{name}"] = lambda merge=merge: detect_tiled(decode, image, transform, 128, 0.5, 8,
                                                                              max_detections=1000, merge=merge)
-    runs["tile128_overlap0.5_ios_full"] = lambda: detect_tiled(decode, image, transform, 128, 0.5, 8, full=True,
+    runs["tile128_overlap0.5_merge_full"] = lambda: detect_tiled(decode, image, transform, 128, 0.5, 8, full=True,
                                                                       max_detections=1000)
-    runs["tile256_overlap0.25_ios"] = lambda: detect_tiled(decode, image, transform, 256, 0.25, 8,
+    runs["tile256_overlap0.25_merge"] = lambda: detect_tiled(decode, image, transform, 256, 0.25, 8,
                                                                   max_detections=1000)
     results = {}
     for name, run in runs.items():

@@ -17,8 +17,9 @@ A labelled Pascal VOC or YOLO set (its val split by default; results carry its i
     python scripts/predict_retinanet.py --weights outputs/voc/best --source VOCdevkit/VOC2012 --data_format voc --output_dir out
     python scripts/predict_retinanet.py --weights outputs/yolo/best --source datasets/my_set/data.yaml --split val --output_dir out
 
-Small objects in large images (aerial, slides): tiles of 512 px cut at native resolution, each resized to the
-model's size, boxes merged across tiles (docs/predict_export.md, "Tiled prediction"); --tile_full adds the whole image:
+Small objects in large images (aerial, slides): tiles of 512 px cut at native resolution, each at the scale the model
+was trained at (not resized for a model trained with --train_tile, else resized to its size), boxes merged across
+tiles (docs/predict_export.md, "Tiled prediction"); --tile_full adds the whole image:
     python scripts/predict_retinanet.py --weights outputs/r50_600/best --source aerial/ --output_dir out --tile 512 \
         --tile_overlap 0.2
 
@@ -63,7 +64,7 @@ from detlib.files import write_json
 from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
                               prediction_parser, predict_videos, retinanet_input_size, run_prediction,
                               start_prediction, stop_if_signalled, write_skipped)
-from detlib.tiling import add_tile_flags, collate_images, tile_flag_notes, tiled_loader
+from detlib.tiling import add_tile_flags, collate_images, tile_flag_error, tile_flag_notes, tile_settings, tiled_loader
 from detlib.lazy import no_grad
 from detlib.weights import WeightsFileError, weights_path
 
@@ -111,7 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    if tile_flag_error(args):
+        p.error(tile_flag_error(args))
+    return args
 
 
 def score_threshold(text: str):
@@ -438,8 +443,16 @@ def predict(args):
     # the process that predicted it
     index_of = {iid: k for k, iid in enumerate(coco_ids)} if coco_ids is not None else None  # image id -> input
     settings = (to_output_id, decode_thresh, args.nms_thresh, args.detections_per_image, thresholds)
-    tiles = dict(transform=ds.transform, tile=args.tile, overlap=args.tile_overlap, batch_size=args.batch_size,
-                 full=args.tile_full) if args.tile else None  # the loader gives native images, cut in detect
+    tiles = None
+    if args.tile:  # the loader gives native images, cut in detect; windows at the scale the model was trained at
+        sizes = [r["size"] for r in ds.records] if isinstance(ds, CocoDetection) else None  # a json's: windows counted
+        tiles, line, mismatch = tile_settings({**config, "image_size": image_size, "max_size": max_size}, args.tile,
+                                              args.tile_overlap, args.tile_full, args.batch_size, sizes,
+                                              poll=stop_if_signalled)
+        if accelerator.is_main_process:
+            logger.info("%s", line)
+            if mismatch:
+                logger.warning("%s", mismatch)
 
     def write_image(image_id: int, res: list[dict]) -> None:
         k = image_id if index_of is None else index_of[image_id]

@@ -63,7 +63,7 @@ from detlib.files import write_json
 from detlib.hub import add_hub_flags, check_push, local_weights, push_best
 from detlib.retinanet import BOX_LOSSES, HEAD_NORMS
 from detlib.schedules import step_scheduler
-from detlib.tiling import add_tile_flags, tiled_loader
+from detlib.tiling import add_tile_flags, tile_flag_error, tile_settings, tiled_loader
 from detlib.lazy import no_grad
 from detlib.weights import (WeightsFileError, load_model_weights, load_state_dict_file, model_config_file,
                             read_model_config, require_model_keys, weights_path)
@@ -242,6 +242,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.output_dir = f"outputs/retinanet_{args.builtin}"  # not the shapes run's folder
     if train_tile_conflict(args):
         p.error(train_tile_conflict(args))
+    if tile_flag_error(args):
+        p.error(tile_flag_error(args))
     if args.max_size is not None and args.image_size is not None and args.max_size < args.image_size:
         p.error(f"--max_size {args.max_size} is smaller than --image_size {args.image_size} (the shorter side)")
     return args
@@ -420,6 +422,9 @@ def resolve_model(args, given: set[str], synthetic: bool) -> tuple[dict | None, 
     except ValueError as e:
         stop(f"--area_ranges: {e}")
     args.resize_mode = settings["resize_mode"]  # read by build_dataloaders
+    # the scale its tiled evaluations run windows at (detlib.tiling.window_transform): this run's tiles, or the
+    # evaluated model's
+    settings["train_tile"] = (saved or {}).get("train_tile") if args.evaluate_only else args.train_tile
     return saved, settings, [n for n in notes if n]
 
 
@@ -547,17 +552,17 @@ def train_one_epoch(model, optimizer, scheduler, loader, anchor_gen, accelerator
 
 
 @no_grad
-def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args, title: str = "") -> dict:
+def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, accelerator, args, title: str = "",
+             tiles: dict | None = None) -> dict:
     """Decode the validation shard of every process, gather, and (main process) run COCOeval and log its 12 stats
     under `title` (which weights, which epoch); returns them on every process (collective). Checks for preemption
-    every 10 batches (raises Preempted)."""
+    every 10 batches (raises Preempted). `tiles`: --tile's `detect_tiled` settings (`detlib.tiling.tile_settings`)."""
     # The bare model: DDP's forward can be collective, and the processes run unequal numbers of batches. Its buffers
     # are made rank 0's, as DDP's forward would make them (and as a checkpoint holds them): BatchNorm statistics that
     # each process updated on its own batches would otherwise differ between the processes' shares.
     import torch
     from accelerate.utils import broadcast_object_list
 
-    from detlib.data import build_transform
     from detlib.engine import stop_if_preempted
     from detlib.evaluation import detect_images
 
@@ -569,9 +574,7 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
     evaluator.per_image, evaluator.failed = detect_images(
         model, anchor_gen, loader, accelerator, category_map.to_category_ids(torch.arange(len(category_map))),
         args.score_thresh, args.nms_thresh, args.detections_per_image,
-        poll=lambda: stop_if_preempted(accelerator), tiles=(dict(  # --tile: native images, cut here
-            transform=build_transform(args.image_size, "none", args.max_size, args.resize_mode), tile=args.tile,
-            overlap=args.tile_overlap, batch_size=args.per_device_eval_batch_size, full=args.tile_full) if args.tile else None))
+        poll=lambda: stop_if_preempted(accelerator), tiles=tiles)  # --tile: native images, cut there
     result = [None]
     if accelerator.is_main_process:
         stats, summary = evaluator.evaluate()
@@ -583,13 +586,15 @@ def evaluate(model, loader, anchor_gen, evaluator: CocoEvaluator, category_map, 
 
 
 def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, accelerator, metrics, state, args,
-                     image_dir: str, epoch: int | None, weights: str | None = None, final: bool = False) -> dict:
+                     image_dir: str, epoch: int | None, weights: str | None = None, final: bool = False,
+                     tiles: dict | None = None) -> dict:
     """Evaluate `models` ({"": the weights trained or evaluated, "ema_": their EMA}) and log it: one metrics.jsonl
     line (the 12 stats, per-class AP, the best-F1 score thresholds; for the trained weights why the AP is what it
     is: the error breakdown, calibration and bootstrap intervals of `evaluation_diagnostics`; the EMA's stats
     beside as ema_*; evaluating only, the `weights` scored), the log's eval lines, then for the trained weights
     predictions_val.json, plots/ and samples/ (also to the trackers), with label_errors.json at the `final`
-    evaluation. `epoch` counts from 1 (None: evaluating only). Collective. Returns {prefix: its evaluation: epoch,
+    evaluation. `epoch` counts from 1 (None: evaluating only); `tiles`: `evaluate`'s. Collective.
+    Returns {prefix: its evaluation: epoch,
     step, the stats, per_class, best_f1}."""
     from detlib.evaluation import (STAT_NAMES, best_f1_thresholds, evaluation_diagnostics, format_best_f1,
                                    log_diagnostics_to_trackers, log_evaluation_extras, per_class_ap,
@@ -598,7 +603,7 @@ def evaluate_and_log(models: dict, val_loader, val_ds, evaluator, anchor_gen, ac
     evaluations = {}
     for prefix, model in sorted(models.items(), reverse=True):  # the trained weights last: the evaluator keeps theirs
         title = (f"evaluation of {weights}" if weights else f"epoch {epoch}") + ", EMA weights" * bool(prefix)
-        stats = evaluate(model, val_loader, anchor_gen, evaluator, val_ds.category_map, accelerator, args, title)
+        stats = evaluate(model, val_loader, anchor_gen, evaluator, val_ds.category_map, accelerator, args, title, tiles)
         per_class, best_f1 = {}, None
         if accelerator.is_main_process:  # nothing detected: 0 for every class with ground truth
             per_class = (per_class_ap(evaluator.coco_eval) if evaluator.coco_eval is not None
@@ -645,6 +650,7 @@ def main(argv=None):
     from detlib.engine import (MetricsLog, Preempted, StepGuard, TrainState, TrainWindow, finish_run,
                                keep_best, log_plan, log_summary, make_accelerator, resume, run_length, running,
                                save_checkpoint, start_run, step_done, stop_early)
+    from detlib.engine.signals import signal_received
     from detlib.evaluation import CocoEvaluator, STAT_NAMES, area_ranges_from_edges, card_dataset, command_line
     from detlib.retinanet import EmaLossNormalizer, StepLossNormalizer, log_model_size
 
@@ -714,10 +720,18 @@ def main(argv=None):
         evaluator = CocoEvaluator(val_ds.dataset, args.coco_eval_backend,
                                   area_ranges=area_ranges_from_edges(args.area_ranges) if args.area_ranges else None)
         given_line = format_given(args, config)  # the flags the user set, for the config's log line
+        tiles = None
+        if args.tile:  # windows at the scale the model was trained at; their count known before the first one
+            tiles, line, mismatch = tile_settings(model_config, args.tile, args.tile_overlap, args.tile_full,
+                                                  args.per_device_eval_batch_size, [r["size"] for r in val_ds.records],
+                                                  poll=signal_received)  # local: the image's windows stop,
+            logger.info("tiled evaluation, %s", line)  # the next collective poll stops the run
+            if mismatch:
+                logger.warning("%s", mismatch)
 
         def evaluate(models: dict, epoch: int | None, final: bool = False) -> dict:
             return evaluate_and_log(models, val_loader, val_ds, evaluator, anchor_gen, accelerator, metrics, state, args,
-                                    paths["val_images"], epoch, weights, final)
+                                    paths["val_images"], epoch, weights, final, tiles)
 
         if args.evaluate_only:
             model = accelerator.prepare(model)

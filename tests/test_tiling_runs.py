@@ -148,3 +148,111 @@ Image.new("RGB", (2048, 2048), (90, 120, 80)).save({str(small)!r})
     assert peak - baseline < 7 * pixels + 2 * tile_batch, (peak - baseline) / pixels
     assert json.loads((tmp_path / "big_out" / "predictions.json").read_text()) == []  # read, predicted, not skipped
     assert not (tmp_path / "big_out" / "skipped.txt").exists()
+
+
+# ---- issue 52: the windows' scale; G05: a single window; G03: a grid of absurdly many windows
+
+SMALL_TILE_RUN = ["--backbone", "resnet18", "--fpn_channels", "32", "--head_norm", "none", "--anchor_sizes", "8", "16",
+                  "32", "64", "128", "--per_device_batch_size", "4", "--num_workers", "0", "--report_to", "none",
+                  "--num_log_images", "0", "--eval_bootstrap", "0", "--lr_scheduler", "constant", "--warmup_steps", "0",
+                  "--augmentation", "flip", "--score_thresh", "0", "--detections_per_image", "5"]
+
+
+def by_hand_at_native_scale(weights, image_path, tile: int, overlap: float, max_detections: int) -> list[tuple]:
+    """The image's windows (`tile_grid`) cut and run through the model as they are (no resize), 8 at a time, decoded,
+    shifted back, merged: (category id, xywh rounded to 1e-3 px, score rounded to 1e-5) by decreasing score."""
+    import torch
+
+    from detlib.boxes import box_xyxy_to_xywh
+    from detlib.inference import load_retinanet
+    from detlib.retinanet import anchor_generator_from_config, decode_detections
+    from detlib.tiling import merge_detections, tile_grid
+
+    model, config, category_map = load_retinanet(weights)
+    anchors = anchor_generator_from_config(config)
+    image = torch.from_numpy(np.array(Image.open(image_path).convert("RGB"))).permute(2, 0, 1)
+    windows = tile_grid(image.shape[2], image.shape[1], tile, overlap)
+    boxes, scores, labels, sources = [], [], [], []
+    with torch.no_grad():
+        for start in range(0, len(windows), 8):
+            part = windows[start:start + 8]
+            crops = torch.stack([image[:, y0:y1, x0:x1] for x0, y0, x1, y1 in part])
+            out = model(crops)
+            a, counts = anchors(*crops.shape[-2:])
+            n = len(part)
+            for k, d in enumerate(decode_detections(out["cls_logits"], out["box_deltas"], a, counts,
+                                                    torch.tensor([[tile, tile]] * n), torch.ones((n, 2)),
+                                                    score_thresh=0.0, max_detections=max_detections).per_image(n)):
+                x0, y0 = part[k][:2]
+                boxes.append(d["boxes"] + torch.tensor([x0, y0, x0, y0]))
+                scores.append(d["scores"])
+                labels.append(d["labels"])
+                sources.append(torch.full((len(d["scores"]),), start + k))
+    merged = merge_detections(torch.cat(boxes), torch.cat(scores), torch.cat(labels), torch.cat(sources),
+                              torch.tensor(windows, dtype=torch.float32))
+    ids = category_map.category_ids
+    return [(ids[c], tuple(round(v, 3) for v in b), round(s, 5)) for b, s, c in zip(
+        box_xyxy_to_xywh(merged["boxes"][:max_detections]).tolist(), merged["scores"][:max_detections].tolist(),
+        merged["labels"][:max_detections].tolist())]
+
+
+def rounded(predictions: list[dict]) -> list[tuple]:
+    return [(p["category_id"], tuple(round(v, 3) for v in p["bbox"]), round(p["score"], 5)) for p in predictions]
+
+
+def test_a_model_trained_on_tiles_gets_its_windows_at_native_scale(tmp_path):
+    """Issue 52: trained with --train_tile 64 --image_size 256 on the built-in small-object set (2 steps), its tiled
+    evaluation during training (--tile 64) gives the detections of the same windows run at native scale by hand (not
+    enlarged 4x to 256 px); --evaluate_only with --image_size 64 and predict_retinanet.py --tile 64 give the same
+    detections, so the same AP. The val set: one 768 x 1024 image of the set (300 windows)."""
+    from detlib.data import make_small_objects_coco
+
+    paths = make_small_objects_coco()
+    val = json.loads(open(paths["val_annotations"]).read())
+    image = val["images"][0]
+    assert (image["width"], image["height"]) == (768, 1024)
+    val.update(images=[image], annotations=[a for a in val["annotations"] if a["image_id"] == image["id"]])
+    (tmp_path / "val.json").write_text(json.dumps(val))
+    data = ["--val_images", paths["val_images"], "--val_annotations", tmp_path / "val.json"]
+    out = tmp_path / "run"
+    log = run_ok("train_retinanet", ["--train_images", paths["train_images"], "--train_annotations",
+                                     paths["train_annotations"], *data, *SMALL_TILE_RUN, "--train_tile", "64",
+                                     "--image_size", "256", "--tile", "64", "--max_steps", "2", "--epochs", "1",
+                                     "--output_dir", out])
+    trained = json.loads((out / "predictions_val.json").read_text())
+    assert len(trained) == 5
+    expected = by_hand_at_native_scale(out / "last", os.path.join(paths["val_images"], image["file_name"]), 64, 0.2, 5)
+    assert rounded(trained) == expected
+    assert "--tile 64 --tile_overlap 0.2: 300 windows on 1 images, each window at native scale (x1)" in log
+    assert json.loads((out / "last" / "model_config.json").read_text())["train_tile"] == 64
+    (final,) = [m for m in read_metrics(out) if "AP" in m]
+    # --evaluate_only at --image_size 64: the same windows, so the same detections and AP
+    run_ok("train_retinanet", [*data, *SMALL_TILE_RUN, "--evaluate_only", out / "last", "--image_size", "64",
+                               "--tile", "64", "--output_dir", tmp_path / "eval64"])
+    assert rounded(json.loads((tmp_path / "eval64" / "evaluate_only" / "predictions_val.json").read_text())) == expected
+    (evaluated,) = read_metrics(tmp_path / "eval64" / "evaluate_only")
+    assert final["AP"] >= evaluated["AP"]  # the issue's: not lower than the evaluation at --image_size 64
+    assert {k: evaluated[k] for k in STATS} == {k: final[k] for k in STATS}  # the same, since the same windows
+    # predict: the same rule
+    run_ok("predict_retinanet", ["--weights", out / "last", "--source", tmp_path / "val.json", "--images",
+                                 paths["val_images"], "--score_thresh", "0", "--detections_per_image", "5",
+                                 "--num_workers", "0", "--no_images", "--tile", "64",
+                                 "--output_dir", tmp_path / "pred"])
+    assert rounded(json.loads((tmp_path / "pred" / "predictions.json").read_text())) == expected
+
+
+def test_an_image_that_is_one_tile_gives_its_untiled_detections(tmp_path):
+    """G05: a 128 px image predicted whole and with --tile 128 (one window, the image, resized as the whole image is
+    to the model's 64 px): the same 109 detections (what the decoder's NMS keeps at --score_thresh 0), none merged
+    away (the merge only merges boxes of different windows)."""
+    weights = write_tiny_detector(tmp_path)
+    source = tmp_path / "src"
+    source.mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (128, 128, 3), dtype=np.uint8)).save(source / "a.png")
+    found = {}
+    for name, extra in (("whole", []), ("tiled", ["--tile", "128"])):
+        run_ok("predict_retinanet", ["--weights", weights, "--source", source, "--score_thresh", "0",
+                                     "--detections_per_image", "300", "--num_workers", "0", "--no_images",
+                                     "--output_dir", tmp_path / name, *extra])
+        found[name] = json.loads((tmp_path / name / "predictions.json").read_text())
+    assert len(found["whole"]) == 109 and found["tiled"] == found["whole"]

@@ -41,9 +41,9 @@ def detect(model, anchor_gen, batch: dict, to_ids: torch.Tensor, score_thresh: f
            tiles: dict | None = None) -> list[list[dict] | None]:
     """One batch -> per image its COCO result dicts (`detections_to_coco`: xywh pixels of the original image), None
     for an image that could not be read. The batch is `decode_batch`'s, or with `tiles` native [3, H, W] uint8 images
-    (`detlib.tiling.collate_images`), each detected by tiles: `tiles` holds `detect_tiled`'s transform, tile, overlap,
-    batch_size and full. `to_ids`: [K] int64, the category id written for each label, -1 for a class left out;
-    `min_scores`: [K], each class's lowest kept score (beside `score_thresh`, decoding's)."""
+    (`detlib.tiling.collate_images`), each detected by tiles: `tiles` holds `detect_tiled`'s keyword arguments
+    (`detlib.tiling.tile_settings`). `to_ids`: [K] int64, the category id written for each label, -1 for a class left
+    out; `min_scores`: [K], each class's lowest kept score (beside `score_thresh`, decoding's)."""
     def decode(b):
         return decode_batch(model, anchor_gen, b, score_thresh, nms_thresh, max_detections, autocast)
 
@@ -72,7 +72,8 @@ def detect_images(model, anchor_gen, loader, accelerator, to_ids: torch.Tensor, 
                   poll=None, poll_every: int = 10, on_image=None, desc: str = "eval",
                   tiles: dict | None = None) -> tuple[dict[int, list[dict]], set[int]]:
     """`detect` over this process's `loader`, then every process's results gathered (collective: every process has
-    as many batches, some empty). `poll()`: called before batches 0, `poll_every`, ... (a stop signal's poll);
+    as many batches, some empty). `poll()`: called before batches 0, `poll_every`, ... (with `tiles` also after the
+    last: results of images whose windows a stop cut short, `detect_tiled`'s poll, never leave here);
     `on_image(image_id, results)`: on the process that detected the image (its per-image files); `tiles`: `detect`'s
     (the loader then gives native images, `detlib.tiling.tiled_loader`). Returns
     ({image id: COCO result dicts}, the ids of unreadable images), the same on every process."""
@@ -98,6 +99,8 @@ def detect_images(model, anchor_gen, loader, accelerator, to_ids: torch.Tensor, 
             per_image[image_id] = res
             if on_image is not None:
                 on_image(image_id, res)
+    if poll is not None and tiles:  # after the last batch too: a stop that cut an image's windows short ends here
+        poll()
     if accelerator.num_processes == 1:
         return per_image, failed
     merged, all_failed = {}, set()
