@@ -160,10 +160,11 @@ SMALL_TILE_RUN = ["--backbone", "resnet18", "--fpn_channels", "32", "--head_norm
 
 def by_hand_at_native_scale(weights, image_path, tile: int, overlap: float, max_detections: int) -> list[tuple]:
     """The image's windows (`tile_grid`) cut and run through the model as they are (no resize), 8 at a time, decoded,
-    shifted back, merged: (category id, xywh rounded to 1e-3 px, score rounded to 1e-5) by decreasing score."""
+    shifted back, merged, written as results are (`detections_to_coco`): (category id, xywh rounded to 1e-3 px, score
+    rounded to 1e-5) in the writer's order."""
     import torch
 
-    from detlib.boxes import box_xyxy_to_xywh
+    from detlib.evaluation import detections_to_coco
     from detlib.inference import load_retinanet
     from detlib.retinanet import anchor_generator_from_config, decode_detections
     from detlib.tiling import merge_detections, tile_grid
@@ -190,10 +191,9 @@ def by_hand_at_native_scale(weights, image_path, tile: int, overlap: float, max_
                 sources.append(torch.full((len(d["scores"]),), start + k))
     merged = merge_detections(torch.cat(boxes), torch.cat(scores), torch.cat(labels), torch.cat(sources),
                               torch.tensor(windows, dtype=torch.float32))
-    ids = category_map.category_ids
-    return [(ids[c], tuple(round(v, 3) for v in b), round(s, 5)) for b, s, c in zip(
-        box_xyxy_to_xywh(merged["boxes"][:max_detections]).tolist(), merged["scores"][:max_detections].tolist(),
-        merged["labels"][:max_detections].tolist())]
+    ids = torch.tensor(category_map.category_ids)
+    kept = slice(0, max_detections)  # the merge's order decides which equal scores are kept; the writer ranks them
+    return rounded(detections_to_coco(merged["boxes"][kept], merged["scores"][kept], ids[merged["labels"][kept]], 0))
 
 
 def rounded(predictions: list[dict]) -> list[tuple]:

@@ -210,13 +210,15 @@ def detections_to_coco(boxes: torch.Tensor, scores: torch.Tensor, category_ids: 
         category_ids: [N] int64 data-set category ids (already mapped back from contiguous labels).
         image_id: the json's image id.
     Returns:
-        list of {"image_id": int, "category_id": int, "bbox": [x, y, w, h] floats, "score": float}.
+        list of {"image_id": int, "category_id": int, "bbox": [x, y, w, h] floats, "score": float}, in `rank_key`
+        order, the order the evaluation ranks them in: so every file of results we write (evaluation, predict, tiled
+        or not) lists equal scores the same way, whatever order the decoder or the tile merge gave them in.
     """
     xywh = box_xyxy_to_xywh(boxes.detach().float().cpu()).tolist()
     s = scores.detach().float().cpu().tolist()
     c = category_ids.detach().cpu().tolist()
     iid = int(image_id)
-    return [{"image_id": iid, "category_id": int(ci), "bbox": b, "score": si} for b, si, ci in zip(xywh, s, c)]
+    return ranked([{"image_id": iid, "category_id": int(ci), "bbox": b, "score": si} for b, si, ci in zip(xywh, s, c)])
 
 
 def _coco_classes(backend: str):

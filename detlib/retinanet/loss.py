@@ -167,10 +167,12 @@ class StepLossNormalizer:
 
     Why a provisional divisor: the window's count is known only after its last micro-batch, when the others are
     backpropagated already. Each micro-batch's loss is divided by `divisor`, the same for every micro-batch and
-    every process (the previous step's divisor per micro-batch and process; on a run's first step the mean over
-    processes of the first micro-batch's count; with `ema`, its value), and `finish` multiplies the summed
-    gradients by W * divisor / N. Exact, since the gradient is linear in the loss, and the loss keeps its usual size
-    meanwhile (fp16's loss scale sees what it saw). A partial last window is counted over its own micro-batches.
+    every process (the step's first micro-batch's count over all processes, divided by W; with `ema`, its value),
+    and `finish` multiplies the summed gradients by W * divisor / N. Exact, since the gradient is linear in the
+    loss, and the loss keeps its usual size meanwhile (fp16's loss scale sees what it saw). The divisor depends on
+    the step alone, never on the steps before it, so a resumed run divides as the uninterrupted one did. Without
+    accumulation the divisor is N / W already: the losses are divided by the step's count, as plain RetinaNet
+    does, and `finish` changes nothing. A partial last window is counted over its own micro-batches.
 
     Args:
         reduce_sum: maps a 0-d tensor to its sum over processes (e.g. `lambda t: accelerator.reduce(t, "sum")`);
@@ -193,8 +195,8 @@ class StepLossNormalizer:
         num_pos = num_pos.detach().float()
         if self.ema is not None:
             self.divisor = torch.tensor(self.ema.value, dtype=torch.float32, device=num_pos.device)
-        elif self.divisor is None:  # collective: every process makes its first call together
-            self.divisor = self.reduce_sum(num_pos.clamp(min=1.0)) / self.num_processes
+        elif self.count is None:  # a step's first micro-batch; collective: every process makes this call together
+            self.divisor = self.reduce_sum(num_pos).clamp(min=1.0) / self.num_processes
         self.count = num_pos if self.count is None else self.count + num_pos
         self.micro_batches += 1
         return self.divisor
@@ -208,14 +210,14 @@ class StepLossNormalizer:
         if self.count is None:
             raise RuntimeError("StepLossNormalizer.finish before any micro-batch of the step")
         per_window = self.micro_batches * self.num_processes
-        total = self.reduce_sum(self.count)
-        if self.ema is not None:
-            n = self.ema(total / per_window) * per_window
+        if self.ema is None and self.micro_batches == 1:  # the divisor was the step's count: nothing to correct
+            factor = torch.ones((), dtype=torch.float32, device=self.count.device)
         else:
-            n = total.clamp(min=1.0)
-        factor = self.num_processes * self.divisor / n
-        grads = [p.grad for p in parameters if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor.to(grads[0].device))
-        self.divisor, self.count, self.micro_batches = n / per_window, None, 0
+            total = self.reduce_sum(self.count)
+            n = self.ema(total / per_window) * per_window if self.ema is not None else total.clamp(min=1.0)
+            factor = self.num_processes * self.divisor / n
+            grads = [p.grad for p in parameters if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, factor.to(grads[0].device))
+        self.divisor, self.count, self.micro_batches = None, None, 0
         return factor
