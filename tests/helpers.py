@@ -543,8 +543,13 @@ def forked_launch(script: str | Path, args: list, num_processes: int = 2, timeou
 
 def _forked_rank(path: Path, args: list, rank: int, world: int, port: int, log: str, environment: dict,
                  cwd: str) -> None:
+    import multiprocessing
     import runpy
 
+    # fork, as in a process `accelerate launch` starts on Linux: a fork server's children inherit forkserver as their
+    # default, and the DataLoader workers (`detlib.data.loaders.WorkerProcess`) would each start through a new server
+    # of their own, a fresh interpreter importing torch: a start-up users never pay, and not their workers' start
+    multiprocessing.set_start_method("fork", force=True)
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1",

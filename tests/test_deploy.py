@@ -125,20 +125,6 @@ def test_ap_drop_beyond_max_ap_drop_exits_1_with_both_numbers_and_what_to_try(we
     assert "Traceback" not in console
 
 
-def test_case_g10_calibration_on_fewer_images_than_asked_records_and_says_the_number_used(weights, labelled, tmp_path):
-    """--calibration_images 10 on a check set of 6 images: FILE.ap.json records the 6 the quantiser was given (it
-    recorded 10), and one warning line says 6, not 10, and why."""
-    code, console = export(weights, tmp_path / "c.onnx", labelled, "--format", "onnx_int8", "--calibration_images", "10",
-                           "--max_ap_drop", "100", "--decode", "outside")
-    assert code == 0, console[-3000:]
-    report = json.loads((tmp_path / "c.ap.json").read_text())
-    assert report["calibration_images"] == 6 and report["calibration_images_asked"] == 10
-    said = [line for line in console.splitlines() if "calibration on" in line]
-    assert len(said) == 1 and "WARNING" in said[0], said
-    assert f"INT8 calibration on 6 images, not the 10 of --calibration_images: the check source {labelled[0]} has 6 " \
-           "readable images" in said[0]
-
-
 FLOAT_HEAD_CONVS = """
 import json, sys
 import onnx, openvino as ov
@@ -159,7 +145,11 @@ print(json.dumps(counts))
 """
 
 
-def test_float_head_keeps_the_heads_last_convolutions_float(weights, labelled, exported, tmp_path):
+def test_float_head_keeps_the_heads_last_convolutions_float_and_g10_the_calibration_count_used_is_recorded(
+        weights, labelled, exported, tmp_path):
+    """--float_head: the heads' last convolutions stay float in both INT8 formats. The same export asks for 10
+    calibration images of a check set of 6 (G10): FILE.ap.json records the 6 the quantiser was given (it recorded
+    10), and one warning line says 6, not 10, and why."""
     def float_head_convs(*stems) -> list[list[int]]:
         """Per stem: [head output convolutions with quantised weights in FILE.int8.onnx, with a quantised input in
         FILE.int8.xml] (one process: onnx and openvino never load in the test process)."""
@@ -168,8 +158,14 @@ def test_float_head_keeps_the_heads_last_convolutions_float(weights, labelled, e
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     code, console = export(weights, tmp_path / "f.onnx", labelled, "--format", "onnx_int8", "openvino_int8",
-                           "--calibration_images", "2", "--max_ap_drop", "100", "--float_head")
+                           "--calibration_images", "10", "--max_ap_drop", "100", "--float_head")
     assert code == 0, console[-3000:]
+    report = json.loads((tmp_path / "f.ap.json").read_text())
+    assert report["calibration_images"] == 6 and report["calibration_images_asked"] == 10
+    said = [line for line in console.splitlines() if "calibration on" in line]
+    assert len(said) == 1 and "WARNING" in said[0], said
+    assert f"INT8 calibration on 6 images, not the 10 of --calibration_images: the check source {labelled[0]} has 6 " \
+           "readable images" in said[0]
     quantised = exported[0].parent / exported[0].stem  # the same INT8 formats, written without --float_head
     # 2 heads x 5 levels: quantised without the flag, float with it
     assert float_head_convs(quantised, tmp_path / "f") == [[10, 10], [0, 0]]

@@ -383,13 +383,11 @@ def test_help_of_every_script_imports_no_heavy_module(script):
 
 
 @pytest.mark.parametrize("script", sorted(f.name for f in (REPO / "scripts").glob("*.py")))
-def test_no_script_reads_a_shortened_flag_as_a_longer_one(script):
+def test_no_script_reads_a_shortened_flag_as_a_longer_one(script, capsys):
     """argparse's abbreviations read `--tile 128` as `--tile_min_visible 128` before --tile existed: every script's
-    parser refuses a prefix of one of its flags (exit 2) rather than guessing."""
-    import subprocess
-    import sys
-
-    from conftest import launch_env
+    `main(argv)` refuses a prefix of one of its flags (exit 2) rather than guessing (in-process: the parse is the
+    first thing each `main` does, before any import a launch would add)."""
+    from helpers import run_main
 
     spec = importlib.util.spec_from_file_location(script[:-3], REPO / "scripts" / script)
     module = importlib.util.module_from_spec(spec)
@@ -397,7 +395,6 @@ def test_no_script_reads_a_shortened_flag_as_a_longer_one(script):
     parser = module.build_parser()
     longest = max((o for a in parser._actions for o in a.option_strings if o.startswith("--") and a.nargs != 0),
                   key=len)  # a flag that takes a value
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), longest[:-1], "1"], capture_output=True,
-                          text=True, timeout=120, env=launch_env({"PYTHONPATH": str(REPO)}))
-    assert proc.returncode == 2, (longest, proc.stdout[-1000:], proc.stderr[-1000:])
-    assert "unrecognized arguments" in proc.stderr or "error" in proc.stderr, proc.stderr[-1000:]
+    code, out, err = run_main(script[:-3], [longest[:-1], "1"], capsys)
+    assert code == 2, (longest, out[-1000:], err[-1000:])
+    assert "unrecognized arguments" in err or "error" in err, err[-1000:]

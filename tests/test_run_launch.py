@@ -5,7 +5,8 @@ loss normalizer's exact resume is tests/test_train_retinanet.py's B19 test.)
 
 Tiny on purpose: noise images of 64 px with a box or two, resnet18 with a 16-channel head (RetinaNet) or timm's
 `test_resnet` at 32 px (cats/dogs). A launch costs ~8 s of start-up per process before any work, so only what
-needs the launcher is launched: signals, kill -9, start-up errors on 2 processes, two "machines". A 2-process run
+needs the launcher is launched: signals through it, two "machines". A kill -9 of a whole run and a start-up
+error on 2 processes are forked runs (`helpers.ForkedRun`, `forked_launch`). A 2-process run
 whose launcher plays no part (the reference a signal test compares against, the resumes, C08) is forked from
 the test process (`helpers.forked_ok`: the rank variables of cpu_2proc.yaml, a third of a launch's CPU time), and a
 1-process one runs `main(argv)` in-process (`helpers.run_ok` / `run_main`), without DataLoader workers unless a
@@ -30,9 +31,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, read_metrics, run_script, start_script, traceback_through_our_code, write_coco, write_image
+from conftest import REPO, read_metrics, start_script, traceback_through_our_code, write_coco, write_image
 from detlib.engine.run_folder import acquire_lock, release_lock
-from helpers import Launch, error_lines, forked_ok, free_port, make_tiny_folder, run_main, run_ok
+from helpers import ForkedRun, Launch, error_lines, forked_launch, forked_ok, free_port, make_tiny_folder, run_main, run_ok
 
 # DataLoader workers on, as users run (2: the default 4 capped at this machine's cores): every launched exit path
 # below runs through worker processes (the cats/dogs ones persistent); in-process runs add NO_WORKERS
@@ -164,10 +165,10 @@ def test_kill9_mid_epoch_resume_redoes_at_most_checkpoint_steps(tmp_path, capsys
     common = data + TINY + ["--epochs", "2", "--per_device_batch_size", "1", "--optimizer", "sgd", "--lr", "0.01",
                             "--lr_scheduler", "cosine", "--warmup_steps", "2", "--checkpoint_steps", "5"]
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = start_script("train_retinanet.py", common + ["--output_dir", str(part)])  # the launch that is killed
-    wait_for_step(part, proc, 13)
-    os.killpg(proc.pid, signal.SIGKILL)  # launcher and trainer at once: nothing can save
-    proc.wait()
+    run = ForkedRun("train_retinanet.py", common + ["--output_dir", part])  # the run that is killed (with its workers)
+    run.wait_for_step(part, 13)
+    run.kill()  # every process of the run at once: nothing can save (a kill -9 of the launcher's group: test_exit_paths)
+    assert run.finish("kill -9 mid-epoch")[0] == -signal.SIGKILL
     logged = max(m["step"] for m in trains(part))
     # the uninterrupted run and the resume in-process, with the same flags (DataLoader workers included)
     run_ok("train_retinanet", common + ["--output_dir", full], capsys)
@@ -403,12 +404,13 @@ def test_case_f14_two_processes_of_one_image_give_the_gradient_of_one_batch_of_t
 
 @pytest.mark.slow
 def test_case_c10_no_batch_per_process_stops_at_start(tmp_path):
+    """Forked on 2 processes (the launcher's part in a refusal printed once: tests/test_catsdogs_launch.py)."""
     data = make_detection_set(tmp_path / "d", 3)
-    proc = run_script("train_retinanet.py", data + TINY + ["--epochs", "3", "--output_dir", str(tmp_path / "o")],
-                      config="cpu_2proc.yaml", check=False)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and not traceback_through_our_code(text), text[-3000:]
-    (line,) = error_lines(proc.stderr)  # one line, from the first process
+    run = forked_launch("train_retinanet.py", data + TINY + ["--epochs", "3", "--output_dir", str(tmp_path / "o")])
+    text = "\n".join(run.texts)
+    assert all(code != 0 for code in run.codes) and not traceback_through_our_code(text), text[-3000:]
+    (line,) = error_lines(text)  # one line over both processes, from the first
+    assert error_lines(run.texts[0]) == [line]
     assert "3 training images on 2 process(es) with --per_device_batch_size 2" in line
     assert not (tmp_path / "o" / "last").exists()
 

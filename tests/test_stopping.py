@@ -1,24 +1,22 @@
 """Ending a run early (detlib.engine.stopping): --early_stopping_patience ends both scripts as a finished run ends,
-after exactly N evaluations without a better best, and its count survives a resume; --time_limit stops at a step
-with a resumable checkpoint and exit 0 before the budget runs out, and the resume finishes the run. Also the first
-training batch drawn (samples/train_batch.jpg), checked in these runs."""
+after exactly N evaluations without a better best, and its count survives a resume; --time_limit's forms (its launch,
+which stops at a step with a resumable checkpoint before the budget runs out, is in tests/test_time_bounds.py). Also
+the first training batch drawn (samples/train_batch.jpg), checked in these runs."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import COCO_SUBSET, needs_coco_subset, read_metrics, start_script, write_coco, write_image
+from conftest import COCO_SUBSET, needs_coco_subset, read_metrics, write_coco, write_image
 from detlib.engine import stopping
 from detlib.argtypes import duration_seconds
 from detlib.evaluation.drawing import class_color, drawing_scale
-from helpers import Launch, make_tiny_folder, run_main, run_ok
+from helpers import make_tiny_folder, run_main, run_ok
 
 CATS = ["--model", "test_resnet", "--image_size", "32", "--num_workers", "0", "--report_to", "none",
         "--per_device_batch_size", "4"]
@@ -129,69 +127,6 @@ def test_retinanet_early_stopping_count_survives_a_resume(tmp_path, capsys):
     assert json.loads((out / "label_errors.json").read_text())["counts"] == final["label_errors"]
     again = run_main("train_retinanet", flags + ["--epochs", "8", "--resume_from_checkpoint", "latest"], capsys)
     assert again[0] == 0 and len(evaluations(out, "AP")) == 3 and status(out)["epoch"] == 3  # stopped stays stopped
-
-
-# ---- the time budget, launched (the exit code through the launcher)
-
-@pytest.mark.slow
-def test_time_limit_stops_with_a_checkpoint_and_exit_0_and_the_resume_finishes(tmp_path, capsys):
-    data = make_tiny_folder(tmp_path / "data", [16, 16])
-    out = tmp_path / "run"
-    common = CATS + ["--train_dir", data, "--val_dir", data, "--checkpoint_steps", "3", "--output_dir", out]
-    budget = 40
-    started = time.time()  # before the training process starts: the budget it counts is shorter
-    proc = start_script("train_catsdogs.py", common + ["--epochs", "200", "--time_limit", f"00:00:{budget}"],
-                        stderr=subprocess.PIPE)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert (out / "run_status.json").exists(), stderr[-3000:]
-    ended = (out / "run_status.json").stat().st_mtime
-    assert proc.returncode == 0, stderr[-3000:]
-    record = status(out)
-    assert record["status"] == "time_limit" and record["exit_code"] == 0, record
-    # stopped, checkpoint written, before the budget ran out (2 s for the launcher's own end on a loaded machine)
-    assert ended - started <= budget + 2, ended - started
-    assert record["global_step"] >= 3 and record["epoch"] < 200
-    last_line = stderr.strip().splitlines()[-1]
-    assert last_line.startswith("stopped: --time_limit 00:00:40: stopped at step") and \
-        "--resume_from_checkpoint latest" in last_line, stderr[-2000:]
-    written = Path(last_line.split("checkpoint ")[1].split(" written")[0])
-    state = json.loads((written / "trainer_state.json").read_text())
-    assert state["global_step"] == record["global_step"]
-    stdout = run_ok("train_catsdogs", common + ["--epochs", str(record["epoch"] + 2), "--resume_from_checkpoint",
-                                                "latest"], capsys)
-    assert f"global step {record['global_step']}" in stdout and status(out)["status"] == "finished"
-    assert status(out)["epoch"] == record["epoch"] + 2
-
-
-@pytest.mark.slow
-def test_time_limit_on_two_processes_stops_both_at_one_step_with_one_checkpoint(tmp_path):
-    """The budget is each process's, the decision one (any process's budget up stops both): the two ranks stop at the
-    same step, write one checkpoint together, and the launcher exits 0 with one resume line."""
-    data = make_tiny_folder(tmp_path / "data", [16, 16])
-    out = tmp_path / "run"
-    budget = 50  # start-up, FIRST_SAVE_S kept until the first --checkpoint_steps save is timed, then steps
-    started = time.time()
-    run = Launch("train_catsdogs.py", CATS[:4] + ["--num_workers", "2", "--per_device_batch_size", "2", "--train_dir",
-                                                  data, "--val_dir", data, "--epochs", "500", "--checkpoint_steps", "5",
-                                                  "--log_interval", "1", "--time_limit", f"00:00:{budget}",
-                                                  "--output_dir", out], "cpu_2proc.yaml")
-    code, _ = run.finish("train_catsdogs.py cpu_2proc.yaml --time_limit")
-    text = run.text.replace("\r", "\n")
-    assert code == 0 and "2 process(es)" in text, text[-3000:]
-    ended = (out / "run_status.json").stat().st_mtime
-    assert ended - started <= budget + 2, ended - started  # checkpoint written before the budget ran out
-    record = status(out)
-    assert record["status"] == "time_limit" and record["exit_code"] == 0 and record["epoch"] < 500, record
-    stops = [ln for ln in text.splitlines() if ln.startswith(f"stopped: --time_limit 00:00:{budget}: stopped at step")]
-    assert len(stops) == 1 and text.count("--resume_from_checkpoint latest") == 1, text[-3000:]
-    written = Path(stops[0].split("checkpoint ")[1].split(" written")[0])
-    assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors"} <= {f.name for f in written.iterdir()}
-    assert text.count(f"saved checkpoint {written}") <= 1  # the stop's, once (none when a step checkpoint was reused)
-    state = json.loads((written / "trainer_state.json").read_text())
-    trained = max(m["step"] for m in read_metrics(out) if "loss" in m)
-    # past the first timed save: each rank's stretches and saves, measured on its own, went into the decision
-    assert state["global_step"] == record["global_step"] == trained > 5  # and no rank went on after it
-    print(f"2 processes, --time_limit {budget} s: stopped at step {trained}, {ended - started:.1f} s after the start")
 
 
 # ---- the real data
