@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import COCO_SUBSET, REPO, SHARED_DATA, needs_coco_subset, read_metrics, start_script, write_coco
-from helpers import forked_ok, load_script, make_tiny_folder, run_ok
+from conftest import COCO_SUBSET, REPO, SHARED_DATA, needs_coco_subset, read_metrics, write_coco
+from helpers import ForkedRun, forked_ok, load_script, make_tiny_folder, run_ok
 from detlib.data.balanced import (FREQUENCIES_FILE, ClassBalancedSampler, RepeatFactorSampler, class_frequencies,
                                   repeat_factors)
 from detlib.data.sampler import GroupedBatchSampler
-from detlib.datacheck.report import IMBALANCE_RATIO, DataReport
+from detlib.datacheck.report import IMBALANCE_RATIO
 
 CATSDOGS = SHARED_DATA / "catsdogs"
 needs_catsdogs = pytest.mark.skipif(not CATSDOGS.is_dir(), reason="../shared/data/catsdogs is not present")
@@ -289,7 +289,7 @@ def test_class_balanced_sampler_makes_the_minority_predicted_on_a_10_to_1_subset
 
 # ---- a mid-epoch resume replays the epoch exactly: its draws and each draw's augmentation
 
-@pytest.mark.slow  # a launch killed after its first step checkpoint, then two in-process runs
+@pytest.mark.slow  # a run killed after its first step checkpoint, then two in-process runs
 @pytest.mark.parametrize("sampler", ["shuffle", "class_balanced"])
 def test_catsdogs_killed_mid_epoch_resumes_to_the_uninterrupted_run(tmp_path, capsys, sampler):
     """kill -9 after a --checkpoint_steps checkpoint, with DataLoader workers: the resumed run trains on the images and
@@ -299,12 +299,12 @@ def test_catsdogs_killed_mid_epoch_resumes_to_the_uninterrupted_run(tmp_path, ca
               "2", "--per_device_batch_size", "2", "--epochs", "3", "--checkpoint_steps", "3", "--log_interval", "1",
               "--verify_images", "none", "--report_to", "none", "--sampler", sampler]
     full, part = tmp_path / "full", tmp_path / "part"
-    proc = start_script("train_catsdogs.py", common + ["--output_dir", part])
+    run = ForkedRun("train_catsdogs.py", common + ["--output_dir", part])  # forked: the launcher plays no part
     deadline = time.time() + 120
-    while not list((part / "checkpoints").glob("step_*[0-9]")) and proc.poll() is None and time.time() < deadline:
+    while not list((part / "checkpoints").glob("step_*[0-9]")) and run.procs[0].is_alive() and time.time() < deadline:
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)  # launcher, trainer and its workers at once: nothing can save
-    assert proc.wait() != 0, proc.stdout.read()[-3000:]
+    run.kill()  # the training process and its workers at once: nothing can save
+    assert run.finish("train_catsdogs.py killed mid-epoch")[0] == -signal.SIGKILL, run.text[-3000:]
     run_ok("train_catsdogs", common + ["--output_dir", full], capsys)
     resumed = run_ok("train_catsdogs", common + ["--output_dir", part, "--resume_from_checkpoint", "latest"], capsys)
     start = int(re.search(r"global step (\d+)", resumed).group(1))

@@ -428,32 +428,32 @@ def wandb_env(tmp_path: Path, **env) -> dict:
             "WANDB_INIT_TIMEOUT": "5", "WANDB_SILENT": "true", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env}
 
 
-def launch_quiet(args: list, env: dict, timeout: int = 240):
-    """The catsdogs script under `accelerate launch --quiet` (no launcher traceback after an error line)."""
-    import subprocess
+def run_alone(args: list, env: dict) -> tuple[int, str]:
+    """The catsdogs script in a process of its own (forked, `helpers.ForkedRun`: wandb's service, HOME and config
+    are that process's, and its imports come after `env` is set): (exit code, stdout + stderr). The launcher plays
+    no part in how a tracker fails (tests/test_catsdogs_launch.py launches a wandb run)."""
+    from helpers import ForkedRun
 
-    from conftest import launch_command
-
-    cmd = launch_command("train_catsdogs.py", [*args], launcher_args=("--quiet",))
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    run = ForkedRun("train_catsdogs.py", args, 1, env=env)
+    code, _ = run.finish("train_catsdogs.py --report_to wandb")
+    return code, run.text
 
 
 TRACKER_RUN = ["--max_steps", "1", "--image_size", "16", "--num_workers", "0", "--per_device_batch_size", "8",
                "--per_device_eval_batch_size", "50"]
 
 
-@pytest.mark.slow  # wandb in a launch of its own: its service, HOME and config are the process's
+@pytest.mark.slow  # wandb in a process of its own: its service, HOME and config are the process's
 @pytest.mark.parametrize("variant", ["no_key", "key_no_network"])
 def test_case_d12_wandb_online_without_key_or_network_is_one_line_and_a_run_status(tmp_path, variant):
     env = {"WANDB_MODE": "online"}
     if variant == "key_no_network":  # a closed port on this machine: refused at once, nothing leaves it
         env.update(WANDB_API_KEY="0123456789abcdef0123456789abcdef01234567", WANDB_BASE_URL="http://127.0.0.1:9")
     out = tmp_path / "run"
-    proc = launch_quiet([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out], wandb_env(tmp_path, **env))
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 1, text[-3000:]
+    code, text = run_alone([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out], wandb_env(tmp_path, **env))
+    assert code == 1, text[-3000:]
     assert "Traceback" not in text and "has no attribute 'run'" not in text
-    (line,) = error_lines(proc.stderr)
+    (line,) = error_lines(text)
     assert line.startswith("error: --report_to wandb: wandb could not start (")
     assert ("No API key configured" in line) if variant == "no_key" else ("connection refused" in line.lower())
     assert "log in (`wandb login`, or set WANDB_API_KEY), check the network and WANDB_BASE_URL" in line
@@ -467,10 +467,10 @@ def test_case_d12_wandb_online_without_key_or_network_is_one_line_and_a_run_stat
 def test_case_d12_wandb_disabled_keeps_working(tmp_path):
     """(WANDB_MODE=offline without a key: test_case_b13_b21_... in test_catsdogs_launch.py.)"""
     out = tmp_path / "run"
-    proc = launch_quiet([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out],
-                        wandb_env(tmp_path, WANDB_MODE="disabled"))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "Traceback" not in proc.stdout + proc.stderr and not error_lines(proc.stderr)
+    code, text = run_alone([*TRACKER_RUN, "--report_to", "wandb", "--output_dir", out],
+                           wandb_env(tmp_path, WANDB_MODE="disabled"))
+    assert code == 0, text[-3000:]
+    assert "Traceback" not in text and not error_lines(text)
     assert json.loads((out / "run_status.json").read_text())["status"] == "finished"
     assert not list((out / "wandb").glob("offline-run-*"))
 
