@@ -5,7 +5,9 @@ processes, under a timeout that makes a hang a failure.
 The ends without a signal (an epoch's end, --max_steps, --evaluate_only, divergence, errors at start and mid-run)
 are tests/test_exit_paths_without_signals.py's: a file each, so that the suite's two workers share them.
 
-Each launch checks the exit code, `run_status.json`, and that no process of the run is left: every process seen
+A signal that reaches one process alone (a `kill` of --evaluate_only) is sent to a forked run (`helpers.ForkedRun`:
+the same checks, without a launcher or ~6 s of imports). Each run checks the exit code, `run_status.json`, and that
+no process of the run is left: every process seen
 under the launcher (training processes, DataLoader workers) and every process group they were in is gone within
 seconds of the launcher's exit. The seconds from the last output to the end of the last process are printed
 (`pytest -s`) as `exit path ...: N.N s`.
@@ -25,7 +27,7 @@ import pytest
 
 from conftest import launch_env, traceback_through_our_code
 from helpers import EXIT_WORKERS as WORKERS
-from helpers import Launch, data_and_flags, process_table, processes, run_status as status
+from helpers import ForkedRun, Launch, data_and_flags, process_table, processes, run_status as status
 
 pytestmark = pytest.mark.slow
 
@@ -107,12 +109,12 @@ def test_sigterm_mid_evaluate_only_is_one_line_and_exit_75(cats_data, detection_
     script = "train_catsdogs.py"
     data, flags = data_and_flags(script, cats_data, detection_data)
     out = tmp_path / "run"
-    trained = Launch(script, data + flags + ["--max_steps", "1", "--output_dir", out], None)
+    trained = ForkedRun(script, data + flags + ["--max_steps", "1", "--output_dir", out])
     assert trained.finish(f"{script} 1 step")[0] == 0, trained.text[-2000:]
-    run = Launch(script, data + flags + ["--evaluate_only", out / "best", "--per_device_eval_batch_size", "1",
-                                         "--output_dir", out], None)
+    run = ForkedRun(script, data + flags + ["--evaluate_only", out / "best", "--per_device_eval_batch_size", "1",
+                                            "--output_dir", out])  # forked: `kill` reaches the process alone
     run.wait_for("eval:")
-    os.kill(run.proc.pid, signal.SIGTERM)
+    run.signal(signal.SIGTERM)
     code, _ = run.finish(f"{script} --evaluate_only SIGTERM mid-evaluation")
     last = [ln for ln in run.text.replace("\r", "\n").splitlines() if ln.strip()][-1]
     assert code == 75 and last == "stopped: stopped by SIGTERM during evaluation", run.text[-2000:]
