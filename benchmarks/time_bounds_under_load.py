@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from detlib.engine.flags import HelpFormatter  # noqa: E402
 
 
 def spin() -> None:
@@ -23,7 +25,7 @@ def spin() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--spinners", type=int, default=1, help="busy processes beside the tests (default: %(default)s)")
     return parser
 

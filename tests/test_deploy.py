@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import COCO_SUBSET, REPO, launch_env, needs_coco_subset
-from helpers import fresh_root_logging, run_main
+from helpers import forked_launch, fresh_root_logging, run_main
 from tiny_retinanet import spread_retinanet, subset_json
 
 pytestmark = [needs_coco_subset, pytest.mark.slow]
@@ -61,11 +61,11 @@ def labelled(weights, tmp_path_factory):
 
 # OpenVINO and NNCF run in the scripts' own processes, as a user runs them, never in the test process: loaded into a
 # pytest worker beside the in-process training runs of other files, they crashed a later run (SIGSEGV, the CI hung).
+# Each process is forked from the fork server (`helpers.forked_launch`: torch and detlib loaded once, not per script).
 def script(name: str, args: list) -> tuple[int, str]:
-    """`python scripts/<name>.py ARGS`: (exit code, stdout + stderr)."""
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, env=launch_env())
-    return proc.returncode, proc.stdout + proc.stderr
+    """`python scripts/<name>.py ARGS` in a process of its own: (exit code, stdout + stderr)."""
+    run = forked_launch(f"{name}.py", [str(a) for a in args], 1, timeout=600)
+    return run.codes[0], run.texts[0]
 
 
 def export(weights, out, labelled, *extra) -> tuple[int, str]:
