@@ -351,7 +351,9 @@ def test_a_bad_flag_on_2_processes_is_one_line(script, argv, expected):
     run = forked_launch(script, argv)  # nothing is written: the parse fails first
     assert run.codes == [2, 2], run.texts
     assert [ln for ln in run.texts[0].splitlines() if ": error: " in ln] == [expected], run.texts[0]
-    assert "usage:" in run.texts[0] and run.texts[1].strip() == "", run.texts[1]
+    assert "usage:" in run.texts[0], run.texts[0]
+    # nothing of ours from the second (torch's c10d may warn there when the first leaves the meet: noticed in the note)
+    assert "usage:" not in run.texts[1] and ": error: " not in run.texts[1] and "Traceback" not in run.texts[1], run.texts[1]
 
 
 HEAVY_MODULES = ("torch", "timm", "torchvision", "accelerate", "matplotlib")
