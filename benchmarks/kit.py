@@ -3,7 +3,7 @@
 `run.py` (CPU, fp32) and `gpu_throughput.py` (one GPU, fp32 / bf16 / fp16) time the same two calls, defined once here:
 
 * ours: `detlib.retinanet.model.RetinaNet` (R50-FPN, 80 classes, frozen BatchNorm folded) + `retinanet_loss` for
-  training; forward + `decode_detections` for inference;
+  training; forward + decoding through `detlib.evaluation.detect.decode_batch` for inference;
 * peer: torchvision's `retinanet_resnet50_fpn` carrying exactly our weights (`devtools/peers.py`, shared with
   tests/test_fast_paths.py, which checks it), which computes its own transform, anchors, matching, loss and decoding.
 
@@ -26,7 +26,7 @@ if REPO not in sys.path:  # a benchmark runs as `python benchmarks/<name>.py`: t
 from devtools.peers import COCO_IMAGES, COCO_TRAIN_JSON, torchvision_retinanet  # noqa: E402
 
 from detlib.retinanet.anchors import AnchorGenerator  # noqa: E402
-from detlib.retinanet.decode import decode_detections  # noqa: E402
+from detlib.evaluation.detect import decode_batch  # noqa: E402
 from detlib.retinanet.loss import retinanet_loss  # noqa: E402
 from detlib.retinanet.model import RetinaNet  # noqa: E402
 
@@ -131,6 +131,7 @@ class Kit:
         reps = -(-size // n)
         out = {k: base[k].repeat(reps, *[1] * (base[k].dim() - 1))[:size].to(self.device)
                for k in ("images", "boxes", "labels", "crowd_boxes", "image_sizes", "scales")}
+        out["image_ids"] = torch.arange(size)
         if self.channels_last:
             out["images"] = out["images"].contiguous(memory_format=torch.channels_last)
         return out
@@ -167,13 +168,13 @@ class Kit:
 
     @torch.inference_mode()
     def infer(self, batch: dict, dtype: torch.dtype | None = None) -> list[int]:
-        """Forward + decoding of `batch` (call with the model in eval mode); returns detections per image."""
-        with self._autocast(dtype):
-            if not self.ours:
+        """Forward + decoding of `batch` (call with the model in eval mode); returns detections per image. Ours runs
+        `decode_batch`, the one inference path of evaluation and predict (on a CPU it passes the images in
+        channels_last)."""
+        if not self.ours:
+            with self._autocast(dtype):
                 return [len(d["boxes"]) for d in self.model(batch["tv_images"])]
-            out = self.model(batch["images"])
-            anchors, per_level = self.anchor_gen(*batch["images"].shape[-2:], device=self.device)
-            dets = decode_detections(out["cls_logits"], out["box_deltas"], anchors, per_level, batch["image_sizes"],
-                                     batch["scales"], score_thresh=0.05, topk_per_level=1000, nms_thresh=0.5,
-                                     max_detections=DETECTIONS_PER_IMAGE)
-        return torch.bincount(dets.batch_idx, minlength=len(batch["images"])).tolist()
+        dets = decode_batch(self.model, self.anchor_gen, batch, score_thresh=0.05, nms_thresh=0.5,
+                            max_detections=DETECTIONS_PER_IMAGE,
+                            autocast=(lambda: self._autocast(dtype)))
+        return [len(d["boxes"]) for d in dets]

@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--fpn_channels divisible by 32) (default: none; gn on the built-in data; or the --init_from / "
                    "--evaluate_only model's)")
     g.add_argument("--sync_bn", action="store_true", help="SyncBatchNorm for trainable BN layers (multi-GPU)")
-    g.add_argument("--channels_last", action="store_true", help="channels_last memory format for the model")
+    g.add_argument("--channels_last", action="store_true", help="channels_last memory format for the model (for a GPU "
+                   "with bf16 / fp16; on a 2-core CPU it made the train step 1.1x slower: docs/benchmarks.md)")
 
     g = groups["optimization"]
     g.add_argument("--lr", type=float_range(0), help="peak learning rate; scale it with the batch (SGD's 0.01 is the "

@@ -252,7 +252,9 @@ def test_folded_frozen_bn_and_channels_last_match_the_plain_model():
     folded.load_state_dict(plain.state_dict())
     images = torch.randint(0, 256, (2, 3, 64, 96), dtype=torch.uint8)
     ref = plain(images)
-    variants = {"folded": folded, "folded_channels_last": copy.deepcopy(folded).to(memory_format=torch.channels_last)}
+    # decode_batch passes a CPU batch in channels_last to the NCHW model ("input_channels_last")
+    variants = {"folded": folded, "folded_channels_last": copy.deepcopy(folded).to(memory_format=torch.channels_last),
+                "folded_input_channels_last": folded}
     for name, model in variants.items():
         x = images.contiguous(memory_format=torch.channels_last) if "channels_last" in name else images
         out = model(x)
