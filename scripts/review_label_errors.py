@@ -21,13 +21,10 @@ copied). Exit 0 when written; 1 with one line naming the file or flag otherwise.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
 
 from detlib.engine import HelpFormatter, int_at_least
 
-logger = logging.getLogger("review_label_errors")
 # detlib.evaluation.annotation_formats.REVIEW_FORMATS, written out so that --help imports no torch
 REVIEW_FORMATS = ("labelstudio", "cvat", "fiftyone")
 
@@ -96,7 +93,6 @@ def main(argv=None) -> list[str]:
     from detlib.evaluation.label_errors import LABEL_ERRORS_FILE, load_label_errors
     from detlib.files import JsonFileError
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     path = os.path.join(args.run_dir, LABEL_ERRORS_FILE)
     try:
         errors = load_label_errors(path)
@@ -128,8 +124,8 @@ def main(argv=None) -> list[str]:
     reviewed = min(args.top, len(errors))
     tasks = len({e["image_id"] for e in sorted(errors, key=lambda e: e["rank"])[:args.top]})
     likely = sum(e["confidence"] >= 0.5 for e in sorted(errors, key=lambda e: e["rank"])[:args.top])
-    logger.info("wrote %s: %d tasks (images) for the top %d of the %d entries of %s (%d with confidence >= 0.5)",
-                ", ".join(written), tasks, reviewed, len(errors), path, likely)
+    print(f"wrote {', '.join(written)}: {tasks} tasks (images) for the top {reviewed} of the {len(errors)} entries of "
+          f"{path} ({likely} with confidence >= 0.5)")
     return written
 
 

@@ -17,7 +17,8 @@ One call per use: `write_prediction_files` (predict_retinanet.py --format) and `
                column: ultralytics' `save_conf=True` convention of its predict (`Results.save_txt`), which YOLO
                readers of labels do not take (ours drops such rows): for review, not for training.
   voc          one `Annotations/<name>.xml` per image (<size>, an <object><name><bndbox> per detection: xmin / ymin
-               1-based, the inverse of `detlib.data.voc`), and `ImageSets/Main/<split>.txt` listing them.
+               1-based, the inverse of `detlib.data.voc`), `ImageSets/Main/predicted.txt` listing them, and the
+               classes in `labelmap.txt` (CVAT's VOC export's).
   fiftyone     (review only; the library is optional) a FiftyOne dataset with the current boxes in `ground_truth`
                and the suggestions in `label_errors` (bounding_box [x, y, w, h] relative to the image), exported
                as FiftyOneDataset.
@@ -210,6 +211,10 @@ def write_prediction_files(fmt: str, output_dir: str, images: list[dict], result
                                        voc_xml(im, by_image.get(im["image_id"], []), names)))
         written.append(_write_text(os.path.join(folder, "ImageSets", "Main", "predicted.txt"),
                                    "".join(im["out_name"] + "\n" for im in images)))
+        # the class list of CVAT's VOC export (datumaro's labelmap.txt: name:color:parts:actions), so readers that
+        # assume VOC's 20 classes take ours
+        written.append(_write_text(os.path.join(folder, "labelmap.txt"), "# label:color_rgb:parts:actions\n"
+                                   + "".join(f"{names[c]}:::\n" for c in category_ids)))
     else:
         raise ValueError(f"unknown prediction format {fmt!r} (one of {', '.join(PREDICTION_FORMATS)})")
     return written
