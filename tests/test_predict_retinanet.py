@@ -168,7 +168,7 @@ def test_skipped_txt_lists_inputs_in_the_same_order_on_2_processes_as_on_1(tmp_p
     two = [({}, [0, 2, 4], {}, {0: video[0], 2: video[2]}), ({}, [1], {}, {1: video[1]})]
     texts = []
     for n, shards in ((1, one), (2, two)):
-        args = argparse.Namespace(output_dir=str(tmp_path / str(n)), score_thresh=0.5, no_images=True)
+        args = argparse.Namespace(output_dir=str(tmp_path / str(n)), score_thresh=0.5, no_images=True, format="coco")
         (tmp_path / str(n)).mkdir()
         predict.write_outputs(args, ds, shards, ["/src/notes.txt (unsupported file type .txt)"], {})
         texts.append((tmp_path / str(n) / "skipped.txt").read_text())
