@@ -29,6 +29,11 @@ A video (PyAV: pip install av), frame by frame, as the same frames saved as imag
 An exported model (scripts/export_retinanet.py: ONNX Runtime for .onnx, OpenVINO for .xml; FILE.json beside it):
     python scripts/predict_retinanet.py --weights outputs/r50_600/export/retinanet.int8.xml --source photos/ --output_dir out
 
+For a labelling tool (docs/predict_export.md, "Fixing labels with Label Studio / CVAT / FiftyOne"): Label Studio
+tasks with predictions, CVAT for images 1.1 XML, YOLO txt or Pascal VOC xml under OUT/<format>/, beside predictions.json:
+    python scripts/predict_retinanet.py --weights outputs/r50_600/best --source photos/ --output_dir out --format labelstudio \
+        --image_root_url "/data/local-files/?d=photos"
+
 Several processes (each takes its share of the batches; results merged, no image twice):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/predict_retinanet.py --weights ... --source ...
 
