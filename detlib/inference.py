@@ -170,16 +170,24 @@ def input_shapes(paths: list[str], exif_transpose: bool, image_size: int, max_si
     shapes = []
     for i, path in enumerate(paths):
         try:
-            with warnings.catch_warnings(), Image.open(path) as im:
-                warnings.simplefilter("ignore")  # EXIF chatter from PIL
-                w, h = im.size
-                if exif_transpose and im.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):
-                    w, h = h, w
+            w, h = image_size_as_shown(path, exif_transpose)
         except IMAGE_ERRORS:
             shapes.append(("unread", i))
             continue
         shapes.append(padded_input_shape(h, w, image_size, max_size, resize_mode))
     return shapes
+
+
+def image_size_as_shown(path: str, exif_transpose: bool) -> tuple[int, int]:
+    """(width, height) px of an image file from its header, turned by its EXIF orientation when `exif_transpose`
+    (orientations 5-8 swap them): the pixels predict's boxes refer to. Raises what PIL raises on a bad file
+    (`detlib.data.images.IMAGE_ERRORS`)."""
+    with warnings.catch_warnings(), Image.open(path) as im:
+        warnings.simplefilter("ignore")  # EXIF chatter from PIL
+        w, h = im.size
+        if exif_transpose and im.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):
+            w, h = h, w
+    return w, h
 
 
 def predict_videos(paths: list[str], predict: Callable[[int], tuple[list[dict], str | None]], rank: int,

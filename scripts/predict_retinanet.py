@@ -29,6 +29,11 @@ A video (PyAV: pip install av), frame by frame, as the same frames saved as imag
 An exported model (scripts/export_retinanet.py: ONNX Runtime for .onnx, OpenVINO for .xml; FILE.json beside it):
     python scripts/predict_retinanet.py --weights outputs/r50_600/export/retinanet.int8.xml --source photos/ --output_dir out
 
+For a labelling tool (docs/predict_export.md, "Fixing labels with Label Studio / CVAT / FiftyOne"): Label Studio
+tasks with predictions, CVAT for images 1.1 XML, YOLO txt or Pascal VOC xml under OUT/<format>/, beside predictions.json:
+    python scripts/predict_retinanet.py --weights outputs/r50_600/best --source photos/ --output_dir out --format labelstudio \
+        --image_root_url "/data/local-files/?d=photos"
+
 Several processes (each takes its share of the batches; results merged, no image twice):
     accelerate launch --config_file accelerate_configs/2gpu.yaml scripts/predict_retinanet.py --weights ... --source ...
 
@@ -61,7 +66,7 @@ from detlib.data.voc import read_class_names
 from detlib.datacheck import DataReport, check_coco
 from detlib.engine import float_range, int_at_least, stop
 from detlib.files import write_json
-from detlib.inference import (earlier_outputs, input_shapes, list_media_files, load_retinanet, output_names,
+from detlib.inference import (earlier_outputs, image_size_as_shown, input_shapes, list_media_files, load_retinanet, output_names,
                               prediction_parser, predict_videos, retinanet_input_size, run_prediction,
                               start_prediction, stop_if_signalled, write_skipped)
 from detlib.tiling import add_tile_flags, collate_images, tile_flag_error, tile_flag_notes, tile_settings, tiled_loader
@@ -69,6 +74,8 @@ from detlib.lazy import no_grad
 from detlib.weights import WeightsFileError, weights_path
 
 logger = logging.getLogger("predict_retinanet")
+# --format: detlib.evaluation.annotation_formats.PREDICTION_FORMATS, written out so that --help imports no torch
+PREDICTION_FORMATS = ("coco", "labelstudio", "cvat", "yolo", "voc")
 # OUT/<folder>/<name>: the files written per input (never read as inputs, see list_image_files)
 PER_INPUT_FOLDERS = ("images", "json", "videos")
 
@@ -108,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "--score_thresh best_f1 every detection kept)")
     g.add_argument("--no_images", action="store_true", help="do not write the drawn images")
     g.add_argument("--save_json_per_image", action="store_true", help="also OUT/json/<name>.json per image")
+    g.add_argument("--format", choices=PREDICTION_FORMATS, default="coco", help="also write the detections of the "
+                   "images for a labelling tool, under OUT/<format>/: Label Studio tasks with predictions (tasks.json, "
+                   "label_config.xml), CVAT for images 1.1 (annotations.xml), YOLO (labels/<name>.txt, classes.txt) "
+                   "or Pascal VOC (Annotations/<name>.xml) (default: coco, predictions.json alone)")
+    g.add_argument("--image_root_url", help="--format labelstudio: the URL the tasks name each image by, followed by "
+                   "its path below the source (e.g. /data/local-files/?d=photos or https://host/bucket) (default: "
+                   "none, the path alone)")
+    g.add_argument("--save_conf", action="store_true", help="--format yolo: the score as a 6th column (ultralytics' "
+                   "save_conf; YOLO label readers do not take it)")
     return p
 
 
@@ -213,6 +229,15 @@ def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, s
                + [failed_videos[v] for v in sorted(failed_videos)])
     results = [r for k in sorted(merged) for r in merged[k]] + [r for k in sorted(videos) for r in videos[k]]
     write_json(results, os.path.join(args.output_dir, "predictions.json"))
+    if args.format != "coco":  # the images' detections for a labelling tool, beside predictions.json
+        from detlib.evaluation.annotation_formats import write_prediction_files
+
+        tool_files = write_prediction_files(args.format, args.output_dir, tool_images(ds, sorted(merged)),
+                                            [r for k in sorted(merged) for r in merged[k]], list(names), names,
+                                            image_root_url=args.image_root_url, model_version=args.weights,
+                                            save_conf=args.save_conf)
+        logger.info("wrote %d %s file(s) in %s%s", len(tool_files), args.format, os.path.join(args.output_dir,
+                    args.format), f" (the {len(videos)} videos' frames are in predictions.json only)" if videos else "")
     write_skipped(args.output_dir, skipped)
     per_class = Counter(names.get(r["category_id"], r["category_id"]) for r in results)
     frames = len({(r["file_name"], r["frame"]) for k in videos for r in videos[k]})
@@ -226,6 +251,21 @@ def write_outputs(args, ds, shards: list, skipped: list[str], names: dict[int, s
                 args.score_thresh if args.score_thresh == "best_f1" else f"{args.score_thresh:g}",
                 ", ".join(f"{k} {v}" for k, v in per_class.most_common()) or "none")
     return results
+
+
+def tool_images(ds, indices: list[int]) -> list[dict]:
+    """The predicted images as `write_prediction_files` takes them: image id, path below the source, output stem,
+    and size in pixels as predicted (a labelled source's as evaluated, an image file's header as shown)."""
+    from detlib.data import CocoDetection
+
+    rel_names, out_names, coco_ids, exif_applied = ds.inputs
+    out = []
+    for k in indices:
+        h, w = ds.records[k]["size"] if isinstance(ds, CocoDetection) else image_size_as_shown(ds.paths[k],
+                                                                                               exif_applied)[::-1]
+        out.append({"image_id": k if coco_ids is None else coco_ids[k], "file_name": rel_names[k],
+                    "out_name": out_names[k], "width": w, "height": h})
+    return out
 
 
 def ignored_flags(args, coco_source: bool) -> list[str]:
@@ -411,6 +451,7 @@ def predict(args):
     # one per input: a.jpg, a.png, a.jpeg and a.mp4 never write over each other
     all_names = output_names(rel_names + [name for _, name in ds.videos])
     out_names, video_out_names = all_names[:len(rel_names)], all_names[len(rel_names):]
+    ds.inputs = (rel_names, out_names, coco_ids, exif_applied)  # what --format's files name each image by
     if accelerator.is_main_process and not (args.no_images and not args.save_json_per_image):
         renamed = [(n, o) for n, o in zip(rel_names + [name for _, name in ds.videos], all_names)
                    if o != os.path.splitext(n)[0]]

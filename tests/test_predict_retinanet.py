@@ -69,7 +69,7 @@ def test_nothing_skipped_leaves_no_skipped_txt_and_the_last_line_names_predictio
     (tmp_path / "skipped.txt").write_text("/src/old.jpg (unreadable)\n")  # an earlier prediction's
     ds = argparse.Namespace(paths=["/src/a.jpg"])
     shards = [({0: [{"image_id": 0, "category_id": 1, "bbox": [1, 1, 2, 2], "score": 0.9}]}, [], {}, {})]
-    args = argparse.Namespace(output_dir=str(tmp_path), score_thresh=0.5, no_images=False, draw_thresh=0.3)
+    args = argparse.Namespace(output_dir=str(tmp_path), score_thresh=0.5, no_images=False, draw_thresh=0.3, format="coco")
     with caplog.at_level(logging.INFO):
         predict.write_outputs(args, ds, shards, [], {1: "circle"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["predictions.json"]
@@ -168,7 +168,7 @@ def test_skipped_txt_lists_inputs_in_the_same_order_on_2_processes_as_on_1(tmp_p
     two = [({}, [0, 2, 4], {}, {0: video[0], 2: video[2]}), ({}, [1], {}, {1: video[1]})]
     texts = []
     for n, shards in ((1, one), (2, two)):
-        args = argparse.Namespace(output_dir=str(tmp_path / str(n)), score_thresh=0.5, no_images=True)
+        args = argparse.Namespace(output_dir=str(tmp_path / str(n)), score_thresh=0.5, no_images=True, format="coco")
         (tmp_path / str(n)).mkdir()
         predict.write_outputs(args, ds, shards, ["/src/notes.txt (unsupported file type .txt)"], {})
         texts.append((tmp_path / str(n) / "skipped.txt").read_text())

@@ -128,6 +128,10 @@ def _yolo_image_entries(cfg: dict, yaml_path: str, key: str) -> list[str]:
     out = []
     for e in entries:
         p = str(e) if os.path.isabs(str(e)) else os.path.join(base, str(e))
+        if not os.path.exists(p) and str(e).startswith("../") and os.path.exists(os.path.join(base, str(e)[3:])):
+            # Roboflow's data.yaml says `train: ../train/images` beside train/: ultralytics' check_det_dataset
+            # reads it without the ../ when the path with it is not there
+            p = os.path.join(base, str(e)[3:])
         if not os.path.exists(p):
             raise FileNotFoundError(f"{yaml_path}: `{key}: {e}` not found ({p})")
         out.append(os.path.abspath(p))

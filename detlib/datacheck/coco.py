@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..files import JsonFileError, read_json
 from .coco_annotations import check_annotations, check_categories
 from .coco_images import check_image_files, check_image_list
+from .labelstudio import is_labelstudio_export, labelstudio_to_coco
 from .report import DEFAULT_MAX_IMAGE_PIXELS, DataReport, check_balance
 
 # COCOeval's largest maxDets (pycocotools Params.setDetParams: 1, 10, 100): the detections it ranks per image and class.
@@ -132,6 +133,8 @@ def _coco_dict(annotations: str | dict, report: DataReport, split: str) -> dict 
             return None
     else:
         data = annotations
+    if is_labelstudio_export(data):  # Label Studio's JSON / JSON-min export: its tasks as a COCO dict
+        data = labelstudio_to_coco(data, report, split, annotations if isinstance(annotations, str) else "<list>")
     if not isinstance(data, dict):
         report.add("error", "structure", split, f"the json holds a {type(data).__name__}, not an object with images, "
                    "annotations and categories", count=1)

@@ -33,6 +33,9 @@ ANNOTATION_FINDINGS = {
     "area_set": ("repair", "boxes", "area missing or not a positive number: computed from the segmentation (or "
                  "the box)"),
     "crowd_set": ("repair", "boxes", "iscrowd not 0 / 1: taken as 0 unless it is a true value"),
+    "mask_crowd": ("repair", "boxes", "iscrowd 1 on most annotations, each an RLE mask with its box: a tool's export "
+                   "of masks (CVAT's COCO export, through datumaro, writes every mask as RLE with iscrowd 1), not crowd "
+                   "regions: read as objects, iscrowd 0"),
     "ignore": ("repair", "boxes", "annotations with a true `ignore` field (CityPersons / CrowdHuman style): read as "
                "ignore regions, iscrowd 1 (never trained on as objects nor counted as misses in evaluation)"),
 }
@@ -130,6 +133,12 @@ def check_annotations(raw: list, images: dict[int, dict], by_int: dict[int, int]
     for pos in renumber:
         check.found["renumbered"].append(out[pos].get("id"))
         out[pos] = {**out[pos], "id": next(new_ids)}
+    masks = [k for k, a in enumerate(out) if a["iscrowd"] == 1 and isinstance(a.get("segmentation"), dict)
+             and not _true(a.get("ignore") or 0)]
+    if len(masks) * 2 > len(out):  # crowd regions are a few (COCO: 1 %); a mask tool's export marks every mask so
+        for k in masks:
+            check.found["mask_crowd"].append(out[k]["id"])
+            out[k] = {**out[k], "iscrowd": 0}
     dropped = sum(len(check.found[key]) for key in DROPPING_FINDINGS) + check.with_image_left_out
     check.found.add_to(report, split, why=", ".join(f"{n} {k}" for k, n in id_faults.items()))
     return out, dropped

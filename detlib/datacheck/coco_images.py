@@ -6,6 +6,8 @@ limit, of the json's size up to a resize once turned by the EXIF rule of `detlib
 from __future__ import annotations
 
 import os
+import re
+import urllib.parse
 from collections import defaultdict
 
 from .coco_fields import ids_after, int_id, positive_size
@@ -30,6 +32,9 @@ IMAGE_LIST_FINDINGS = {
 }
 
 IMAGE_FILE_FINDINGS = {
+    "tool_name": ("repair", "images", "file names as a labelling tool writes them (Label Studio's "
+                  "/data/upload/<project>/<hash>-<name>, /data/local-files/?d=<path>, a URL): matched to the file of "
+                  "that name in the image folder"),
     "missing": ("repair", "images", "image files missing or empty: left out with their annotations"),
     "unreadable": ("repair", "images", "image files that cannot be read as images: left out with their annotations"),
     "too_big": ("error", "images", "images larger than the pixel limit {limit} (PIL's decompression-bomb guard); "
@@ -156,6 +161,29 @@ def _merge_files_under_two_ids(out: list[dict], by_int: dict, by_str: dict, foun
     return out
 
 
+# Label Studio stores an uploaded file as /data/upload/<project>/<8 hex digits>-<its name> (and its COCO export as
+# images/<8 hex digits>-<its name>).
+LABELSTUDIO_UPLOAD = re.compile(r"^[0-9a-f]{8}-(.+)$")
+
+
+def tool_file_name(image_dir: str, file_name: str) -> str | None:
+    """The file in `image_dir` that a labelling tool's image reference names, when `file_name` itself is not there:
+    the path of Label Studio's `/data/local-files/?d=<path>` or of a URL, relative to `image_dir`; else its last
+    part; else that part without Label Studio's upload prefix (`5d8e1c2a-photo.jpg` -> `photo.jpg`). Returns the
+    first of these that is a file (relative to `image_dir`), None when none is."""
+    ref = file_name.replace("\\", "/")
+    if "?d=" in ref:
+        ref = urllib.parse.unquote(ref.split("?d=", 1)[1])
+    elif "://" in ref:
+        ref = urllib.parse.unquote(urllib.parse.urlparse(ref).path)
+    base = ref.rsplit("/", 1)[-1]
+    upload = LABELSTUDIO_UPLOAD.match(base)
+    for name in [ref.lstrip("/"), base] + ([upload.group(1)] if upload else []):
+        if name and os.path.isfile(os.path.join(image_dir, name)):
+            return name
+    return None
+
+
 def check_image_files(images: list[dict], image_dir: str, max_image_pixels: int | None, num_workers: int | None,
                       progress: bool, cache_file: str | None, report: DataReport, split: str
                       ) -> tuple[list[dict], set[int]]:
@@ -170,6 +198,11 @@ def check_image_files(images: list[dict], image_dir: str, max_image_pixels: int 
     heads = read_image_headers([os.path.join(image_dir, im["file_name"]) for im in images], num_workers,
                                progress, cache_file)
     found = Findings(IMAGE_FILE_FINDINGS)
+    for k, im in enumerate(images):  # a labelling tool's reference to a file that is here under its own name
+        if heads[k][0] == "missing" and (name := tool_file_name(image_dir, im["file_name"])) is not None:
+            found["tool_name"].append(f"{im['file_name']} -> {name}")
+            im["file_name"] = name
+            heads[k] = read_image_headers([os.path.join(image_dir, name)], 0, False, cache_file)[0]
     out, left_out, turned = [], set(), {}
     for im, (status, fw, fh, orientation) in zip(images, heads):
         fn = im["file_name"]
