@@ -27,12 +27,13 @@ from detlib.engine.flags import HelpFormatter  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("--mode", choices=["train", "inference"], default="train")
-    p.add_argument("--image_size", type=int, default=512)
-    p.add_argument("--batch_size", type=int, default=2)
+    p.add_argument("--mode", choices=["train", "inference"], default="train",
+                   help="the train step (forward, loss, backward, SGD step) or inference with decoding")
+    p.add_argument("--image_size", type=int, default=512, help="square input size in px")
+    p.add_argument("--batch_size", type=int, default=2, help="real COCO images per step")
     p.add_argument("--steps", type=int, default=3, help="profiled steps of each kit (after one warm-up step)")
     p.add_argument("--rows", type=int, default=25, help="operators shown")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     p.add_argument("--channels_last", choices=["none", "ours", "peer", "both"], default="none",
                    help="which kit runs in channels_last (default none: both as the scripts run them, NCHW)")
     return p

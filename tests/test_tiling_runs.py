@@ -178,7 +178,7 @@ def by_hand_at_native_scale(weights, image_path, tile: int, overlap: float, max_
         for start in range(0, len(windows), 8):
             part = windows[start:start + 8]
             crops = torch.stack([image[:, y0:y1, x0:x1] for x0, y0, x1, y1 in part])
-            out = model(crops)
+            out = model(crops.contiguous(memory_format=torch.channels_last))  # as decode_batch passes a CPU batch
             a, counts = anchors(*crops.shape[-2:])
             n = len(part)
             for k, d in enumerate(decode_detections(out["cls_logits"], out["box_deltas"], a, counts,
@@ -243,7 +243,7 @@ def test_a_model_trained_on_tiles_gets_its_windows_at_native_scale(tmp_path):
 
 def test_an_image_that_is_one_tile_gives_its_untiled_detections(tmp_path):
     """G05: a 128 px image predicted whole and with --tile 128 (one window, the image, resized as the whole image is
-    to the model's 64 px): the same 109 detections (what the decoder's NMS keeps at --score_thresh 0), none merged
+    to the model's 64 px): the same 114 detections (what the decoder's NMS keeps at --score_thresh 0), none merged
     away (the merge only merges boxes of different windows)."""
     weights = write_tiny_detector(tmp_path)
     source = tmp_path / "src"
@@ -255,4 +255,4 @@ def test_an_image_that_is_one_tile_gives_its_untiled_detections(tmp_path):
                                      "--detections_per_image", "300", "--num_workers", "0", "--no_images",
                                      "--output_dir", tmp_path / name, *extra])
         found[name] = json.loads((tmp_path / name / "predictions.json").read_text())
-    assert len(found["whole"]) == 109 and found["tiled"] == found["whole"]
+    assert len(found["whole"]) == 114 and found["tiled"] == found["whole"]
