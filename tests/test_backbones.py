@@ -4,6 +4,7 @@ few real families."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -39,9 +40,16 @@ NOT_THE_FINER_FEATURES = {
 }
 
 
-def meta_features(name: str) -> torch.nn.Module:
+@functools.lru_cache(maxsize=None)
+def _built_on_meta(name: str) -> torch.nn.Module:
     with torch.device("meta"):
         return timm.create_model(name, features_only=True)
+
+
+def meta_features(name: str) -> torch.nn.Module:
+    """A fresh copy of timm's `features_only` model on the meta device: each family's model is built once (the
+    registry test builds them all; a copy costs a third of a build) and each caller may change its copy."""
+    return copy.deepcopy(_built_on_meta(name))
 
 
 def finer_feature_parameters(name: str) -> set[str]:
