@@ -117,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save_json_per_image", action="store_true", help="also OUT/json/<name>.json per image")
     g.add_argument("--format", choices=PREDICTION_FORMATS, default="coco", help="also write the detections of the "
                    "images for a labelling tool, under OUT/<format>/: Label Studio tasks with predictions (tasks.json, "
-                   "label_config.xml), CVAT for images 1.1 (annotations.xml), YOLO (labels/<name>.txt, classes.txt) "
-                   "or Pascal VOC (Annotations/<name>.xml) (default: coco, predictions.json alone)")
+                   "label_config.xml), CVAT for images 1.1 (annotations.xml), YOLO (labels/<name>.txt, classes.txt, "
+                   "data.yaml) or Pascal VOC (Annotations/<name>.xml) (default: coco, predictions.json alone)")
     g.add_argument("--image_root_url", help="--format labelstudio: the URL the tasks name each image by, followed by "
                    "its path below the source (e.g. /data/local-files/?d=photos or https://host/bucket) (default: "
                    "none, the path alone)")

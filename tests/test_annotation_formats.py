@@ -1,13 +1,15 @@
 """The detections and the label-error review tasks written for labelling tools (detlib/evaluation/annotation_formats.py,
 predict_retinanet.py --format, review_label_errors.py), each read back by the tool's own reader: Label Studio's
-tasks by label-studio-converter (its COCO conversion), CVAT for images 1.1 and YOLO by datumaro, Pascal VOC by
-torchvision's VOCDetection parser and datumaro, YOLO and VOC by detlib's own readers too. Hand-made detections (no
-model): boxes with fractions, non-contiguous category ids, images of two sizes, one image without detections.
+tasks by label-studio-converter (its COCO conversion), YOLO and Pascal VOC by Roboflow's supervision
+(`DetectionDataset.from_yolo` / `from_pascal_voc`), Pascal VOC by torchvision's VOCDetection parser too, CVAT for
+images 1.1, YOLO and VOC by datumaro where it is installed, YOLO and VOC by detlib's own readers. Hand-made
+detections (no model): boxes with fractions, non-contiguous category ids, images of two sizes, one image without
+detections.
 
-label-studio-converter (about 110 MB with pandas and nltk) and datumaro (about 420 MB: pyarrow, opencv, pandas; it
-pins pillow < 13) are not in requirements-dev.txt: their tests skip without them. Install both in a separate venv
-(`python -m venv --system-site-packages v && v/bin/pip install label-studio-converter datumaro`) and run this file
-with v/bin/python. The fiftyone test skips without fiftyone.
+label-studio-converter (about 110 MB with pandas and nltk) and supervision (about 3 MB with pyDeprecate) are in
+requirements-dev.txt. datumaro (about 420 MB: pyarrow, opencv, pandas; it pins pillow < 13) is not: its tests skip
+without it. Install it in a separate venv (`python -m venv --system-site-packages v && v/bin/pip install datumaro`)
+and run this file with v/bin/python. The fiftyone test skips without fiftyone.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import write_image
 from helpers import load_script, run_main
@@ -161,9 +164,11 @@ def test_cvat_xml_read_by_datumaro_equals_our_detections(tmp_path, images):
     assert sorted(scores) == sorted(r["score"] for r in DETECTIONS)
 
 
-def test_yolo_rows_classes_file_and_save_conf(tmp_path, images):
+def test_yolo_rows_classes_file_data_yaml_and_save_conf(tmp_path, images):
     folder = write("yolo", tmp_path, images, save_conf=True)
     assert (folder / "classes.txt").read_text() == "cat\ndog\ntraffic light\n"
+    assert yaml.safe_load((folder / "data.yaml").read_text()) == {"nc": 3, "names": {0: "cat", 1: "dog",
+                                                                                      2: "traffic light"}}
     rows = (folder / "labels" / "a.txt").read_text().splitlines()
     # cat at x 10.25..50.375, y 5.5..36.25 of 200 x 100: centre (30.3125, 20.875), size (40.125, 30.75)
     assert rows[0] == "0 0.151562 0.208750 0.200625 0.307500 0.910000"
@@ -171,7 +176,8 @@ def test_yolo_rows_classes_file_and_save_conf(tmp_path, images):
 
 
 def yolo_set(tmp_path: Path, folder: Path, images: list[dict]) -> Path:
-    """Our labels/ and classes.txt with the images in ultralytics' layout (images/val/, labels/val/, data.yaml)."""
+    """Our labels/, classes.txt and data.yaml with the images in ultralytics' layout (images/val/, labels/val/, our
+    data.yaml with `val: images/val` added)."""
     root = tmp_path / "yolo_set"
     for im in images:
         (root / "images" / "val").mkdir(parents=True, exist_ok=True)
@@ -180,7 +186,7 @@ def yolo_set(tmp_path: Path, folder: Path, images: list[dict]) -> Path:
         (root / "labels" / "val" / (im["out_name"] + ".txt")).write_text((folder / "labels" / (im["out_name"] + ".txt")).read_text())
     names = (folder / "classes.txt").read_text().splitlines()
     (root / "obj.names").write_text("\n".join(names) + "\n")
-    (root / "data.yaml").write_text(json.dumps({"names": names, "val": "images/val"}))
+    (root / "data.yaml").write_text((folder / "data.yaml").read_text() + "val: images/val\n")
     return root
 
 
@@ -206,6 +212,35 @@ def test_yolo_files_read_by_datumaro_equal_our_detections(tmp_path, images):
     for item in dataset:
         read[item.id + ".jpg"] = [(labels[a.label].name, a.x, a.y, a.x + a.w, a.y + a.h) for a in item.annotations]
     assert_same(read, ours(images), tol=0.01)  # 6 decimals of the normalised values, read in float32
+
+
+@pytest.mark.parametrize("save_conf", [False, True])
+def test_yolo_files_read_by_supervision_equal_our_detections(tmp_path, images, save_conf):
+    """Roboflow's supervision (`DetectionDataset.from_yolo`: an image folder, the label folder, data.yaml's `names`)
+    on our folder as written, the images where they are; the score column of `save_conf` it leaves out."""
+    sv = pytest.importorskip("supervision")
+    folder = write("yolo", tmp_path, images, save_conf=save_conf)
+    dataset = sv.DetectionDataset.from_yolo(images_directory_path=str(tmp_path / "photos"),
+                                            annotations_directory_path=str(folder / "labels"),
+                                            data_yaml_path=str(folder / "data.yaml"))
+    assert dataset.classes == list(NAMES.values())
+    read = {Path(p).name: [(dataset.classes[c], *map(float, xyxy)) for xyxy, c in zip(d.xyxy, d.class_id)]
+            for p, d in dataset.annotations.items()}
+    assert_same(read, ours(images), tol=0.01)  # 6 decimals of the normalised values, read in float32
+
+
+def test_voc_xml_read_by_supervision_equals_our_detections(tmp_path, images):
+    """Roboflow's supervision (`DetectionDataset.from_pascal_voc`: an image folder, the Annotations folder; the
+    classes as the xml names them) on our folder as written, the images where they are. It reads xmin / ymin as
+    VOC's 1-based pixel indices, as we write them: our boxes back."""
+    sv = pytest.importorskip("supervision")
+    folder = write("voc", tmp_path, images)
+    dataset = sv.DetectionDataset.from_pascal_voc(images_directory_path=str(tmp_path / "photos"),
+                                                  annotations_directory_path=str(folder / "Annotations"))
+    assert sorted(dataset.classes) == sorted(NAMES.values())
+    read = {Path(p).name: [(dataset.classes[c], *map(float, xyxy)) for xyxy, c in zip(d.xyxy, d.class_id)]
+            for p, d in dataset.annotations.items()}
+    assert_same(read, ours(images), tol=0.01)  # written to 2 decimals
 
 
 def test_voc_xml_read_by_torchvision_and_by_our_reader_equal_our_detections(tmp_path, images):

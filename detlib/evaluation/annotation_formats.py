@@ -13,9 +13,12 @@ One call per use: `write_prediction_files` (predict_retinanet.py --format) and `
   cvat         CVAT for images 1.1: one annotations.xml, an <image id name width height> per image with a
                <box label xtl ytl xbr ybr> (pixels) per detection and its score as an <attribute name="score">.
   yolo         one `labels/<name>.txt` per image, a row `class cx cy w h` (normalised to 0..1; class = the model's
-               label 0..K-1, its name on line class + 1 of `classes.txt`), and with `save_conf` the score as a 6th
-               column: ultralytics' `save_conf=True` convention of its predict (`Results.save_txt`), which YOLO
-               readers of labels do not take (ours drops such rows): for review, not for training.
+               label 0..K-1, its name on line class + 1 of `classes.txt`, darknet's / CVAT's YOLO 1.1 class list,
+               and in `data.yaml`'s `names`, ultralytics' and Roboflow's, which supervision's `from_yolo` needs; no
+               `train:` / `val:` there: the images are not in the folder), and with `save_conf` the score as a 6th
+               column: ultralytics' `save_conf=True` convention of its predict (`Results.save_txt`), which
+               ultralytics' label reader refuses and ours drops (supervision reads the box, the score left out):
+               for review, not for training.
   voc          one `Annotations/<name>.xml` per image (<size>, an <object><name><bndbox> per detection: xmin / ymin
                1-based, the inverse of `detlib.data.voc`), `ImageSets/Main/predicted.txt` listing them, and the
                classes in `labelmap.txt` (CVAT's VOC export's).
@@ -154,6 +157,17 @@ def yolo_rows(dets: list[dict], width: int, height: int, label_of: dict[int, int
     return "".join(line + "\n" for line in lines)
 
 
+def yolo_data_yaml(class_names: list[str]) -> str:
+    """The `data.yaml` of a YOLO labels folder: `nc` and `names` {label: name} (ultralytics' form, which its
+    trainer, Roboflow's import and supervision's `DetectionDataset.from_yolo` read), without `train:` / `val:` (the
+    images are elsewhere: a comment says to add them)."""
+    import yaml
+
+    return ("# the classes of labels/*.txt; to train on them add `path:` and `train:` / `val:` naming the images\n"
+            + yaml.safe_dump({"nc": len(class_names), "names": dict(enumerate(class_names))}, sort_keys=False,
+                             allow_unicode=True))
+
+
 def voc_xml(im: dict, dets: list[dict], names: dict[int, str]) -> str:
     """The Pascal VOC xml of one image: <size> and an <object> per detection with <bndbox> xmin = x + 1,
     ymin = y + 1, xmax = x + w, ymax = y + h (VOC's 1-based inclusive pixel indices: `detlib.data.voc` reads it back
@@ -205,6 +219,7 @@ def write_prediction_files(fmt: str, output_dir: str, images: list[dict], result
                                        yolo_rows(by_image.get(im["image_id"], []), im["width"], im["height"],
                                                  label_of, save_conf)))
         written.append(_write_text(os.path.join(folder, "classes.txt"), "".join(names[c] + "\n" for c in category_ids)))
+        written.append(_write_text(os.path.join(folder, "data.yaml"), yolo_data_yaml([names[c] for c in category_ids])))
     elif fmt == "voc":
         for im in images:
             written.append(_write_text(os.path.join(folder, "Annotations", im["out_name"] + ".xml"),
