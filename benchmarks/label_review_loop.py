@@ -162,15 +162,22 @@ def run_figures(run_dir: str, clean: dict, errors_left: dict[int, str], env: dic
             "AP_clean": on_clean["AP"], "AP50_clean": on_clean["AP50"]}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    from detlib.engine.flags import HelpFormatter  # the raw description, and each flag's default shown
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", default="outputs/label_review_loop", help="the work folder (must not exist)")
     p.add_argument("--planted", type=int, default=18, help="label errors planted in the val json")
     p.add_argument("--top", type=int, default=50, help="review_label_errors.py --top (the docs' command)")
     p.add_argument("--seed", type=int, default=0, help="damage's seed")
     p.add_argument("--quick", action="store_true", help="2 epochs a run instead of 6: checks the loop, not its figures")
-    p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results_label_review_loop.json"))
-    args = p.parse_args()
+    p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results_label_review_loop.json"),
+                   help="the figures' JSON")
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
     out = os.path.abspath(args.out)
     if os.path.exists(out):
         sys.exit(f"{out} exists: the loop starts from a fresh folder (remove it or give another --out)")
