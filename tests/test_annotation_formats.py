@@ -103,7 +103,7 @@ def test_labelstudio_tasks_hold_percent_boxes_sizes_scores_and_the_image_url(tmp
 def test_labelstudio_tasks_read_by_label_studio_converter_equal_our_detections(tmp_path, images):
     """Label Studio's converter (label-studio-converter's Converter.convert_to_coco, what its COCO export runs) on
     our tasks, their predictions accepted as annotations (what Label Studio makes of an accepted prediction)."""
-    converter = pytest.importorskip("label_studio_converter")
+    import label_studio_converter as converter  # requirements-dev.txt: a failed install fails here, never skips
     folder = write("labelstudio", tmp_path, images, image_root_url=str(tmp_path / "photos"))
     tasks = json.loads((folder / "tasks.json").read_text())
     accepted = [{"id": k + 1, "data": t["data"], "annotations": [{"id": k + 1, "result": t["predictions"][0]["result"]}]}
@@ -218,7 +218,7 @@ def test_yolo_files_read_by_datumaro_equal_our_detections(tmp_path, images):
 def test_yolo_files_read_by_supervision_equal_our_detections(tmp_path, images, save_conf):
     """Roboflow's supervision (`DetectionDataset.from_yolo`: an image folder, the label folder, data.yaml's `names`)
     on our folder as written, the images where they are; the score column of `save_conf` it leaves out."""
-    sv = pytest.importorskip("supervision")
+    import supervision as sv  # requirements-dev.txt: a failed install fails here, never skips
     folder = write("yolo", tmp_path, images, save_conf=save_conf)
     dataset = sv.DetectionDataset.from_yolo(images_directory_path=str(tmp_path / "photos"),
                                             annotations_directory_path=str(folder / "labels"),
@@ -233,7 +233,7 @@ def test_voc_xml_read_by_supervision_equals_our_detections(tmp_path, images):
     """Roboflow's supervision (`DetectionDataset.from_pascal_voc`: an image folder, the Annotations folder; the
     classes as the xml names them) on our folder as written, the images where they are. It reads xmin / ymin as
     VOC's 1-based pixel indices, as we write them: our boxes back."""
-    sv = pytest.importorskip("supervision")
+    import supervision as sv  # requirements-dev.txt: a failed install fails here, never skips
     folder = write("voc", tmp_path, images)
     dataset = sv.DetectionDataset.from_pascal_voc(images_directory_path=str(tmp_path / "photos"),
                                                   annotations_directory_path=str(folder / "Annotations"))
